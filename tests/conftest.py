@@ -1,0 +1,43 @@
+"""Shared fixtures. The golden set lives outside the repository (see ../shared/golden/README.md)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# The golden outputs were computed with 2 CPU threads; thread count barely matters, but keep it fixed.
+torch.set_num_threads(2)
+
+
+def golden_dir() -> Path:
+    return Path(os.environ.get("COSYVOICE_GOLDEN_DIR", REPO_ROOT.parent / "shared" / "golden" / "tiny"))
+
+
+@pytest.fixture(scope="session")
+def golden_path() -> Path:
+    path = golden_dir()
+    if not (path / "golden.npz").exists():
+        pytest.skip(f"golden set not found at {path} (set COSYVOICE_GOLDEN_DIR)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def golden(golden_path: Path) -> dict[str, np.ndarray]:
+    with np.load(golden_path / "golden.npz") as data:
+        return {key: data[key] for key in data.files}
+
+
+@pytest.fixture(scope="session")
+def golden_meta(golden_path: Path) -> dict:
+    return json.loads((golden_path / "golden.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def golden_model_dir(golden_path: Path) -> Path:
+    return golden_path / "model"
