@@ -1,0 +1,100 @@
+"""`cosyvoice-triton`: export random model folders, synthesize, serve."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from .errors import CosyVoiceError
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="write a model folder with random weights in the released layout")
+    p.add_argument("--size", choices=["tiny", "full"], default="tiny")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-backbone-weights", action="store_true",
+                   help="skip CosyVoice-BlankEN/model.safetensors (not needed by this stack; 1 GB at full size)")
+    p.set_defaults(func=_run_export)
+
+
+def _run_export(args) -> int:
+    from .export.random_model import write_random_model
+
+    write_random_model(args.out, size=args.size, seed=args.seed, backbone_weights=not args.no_backbone_weights)
+    print(f"wrote {args.size} model folder to {args.out}")
+    return 0
+
+
+def _add_synth(sub) -> None:
+    p = sub.add_parser("synth", help="synthesize one text to a 24 kHz wav file")
+    p.add_argument("--model-dir", required=True, help="model folder, or a hub model id")
+    p.add_argument("--prompt-wav", required=True, type=Path, help="voice prompt audio (wav, flac, ogg)")
+    p.add_argument("--prompt-text", default="", help="transcript of the prompt audio (zero_shot mode)")
+    p.add_argument("--text", required=True, help="text to speak")
+    p.add_argument("--mode", default="zero_shot", choices=["zero_shot", "cross_lingual", "instruct2"])
+    p.add_argument("--instruct", default="", help="style instruction (instruct2 mode)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stream", action="store_true", help="stream: write chunks as they come, print their times")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", required=True, type=Path)
+    p.set_defaults(func=_run_synth)
+
+
+def _run_synth(args) -> int:
+    import numpy as np
+    import soundfile as sf
+
+    from .frontend.audio import decode_audio
+    from .model_hub import resolve_model_dir
+    from .runtime.synthesizer import CosyVoice2, SynthesisRequest
+
+    t0 = time.perf_counter()
+    tts = CosyVoice2.from_model_dir(resolve_model_dir(args.model_dir), device=args.device)
+    samples, rate = decode_audio(args.prompt_wav.read_bytes(), field="prompt_wav")
+    voice = tts.encode_voice(samples, rate, args.prompt_text)
+    print(f"loaded model and voice in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+
+    request = SynthesisRequest(text=args.text, voice=voice, mode=args.mode, instruct_text=args.instruct,
+                               seed=args.seed)
+    start = time.perf_counter()
+    total = 0
+    with sf.SoundFile(args.out, "w", samplerate=tts.sample_rate, channels=1, subtype="FLOAT") as out:
+        for i, chunk in enumerate(tts.synthesize(request, stream=args.stream)):
+            out.write(np.asarray(chunk, dtype=np.float32).reshape(-1))
+            out.flush()
+            total += chunk.size
+            if args.stream:
+                print(f"chunk {i}: {chunk.size / tts.sample_rate:.2f} s of audio at "
+                      f"{(time.perf_counter() - start) * 1000:.0f} ms", file=sys.stderr)
+    elapsed = time.perf_counter() - start
+    seconds = total / tts.sample_rate
+    print(f"wrote {args.out}: {seconds:.2f} s of audio in {elapsed:.2f} s (RTF {elapsed / max(seconds, 1e-9):.3f})",
+          file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cosyvoice-triton", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_export(sub)
+    _add_synth(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except CosyVoiceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

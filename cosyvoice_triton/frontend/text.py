@@ -1,0 +1,248 @@
+"""Text normalization and sentence splitting, with the semantics of the official CosyVoice2 frontend.
+
+Pipeline for one request text (`TextFrontend.split`, after `validate_text`):
+  1. Text containing `<|` and `|>` (SSML-like markup) is passed through untouched, as one piece.
+  2. Chinese text (any CJK ideograph): wetext normalization (`lang="zh"`, erhua kept), then the
+     clean-ups: newlines dropped, blanks between non-ASCII characters removed, `²`/`³` spelled,
+     `.` → `。`, ` - ` → `，`, brackets and back-ticks removed, `——` → space, a trailing run of
+     commas → `。`.
+  3. Other text: wetext normalization (`lang="en"`), then every remaining run of digits is spelled
+     out in English words (`spell_out_integer`, inflect's wording: "one hundred and one").
+  4. Splitting at sentence punctuation, merging pieces up to `TOKEN_MAX_N` (Chinese counts
+     characters, other text counts tokens, as the official code does), appending a last piece
+     shorter than `MERGE_LEN` to the previous one.
+  5. Pieces made only of punctuation and symbols are dropped.
+
+One deliberate difference: the official code runs wetext with `lang="auto"`, which treats an
+all-digit string such as "2024" as Chinese even in English text. We pass the language we detected.
+"""
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Callable
+from pathlib import Path
+
+from wetext import Normalizer
+
+from cosyvoice_triton.config import ModelPaths
+from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.frontend.tokenizer import TextTokenizer
+
+DEFAULT_MAX_CHARS = 2000
+
+TOKEN_MAX_N = 80  # a merged sentence stops growing past this length ...
+TOKEN_MIN_N = 60  # ... once it is longer than this
+MERGE_LEN = 20  # a last sentence shorter than this joins the one before
+
+ZH_SENTENCE_MARKS = frozenset("。？！；：、.?!;")
+EN_SENTENCE_MARKS = frozenset(".?!;:")
+CLOSING_QUOTES = frozenset('"”')
+
+_CJK = re.compile(r"[\u4e00-\u9fff]")
+_TRAILING_COMMAS = re.compile(r"[，,、]+$")
+_DIGIT_RUN = re.compile(r"\d+")
+
+# wetext loads its FSTs once, on import; these objects only hold options.
+_ZH_NORMALIZER = Normalizer(lang="zh", operator="tn", remove_erhua=False)
+_EN_NORMALIZER = Normalizer(lang="en", operator="tn")
+
+_ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+         "fifteen sixteen seventeen eighteen nineteen").split()
+_TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+_SCALES = ("", "thousand", "million", "billion", "trillion", "quadrillion", "quintillion",
+           "sextillion", "septillion", "octillion", "nonillion", "decillion")
+
+
+def validate_text(text: object, field: str, max_chars: int = DEFAULT_MAX_CHARS) -> str:
+    """Return `text` if it is a non-blank string of at most `max_chars` characters."""
+    if not isinstance(text, str):
+        raise InvalidInput(field, f"must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise InvalidInput(field, "must not be empty")
+    if len(text) > max_chars:
+        raise InvalidInput(field, f"is {len(text)} characters long; the limit is {max_chars}")
+    return text
+
+
+def contains_chinese(text: str) -> bool:
+    return _CJK.search(text) is not None
+
+
+def is_only_punctuation(text: str) -> bool:
+    """True for text made only of Unicode punctuation (P*) and symbols (S*), and for ''."""
+    return all(unicodedata.category(ch)[0] in "PS" for ch in text)
+
+
+def _below_thousand(n: int) -> str:
+    """Words for 0 < n < 1000: 'three hundred and forty-two'."""
+    hundreds, rest = divmod(n, 100)
+    if rest < 20:
+        rest_words = _ONES[rest] if rest else ""
+    else:
+        tens, ones = divmod(rest, 10)
+        rest_words = _TENS[tens] + (f"-{_ONES[ones]}" if ones else "")
+    if not hundreds:
+        return rest_words
+    return f"{_ONES[hundreds]} hundred" + (f" and {rest_words}" if rest_words else "")
+
+
+def spell_out_integer(digits: str) -> str:
+    """English words for a run of digits, worded like inflect's `number_to_words`.
+
+    Groups of three are joined by ', ', except that a last group below 100 is joined by ' and '.
+    Numbers past the decillions are read digit by digit.
+    """
+    value = int(digits)
+    if value == 0:
+        return _ONES[0]
+    groups = []  # (group value, scale index), most significant first
+    scale = 0
+    while value:
+        value, group = divmod(value, 1000)
+        groups.append((group, scale))
+        scale += 1
+    if scale > len(_SCALES):
+        return " ".join(_ONES[int(d)] for d in digits)
+    groups = [(g, s) for g, s in reversed(groups) if g]
+    words = [_below_thousand(g) + (f" {_SCALES[s]}" if s else "") for g, s in groups]
+    if len(words) > 1 and groups[-1][1] == 0 and groups[-1][0] < 100:
+        return ", ".join(words[:-1]) + " and " + words[-1]
+    return ", ".join(words)
+
+
+def spell_out_numbers(text: str) -> str:
+    """Replace every run of ASCII or Unicode digits by its English words."""
+    return _DIGIT_RUN.sub(lambda m: spell_out_integer(m.group()), text)
+
+
+def remove_blanks_in_chinese(text: str) -> str:
+    """Drop every space unless both neighbours are ASCII non-space characters ('a b' keeps it)."""
+    kept = []
+    for i, ch in enumerate(text):
+        if ch == " ":
+            before = text[i - 1] if i > 0 else " "
+            after = text[i + 1] if i + 1 < len(text) else " "
+            if not (before.isascii() and before != " " and after.isascii() and after != " "):
+                continue
+        kept.append(ch)
+    return "".join(kept)
+
+
+def clean_chinese(text: str) -> str:
+    """The clean-ups the official frontend applies to Chinese text after wetext."""
+    text = text.replace("\n", "")
+    text = remove_blanks_in_chinese(text)
+    text = text.replace("²", "平方").replace("³", "立方")
+    text = text.replace(".", "。").replace(" - ", "，")
+    for bracket in ("（", "）", "【", "】", "`"):
+        text = text.replace(bracket, "")
+    text = text.replace("——", " ")
+    return _TRAILING_COMMAS.sub("。", text)
+
+
+def cut_at_punctuation(text: str, marks: frozenset[str]) -> list[str]:
+    """Cut after every sentence mark; a closing quote right after a mark stays with its piece.
+
+    A mark that would end an empty piece (the second of '。。') is dropped, as in the official code.
+    """
+    pieces: list[str] = []
+    start = 0
+    for i, ch in enumerate(text):
+        if ch not in marks:
+            continue
+        if i > start:
+            pieces.append(text[start:i + 1])
+        start = i + 1
+        if start < len(text) and text[start] in CLOSING_QUOTES and pieces:
+            pieces[-1] += text[start]
+            start += 1
+    return pieces
+
+
+def merge_pieces(pieces: list[str], length: Callable[[str], int], max_n: int = TOKEN_MAX_N,
+                 min_n: int = TOKEN_MIN_N, merge_len: int = MERGE_LEN) -> list[str]:
+    """Greedily join pieces into sentences of about `min_n`..`max_n` units of `length`."""
+    sentences: list[str] = []
+    current = ""
+    for piece in pieces:
+        if length(current + piece) > max_n and length(current) > min_n:
+            sentences.append(current)
+            current = ""
+        current += piece
+    if current:
+        if sentences and length(current) < merge_len:
+            sentences[-1] += current
+        else:
+            sentences.append(current)
+    return sentences
+
+
+def split_paragraph(text: str, count_tokens: Callable[[str], int], chinese: bool) -> list[str]:
+    """Sentences of `text`, cut at sentence marks (never at commas); Chinese lengths are
+    characters, other lengths are tokens."""
+    if not text:
+        return []
+    marks = ZH_SENTENCE_MARKS if chinese else EN_SENTENCE_MARKS
+    if text[-1] not in marks:
+        text += "。" if chinese else "."
+    length = len if chinese else count_tokens
+    return merge_pieces(cut_at_punctuation(text, marks), length)
+
+
+def is_markup(text: str) -> bool:
+    """SSML-like `<|...|>` text skips normalization."""
+    return "<|" in text and "|>" in text
+
+
+class TextNormalizer:
+    """Normalizes and splits request text. `count_tokens` measures English sentence lengths."""
+
+    def __init__(self, count_tokens: Callable[[str], int]):
+        self.count_tokens = count_tokens
+
+    def _normalize(self, text: str) -> tuple[str, bool]:
+        """(normalized text, whether it is Chinese)."""
+        text = text.strip()
+        chinese = contains_chinese(text)
+        if chinese:
+            return clean_chinese(_ZH_NORMALIZER.normalize(text)), True
+        return spell_out_numbers(_EN_NORMALIZER.normalize(text)), False
+
+    def normalize(self, text: str) -> str:
+        """The whole text normalized, unsplit (the official `split=False`; used for prompt text)."""
+        if is_markup(text) or not text:
+            return text
+        return self._normalize(text)[0]
+
+    def split(self, text: str) -> list[str]:
+        """Normalized sentences to synthesize one by one, punctuation-only pieces dropped."""
+        if is_markup(text) or not text:
+            return [text]
+        normalized, chinese = self._normalize(text)
+        sentences = split_paragraph(normalized, self.count_tokens, chinese)
+        return [s for s in sentences if not is_only_punctuation(s)]
+
+
+class TextFrontend:
+    """Request text in, sentences out: validation, normalization, splitting, and the tokenizer."""
+
+    def __init__(self, tokenizer: TextTokenizer, max_chars: int = DEFAULT_MAX_CHARS):
+        self.tokenizer = tokenizer
+        self.max_chars = max_chars
+        self.normalizer = TextNormalizer(tokenizer.count)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, max_chars: int = DEFAULT_MAX_CHARS) -> TextFrontend:
+        return cls(TextTokenizer.from_dir(ModelPaths(Path(model_dir)).qwen_dir), max_chars=max_chars)
+
+    def split(self, text: object, field: str = "text") -> list[str]:
+        """Check `text` (errors name `field`) and return its normalized sentences."""
+        sentences = self.normalizer.split(validate_text(text, field, self.max_chars))
+        if not sentences:
+            raise InvalidInput(field, "has nothing to speak (only punctuation or symbols)")
+        return sentences
+
+    def normalize(self, text: str) -> str:
+        """The whole text normalized, unsplit (for prompt and instruction text)."""
+        return self.normalizer.normalize(text)

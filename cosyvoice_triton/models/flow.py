@@ -1,0 +1,216 @@
+"""CosyVoice2 flow model: speech tokens (25 Hz) -> 80-bin mel (50 Hz) by conditional flow matching.
+
+`FlowModel` loads `flow.pt` with the released parameter names and reproduces the official
+`CausalMaskedDiffWithXvec.inference`, extended to batches of right-padded rows (the server batches chunks
+of many streams into one call). Per row: prompt tokens ++ new tokens are embedded and encoded to `mu`;
+the prompt mel conditions its own frames; 10 Euler steps from fixed noise with classifier-free guidance
+produce the mel, and the prompt frames are cut off.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cosyvoice_triton.config import ModelPaths, read_yaml
+from cosyvoice_triton.errors import InvalidInput, ModelFolderError
+from cosyvoice_triton.models.flow_encoder import FlowEncoder, FlowEncoderConfig
+from cosyvoice_triton.models.flow_estimator import FlowEstimator, FlowEstimatorConfig
+
+# Values the official code fixes outside the yaml.
+N_TIMESTEPS = 10  # Euler steps (`CausalMaskedDiffWithXvec.inference`)
+NOISE_SEED = 0  # `CausalConditionalCFM.__init__` seeds 0 and then draws its noise
+NOISE_FRAMES = 50 * 300  # 300 s of 50 Hz mel frames
+
+
+@dataclass(frozen=True)
+class FlowConfig:
+    encoder: FlowEncoderConfig
+    estimator: FlowEstimatorConfig
+    vocab_size: int = 6561
+    input_size: int = 512  # token embedding width
+    mel_bins: int = 80
+    spk_embed_dim: int = 192
+    token_mel_ratio: int = 2
+    pre_lookahead_len: int = 3
+    inference_cfg_rate: float = 0.7  # classifier-free guidance strength at inference
+    n_timesteps: int = N_TIMESTEPS
+    noise_frames: int = NOISE_FRAMES
+
+    @classmethod
+    def from_yaml(cls, root: dict) -> FlowConfig:
+        """Build from the whole cosyvoice2.yaml (as returned by `config.read_yaml`)."""
+        flow = root["flow"]
+        cfm = flow["decoder"]["cfm_params"]
+        cfm = cfm.get("content", cfm)  # wrapped in `!new:omegaconf.DictConfig {content: ...}`
+        if cfm["solver"] != "euler" or cfm["t_scheduler"] != "cosine":
+            raise ValueError(f"flow cfm_params solver={cfm['solver']!r} t_scheduler={cfm['t_scheduler']!r}: "
+                             "only euler with the cosine schedule is supported")
+        return cls(encoder=FlowEncoderConfig.from_yaml(flow),
+                   estimator=FlowEstimatorConfig.from_yaml(flow["decoder"]["estimator"]),
+                   vocab_size=flow["vocab_size"], input_size=flow["input_size"], mel_bins=flow["output_size"],
+                   spk_embed_dim=flow["spk_embed_dim"], token_mel_ratio=flow["token_mel_ratio"],
+                   pre_lookahead_len=flow["pre_lookahead_len"], inference_cfg_rate=float(cfm["inference_cfg_rate"]))
+
+
+def euler_schedule(n_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t, dt) for each Euler step on the cosine schedule t = 1 - cos(pi/2 * s), s uniform in [0, 1].
+
+    Accumulated exactly as the official solver does (t += dt; dt = t_span[k+1] - t), in fp32 on the CPU.
+    """
+    t_span = 1 - torch.cos(torch.linspace(0, 1, n_steps + 1) * 0.5 * torch.pi)
+    t, dt = t_span[0:1], t_span[1:2] - t_span[0:1]
+    ts, dts = [], []
+    for step in range(1, n_steps + 1):
+        ts.append(t)
+        dts.append(dt)
+        t = t + dt
+        if step < n_steps:
+            dt = t_span[step + 1] - t
+    return torch.cat(ts), torch.cat(dts)
+
+
+class FlowMatching(nn.Module):
+    """Euler ODE solver around the estimator (official `CausalConditionalCFM`, inference only)."""
+
+    def __init__(self, config: FlowConfig):
+        super().__init__()
+        self.inference_cfg_rate = config.inference_cfg_rate
+        self.estimator = FlowEstimator(config.estimator)
+        generator = torch.Generator().manual_seed(NOISE_SEED)  # local: the global RNG is left alone
+        noise = torch.randn(1, config.mel_bins, config.noise_frames, generator=generator)
+        self.register_buffer("rand_noise", noise, persistent=False)  # (1, 80, noise_frames)
+        t_steps, dt_steps = euler_schedule(config.n_timesteps)
+        self.register_buffer("t_steps", t_steps, persistent=False)  # (n_timesteps,)
+        self.register_buffer("dt_steps", dt_steps, persistent=False)  # (n_timesteps,)
+
+    def forward(self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                streaming: torch.Tensor) -> torch.Tensor:
+        """mu, cond: (B, 80, T); mask: (B, 1, T) float; spks: (B, 80); streaming: (B,) bool -> mel (B, 80, T).
+
+        The loop has fixed shapes and no host syncs. Guidance runs as one estimator batch of 2B: rows B..2B-1
+        repeat x and mask with mu, spks and cond zeroed.
+        """
+        B, _, T = mu.shape
+        x = self.rand_noise[:, :, :T].to(mu.dtype).expand(B, -1, -1)
+        mask2 = torch.cat([mask, mask])
+        mu2 = torch.cat([mu, torch.zeros_like(mu)])
+        spks2 = torch.cat([spks, torch.zeros_like(spks)])
+        cond2 = torch.cat([cond, torch.zeros_like(cond)])
+        streaming2 = torch.cat([streaming, streaming])
+        for step in range(self.t_steps.size(0)):
+            t = self.t_steps[step].expand(2 * B)
+            velocity = self.estimator(torch.cat([x, x]), mask2, mu2, t, spks2, cond2, streaming2)
+            v_cond, v_uncond = velocity.split(B)
+            velocity = (1.0 + self.inference_cfg_rate) * v_cond - self.inference_cfg_rate * v_uncond
+            x = x + self.dt_steps[step] * velocity
+        return x
+
+
+class FlowModel(nn.Module):
+    """Token-to-mel model (official `CausalMaskedDiffWithXvec`, inference only)."""
+
+    def __init__(self, config: FlowConfig):
+        super().__init__()
+        self.config = config
+        self.input_embedding = nn.Embedding(config.vocab_size, config.input_size)
+        self.spk_embed_affine_layer = nn.Linear(config.spk_embed_dim, config.mel_bins)
+        self.encoder = FlowEncoder(config.encoder)
+        self.encoder_proj = nn.Linear(config.encoder.output_size, config.mel_bins)
+        self.decoder = FlowMatching(config)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> FlowModel:
+        """Build from `cosyvoice2.yaml` and load `flow.pt` strictly."""
+        paths = ModelPaths(Path(model_dir))
+        for path in (paths.yaml, paths.flow):
+            if not path.exists():
+                raise ModelFolderError(f"{path} not found")
+        model = cls(FlowConfig.from_yaml(read_yaml(paths.yaml)))
+        model.load_state_dict(torch.load(paths.flow, weights_only=True, map_location="cpu"), strict=True)
+        return model.to(device).eval()
+
+    def output_lengths(self, token_len: torch.Tensor, prompt_token_len: torch.Tensor,
+                       prompt_feat_len: torch.Tensor, finalize: bool | torch.Tensor) -> torch.Tensor:
+        """(B,) mel frames that `inference` returns per row (prompt frames removed)."""
+        lookahead = self.config.pre_lookahead_len * (~torch.as_tensor(finalize, device=token_len.device))
+        return self.config.token_mel_ratio * (prompt_token_len + token_len - lookahead) - prompt_feat_len
+
+    def _check_inputs(self, token: torch.Tensor, token_len: torch.Tensor, prompt_token: torch.Tensor,
+                      prompt_token_len: torch.Tensor, prompt_feat: torch.Tensor, prompt_feat_len: torch.Tensor,
+                      embedding: torch.Tensor) -> None:
+        B = token.size(0) if token.dim() == 2 else -1
+        expected = {"token": (token, (B, None)), "token_len": (token_len, (B,)),
+                    "prompt_token": (prompt_token, (B, None)), "prompt_token_len": (prompt_token_len, (B,)),
+                    "prompt_feat": (prompt_feat, (B, None, self.config.mel_bins)),
+                    "prompt_feat_len": (prompt_feat_len, (B,)),
+                    "embedding": (embedding, (B, self.config.spk_embed_dim))}
+        for name, (tensor, shape) in expected.items():
+            if tensor.dim() != len(shape) or any(want not in (None, got) for want, got in zip(shape, tensor.shape)):
+                raise InvalidInput(name, f"shape {tuple(tensor.shape)}, expected {shape} (None: any)")
+
+    @torch.inference_mode()
+    def inference(self, token: torch.Tensor, token_len: torch.Tensor, prompt_token: torch.Tensor,
+                  prompt_token_len: torch.Tensor, prompt_feat: torch.Tensor, prompt_feat_len: torch.Tensor,
+                  embedding: torch.Tensor, streaming: bool | torch.Tensor,
+                  finalize: bool | torch.Tensor) -> torch.Tensor:
+        """Synthesize mel for `token` in the voice of the prompt.
+
+        token: (B, T) int, prompt_token: (B, Tp) int, prompt_feat: (B, Tf, 80), embedding: (B, 192); each with
+        a (B,) length tensor, rows right-padded. streaming: chunk attention masks (bool, or (B,) bool per row).
+        finalize: False holds the last `pre_lookahead_len` tokens back as right context; they produce no
+        frames (bool, or (B,) bool per row).
+        Returns mel (B, 80, max frames); row b holds `output_lengths(...)[b]` frames, then zeros.
+        """
+        self._check_inputs(token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding)
+        B, device = token.size(0), token.device
+        streaming = torch.as_tensor(streaming, dtype=torch.bool, device=device).expand(B)
+        finalize = torch.as_tensor(finalize, dtype=torch.bool, device=device).expand(B)
+        token_len, prompt_token_len, prompt_feat_len = (
+            x.to(device=device, dtype=torch.long) for x in (token_len, prompt_token_len, prompt_feat_len))
+        total_len = prompt_token_len + token_len
+        enc_len = total_len - self.config.pre_lookahead_len * (~finalize)  # tokens that produce frames
+        mel_len = self.config.token_mel_ratio * enc_len
+        out_len = mel_len - prompt_feat_len
+        # The only host sync: output shapes, before the solver.
+        T_enc, T_out, min_enc, min_out = torch.stack(
+            [enc_len.max(), out_len.max(), enc_len.min(), out_len.min()]).tolist()
+        if min_enc < 1 or min_out < 0:
+            raise InvalidInput("token_len", "too few tokens for the prompt length and the look-ahead")
+        T_mel = self.config.token_mel_ratio * T_enc
+        if T_mel > self.decoder.rand_noise.size(2):
+            raise InvalidInput("token", f"{T_mel} mel frames exceed the {self.decoder.rand_noise.size(2)}-frame limit")
+
+        weight = self.spk_embed_affine_layer.weight
+        spks = self.spk_embed_affine_layer(F.normalize(embedding.to(weight.dtype), dim=1))  # (B, 80)
+
+        # Row b: prompt_token[b, :Tp_b] ++ token[b, :T_b], then padding; width covers the look-ahead slots.
+        prompt_then_token = torch.cat([prompt_token.long(), token.long()], dim=1)  # (B, Tp + T), padding inside
+        pos = torch.arange(T_enc + self.config.pre_lookahead_len, device=device)[None, :]  # (1, W)
+        in_prompt = pos < prompt_token_len[:, None]
+        src_index = torch.where(in_prompt, pos, pos - prompt_token_len[:, None] + prompt_token.size(1))
+        ids = prompt_then_token.gather(1, src_index.clamp(max=prompt_then_token.size(1) - 1))  # (B, W)
+        valid = (pos < total_len[:, None]).to(weight.dtype)
+        x = self.input_embedding(ids.clamp(min=0)) * valid[..., None]  # (B, W, 512)
+
+        h = self.encoder(x, enc_len, total_len - enc_len, streaming)  # (B, T_mel, 512)
+        mu = self.encoder_proj(h).transpose(1, 2).contiguous()  # (B, T_mel, 80) -> (B, 80, T_mel)
+
+        frame = torch.arange(T_mel, device=device)[None, :]  # (1, T_mel)
+        mask = (frame < mel_len[:, None]).to(mu.dtype)[:, None, :]  # (B, 1, T_mel)
+        n_prompt = min(prompt_feat.size(1), T_mel)
+        cond = torch.zeros(B, T_mel, self.config.mel_bins, device=device, dtype=mu.dtype)
+        is_prompt_frame = (frame[:, :n_prompt] < prompt_feat_len[:, None])[..., None]  # (B, n_prompt, 1)
+        cond[:, :n_prompt] = prompt_feat[:, :n_prompt].to(mu.dtype) * is_prompt_frame
+        cond = cond.transpose(1, 2)  # (B, T_mel, 80) -> (B, 80, T_mel)
+
+        mel = self.decoder(mu, mask, spks, cond, streaming)  # (B, 80, T_mel)
+
+        # Drop each row's prompt frames: out[b, :, j] = mel[b, :, prompt_feat_len[b] + j].
+        j = torch.arange(T_out, device=device)[None, :]  # (1, T_out)
+        frame_src = (prompt_feat_len[:, None] + j).clamp(max=T_mel - 1)  # (B, T_out)
+        out = mel.gather(2, frame_src[:, None, :].expand(-1, self.config.mel_bins, -1))
+        return out * (j < out_len[:, None])[:, None, :].to(out.dtype)

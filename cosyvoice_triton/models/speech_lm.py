@@ -1,0 +1,200 @@
+"""CosyVoice2's speech-token language model: a Qwen2 backbone that reads text and writes speech tokens.
+
+The module tree mirrors the official `Qwen2LM` so that `llm.pt` loads with `strict=True`:
+`llm_embedding` (sos, task id), `llm.model.model.*` (backbone), `llm.model.lm_head` (unused, tied),
+`llm_decoder` (hidden -> speech_token_size + 3 logits) and `speech_embedding` (speech token -> input).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from cosyvoice_triton.config import ModelPaths, read_qwen_config, read_yaml
+from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.models.qwen2 import Qwen2Config, Qwen2Decoder, Qwen2ForCausalLM
+from cosyvoice_triton.runtime.sampling import RasSampler, Sampler, SamplingParams, make_generator
+
+SOS_INDEX = 0  # rows of `llm_embedding`
+TASK_ID_INDEX = 1
+NUM_STOP_TOKENS = 3  # speech_token_size + 0 (EOS), + 1, + 2 all end decoding
+
+
+@dataclass
+class SpeechLMConfig:
+    llm_input_size: int
+    llm_output_size: int
+    speech_token_size: int
+    qwen: Qwen2Config
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    min_token_text_ratio: float = 2.0
+    max_token_text_ratio: float = 20.0
+
+    def __post_init__(self) -> None:
+        if not self.llm_input_size == self.llm_output_size == self.qwen.hidden_size:
+            raise ValueError(f"llm_input_size {self.llm_input_size}, llm_output_size {self.llm_output_size} "
+                             f"and the backbone hidden_size {self.qwen.hidden_size} must be equal")
+
+    @property
+    def eos_token(self) -> int:
+        return self.speech_token_size
+
+    @property
+    def stop_tokens(self) -> tuple[int, ...]:
+        return tuple(self.speech_token_size + i for i in range(NUM_STOP_TOKENS))
+
+    @property
+    def num_speech_classes(self) -> int:
+        return self.speech_token_size + NUM_STOP_TOKENS
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> SpeechLMConfig:
+        """Read `cosyvoice2.yaml` (key `llm`) and `CosyVoice-BlankEN/config.json`."""
+        llm = read_yaml(ModelPaths(Path(model_dir)).yaml)["llm"]
+        sampling = {k: v for k, v in llm["sampling"].items() if k in ("top_p", "top_k", "win_size", "tau_r")}
+        return cls(llm_input_size=llm["llm_input_size"], llm_output_size=llm["llm_output_size"],
+                   speech_token_size=llm["speech_token_size"],
+                   qwen=Qwen2Config.from_json(read_qwen_config(model_dir)),
+                   sampling=SamplingParams(**sampling).validate())
+
+
+class _Qwen2Encoder(nn.Module):
+    """One more level of nesting, as in the official code, so keys read `llm.model.model.*`."""
+
+    def __init__(self, config: Qwen2Config, max_seq_len: int):
+        super().__init__()
+        self.model = Qwen2ForCausalLM(config, max_seq_len)
+
+
+class SpeechLM(nn.Module):
+    def __init__(self, config: SpeechLMConfig, max_seq_len: int):
+        super().__init__()
+        self.config = config
+        self.llm_embedding = nn.Embedding(2, config.llm_input_size)
+        self.llm = _Qwen2Encoder(config.qwen, max_seq_len)
+        self.llm_decoder = nn.Linear(config.llm_output_size, config.num_speech_classes)
+        self.speech_embedding = nn.Embedding(config.num_speech_classes, config.llm_input_size)
+
+    @property
+    def backbone(self) -> Qwen2Decoder:
+        return self.llm.model.model
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.backbone.max_seq_len
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, device: torch.device | str = "cpu", max_batch: int = 1,
+                       max_seq_len: int = 2048) -> SpeechLM:
+        """Load `llm.pt` strictly and allocate a KV cache of `max_batch` slots x `max_seq_len` positions."""
+        paths = ModelPaths(Path(model_dir))
+        model = cls(SpeechLMConfig.from_model_dir(model_dir), max_seq_len)
+        state = torch.load(paths.llm, weights_only=True, map_location="cpu")
+        model.load_state_dict(state, strict=True)
+        model.to(device).eval()
+        model.setup_caches(max_batch)
+        return model
+
+    def setup_caches(self, max_batch: int) -> None:
+        self.backbone.setup_caches(max_batch)
+
+    def length_limits(self, text_len: int) -> tuple[int, int]:
+        """(min_len, max_len) of the decoded speech tokens for `text_len` text tokens, prompt text excluded."""
+        return (int(text_len * self.config.min_token_text_ratio),
+                int(text_len * self.config.max_token_text_ratio))
+
+    @torch.inference_mode()
+    def build_prompt(self, text_token: Tensor, prompt_text_token: Tensor, prompt_speech_token: Tensor) -> Tensor:
+        """The prefill input (1, L, D): [sos, embed(prompt_text ++ text), task_id, speech_embed(prompt_speech)].
+
+        Token tensors are (1, N) integer ids on the model's device; any of the prompts may be (1, 0).
+        What the official frontends pass, per mode:
+        - zero_shot: prompt_text_token = tokens of the reference transcript, prompt_speech_token = the
+          reference audio's speech tokens.
+        - cross_lingual: both prompts empty (the reference voice reaches only the flow model).
+        - instruct2: prompt_text_token = tokens of the instruction ending in '<|endofprompt|>',
+          prompt_speech_token empty.
+        """
+        for name, tokens in (("text_token", text_token), ("prompt_text_token", prompt_text_token),
+                             ("prompt_speech_token", prompt_speech_token)):
+            if tokens.dim() != 2 or tokens.shape[0] != 1:
+                raise InvalidInput(name, f"expected shape (1, N), got {tuple(tokens.shape)}")
+        if text_token.shape[1] == 0:
+            raise InvalidInput("text_token", "is empty")
+        self._check_range("text_token", text_token, self.config.qwen.vocab_size)
+        self._check_range("prompt_text_token", prompt_text_token, self.config.qwen.vocab_size)
+        self._check_range("prompt_speech_token", prompt_speech_token, self.config.speech_token_size)
+        weight = self.llm_embedding.weight
+        sos = weight[SOS_INDEX].reshape(1, 1, -1)  # (1, 1, D)
+        task_id = weight[TASK_ID_INDEX].reshape(1, 1, -1)  # (1, 1, D)
+        text = self.backbone.embed_tokens(torch.cat([prompt_text_token, text_token], dim=1).long())  # (1, Nt, D)
+        speech = self.speech_embedding(prompt_speech_token.long())  # (1, Ns, D)
+        return torch.cat([sos, text, task_id, speech], dim=1)
+
+    @staticmethod
+    def _check_range(name: str, tokens: Tensor, limit: int) -> None:
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= limit):
+            raise InvalidInput(name, f"ids must lie in [0, {limit})")
+
+    @torch.inference_mode()
+    def embed_speech(self, tokens: Tensor) -> Tensor:
+        """Decoder input for speech tokens (B, T) -> (B, T, D)."""
+        return self.speech_embedding(tokens)
+
+    @torch.inference_mode()
+    def step_logits(self, x: Tensor, input_pos: Tensor, slots: Tensor) -> Tensor:
+        """Cached forward (prefill or decode) -> speech logits (B, V) of each row's last column.
+
+        x (B, T, D), input_pos (B, T) int64, slots (B,) int64. No host synchronisation."""
+        hidden = self.backbone(x, input_pos, slots)  # (B, T, D)
+        return self.llm_decoder(hidden[:, -1])
+
+    @torch.inference_mode()
+    def logits_full(self, x: Tensor) -> Tensor:
+        """Cache-free causal scoring: x (B, T, D) -> speech logits (B, T, V) at every position."""
+        return self.llm_decoder(self.backbone.forward_full(x))
+
+    @torch.inference_mode()
+    def generate(self, text_token: Tensor, prompt_text_token: Tensor, prompt_speech_token: Tensor,
+                 sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
+                 sampler: Sampler | None = None, slot: int = 0) -> Iterator[int]:
+        """Stream speech tokens for one request in cache slot `slot`.
+
+        Decoding stops before a stop token (which is not yielded), after max_len tokens, or when the
+        cache is full. While fewer than min_len tokens have been decoded, EOS gets log-prob -inf before
+        sampling (the other stop tokens stay allowed, as in the official code). `sampler` defaults to
+        RAS with `sampling` (the yaml's values when None); `generator` defaults to one seeded with
+        `sampling.seed` (on the CPU: see `runtime.sampling`).
+        """
+        sampling = (self.config.sampling if sampling is None else sampling).validate()
+        sampler = sampler or RasSampler(sampling)
+        if not 0 <= slot < self.backbone.max_batch:
+            raise InvalidInput("slot", f"must lie in [0, {self.backbone.max_batch})")
+        lm_input = self.build_prompt(text_token, prompt_text_token, prompt_speech_token)  # (1, L, D)
+        device = lm_input.device
+        if generator is None:
+            generator = make_generator(sampling.seed)
+        prompt_len = lm_input.shape[1]
+        if prompt_len >= self.max_seq_len:
+            raise InvalidInput("text_token", f"prompt of {prompt_len} positions does not fit the cache "
+                                             f"({self.max_seq_len} positions)")
+        min_len, max_len = self.length_limits(text_token.shape[1])
+        max_len = min(max_len, self.max_seq_len - prompt_len)
+        slots = torch.tensor([slot], device=device)
+        input_pos = torch.arange(prompt_len, device=device)[None]  # (1, L)
+        x = lm_input
+        decoded: list[int] = []
+        while len(decoded) < max_len:
+            logp = self.step_logits(x, input_pos, slots)[0].log_softmax(dim=-1)  # (V,)
+            if len(decoded) < min_len:
+                logp[self.config.eos_token] = -float("inf")
+            token = sampler(logp, decoded, generator)
+            if token in self.config.stop_tokens:
+                return
+            yield token
+            decoded.append(token)
+            x = self.embed_speech(torch.tensor([[token]], device=device))  # (1, 1, D)
+            input_pos = input_pos[:, -1:] + 1  # (1, 1)

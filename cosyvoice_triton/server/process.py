@@ -1,0 +1,481 @@
+"""Run a `tritonserver` process whose Python-backend models import from a chosen Python environment.
+
+What the Python backend needs (found by running the pytriton 0.7.0 binary, Triton 2.51, and reading
+python_backend's stub launcher):
+
+* **The stub.** Each model instance is a separate process,
+  `<backend-directory>/python/triton_python_backend_stub`, started through `bash -c "exec <stub> ..."`
+  with tritonserver's own environment (or, if present, `<model folder>/triton_python_backend_stub`).
+  The stub embeds CPython: it must be built for the same `X.Y` as the environment the models run in.
+  `binary.stage_backend_directory` puts the right one in place.
+* **libpython.** The stub links `libpython3.Y.so.1.0` dynamically. We put the folder of the
+  environment's *own* shared libpython (`sysconfig` `LIBDIR`, e.g. pyenv's
+  `~/.pyenv/versions/3.11.7/lib`) first on `LD_LIBRARY_PATH`, so the stub runs the same build as the
+  environment's standard library. Without it the loader falls back to the system one (Debian/Ubuntu:
+  apt package `libpython3.11`), which works within one minor version but mixes patch releases.
+  A Python built without a shared library (`Py_ENABLE_SHARED=0`) needs that system package.
+* **The environment.** The embedded interpreter finds its prefix by looking up `python3` on `PATH`
+  (the stub does not set a program name), and then reads `pyvenv.cfg` beside it. So putting
+  `<env>/bin` first on `PATH` makes `sys.prefix` the venv, its `site-packages` the import path, and its
+  `.pth` files run, which is what makes an editable install (`pip install -e .`, an import hook in a
+  `.pth` file) importable. `PYTHONPATH` alone would not run `.pth` files. This is also what pytriton
+  does, and what python_backend's `EXECUTION_ENV_PATH` does (it sources `<env>/bin/activate`).
+  `PYTHONHOME` is dropped: it would override the lookup.
+* **Shared memory.** Every model instance gets its own region in `/dev/shm`, created at
+  `shm-default-byte-size` and grown by `shm-growth-byte-size` when a message does not fit. Defaults
+  here: 16 MiB and 16 MiB (Triton's are 1 MiB/1 MiB; pytriton uses 4 MiB/1 MiB), so that waveform and
+  mel tensors of a few MB rarely need growth. "shm full" / "Failed to increase the shared memory pool
+  size" errors mean `/dev/shm` itself is too small: Docker gives 64 MiB unless run with
+  `--shm-size=1g` (or `--ipc=host`); Kubernetes needs an `emptyDir: {medium: Memory}` on `/dev/shm`.
+* **Region names.** Regions are named `<shm-region-prefix-name><n>`; two servers on one host with
+  the same prefix clash, so every `TritonProcess` uses a fresh prefix, and removes its leftover
+  `/dev/shm/<prefix>*` files after the server has gone.
+* **Auto-complete.** With auto-complete on, Triton starts one extra stub per Python model only to
+  call `auto_complete_config` (importing torch once more). Our configs are complete, so it is off by
+  default (`--disable-auto-complete-config`).
+* **Logs.** The stubs' stdout and stderr (prints, tracebacks) go to tritonserver's, so the process's
+  stdout and stderr both go to the log file, rather than using `--log-file`.
+* **Readiness.** `/v2/health/ready` answers 200 once every model is loaded (strict readiness). The
+  HTTP and gRPC endpoints only start after the models load, so a busy port shows up late, as
+  "already in use" in the log; ports that we picked are then picked again.
+* **Stopping.** SIGINT starts a graceful shutdown bounded by `--exit-timeout-secs`; after `grace_s`
+  the process group (started as a new session, so it holds only the server and its stubs) gets SIGKILL.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes.util
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cosyvoice_triton.errors import CosyVoiceError
+from cosyvoice_triton.server.binary import (TritonBinary, TritonNotFound, find_tritonserver,
+                                            stage_backend_directory)
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+DEFAULT_SHM_DEFAULT_BYTES = 16 * MiB
+DEFAULT_SHM_GROWTH_BYTES = 16 * MiB
+CONTROL_MODES = ("none", "explicit", "poll")
+_PORT_CLASH = "already in use"
+
+
+class TritonStartError(CosyVoiceError, RuntimeError):
+    """tritonserver exited or did not become ready in time. The message ends with the log's tail."""
+
+
+@dataclass(frozen=True)
+class PythonEnv:
+    """The Python environment (venv, conda env or base install) whose packages the models import."""
+
+    prefix: Path  # sys.prefix
+    bin_dir: Path  # holds `python3`; goes first on PATH
+    version: str  # "3.11"
+    libpython_dir: Path | None  # folder holding the environment's shared libpython, if it has one
+    libpython_name: str  # "libpython3.11.so.1.0"
+
+    @classmethod
+    def current(cls) -> "PythonEnv":
+        """The environment of the running interpreter."""
+        return cls._from_info(_python_info())
+
+    @classmethod
+    def from_prefix(cls, prefix: str | Path) -> "PythonEnv":
+        """Another environment, by its prefix (the folder holding `bin/python3`)."""
+        python = Path(prefix) / "bin" / "python3"
+        if not python.exists():
+            raise TritonNotFound(f"{python} does not exist: not a Python environment")
+        # a self-contained probe: the other environment need not have this package
+        code = _PROBE_SOURCE + "\nimport json\nprint(json.dumps(_probe()))\n"
+        out = subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True)
+        return cls._from_info(json.loads(out.stdout))
+
+    @classmethod
+    def _from_info(cls, info: dict) -> "PythonEnv":
+        libdir = Path(info["libdir"]) if info["libdir"] else None
+        name = info["instsoname"] or f"libpython{info['version']}.so.1.0"
+        if libdir is not None and not (libdir / name).exists():
+            libdir = None
+        prefix = Path(info["prefix"])
+        return cls(prefix=prefix, bin_dir=prefix / "bin", version=info["version"],
+                   libpython_dir=libdir, libpython_name=name)
+
+    def check_libpython(self) -> None:
+        """Fail early when the stub could not load any libpython of this version."""
+        if self.libpython_dir is None and ctypes.util.find_library(f"python{self.version}") is None:
+            raise TritonNotFound(
+                f"no shared libpython{self.version} for the Python backend stub: this Python has none, "
+                f"and the system has none (Debian/Ubuntu: apt-get install libpython{self.version})")
+
+
+# Describes the interpreter that runs it; run in-process for the current environment, and with the
+# other environment's python for `PythonEnv.from_prefix` (so that one needs nothing installed).
+_PROBE_SOURCE = """
+import sys, sysconfig
+
+def _probe():
+    shared = sysconfig.get_config_var("Py_ENABLE_SHARED")
+    return {"prefix": sys.prefix, "version": "%d.%d" % sys.version_info[:2],
+            "libdir": sysconfig.get_config_var("LIBDIR") if shared else None,
+            "instsoname": sysconfig.get_config_var("INSTSONAME")}
+"""
+
+
+def _python_info() -> dict:
+    namespace: dict = {}
+    exec(_PROBE_SOURCE, namespace)  # noqa: S102 - our own constant
+    return namespace["_probe"]()
+
+
+def server_environment(binary: TritonBinary, python_env: PythonEnv, *, pythonpath: Sequence[str | Path] = (),
+                       extra: Mapping[str, str] | None = None,
+                       base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for tritonserver so that its stubs run `python_env` (see the module docstring)."""
+    env = dict(os.environ if base is None else base)
+    env.pop("PYTHONHOME", None)
+    env["PATH"] = _prepend(str(python_env.bin_dir), env.get("PATH", os.defpath))
+    if (python_env.prefix / "pyvenv.cfg").exists():
+        env["VIRTUAL_ENV"] = str(python_env.prefix)
+    ld = env.get("LD_LIBRARY_PATH", "")
+    if python_env.libpython_dir is not None:
+        ld = _prepend(str(python_env.libpython_dir), ld)
+    env["LD_LIBRARY_PATH"] = ld
+    env = binary.environment(env)
+    for item in reversed([str(p) for p in pythonpath]):
+        env["PYTHONPATH"] = _prepend(item, env.get("PYTHONPATH", ""))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra or {})
+    return env
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `address` right now (the OS picks it; another process may still
+    take it before the server binds, which `TritonProcess` handles by retrying)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def _free_ports(address: str, count: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port(address)
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+_LIVE: "weakref.WeakSet[TritonProcess]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for proc in list(_LIVE):
+        proc.stop()
+
+
+class TritonProcess:
+    """A tritonserver process serving `model_repository`.
+
+    ```
+    with TritonProcess("runs/repo", grpc_port=None) as server:   # free ports picked when None
+        client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
+    ```
+    `start()` returns once `/v2/health/ready` answers 200 and raises `TritonStartError` (with the log's
+    tail) if the process exits or the deadline passes first. `stop()` is idempotent; servers still
+    running when the interpreter exits are stopped by an atexit hook, and with `die_with_parent` the
+    kernel stops the server even if this process is killed outright (tests use it).
+
+    GPU models that keep tensors on the GPU may want `extra_args` such as
+    `--cuda-memory-pool-byte-size=0:268435456`; every other server flag can go there too.
+    """
+
+    def __init__(self, model_repository: str | Path, *, workdir: str | Path | None = None,
+                 address: str = "127.0.0.1", http_port: int | None = None, grpc_port: int | None = None,
+                 metrics_port: int | None = None, model_control_mode: str = "none",
+                 load_models: Sequence[str] = (), python_env: PythonEnv | str | Path | None = None,
+                 binary: TritonBinary | None = None, pythonpath: Sequence[str | Path] = (),
+                 env: Mapping[str, str] | None = None,
+                 shm_default_byte_size: int = DEFAULT_SHM_DEFAULT_BYTES,
+                 shm_growth_byte_size: int = DEFAULT_SHM_GROWTH_BYTES,
+                 stub_timeout_s: int | None = None, auto_complete_config: bool = False,
+                 log_verbose: int = 0, exit_timeout_s: int = 10, startup_timeout_s: float = 180.0,
+                 die_with_parent: bool = False, extra_args: Sequence[str] = ()):
+        if model_control_mode not in CONTROL_MODES:
+            raise ValueError(f"model_control_mode must be one of {CONTROL_MODES}, got {model_control_mode!r}")
+        if load_models and model_control_mode != "explicit":
+            raise ValueError("load_models needs model_control_mode='explicit'")
+        if shm_default_byte_size < 4 * MiB:
+            raise ValueError("shm_default_byte_size must be at least 4 MiB (the Python backend's minimum)")
+        self.model_repository = Path(model_repository).resolve()
+        if not self.model_repository.is_dir():
+            raise FileNotFoundError(f"model repository {self.model_repository} does not exist")
+        self.address = address
+        self._requested_ports = (http_port, grpc_port, metrics_port)
+        self.http_port, self.grpc_port, self.metrics_port = self._requested_ports
+        self.model_control_mode = model_control_mode
+        self.load_models = tuple(load_models)
+        if python_env is None:
+            python_env = PythonEnv.current()
+        elif not isinstance(python_env, PythonEnv):
+            python_env = PythonEnv.from_prefix(python_env)
+        self.python_env = python_env
+        self.binary = binary or find_tritonserver()
+        self.pythonpath = tuple(pythonpath)
+        self.extra_env = dict(env or {})
+        self.shm_default_byte_size = shm_default_byte_size
+        self.shm_growth_byte_size = shm_growth_byte_size
+        self.stub_timeout_s = stub_timeout_s
+        self.auto_complete_config = auto_complete_config
+        self.log_verbose = log_verbose
+        self.exit_timeout_s = exit_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.die_with_parent = die_with_parent
+        self.extra_args = tuple(extra_args)
+        self.shm_region_prefix = f"cvt{os.getpid()}_{secrets.token_hex(4)}_"
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir) if workdir is not None else None
+        self._proc: subprocess.Popen | None = None
+        self._log_file = None
+        self._log_offset = 0
+        self._keep_workdir = False
+        self.returncode: int | None = None
+
+    # -- addresses ---------------------------------------------------------------------------------
+    @property
+    def client_host(self) -> str:
+        return "127.0.0.1" if self.address in ("0.0.0.0", "") else self.address
+
+    @property
+    def http_url(self) -> str:
+        """`host:port`, as `tritonclient.http.InferenceServerClient(url=...)` wants it."""
+        return f"{self.client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.client_host}:{self.metrics_port}/metrics"
+
+    @property
+    def log_path(self) -> Path:
+        assert self.workdir is not None, "not started"
+        return self.workdir / "tritonserver.log"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # -- command -----------------------------------------------------------------------------------
+    def command(self, backend_dir: Path) -> list[str]:
+        args = [
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={backend_dir}",
+            f"--http-address={self.address}", f"--http-port={self.http_port}",
+            f"--grpc-address={self.address}", f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.address}", f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true",
+            f"--model-control-mode={self.model_control_mode}",
+            *(f"--load-model={name}" for name in self.load_models),
+            f"--backend-config=python,shm-default-byte-size={self.shm_default_byte_size}",
+            f"--backend-config=python,shm-growth-byte-size={self.shm_growth_byte_size}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_region_prefix}",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
+            f"--log-verbose={self.log_verbose}",
+        ]
+        if self.stub_timeout_s is not None:
+            args.append(f"--backend-config=python,stub-timeout-seconds={self.stub_timeout_s}")
+        if not self.auto_complete_config:
+            args.append("--disable-auto-complete-config")
+        if self.binary.cache_dir is not None:
+            args.append(f"--cache-directory={self.binary.cache_dir}")
+        return self.binary.command(*args, *self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        return server_environment(self.binary, self.python_env, pythonpath=self.pythonpath, extra=self.extra_env)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> "TritonProcess":
+        if self.is_running():
+            return self
+        self.python_env.check_libpython()
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="tritonserver-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        backend_dir = stage_backend_directory(self.binary, self.workdir / "backends", self.python_env.version)
+        _warn_if_small_dev_shm()
+        auto_ports = [p is None for p in self._requested_ports]
+        for attempt in range(3):
+            self._pick_ports()
+            self._launch(backend_dir)
+            try:
+                self.wait_ready(self.startup_timeout_s)
+                _LIVE.add(self)
+                return self
+            except TritonStartError as exc:
+                self._keep_workdir = True
+                self.stop()
+                clash = _PORT_CLASH in self._log_since_launch()
+                if not (clash and any(auto_ports) and attempt < 2):
+                    raise exc from None
+                log.info("tritonserver port clash, picking new ports (attempt %d)", attempt + 2)
+        raise AssertionError("unreachable")
+
+    def _pick_ports(self) -> None:
+        fresh = iter(_free_ports(self.address or "0.0.0.0", 3))
+        self.http_port, self.grpc_port, self.metrics_port = (
+            p if p is not None else next(fresh) for p in self._requested_ports)
+
+    def _launch(self, backend_dir: Path) -> None:
+        cmd = self.command(backend_dir)
+        self._log_file = open(self.log_path, "ab")
+        self._log_offset = self._log_file.tell()
+        self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+        self._log_file.flush()
+        self.returncode = None
+        self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=self.environment(),
+                                      cwd=self.workdir, start_new_session=True,
+                                      preexec_fn=_term_with_parent if self.die_with_parent else None)
+        log.info("tritonserver pid %d: http %s grpc %s metrics %s, log %s", self._proc.pid,
+                 self.http_url, self.grpc_url, self.metrics_url, self.log_path)
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def is_ready(self, timeout_s: float = 2.0) -> bool:
+        """True when `/v2/health/ready` answers 200."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=timeout_s) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll readiness until `timeout_s` passes; waiting on the process between polls, so an exit
+        ends the wait at once."""
+        assert self._proc is not None, "not started"
+        deadline = time.monotonic() + timeout_s
+        interval = 0.05
+        while True:
+            if self._proc.poll() is not None:
+                raise TritonStartError(
+                    f"tritonserver exited with code {self._proc.returncode} before it was ready; "
+                    f"log {self.log_path}:\n{self.log_tail()}")
+            if self.is_ready(timeout_s=1.0):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TritonStartError(
+                    f"tritonserver not ready after {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+            try:
+                self._proc.wait(timeout=min(interval, remaining))
+            except subprocess.TimeoutExpired:
+                pass
+            interval = min(interval * 2, 0.5)
+
+    def stop(self, grace_s: float | None = None) -> int | None:
+        """SIGINT, then SIGKILL to the whole process group after `grace_s` (default: the exit timeout
+        plus 5 s). Returns the exit code (negative for a signal), None if it never started."""
+        proc = self._proc
+        if proc is None:
+            return self.returncode
+        grace = self.exit_timeout_s + 5 if grace_s is None else grace_s
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                log.warning("tritonserver pid %d ignored SIGINT for %.0f s; killing it", proc.pid, grace)
+                _kill_group(proc.pid)
+                proc.wait()
+        _kill_group(proc.pid)  # stubs left behind by a crashed server
+        self.returncode = proc.returncode
+        self._proc = None
+        _LIVE.discard(self)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        _remove_shm_regions(self.shm_region_prefix)
+        if self._own_workdir and self.workdir is not None and self.returncode == 0 and not self._keep_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)  # a failed server's log stays for the error message
+            self.workdir = None
+        return self.returncode
+
+    def _log_since_launch(self) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_offset)
+            return f.read().decode("utf-8", errors="replace")
+
+    def log_tail(self, lines: int = 60) -> str:
+        if self.workdir is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            tail = deque(f, maxlen=lines)
+        return b"".join(tail).decode("utf-8", errors="replace")
+
+    def __enter__(self) -> "TritonProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}" if self.is_running() else "stopped"
+        return f"TritonProcess({self.model_repository}, {state}, grpc {self.grpc_url})"
+
+
+def _term_with_parent() -> None:
+    """In the child before exec: ask the kernel for SIGTERM (a graceful stop) when the parent dies.
+    Linux ties this to the *thread* that started the child, so only use it from a long-lived thread."""
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _remove_shm_regions(prefix: str) -> None:
+    shm = Path("/dev/shm")
+    if shm.is_dir():
+        for region in shm.glob(prefix + "*"):
+            region.unlink(missing_ok=True)
+
+
+def _warn_if_small_dev_shm(minimum: int = 256 * MiB) -> None:
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return
+    free = stat.f_bavail * stat.f_frsize
+    if free < minimum:
+        log.warning("/dev/shm has only %d MiB free; Python models may fail with 'shm full' "
+                    "(docker: --shm-size=1g)", free // MiB)
+
+
+def _prepend(item: str, path: str) -> str:
+    rest = [p for p in path.split(os.pathsep) if p and p != item]
+    return os.pathsep.join([item, *rest])

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Install everything the project needs into a virtualenv (default .venv). Idempotent: a second run
+# only checks. System packages come from Debian; Python packages from PyPI (torch's CPU build is
+# pinned because an unpinned torch pulls a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${1:-.venv}
+STAMP="$VENV/.setup-stamp"
+WANT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  exit 0
+fi
+
+APT_PACKAGES=""  # soundfile ships libsndfile in its wheel
+missing=""
+for p in $APT_PACKAGES; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+if [ -n "$missing" ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing
+  else
+    echo "note: missing system packages:$missing (install them with apt-get)" >&2
+  fi
+fi
+
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q "torch==2.13.0"
+"$VENV/bin/python" -m pip install -q -e ".[test,server]"
+echo "$WANT" > "$STAMP"

@@ -1,0 +1,147 @@
+"""Sampling, per-request generators and the slot/position logic of the speech LM's KV cache."""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import islice
+from pathlib import Path
+
+import pytest
+import torch
+
+from cosyvoice_triton.config import read_yaml
+from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.models.speech_lm import SpeechLM
+from cosyvoice_triton.runtime.sampling import RasSampler, SamplingParams, greedy_sampler, make_generator
+
+NUM_TOKENS = 30
+
+
+@pytest.fixture(scope="module")
+def model(golden_model_dir: Path) -> SpeechLM:
+    return SpeechLM.from_model_dir(golden_model_dir, max_batch=2, max_seq_len=128)
+
+
+def random_request(model: SpeechLM, seed: int, text_len: int, prompt_text_len: int,
+                   prompt_speech_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rng = torch.Generator().manual_seed(seed)
+    vocab, speech = model.config.qwen.vocab_size, model.config.speech_token_size
+    return (torch.randint(vocab, (1, text_len), generator=rng),
+            torch.randint(vocab, (1, prompt_text_len), generator=rng),
+            torch.randint(speech, (1, prompt_speech_len), generator=rng))
+
+
+def sample_tokens(model: SpeechLM, request: tuple, seed: int, slot: int = 0) -> list[int]:
+    stream = model.generate(*request, sampling=SamplingParams(seed=seed), slot=slot)
+    return list(islice(stream, NUM_TOKENS))
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(model: SpeechLM) -> None:
+    request = random_request(model, 0, text_len=5, prompt_text_len=3, prompt_speech_len=7)
+    first = sample_tokens(model, request, seed=11)
+    assert len(first) == NUM_TOKENS
+    assert sample_tokens(model, request, seed=11, slot=1) == first
+    assert sample_tokens(model, request, seed=12) != first
+
+
+def test_interleaved_requests_do_not_disturb_each_other(model: SpeechLM) -> None:
+    request_a = random_request(model, 1, text_len=4, prompt_text_len=2, prompt_speech_len=5)
+    request_b = random_request(model, 2, text_len=6, prompt_text_len=0, prompt_speech_len=0)
+    alone_a, alone_b = sample_tokens(model, request_a, seed=3), sample_tokens(model, request_b, seed=4)
+    stream_a = model.generate(*request_a, sampling=SamplingParams(seed=3), slot=0)
+    stream_b = model.generate(*request_b, sampling=SamplingParams(seed=4), slot=1)
+    together = [(next(stream_a), next(stream_b)) for _ in range(NUM_TOKENS)]
+    assert [a for a, _ in together] == alone_a
+    assert [b for _, b in together] == alone_b
+
+
+def decode_alone(model: SpeechLM, prompt: torch.Tensor, forced: torch.Tensor, slot: int) -> torch.Tensor:
+    """Prefill `prompt` (1, L, D) into `slot`, then feed `forced` (1, N) one step at a time -> (N + 1, V)."""
+    slots, length = torch.tensor([slot]), prompt.shape[1]
+    rows = [model.step_logits(prompt, torch.arange(length)[None], slots)]
+    for k in range(forced.shape[1]):
+        rows.append(model.step_logits(model.embed_speech(forced[:, k:k + 1]), torch.tensor([[length + k]]), slots))
+    return torch.cat(rows)
+
+
+def test_batched_decode_equals_solo(model: SpeechLM) -> None:
+    """Two streams of different prompt lengths, decoded together in one batch, match their solo runs."""
+    short, long = (model.build_prompt(*random_request(model, seed, 4 + seed, 2 * seed, 3 * seed)) for seed in (1, 3))
+    assert short.shape[1] < long.shape[1]
+    forced = torch.randint(model.config.speech_token_size, (2, 6), generator=torch.Generator().manual_seed(5))
+    # Solo runs, both in slot 0; the long one goes last and leaves stale entries past the short prompt.
+    solo_short = decode_alone(model, short, forced[:1], slot=0)
+    solo_long = decode_alone(model, long, forced[1:], slot=0)
+    for prompt, tokens, solo in ((short, forced[:1], solo_short), (long, forced[1:], solo_long)):
+        oneshot = model.logits_full(torch.cat([prompt, model.embed_speech(tokens)], dim=1))[0]  # (L + N, V)
+        torch.testing.assert_close(solo, oneshot[prompt.shape[1] - 1:], rtol=0, atol=1e-5)
+    # Batch rows [long, short] live in slots [1, 0]: the row index is not the slot index.
+    first_long = model.step_logits(long, torch.arange(long.shape[1])[None], torch.tensor([1]))
+    first_short = model.step_logits(short, torch.arange(short.shape[1])[None], torch.tensor([0]))
+    rows_long, rows_short = [first_long[0]], [first_short[0]]
+    slots = torch.tensor([1, 0])
+    positions = torch.tensor([[long.shape[1]], [short.shape[1]]])  # (2, 1)
+    for k in range(forced.shape[1]):
+        step_tokens = torch.stack([forced[1, k:k + 1], forced[0, k:k + 1]])  # (2, 1) in row order
+        logits = model.step_logits(model.embed_speech(step_tokens), positions + k, slots)  # (2, V)
+        rows_long.append(logits[0])
+        rows_short.append(logits[1])
+    torch.testing.assert_close(torch.stack(rows_long), solo_long, rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.stack(rows_short), solo_short, rtol=0, atol=1e-5)
+
+
+def test_eos_is_masked_until_min_len_and_stop_tokens_end_the_stream(model: SpeechLM) -> None:
+    request = random_request(model, 4, text_len=2, prompt_text_len=1, prompt_speech_len=2)
+    min_len, _ = model.length_limits(request[0].shape[1])
+    eos_logp: list[float] = []
+    stop_at = min_len + 2
+
+    def recording_sampler(logp: torch.Tensor, decoded: Sequence[int], generator: torch.Generator | None) -> int:
+        eos_logp.append(float(logp[model.config.eos_token]))
+        return model.config.stop_tokens[-1] if len(decoded) == stop_at else greedy_sampler(logp, decoded, generator)
+
+    tokens = list(model.generate(*request, sampler=recording_sampler))
+    assert len(tokens) == stop_at
+    assert all(t not in model.config.stop_tokens for t in tokens)
+    assert all(v == -math.inf for v in eos_logp[:min_len])
+    assert all(math.isfinite(v) for v in eos_logp[min_len:])
+
+
+def test_cross_lingual_layout_with_empty_prompts(model: SpeechLM) -> None:
+    text, empty_text, empty_speech = random_request(model, 5, text_len=3, prompt_text_len=0, prompt_speech_len=0)
+    lm_input = model.build_prompt(text, empty_text, empty_speech)
+    assert lm_input.shape == (1, text.shape[1] + 2, model.config.llm_input_size)
+
+
+def test_ras_bans_a_recent_repeat() -> None:
+    logp = torch.full((50,), -20.0)
+    logp[7] = 0.0  # nearly all the mass: the nucleus is token 7 alone
+    logp = logp.log_softmax(dim=0)
+    sampler = RasSampler(SamplingParams())
+    generator = make_generator(0)
+    assert sampler(logp, [], generator) == 7
+    assert sampler(logp, [7, 1, 2], generator) != 7
+    assert sampler(logp, [7] + [1] * 10, generator) == 7  # 7 has left the window of 10
+
+
+def test_nucleus_respects_top_k() -> None:
+    logp = torch.linspace(0.0, -0.5, 40).log_softmax(dim=0)  # sorted: the three best are ids 0, 1, 2
+    sampler = RasSampler(SamplingParams(top_p=1.0, top_k=3, tau_r=2.0))  # tau_r > 1: never resample
+    generator = make_generator(1)
+    assert {sampler(logp, [], generator) for _ in range(50)} == {0, 1, 2}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("top_k", 0), ("top_k", 2.5),
+    ("win_size", 0), ("tau_r", -0.1), ("seed", -1), ("seed", 2**64), ("seed", True),
+])
+def test_invalid_sampling_params(field: str, value: object) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        SamplingParams(**{field: value}).validate()
+    assert caught.value.field == field
+
+
+def test_sampling_defaults_come_from_the_yaml(model: SpeechLM, golden_model_dir: Path) -> None:
+    sampling = read_yaml(golden_model_dir / "cosyvoice2.yaml")["llm"]["sampling"]
+    fields = ("top_p", "top_k", "win_size", "tau_r")
+    assert {name: getattr(model.config.sampling, name) for name in fields} == {name: sampling[name] for name in fields}
