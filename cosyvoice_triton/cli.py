@@ -76,12 +76,47 @@ def _run_synth(args) -> int:
     return 0
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="start tritonserver with every CosyVoice2 model; Ctrl-C stops it")
+    p.add_argument("--model-dir", default=None,
+                   help="model folder or hub id (default: a tiny random model made on first use)")
+    p.add_argument("--run-dir", type=Path, default=None, help="where the rendered repository and log go")
+    p.add_argument("--address", default="0.0.0.0")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--device", default="cpu", help="torch device of llm and token2wav: cpu or cuda")
+    p.add_argument("--instances", type=int, default=1,
+                   help="instances of the stateless models (cosyvoice2, prompt encoder steps, register_voice)")
+    p.add_argument("--workers", type=int, default=16, help="requests synthesized at once per cosyvoice2 instance")
+    p.add_argument("--voice-store", default=None,
+                   help="sqlite path or redis://host:port/db (default: $COSYVOICE_HOME/voices.sqlite)")
+    p.add_argument("--llm-max-batch", type=int, default=8, help="LLM streams decoded together (KV slots)")
+    p.add_argument("--t2w-max-streams", type=int, default=64, help="token2wav streams with state at once")
+    p.add_argument("--t2w-max-batch", type=int, default=16, help="token2wav chunks per flow batch")
+    p.add_argument("--torch-threads", type=int, default=0, help="torch threads per llm/token2wav instance")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args) -> int:
+    from .server.launcher import ServeOptions, serve
+
+    options = ServeOptions(model_dir=args.model_dir, run_dir=args.run_dir, address=args.address,
+                           http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                           device=args.device, instances=args.instances, workers=args.workers,
+                           voice_store=args.voice_store, llm_max_batch=args.llm_max_batch,
+                           t2w_max_streams=args.t2w_max_streams, t2w_max_batch=args.t2w_max_batch,
+                           torch_threads=args.torch_threads)
+    return serve(options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cosyvoice-triton", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_export(sub)
     _add_synth(sub)
+    _add_serve(sub)
     return parser
 
 

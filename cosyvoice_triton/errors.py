@@ -29,3 +29,11 @@ class NotFound(CosyVoiceError, KeyError):
 
 class ModelFolderError(CosyVoiceError, FileNotFoundError):
     """The model folder is missing files or cannot be read."""
+
+
+class Cancelled(CosyVoiceError):
+    """The client went away or cancelled the request. Maps to CANCELLED / HTTP 499."""
+
+
+class Unavailable(CosyVoiceError):
+    """The server cannot take the request now (queue full, shutting down). Maps to UNAVAILABLE / HTTP 503."""

@@ -6,13 +6,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv}
 STAMP="$VENV/.setup-stamp"
-WANT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+WANT=$(cat pyproject.toml scripts/setup.sh perf/install_perf_analyzer.sh | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   exit 0
 fi
 
-APT_PACKAGES=""  # soundfile ships libsndfile in its wheel
+# soundfile ships libsndfile in its wheel; redis-server backs the shared voice store and its tests;
+# libb64-0d is needed by perf_analyzer.
+APT_PACKAGES="redis-server libb64-0d"
 missing=""
 for p in $APT_PACKAGES; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then
@@ -27,4 +29,6 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 "$VENV/bin/python" -m pip install -q -e ".[test,server]"
+# perf_analyzer (tritonclient 2.41.0's binary and libcudart) goes into build/, not into the venv.
+bash perf/install_perf_analyzer.sh --python "$VENV/bin/python" >/dev/null
 echo "$WANT" > "$STAMP"

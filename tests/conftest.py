@@ -41,3 +41,19 @@ def golden_meta(golden_path: Path) -> dict:
 @pytest.fixture(scope="session")
 def golden_model_dir(golden_path: Path) -> Path:
     return golden_path / "model"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random model folder in the released layout, written once per test session."""
+    from cosyvoice_triton.export.random_model import write_random_model
+
+    return write_random_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def prompt_wav_16k() -> tuple[np.ndarray, int]:
+    """A speech-like 3 s prompt recording at 16 kHz, made locally."""
+    from cosyvoice_triton.export.sample_prompt import speech_like
+
+    return speech_like(3.0, 16000, seed=0), 16000

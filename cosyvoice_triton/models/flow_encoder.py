@@ -90,8 +90,10 @@ class RelPositionSelfAttention(nn.Module):
         self.linear_v = nn.Linear(dim, dim)
         self.linear_out = nn.Linear(dim, dim)
         self.linear_pos = nn.Linear(dim, dim, bias=False)
-        self.pos_bias_u = nn.Parameter(torch.empty(n_heads, self.head_dim))
-        self.pos_bias_v = nn.Parameter(torch.empty(n_heads, self.head_dim))
+        # Checkpoints overwrite these; the init matters only for random models (export/), where
+        # uninitialised memory could hold huge values.
+        self.pos_bias_u = nn.Parameter(nn.init.xavier_uniform_(torch.empty(n_heads, self.head_dim)))
+        self.pos_bias_v = nn.Parameter(nn.init.xavier_uniform_(torch.empty(n_heads, self.head_dim)))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, pos_emb: torch.Tensor) -> torch.Tensor:
         """x: (B, T, C); mask: (B, T, T) bool, True = may attend; pos_emb: (1, 2T-1, C) for offsets T-1..1-T."""

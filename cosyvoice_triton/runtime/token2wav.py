@@ -13,7 +13,6 @@ import torch
 
 from ..models.flow import FlowModel
 from ..models.hift import HiFTGenerator
-from .chunk_policy import ChunkPolicy, ChunkSchedule
 from .vocoder_stream import VocoderStream
 
 
@@ -34,60 +33,57 @@ class Token2Wav:
         self.hift = hift
         self.token_mel_ratio = flow.config.token_mel_ratio
         self.samples_per_frame = hift.config.samples_per_frame
+        self.device = next(flow.parameters()).device
 
     @torch.inference_mode()
     def mel(self, tokens: torch.Tensor, prompt: FlowPrompt, token_offset: int, finalize: bool,
             streaming: bool) -> torch.Tensor:
         """Mel frames of tokens[offset:] given the whole token history. (1, T) -> (1, 80, frames)."""
-        device = prompt.mel.device
+        device = self.device
         tokens = tokens.to(device)
         mel = self.flow.inference(
             token=tokens,
             token_len=torch.tensor([tokens.shape[1]], dtype=torch.int32, device=device),
-            prompt_token=prompt.speech_tokens,
+            prompt_token=prompt.speech_tokens.to(device),
             prompt_token_len=torch.tensor([prompt.speech_tokens.shape[1]], dtype=torch.int32, device=device),
-            prompt_feat=prompt.mel,
+            prompt_feat=prompt.mel.to(device),
             prompt_feat_len=torch.tensor([prompt.mel.shape[1]], dtype=torch.int32, device=device),
-            embedding=prompt.embedding,
+            embedding=prompt.embedding.to(device),
             streaming=streaming,
             finalize=finalize,
         )
         return mel[:, :, token_offset * self.token_mel_ratio:]
 
-    def stream(self, prompt: FlowPrompt, policy: ChunkPolicy, noise) -> "Token2WavStream":
-        return Token2WavStream(self, prompt, policy, noise)
+    def stream(self, prompt: FlowPrompt, noise, lookahead: int | None = None) -> "Token2WavStream":
+        lookahead = self.flow.config.pre_lookahead_len if lookahead is None else lookahead
+        return Token2WavStream(self, prompt, noise, lookahead)
 
 
 class Token2WavStream:
-    """Turns a growing list of speech tokens into audio chunks, following a chunk schedule."""
+    """Turns a growing list of speech tokens into audio chunks for one stream.
 
-    def __init__(self, engine: Token2Wav, prompt: FlowPrompt, policy: ChunkPolicy, noise):
+    `chunk(new_tokens, finalize)` is the primitive: a non-final chunk runs the flow on every token so
+    far (streaming attention), emits the frames after the current offset and moves the offset to the
+    last `lookahead` tokens, which only served as right context; the final chunk emits the rest.
+    """
+
+    def __init__(self, engine: Token2Wav, prompt: FlowPrompt, noise, lookahead: int):
         self.engine = engine
         self.prompt = prompt
-        self.schedule: ChunkSchedule = policy.schedule(prompt.speech_tokens.shape[1])
+        self.lookahead = lookahead
         self.vocoder = VocoderStream(engine.hift, noise=noise)
         self.tokens: list[int] = []
+        self.offset = 0  # tokens already turned into audio
 
-    def push(self, tokens: list[int]) -> None:
-        self.tokens.extend(tokens)
-
-    def ready(self) -> bool:
-        """True when enough tokens arrived for the next non-final chunk."""
-        return len(self.tokens) >= self.schedule.needed
-
-    def next_chunk(self) -> np.ndarray:
-        """Audio of the next non-final chunk; call only when `ready()`."""
-        offset, end = self.schedule.advance()
-        tokens = torch.tensor([self.tokens[:end]], dtype=torch.int32)
-        mel = self.engine.mel(tokens, self.prompt, offset, finalize=False, streaming=True)
-        return _to_numpy(self.vocoder.push(mel, finalize=False))
-
-    def finish(self) -> np.ndarray:
-        """Audio of every token not yet emitted; the stream is done afterwards."""
+    def chunk(self, new_tokens: list[int], finalize: bool) -> np.ndarray:
+        self.tokens.extend(new_tokens)
         tokens = torch.tensor([self.tokens], dtype=torch.int32)
-        mel = self.engine.mel(tokens, self.prompt, self.schedule.offset, finalize=True, streaming=False)
-        audio = _to_numpy(self.vocoder.push(mel, finalize=True))
-        self.close()
+        mel = self.engine.mel(tokens, self.prompt, self.offset, finalize=finalize, streaming=not finalize)
+        audio = _to_numpy(self.vocoder.push(mel, finalize=finalize))
+        if finalize:
+            self.close()
+        else:
+            self.offset = len(self.tokens) - self.lookahead
         return audio
 
     def close(self) -> None:

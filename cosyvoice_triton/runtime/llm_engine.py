@@ -1,0 +1,426 @@
+"""In-flight batching for the speech LM: one thread per engine decodes every live stream together.
+
+Each loop round (gpt-fast style, over the model's static KV cache of `max_batch` slots):
+1. retire cancelled streams and free their slots;
+2. admit waiting requests, oldest first, into free slots; each is prefilled on its own (B = 1), since
+   `step_logits` returns only the last column of a row;
+3. one decode step for all live streams (B = live streams, each row at its own position and slot);
+4. sample every row with the request's own generator, push the token to its stream, retire streams
+   on a stop token, at max_len, or on error.
+
+A request that arrives while others decode joins them at the next round. Sampling mirrors
+`SpeechLM.generate` with `torch.Generator().manual_seed(request.seed)` (same length limits, EOS masked
+before min_len, stop tokens not yielded), so a stream's tokens do not depend on what runs beside it.
+The step's log-probs (B, V) are read to the host once per round: the repetition-aware sampler needs
+the tokens decoded so far and a CPU generator per request, and that read is also the one that streams
+the tokens. It is the only host synchronisation of a decode round.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..errors import CosyVoiceError, InvalidInput
+from ..models.speech_lm import SpeechLM
+from .sampling import MAX_SEED, RasSampler, SamplingParams, make_generator
+
+log = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 5.0  # tokens/s is the count of the last RATE_WINDOW_S seconds over that window
+
+
+class EngineUnavailable(CosyVoiceError):
+    """The engine takes no request now: its queue is full or it has stopped. Maps to UNAVAILABLE."""
+
+
+class LLMStepError(CosyVoiceError):
+    """A prefill, decode step or draw failed for this stream; the engine carries on. Maps to INTERNAL."""
+
+
+@dataclass(frozen=True)
+class LLMRequest:
+    request_id: str
+    text_tokens: list[int]  # the sentence to speak
+    prompt_text_tokens: list[int]  # empty in cross_lingual; instruction tokens in instruct2
+    prompt_speech_tokens: list[int]  # empty outside zero_shot
+    sampling: SamplingParams  # its `seed` is ignored: `seed` below seeds the stream
+    seed: int
+
+
+@dataclass(frozen=True)
+class LLMStats:
+    active_streams: int  # streams holding a cache slot
+    queued: int  # requests waiting for a slot
+    last_batch_size: int  # rows of the latest decode step
+    peak_batch_size: int  # most rows of any decode step since start
+    tokens_total: int  # speech tokens sent since start
+    tokens_per_s: float  # tokens sent in the last RATE_WINDOW_S seconds, per second
+    slots_free: int
+
+
+_END = object()  # the last item of a stream's queue
+
+
+class LLMStream:
+    """The speech tokens of one request, as the engine samples them. Read from one consumer thread."""
+
+    def __init__(self, request: LLMRequest):
+        self.request = request
+        self.reason: str | None = None  # "stop_token" | "max_len" | "cancelled" | "error", once finished
+        self.error: Exception | None = None
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()  # orders the engine's pushes against a finish from stop()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # list[int] items, then _END
+        self._drained = False  # the consumer has taken _END
+
+    @property
+    def finished(self) -> bool:
+        return self.reason is not None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        """Ask the engine to end this stream; it frees the slot and ends the stream at its next round."""
+        self._cancel.set()
+
+    def get(self, timeout: float | None = None) -> list[int] | None:
+        """The tokens sampled since the last call (waiting for at least one), or None once the stream has
+        ended. Raises the stream's error if it failed, TimeoutError if `timeout` seconds pass first."""
+        if self._drained:
+            return self._end()
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no token for request {self.request.request_id} within {timeout} s") from None
+        if item is _END:
+            self._drained = True
+            return self._end()
+        tokens = list(item)
+        while not self._queue.empty():  # hand over everything already sampled in one piece
+            item = self._queue.get()
+            if item is _END:
+                self._queue.put(_END)  # the next call ends the stream
+                break
+            tokens.extend(item)
+        return tokens
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while (tokens := self.get()) is not None:
+            yield tokens
+
+    def _end(self) -> None:
+        if self.error is not None:
+            raise self.error
+        return None
+
+    def _push(self, tokens: list[int]) -> None:
+        with self._lock:
+            if not self.finished:
+                self._queue.put(tokens)
+
+    def _finish(self, reason: str, error: Exception | None = None) -> None:
+        """End the stream; the first finish wins, later ones do nothing."""
+        with self._lock:
+            if self.finished:
+                return
+            self.error = error
+            self.reason = reason  # set last: `finished` implies `error` is final
+            self._queue.put(_END)
+
+
+@dataclass
+class _Live:
+    """Engine-side state of a stream that holds a cache slot."""
+
+    stream: LLMStream
+    slot: int
+    prompt_len: int
+    min_len: int
+    max_len: int
+    sampler: RasSampler
+    generator: torch.Generator
+    decoded: list[int] = field(default_factory=list)
+
+    @property
+    def next_pos(self) -> int:
+        """Cache position of the next decode input (the latest token)."""
+        return self.prompt_len + len(self.decoded) - 1
+
+
+class LLMEngine:
+    """Batches the live streams of one SpeechLM, which the engine owns (its KV cache is re-allocated)."""
+
+    def __init__(self, llm: SpeechLM, max_batch: int = 8, max_seq_len: int = 4096,
+                 device: torch.device | str | None = None, max_queue: int = 64):
+        """`max_seq_len` bounds the positions of one stream (prompt + speech); the model's own cache
+        length bounds it too. At most `max_queue` requests wait for a slot; more are refused."""
+        if max_batch < 1 or max_queue < 1:
+            raise ValueError(f"max_batch ({max_batch}) and max_queue ({max_queue}) must be >= 1")
+        self.device = torch.device(device) if device is not None else next(llm.parameters()).device
+        self.llm = llm.to(self.device).eval()
+        self.llm.setup_caches(max_batch)
+        self.max_batch = max_batch
+        self.max_seq_len = min(max_seq_len, llm.max_seq_len)
+        self.max_queue = max_queue
+        self._eos = llm.config.eos_token
+        self._stop_tokens = frozenset(llm.config.stop_tokens)
+        self._cond = threading.Condition()  # guards everything below; the engine waits on it when idle
+        self._waiting: deque[LLMStream] = deque()
+        self._live: dict[int, _Live] = {}  # slot -> stream; written by the engine thread only
+        self._free_slots = list(range(max_batch - 1, -1, -1))  # pop() hands out slot 0 first
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._last_batch = 0
+        self._peak_batch = 0
+        self._tokens_total = 0
+        self._recent: deque[tuple[float, int]] = deque()  # (monotonic time, tokens) of recent rounds
+
+    # ---- public API ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is not None or self._closed:
+                raise RuntimeError("an LLMEngine starts once")
+            self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Refuse new requests, fail every waiting and live stream with EngineUnavailable, join the thread."""
+        self._close(EngineUnavailable("the LLM engine stopped"))
+        if self._thread is not None:
+            self._thread.join()
+
+    def submit(self, request: LLMRequest) -> LLMStream:
+        """Queue a request (thread-safe). Raises InvalidInput naming the bad field, EngineUnavailable
+        when the queue is full or the engine has stopped."""
+        self._validate(request)
+        stream = LLMStream(request)
+        with self._cond:
+            if self._closed:
+                raise EngineUnavailable("the LLM engine has stopped")
+            if len(self._waiting) >= self.max_queue:
+                raise EngineUnavailable(f"the LLM request queue is full ({self.max_queue} waiting)")
+            self._waiting.append(stream)
+            self._cond.notify()
+        return stream
+
+    @property
+    def stats(self) -> LLMStats:
+        with self._cond:
+            self._forget_old_rounds(time.monotonic())
+            return LLMStats(active_streams=len(self._live), queued=len(self._waiting),
+                            last_batch_size=self._last_batch, peak_batch_size=self._peak_batch,
+                            tokens_total=self._tokens_total,
+                            tokens_per_s=sum(n for _, n in self._recent) / RATE_WINDOW_S,
+                            slots_free=len(self._free_slots))
+
+    # ---- validation (caller's thread) ------------------------------------------------------------
+
+    def _validate(self, request: LLMRequest) -> None:
+        config = self.llm.config
+        if not isinstance(request.request_id, str) or not request.request_id:
+            raise InvalidInput("request_id", "must be a non-empty string")
+        _check_ids("text_tokens", request.text_tokens, config.qwen.vocab_size)
+        _check_ids("prompt_text_tokens", request.prompt_text_tokens, config.qwen.vocab_size)
+        _check_ids("prompt_speech_tokens", request.prompt_speech_tokens, config.speech_token_size)
+        if not request.text_tokens:
+            raise InvalidInput("text_tokens", "is empty")
+        if not isinstance(request.sampling, SamplingParams):
+            raise InvalidInput("sampling", f"must be SamplingParams, got {type(request.sampling).__name__}")
+        request.sampling.validate()
+        if not _is_int(request.seed) or not 0 <= request.seed <= MAX_SEED:
+            raise InvalidInput("seed", f"must be an integer in [0, 2**64), got {request.seed!r}")
+        prompt_len = _prompt_len(request)
+        if prompt_len >= self.max_seq_len:
+            raise InvalidInput("text_tokens", f"the prompt takes {prompt_len} positions (text "
+                                              f"{len(request.text_tokens)}, prompt text "
+                                              f"{len(request.prompt_text_tokens)}, prompt speech "
+                                              f"{len(request.prompt_speech_tokens)}); the cache holds "
+                                              f"{self.max_seq_len}")
+
+    # ---- the engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        error: Exception = EngineUnavailable("the LLM engine stopped")
+        try:
+            while self._wait_for_work():
+                self._drop_cancelled()
+                self._admit()
+                if self._live:
+                    self._decode()
+        except Exception as exc:  # a fault of the loop itself: fail every stream rather than leave it hanging
+            log.exception("the LLM engine loop failed")
+            error = LLMStepError(f"the LLM engine failed: {exc}")
+            error.__cause__ = exc
+        finally:
+            self._close(error)
+            with self._cond:
+                for live in list(self._live.values()):
+                    self._release(live)
+
+    def _wait_for_work(self) -> bool:
+        """Block while there is nothing to do; False once the engine is closed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or self._live or self._waiting)
+            return not self._closed
+
+    def _close(self, error: Exception) -> None:
+        """Refuse new requests and fail every stream not yet finished (the engine frees the slots)."""
+        with self._cond:
+            self._closed = True
+            streams = [live.stream for live in self._live.values()] + list(self._waiting)
+            self._waiting.clear()
+            self._cond.notify_all()
+        for stream in streams:
+            stream._finish("error", error)
+
+    def _drop_cancelled(self) -> None:
+        with self._cond:
+            waiting = [stream for stream in self._waiting if stream.cancelled]
+            if waiting:
+                self._waiting = deque(stream for stream in self._waiting if not stream.cancelled)
+        for stream in waiting:
+            stream._finish("cancelled")
+        for live in [live for live in self._live.values() if live.stream.cancelled]:
+            self._retire(live, "cancelled")
+
+    def _admit(self) -> None:
+        """Move waiting requests, oldest first, into free slots and prefill each."""
+        while True:
+            with self._cond:
+                if not self._waiting or not self._free_slots:
+                    return
+                stream = self._waiting.popleft()
+                live = self._new_live(stream, self._free_slots.pop())
+                self._live[live.slot] = live
+            self._prefill(live)
+
+    def _new_live(self, stream: LLMStream, slot: int) -> _Live:
+        request = stream.request
+        min_len, max_len = self.llm.length_limits(len(request.text_tokens))
+        prompt_len = _prompt_len(request)
+        return _Live(stream=stream, slot=slot, prompt_len=prompt_len, min_len=min_len,
+                     max_len=min(max_len, self.max_seq_len - prompt_len),
+                     sampler=RasSampler(request.sampling), generator=make_generator(request.seed))
+
+    def _prefill(self, live: _Live) -> None:
+        request, device = live.stream.request, self.device
+        try:
+            x = self.llm.build_prompt(_ids(request.text_tokens, device), _ids(request.prompt_text_tokens, device),
+                                      _ids(request.prompt_speech_tokens, device))  # (1, L, D)
+            input_pos = torch.arange(live.prompt_len, device=device)[None]  # (1, L)
+            logits = self.llm.step_logits(x, input_pos, torch.tensor([live.slot], device=device))  # (1, V)
+        except Exception as exc:
+            self._fail([live], "prefill", exc)
+            return
+        self._sample([live], logits)
+
+    def _decode(self) -> None:
+        """One step for every live stream: row b feeds its latest token at its own position and slot."""
+        batch = list(self._live.values())
+        device = self.device
+        try:
+            tokens = torch.tensor([[live.decoded[-1]] for live in batch], device=device)  # (B, 1)
+            input_pos = torch.tensor([[live.next_pos] for live in batch], device=device)  # (B, 1)
+            slots = torch.tensor([live.slot for live in batch], device=device)  # (B,)
+            logits = self.llm.step_logits(self.llm.embed_speech(tokens), input_pos, slots)  # (B, V)
+        except Exception as exc:
+            self._fail(batch, "decode step", exc)
+            return
+        with self._cond:
+            self._last_batch = len(batch)
+            self._peak_batch = max(self._peak_batch, len(batch))
+        self._sample(batch, logits)
+
+    def _sample(self, batch: Sequence[_Live], logits: Tensor) -> None:
+        """Draw one token per row of logits (B, V), as `SpeechLM.generate` does, and deliver it."""
+        try:
+            logp = logits.log_softmax(dim=-1).cpu()  # (B, V): the round's one device -> host read
+        except Exception as exc:
+            self._fail(batch, "log-softmax", exc)
+            return
+        sent = 0
+        for live, row in zip(batch, logp):
+            try:
+                token = self._draw(live, row)
+            except Exception as exc:
+                self._fail([live], "sampling", exc)
+                continue
+            if token in self._stop_tokens:
+                self._retire(live, "stop_token")
+                continue
+            live.decoded.append(token)
+            live.stream._push([token])
+            sent += 1
+            if len(live.decoded) >= live.max_len:
+                self._retire(live, "max_len")
+        self._count(sent)
+
+    def _draw(self, live: _Live, logp: Tensor) -> int:
+        """logp (V,): EOS is banned until min_len tokens are out (the other stop tokens stay allowed)."""
+        if len(live.decoded) < live.min_len:
+            logp[self._eos] = -math.inf
+        return live.sampler(logp, live.decoded, live.generator)
+
+    def _fail(self, batch: Sequence[_Live], stage: str, exc: Exception) -> None:
+        ids = ", ".join(live.stream.request.request_id for live in batch)
+        log.error("LLM %s failed for request(s) %s", stage, ids, exc_info=exc)
+        for live in batch:
+            error = LLMStepError(f"the LLM {stage} failed for request {live.stream.request.request_id}: {exc}")
+            error.__cause__ = exc
+            self._retire(live, "error", error)
+
+    def _retire(self, live: _Live, reason: str, error: Exception | None = None) -> None:
+        """Free the slot first, so a consumer that sees the end also sees the slot free."""
+        with self._cond:
+            self._release(live)
+        live.stream._finish(reason, error)
+
+    def _release(self, live: _Live) -> None:
+        """Give the slot back; hold self._cond. Stale cache rows need no clearing: a new stream writes
+        from position 0 up and attends only to positions <= its own."""
+        del self._live[live.slot]
+        self._free_slots.append(live.slot)
+
+    def _count(self, tokens: int) -> None:
+        now = time.monotonic()
+        with self._cond:
+            self._tokens_total += tokens
+            self._recent.append((now, tokens))
+            self._forget_old_rounds(now)
+
+    def _forget_old_rounds(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+            self._recent.popleft()
+
+
+def _prompt_len(request: LLMRequest) -> int:
+    """Positions of the prefill: sos, prompt text, text, task id, prompt speech."""
+    return 2 + len(request.prompt_text_tokens) + len(request.text_tokens) + len(request.prompt_speech_tokens)
+
+
+def _ids(tokens: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(tokens, dtype=torch.int64, device=device).reshape(1, -1)  # (1, N)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_ids(name: str, tokens: object, limit: int) -> None:
+    if not isinstance(tokens, (list, tuple)) or not all(_is_int(t) for t in tokens):
+        raise InvalidInput(name, "must be a list of integer ids")
+    if tokens and (min(tokens) < 0 or max(tokens) >= limit):
+        raise InvalidInput(name, f"ids must lie in [0, {limit})")

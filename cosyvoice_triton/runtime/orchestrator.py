@@ -1,0 +1,185 @@
+"""The per-request streaming logic: sentences -> speech tokens -> audio chunks.
+
+The same code runs in-process (local backends) and inside the Triton `cosyvoice2` model (BLS backends
+that call the `llm` and `token2wav` models), so both give the same audio for the same seed. For each
+sentence it opens an LLM token stream, follows the chunk schedule (small first chunk, growing hops,
+`lookahead` tokens of right context) and sends each due chunk's new tokens to token2wav.
+"""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
+
+import numpy as np
+
+from ..errors import Cancelled
+from ..frontend.text import TextFrontend
+from .llm_engine import LLMRequest
+from .request import END_OF_PROMPT, SynthesisRequest, random_seed, sentence_seeds
+from .token2wav import FlowPrompt
+from .token2wav_engine import ChunkRequest
+
+
+class TokenStream(Protocol):
+    def __iter__(self) -> Iterator[list[int]]: ...
+
+    def cancel(self) -> None: ...
+
+
+class LLMBackend(Protocol):
+    def stream(self, request: LLMRequest) -> TokenStream: ...
+
+
+class Token2WavBackend(Protocol):
+    def chunk(self, chunk: ChunkRequest) -> np.ndarray: ...
+
+    def cancel(self, stream_id: str) -> None: ...
+
+
+def flow_prompt_of(voice) -> FlowPrompt:
+    """The flow-side prompt (tokens, mel, embedding) of a voice's PromptFeatures, as (1, ...) tensors."""
+    import torch
+
+    return FlowPrompt(
+        speech_tokens=torch.as_tensor(np.asarray(voice.speech_tokens, dtype=np.int32))[None],
+        mel=torch.as_tensor(np.asarray(voice.mel, dtype=np.float32))[None],
+        embedding=torch.as_tensor(np.asarray(voice.embedding, dtype=np.float32)).reshape(1, -1),
+    )
+
+
+class Orchestrator:
+    def __init__(self, frontend: TextFrontend, llm: LLMBackend, token2wav: Token2WavBackend):
+        self.frontend = frontend
+        self.llm = llm
+        self.token2wav = token2wav
+
+    def llm_requests(self, request: SynthesisRequest, request_id: str, seed: int) -> list[LLMRequest]:
+        """Normalize and split the text; lay out each sentence's LLM prompt by mode."""
+        encode = self.frontend.tokenizer.encode
+        pieces = self.frontend.split(request.text, field="target_text")
+        prompt_text, prompt_speech = "", []
+        if request.mode == "zero_shot":
+            prompt_text = self.frontend.normalize(request.voice.text)
+            prompt_speech = [int(t) for t in request.voice.speech_tokens]
+        elif request.mode == "instruct2":
+            prompt_text = request.instruct_text.strip()
+            if not prompt_text.endswith(END_OF_PROMPT):
+                prompt_text += END_OF_PROMPT
+        prompt_text_tokens = encode(prompt_text) if prompt_text else []
+        return [LLMRequest(request_id=f"{request_id}/{i}", text_tokens=encode(piece),
+                           prompt_text_tokens=prompt_text_tokens, prompt_speech_tokens=prompt_speech,
+                           sampling=request.sampling, seed=sentence_seeds(seed, i).llm)
+                for i, piece in enumerate(pieces)]
+
+    def run(self, request: SynthesisRequest, stream: bool, is_cancelled: Callable[[], bool] = lambda: False,
+            request_id: str | None = None) -> Iterator[np.ndarray]:
+        """Yield float32 audio chunks in order. Offline (`stream=False`) yields one chunk per sentence."""
+        request.validate()
+        request_id = request_id or uuid.uuid4().hex
+        seed = request.seed if request.seed is not None else random_seed()
+        prompt = flow_prompt_of(request.voice)
+        for index, llm_request in enumerate(self.llm_requests(request, request_id, seed)):
+            yield from self._sentence(request, llm_request, prompt, sentence_seeds(seed, index).vocoder,
+                                      stream, is_cancelled)
+
+    def _sentence(self, request: SynthesisRequest, llm_request: LLMRequest, prompt: FlowPrompt, vocoder_seed: int,
+                  stream: bool, is_cancelled: Callable[[], bool]) -> Iterator[np.ndarray]:
+        stream_id = llm_request.request_id
+        schedule = request.chunk_policy.schedule(prompt.speech_tokens.shape[1])
+        tokens: list[int] = []
+        sent = 0  # tokens already handed to token2wav
+        opened = finished = False
+        token_stream = self.llm.stream(llm_request)
+
+        def send(end: int, finalize: bool) -> np.ndarray:
+            nonlocal sent, opened
+            chunk = ChunkRequest(stream_id=stream_id, tokens=tokens[sent:end], finalize=finalize,
+                                 prompt=None if opened else prompt, seed=vocoder_seed)
+            opened, sent = True, end
+            return self.token2wav.chunk(chunk)
+
+        try:
+            for new_tokens in token_stream:
+                if is_cancelled():
+                    raise Cancelled("the client cancelled the request")
+                tokens.extend(new_tokens)
+                while stream and len(tokens) >= schedule.needed:
+                    _, end = schedule.advance()
+                    yield send(end, finalize=False)
+                    if is_cancelled():
+                        raise Cancelled("the client cancelled the request")
+            audio = send(len(tokens), finalize=True)
+            finished = True
+            yield audio
+        finally:
+            if not finished:
+                token_stream.cancel()
+                if opened:
+                    self.token2wav.cancel(stream_id)
+
+
+# ---- in-process backends --------------------------------------------------------------------------
+
+class _GeneratorStream:
+    """A TokenStream over a plain token iterator (the reference single-stream LLM loop)."""
+
+    def __init__(self, tokens: Iterable[int]):
+        self._tokens = iter(tokens)
+        self._cancelled = False
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for token in self._tokens:
+            if self._cancelled:
+                return
+            yield [token]
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+
+class ReferenceLLM:
+    """LLMBackend that runs `SpeechLM.generate` in the caller's thread, one stream at a time."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def stream(self, request: LLMRequest) -> TokenStream:
+        import torch
+
+        def as_tensor(ids: list[int]) -> torch.Tensor:
+            return torch.tensor([ids], dtype=torch.int32).reshape(1, -1)
+
+        tokens = self.llm.generate(as_tensor(request.text_tokens), as_tensor(request.prompt_text_tokens),
+                                   as_tensor(request.prompt_speech_tokens), request.sampling,
+                                   torch.Generator().manual_seed(request.seed))
+        return _GeneratorStream(tokens)
+
+
+class ReferenceToken2Wav:
+    """Token2WavBackend over single-stream `Token2WavStream`s, one flow call per chunk."""
+
+    def __init__(self, token2wav):
+        self.token2wav = token2wav
+        self.streams: dict[str, object] = {}
+
+    def chunk(self, chunk: ChunkRequest) -> np.ndarray:
+        import torch
+
+        from ..models.hift_source import GeneratorNoise
+
+        state = self.streams.get(chunk.stream_id)
+        if state is None:
+            seed = chunk.seed if chunk.seed is not None else random_seed()
+            state = self.token2wav.stream(chunk.prompt, GeneratorNoise(torch.Generator().manual_seed(seed)))
+            self.streams[chunk.stream_id] = state
+        audio = state.chunk(chunk.tokens, chunk.finalize)
+        if chunk.finalize:
+            del self.streams[chunk.stream_id]
+        return audio
+
+    def cancel(self, stream_id: str) -> None:
+        state = self.streams.pop(stream_id, None)
+        if state is not None:
+            state.close()
+

@@ -1,0 +1,335 @@
+"""Token2wav for many streams at once: chunks of different streams share one flow call.
+
+The Triton `token2wav` model hands `Token2WavEngine.run` the chunks that its dynamic batcher gathered,
+each the next piece of one stream. The engine keeps the state of every live stream by id (prompt, tokens
+so far, token offset, vocoder caches) and gives each stream exactly the audio of a solo `Token2WavStream`
+with the same chunk boundaries and vocoder seed:
+
+- a non-final chunk runs the flow on all tokens so far (streaming), keeps the mel frames from
+  2 * offset to 2 * (len(tokens) - lookahead), and moves the offset there;
+- the final chunk runs the flow on all tokens (not streaming, finalize) and keeps the frames from
+  2 * offset on; the state is freed afterwards.
+
+All chunks of one `run` go through one flow call (rows padded; the flow masks per row), at most
+`max_batch` rows, first chunks of streams first. HiFT is non-causal, so only rows with the same number of
+mel frames share a vocoder call. A chunk that fails its checks changes nothing, and a stream's tokens,
+offset and caches change only once the audio of its whole batch is made (an unexpected failure of the
+batch leaves them as they were; only a vocoder noise generator may have moved on).
+One caller at a time: Triton runs `execute` of an instance serially.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+from ..errors import CosyVoiceError, InvalidInput, NotFound, Unavailable
+from ..models.flow import FlowModel
+from ..models.hift import HiFTGenerator
+from ..models.hift_source import GeneratorNoise, StackedNoise
+from .chunk_policy import MIN_HOP_TOKENS
+from .token2wav import FlowPrompt
+from .vocoder_stream import VocoderStream
+
+log = logging.getLogger(__name__)
+
+FREE_REASONS = ("finalize", "cancel", "idle")
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+
+
+@dataclass
+class ChunkRequest:
+    stream_id: str
+    tokens: list[int]  # new speech tokens since this stream's previous request (may be empty on a final call)
+    finalize: bool  # last chunk of the stream: emit everything, then free the state
+    prompt: FlowPrompt | None  # required on the first request of a stream, ignored afterwards
+    seed: int | None  # vocoder noise seed, used on the first request (None -> random)
+
+
+@dataclass(frozen=True)
+class Token2WavStats:
+    active_streams: int
+    flow_calls: int
+    last_flow_batch: int  # rows of the latest flow call
+    max_flow_batch: int
+    mean_flow_batch: float
+    chunks_served: int
+    chunks_failed: int
+    freed: dict[str, int]  # streams freed, by reason (FREE_REASONS)
+
+
+@dataclass
+class _Stream:
+    prompt: FlowPrompt  # on the flow's device
+    vocoder: VocoderStream
+    tokens: list[int]
+    offset: int  # tokens already turned into audio
+    last_active: float  # clock() of the latest chunk
+
+
+@dataclass
+class _Row:
+    """One chunk planned into a flow batch; the stream is updated only when its audio is made."""
+
+    index: int  # position in run()'s input
+    stream_id: str
+    stream: _Stream
+    tokens: list[int]  # the stream's tokens including this chunk's
+    finalize: bool
+    new_offset: int
+
+
+class Token2WavEngine:
+    def __init__(self, flow: FlowModel, hift: HiFTGenerator, *, max_streams: int = 64, max_batch: int = 16,
+                 idle_timeout_s: float = 120.0, lookahead: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.flow = flow
+        self.hift = hift
+        self.max_streams = max_streams
+        self.max_batch = max_batch
+        self.idle_timeout_s = idle_timeout_s
+        self.lookahead = flow.config.pre_lookahead_len if lookahead is None else lookahead
+        if self.lookahead < flow.config.pre_lookahead_len:
+            # The flow makes no frames for its last pre_lookahead_len tokens; a shorter hold-back would skip them.
+            raise ValueError(f"lookahead {self.lookahead} < the flow's pre_lookahead_len "
+                             f"{flow.config.pre_lookahead_len}")
+        if max_streams < 1 or max_batch < 1:
+            raise ValueError(f"max_streams ({max_streams}) and max_batch ({max_batch}) must be >= 1")
+        self.clock = clock
+        self.ratio = flow.config.token_mel_ratio
+        self.device = next(flow.parameters()).device
+        self._streams: dict[str, _Stream] = {}
+        self._flow_calls = self._flow_rows = self._last_batch = self._max_batch_seen = 0
+        self._served = self._failed = 0
+        self._freed = dict.fromkeys(FREE_REASONS, 0)
+
+    # ---- public API ----
+
+    def run(self, chunks: list[ChunkRequest]) -> list[np.ndarray | Exception]:
+        """Audio (N,) float32 per chunk, or the error of that chunk, in input order."""
+        self.sweep_idle()
+        now = self.clock()
+        results: list[np.ndarray | Exception | None] = [None] * len(chunks)
+        pending: dict[str, deque[int]] = defaultdict(deque)  # per stream, its chunks in input order
+        for index, chunk in enumerate(chunks):
+            pending[chunk.stream_id].append(index)
+        while pending:
+            rows = self._next_batch(chunks, pending, results, now)
+            if rows:
+                self._serve(rows, results)
+            pending = {sid: queue for sid, queue in pending.items() if queue}
+        self._served += sum(isinstance(r, np.ndarray) for r in results)
+        self._failed += sum(isinstance(r, Exception) for r in results)
+        return results  # every slot is filled: each index left its queue as a row or an error
+
+    def cancel(self, stream_id: str) -> bool:
+        """Free a stream's state now; False if there was none."""
+        return self._free(stream_id, "cancel")
+
+    def sweep_idle(self) -> list[str]:
+        """Free the streams that got no chunk for longer than idle_timeout_s; returns their ids."""
+        now = self.clock()
+        idle = [sid for sid, s in self._streams.items() if now - s.last_active > self.idle_timeout_s]
+        for stream_id in idle:
+            self._free(stream_id, "idle")
+        return idle
+
+    @property
+    def stats(self) -> Token2WavStats:
+        return Token2WavStats(
+            active_streams=len(self._streams), flow_calls=self._flow_calls, last_flow_batch=self._last_batch,
+            max_flow_batch=self._max_batch_seen,
+            mean_flow_batch=self._flow_rows / self._flow_calls if self._flow_calls else 0.0,
+            chunks_served=self._served, chunks_failed=self._failed, freed=dict(self._freed))
+
+    # ---- planning ----
+
+    def _next_batch(self, chunks: list[ChunkRequest], pending: dict[str, deque[int]],
+                    results: list, now: float) -> list[_Row]:
+        """Take up to max_batch chunks, at most one per stream, first chunks of streams first.
+        Chunks that fail their checks get their error and take no place in the batch."""
+        heads = sorted((queue[0] for queue in pending.values()),
+                       key=lambda i: (chunks[i].stream_id in self._streams, i))
+        rows: list[_Row] = []
+        for index in heads:
+            if len(rows) == self.max_batch:
+                break
+            chunk = chunks[index]
+            pending[chunk.stream_id].popleft()
+            opening = sum(row.stream_id not in self._streams for row in rows)  # new streams in this batch
+            try:
+                rows.append(self._plan(index, chunk, opening, now))
+            except CosyVoiceError as error:
+                results[index] = error
+        return rows
+
+    def _plan(self, index: int, chunk: ChunkRequest, new_in_batch: int, now: float) -> _Row:
+        stream = self._streams.get(chunk.stream_id)
+        if stream is None:
+            stream = self._open(chunk, new_in_batch, now)
+        self._check_tokens(chunk.tokens)
+        tokens = stream.tokens + list(chunk.tokens)
+        new_offset = len(tokens) if chunk.finalize else len(tokens) - self.lookahead
+        if not chunk.finalize and new_offset - stream.offset < MIN_HOP_TOKENS:
+            # The vocoder holds back 8 mel frames (4 tokens) of every non-final chunk for its cross-fade.
+            raise InvalidInput("tokens", f"a non-final chunk must advance the stream by >= {MIN_HOP_TOKENS} "
+                               f"tokens after {self.lookahead} lookahead tokens; {len(tokens)} tokens in all, "
+                               f"{stream.offset} already spoken")
+        frames = self.ratio * (stream.prompt.speech_tokens.shape[1] + len(tokens)
+                               - (0 if chunk.finalize else self.flow.config.pre_lookahead_len))
+        if frames > self.flow.config.noise_frames:
+            raise InvalidInput("tokens", f"{frames} mel frames with the prompt exceed the flow's "
+                               f"{self.flow.config.noise_frames}-frame limit")
+        stream.last_active = now
+        return _Row(index, chunk.stream_id, stream, tokens, chunk.finalize, new_offset)
+
+    def _open(self, chunk: ChunkRequest, new_in_batch: int, now: float) -> _Stream:
+        """A new stream's state; it is registered once its first chunk is served."""
+        if chunk.prompt is None:
+            raise NotFound("stream_id", f"no stream {chunk.stream_id!r}: it ended, was cancelled or timed out, "
+                           "or its first chunk carried no prompt")
+        if len(self._streams) + new_in_batch >= self.max_streams:
+            raise Unavailable(f"stream {chunk.stream_id!r}: all max_streams={self.max_streams} stream slots "
+                              "are in use")
+        prompt = self._check_prompt(chunk.prompt)
+        if chunk.seed is not None and not 0 <= chunk.seed < SEED_LIMIT:
+            raise InvalidInput("seed", f"must be in [0, 2**64), got {chunk.seed}")
+        generator = torch.Generator()
+        if chunk.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(chunk.seed)
+        return _Stream(prompt, VocoderStream(self.hift, noise=GeneratorNoise(generator)), [], 0, now)
+
+    def _check_tokens(self, tokens: list[int], field: str = "tokens") -> None:
+        vocab = self.flow.config.vocab_size
+        if any(not 0 <= t < vocab for t in tokens):
+            raise InvalidInput(field, f"speech tokens must be in [0, {vocab})")
+
+    def _check_prompt(self, prompt: FlowPrompt) -> FlowPrompt:
+        """Shapes and values checked; moved to the flow's device."""
+        config = self.flow.config
+        P = prompt.speech_tokens.shape[-1]
+        expected = {"prompt.speech_tokens": (prompt.speech_tokens, (1, P)),
+                    "prompt.mel": (prompt.mel, (1, self.ratio * P, config.mel_bins)),
+                    "prompt.embedding": (prompt.embedding, (1, config.spk_embed_dim))}
+        for field, (tensor, shape) in expected.items():
+            if tuple(tensor.shape) != shape:
+                raise InvalidInput(field, f"shape {tuple(tensor.shape)}, expected {shape}")
+        if prompt.speech_tokens.is_floating_point():
+            raise InvalidInput("prompt.speech_tokens", f"must be integers, got {prompt.speech_tokens.dtype}")
+        self._check_tokens(prompt.speech_tokens[0].tolist(), "prompt.speech_tokens")
+        return FlowPrompt(speech_tokens=prompt.speech_tokens.to(self.device, torch.int32),
+                          mel=prompt.mel.to(self.device, torch.float32),
+                          embedding=prompt.embedding.to(self.device, torch.float32))
+
+    # ---- serving ----
+
+    def _serve(self, rows: list[_Row], results: list) -> None:
+        """Audio for every row of one batch; on an unexpected failure every row gets the error."""
+        try:
+            audio = self._synthesize(rows)
+        except Exception as error:  # e.g. out of device memory: the streams stay as they were
+            log.exception("token2wav batch of %d chunks failed", len(rows))
+            for row in rows:
+                results[row.index] = error
+            return
+        for row, samples in zip(rows, audio):
+            results[row.index] = samples
+
+    @torch.inference_mode()
+    def _synthesize(self, rows: list[_Row]) -> list[np.ndarray]:
+        """Flow, then HiFT, then the state updates -> audio (N,) float32 per row."""
+        new_mels = self._flow_mels(rows)
+        prepared = [row.stream.vocoder.prepare(mel) for row, mel in zip(rows, new_mels)]
+        vocoded = self._vocode(rows, prepared)
+        # Only now, with every row's audio made, do the streams change.
+        audio = []
+        for row, (mel, _), (wave, source) in zip(rows, prepared, vocoded):
+            if mel.shape[2] == 0:  # nothing to speak and nothing cached: a stream with no tokens at all
+                audio.append(np.zeros(0, dtype=np.float32))
+            else:
+                audio.append(row.stream.vocoder.commit(mel, wave, source, row.finalize)[0].float().cpu().numpy())
+            self._commit(row)
+        return audio
+
+    def _flow_mels(self, rows: list[_Row]) -> list[Tensor]:
+        """One flow call for the rows that have new frames -> each row's new frames (1, 80, T_b)."""
+        spans = [(self.ratio * row.stream.offset, self.ratio * row.new_offset) for row in rows]
+        active = [b for b, (start, end) in enumerate(spans) if end > start]
+        empty = torch.zeros(1, self.flow.config.mel_bins, 0, device=self.device)
+        new_mels = [empty] * len(rows)
+        if not active:
+            return new_mels
+        batch = [rows[b] for b in active]
+        prompts = [row.stream.prompt for row in batch]
+        tokens = [torch.tensor(row.tokens, dtype=torch.int32, device=self.device) for row in batch]
+        prompt_tokens = [p.speech_tokens[0] for p in prompts]  # (P_b,)
+        prompt_mels = [p.mel[0] for p in prompts]  # (2 P_b, 80)
+        finalize = torch.tensor([row.finalize for row in batch], device=self.device)
+        mel = self.flow.inference(
+            token=pad_sequence(tokens, batch_first=True), token_len=_lengths(tokens),
+            prompt_token=pad_sequence(prompt_tokens, batch_first=True), prompt_token_len=_lengths(prompt_tokens),
+            prompt_feat=pad_sequence(prompt_mels, batch_first=True), prompt_feat_len=_lengths(prompt_mels),
+            embedding=torch.cat([p.embedding for p in prompts]), streaming=~finalize, finalize=finalize,
+        )  # (B, 80, max frames), row b starting at the first token after its prompt
+        self._count_flow_call(len(batch))
+        for row_in_batch, b in enumerate(active):
+            start, end = spans[b]
+            # A copy: the vocoder caches a slice of it, which must not keep the whole batch alive.
+            new_mels[b] = mel[row_in_batch:row_in_batch + 1, :, start:end].clone()
+        return new_mels
+
+    def _vocode(self, rows: list[_Row], prepared: list[tuple[Tensor, Tensor | None]]
+                ) -> list[tuple[Tensor | None, Tensor | None]]:
+        """HiFT over each row's prepared mel -> (audio (1, L), source (1, 1, L)) per row.
+
+        HiFT is non-causal, so padding would change a row's tail: a vocoder call takes only rows of equal
+        length, all with or all without a cached source."""
+        groups: dict[tuple[int, bool], list[int]] = defaultdict(list)
+        for b, (mel, cache_source) in enumerate(prepared):
+            if mel.shape[2] > 0:
+                groups[(mel.shape[2], cache_source is None)].append(b)
+        out: list[tuple[Tensor | None, Tensor | None]] = [(None, None)] * len(rows)
+        for (_, no_cache), members in groups.items():
+            mel = torch.cat([prepared[b][0] for b in members])  # (G, 80, T)
+            cache = None if no_cache else torch.cat([prepared[b][1] for b in members])  # (G, 1, S)
+            noise = StackedNoise([rows[b].stream.vocoder.noise for b in members])
+            audio, source = self.hift.inference(mel, cache, noise)  # (G, L), (G, 1, L)
+            for g, b in enumerate(members):  # copies, so that each stream's caches own their memory
+                out[b] = (audio[g:g + 1].clone(), source[g:g + 1].clone())
+        return out
+
+    def _commit(self, row: _Row) -> None:
+        row.stream.tokens = row.tokens
+        row.stream.offset = row.new_offset
+        self._streams[row.stream_id] = row.stream  # registers a new stream, even one that ends at once
+        if row.finalize:
+            self._free(row.stream_id, "finalize")
+
+    def _free(self, stream_id: str, reason: str) -> bool:
+        stream = self._streams.pop(stream_id, None)
+        if stream is None:
+            return False
+        stream.vocoder.close()
+        stream.tokens = []
+        self._freed[reason] += 1
+        return True
+
+    def _count_flow_call(self, rows: int) -> None:
+        self._flow_calls += 1
+        self._flow_rows += rows
+        self._last_batch = rows
+        self._max_batch_seen = max(self._max_batch_seen, rows)
+
+
+def _lengths(tensors: list[Tensor]) -> Tensor:
+    """(B,) lengths along dim 0, on the tensors' device."""
+    return torch.tensor([t.shape[0] for t in tensors], device=tensors[0].device)

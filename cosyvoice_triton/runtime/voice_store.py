@@ -1,0 +1,353 @@
+"""Voice store: `reference_audio_id` → the `PromptFeatures` computed once at registration.
+
+```
+store = open_voice_store(None)                  # embedded SQLite under $COSYVOICE_HOME
+info = store.register(features, name="Alice")   # idempotent by (audio hash, prompt text)
+features = store.get(info.voice_id)             # NotFound("reference_audio_id", ...) if absent
+```
+Backends: `voice_store_sqlite` (default, one file, several processes on one machine) and
+`voice_store_redis` (several servers share voices). Both keep a thread-safe LRU of decoded features
+in front (`CachedVoiceStore`). Every get first asks the backing store for the voice's *revision*
+(a random token written at registration: one indexed row or one HGET); the cached copy is used only
+when it matches. So a voice deleted or re-registered through any other instance or process is never
+served stale, and a hit costs one small lookup instead of moving and decoding the whole blob.
+
+This module also holds the id rules and the blob format (versioned header + raw arrays, no pickle).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import struct
+import threading
+import time
+import zlib
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from cosyvoice_triton.errors import CosyVoiceError, InvalidInput, NotFound
+from cosyvoice_triton.frontend.prompt import PromptFeatures
+
+EMBEDDING_DIM = 192
+MEL_BINS = 80
+TOKEN_MEL_RATIO = 2  # CosyVoice2: two 50 Hz mel frames per 25 Hz speech token
+MAX_NAME_CHARS = 200
+
+VOICE_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# Generated ids look like this; an explicit id of this form could later collide with a generated one.
+GENERATED_ID_PATTERN = re.compile(r"v_[0-9a-f]{16}")
+SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
+
+
+class CorruptVoice(CosyVoiceError):
+    """A stored voice cannot be decoded (damaged blob or unknown format). Maps to INTERNAL / HTTP 500;
+    the voice stays stored so that an operator can inspect it, delete it and register it again."""
+
+    def __init__(self, voice_id: str, problem: str):
+        self.voice_id = voice_id
+        self.problem = problem
+        super().__init__(f"voice {voice_id!r} is corrupt in the voice store: {problem}")
+
+
+@dataclass(frozen=True)
+class VoiceInfo:
+    """What a voice is, without its arrays."""
+
+    voice_id: str
+    text: str  # the prompt transcript
+    audio_sha256: str  # `audio_sha256` of the reference recording
+    tokens: int  # prompt speech tokens (25 per second of prompt)
+    created_at: float  # Unix time of the registration
+    name: str | None  # a label for people; not unique
+
+
+@dataclass(frozen=True)
+class VoiceStoreStats:
+    """Counters of one store instance (they are not shared between processes).
+
+    hits:   gets answered from this instance's LRU (after the revision check with the backing store)
+    misses: gets of an id that does not exist (they raise NotFound)
+    loads:  gets that read and decoded the voice from the backing store (not in the LRU, or stale)
+    size:   voices held decoded in this instance's LRU
+    A get that fails with CorruptVoice or a backend error counts in none of them.
+    """
+
+    hits: int
+    misses: int
+    loads: int
+    size: int
+
+
+class VoiceStore(Protocol):
+    def register(self, features: PromptFeatures, voice_id: str | None = None,
+                 name: str | None = None) -> VoiceInfo: ...
+
+    def get(self, voice_id: str) -> PromptFeatures: ...
+
+    def info(self, voice_id: str) -> VoiceInfo: ...
+
+    def list(self) -> list[VoiceInfo]: ...
+
+    def delete(self, voice_id: str) -> bool: ...
+
+    @property
+    def stats(self) -> VoiceStoreStats: ...
+
+    def close(self) -> None: ...
+
+
+def open_voice_store(url: str | None, *, lru_size: int = 256) -> VoiceStore:
+    """Open the store that `url` names.
+
+    None                         → embedded, $COSYVOICE_HOME/voices.sqlite (default ~/.cache/cosyvoice_triton)
+    "sqlite:///abs/voices.sqlite" or a plain path → embedded SQLite file (folders are created)
+    "redis://host:port/db" (or rediss://)          → Redis, shared between servers
+    """
+    # Imported here: the backends import this module, and `redis` is only needed when it is used.
+    if url is not None and url.startswith(("redis://", "rediss://")):
+        from cosyvoice_triton.runtime.voice_store_redis import RedisVoiceStore
+        return RedisVoiceStore(url, lru_size=lru_size)
+    from cosyvoice_triton.runtime.voice_store_sqlite import SqliteVoiceStore
+    return SqliteVoiceStore(_sqlite_path(url), lru_size=lru_size)
+
+
+def _sqlite_path(url: str | None) -> Path:
+    if url is None:
+        home = Path(os.environ.get("COSYVOICE_HOME", "~/.cache/cosyvoice_triton")).expanduser()
+        return home / "voices.sqlite"
+    if url.startswith("sqlite://"):
+        url = url[len("sqlite://"):]  # "sqlite:///abs/x.sqlite" → "/abs/x.sqlite"
+    elif "://" in url:
+        raise ValueError(f"voice store url {url!r}: use sqlite:///path, redis://host:port/db or a path")
+    if not url:
+        raise ValueError("voice store url names no file")
+    return Path(url).expanduser()
+
+
+# ---- ids ------------------------------------------------------------------------------------------
+
+def content_key(audio_sha256: str, text: str) -> str:
+    """What registration is idempotent by: the recording and its transcript."""
+    return hashlib.sha256((audio_sha256 + text).encode("utf-8")).hexdigest()
+
+
+def generated_voice_id(audio_sha256: str, text: str) -> str:
+    """The id given to a voice registered without one; equal on every server."""
+    return "v_" + content_key(audio_sha256, text)[:16]
+
+
+def check_voice_id(voice_id: object, field: str = "reference_audio_id") -> str:
+    """`voice_id` if it is a well-formed id, else InvalidInput naming `field`."""
+    if not isinstance(voice_id, str) or not VOICE_ID_PATTERN.fullmatch(voice_id):
+        raise InvalidInput(field, f"{voice_id!r} is not a voice id (1 to 64 of A-Z a-z 0-9 _ . -)")
+    return voice_id
+
+
+def registration_id(features: PromptFeatures, voice_id: str | None) -> str:
+    """The id a registration will use: the given one (checked) or the generated one."""
+    generated = generated_voice_id(features.audio_sha256, features.text)
+    if voice_id is None:
+        return generated
+    check_voice_id(voice_id, "voice_id")
+    if GENERATED_ID_PATTERN.fullmatch(voice_id) and voice_id != generated:
+        raise InvalidInput("voice_id", f"{voice_id!r}: ids of the form v_<16 hex digits> are reserved "
+                                       "for generated ids")
+    return voice_id
+
+
+def check_name(name: str | None) -> str | None:
+    if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME_CHARS):
+        raise InvalidInput("name", f"must be a string of at most {MAX_NAME_CHARS} characters")
+    return name
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One voice ready to be written: what a backend stores."""
+
+    info: VoiceInfo
+    content_key: str
+    revision: str  # random, new on every registration, even of the same id with the same audio
+    blob: bytes
+
+
+def prepare_registration(features: PromptFeatures, voice_id: str | None, name: str | None) -> Registration:
+    """Check the arguments of `register` and encode the voice."""
+    blob = encode_features(features)  # checks the arrays, the text and the hash first
+    info = VoiceInfo(voice_id=registration_id(features, voice_id), text=features.text,
+                     audio_sha256=features.audio_sha256, tokens=int(features.speech_tokens.shape[0]),
+                     created_at=time.time(), name=check_name(name))
+    return Registration(info=info, content_key=content_key(features.audio_sha256, features.text),
+                        revision=secrets.token_hex(8), blob=blob)
+
+
+def check_same_voice(requested_id: str | None, existing_id: str) -> None:
+    """The content is already registered as `existing_id`: registering it again returns that voice,
+    unless the caller asked for a different id (which would then not exist)."""
+    if requested_id is not None and requested_id != existing_id:
+        raise InvalidInput("voice_id", f"this recording and prompt text are already registered as "
+                                       f"voice {existing_id!r}")
+
+
+def id_taken(voice_id: str) -> InvalidInput:
+    return InvalidInput("voice_id", f"{voice_id!r} is taken by a different recording or prompt text")
+
+
+# ---- blob format ----------------------------------------------------------------------------------
+# MAGIC, version (u16), header length (u32), CRC-32 of everything after the prefix (u32), all little
+# endian; then a UTF-8 JSON header {"text", "audio_sha256", "arrays": [[name, dtype, shape], ...]};
+# then the raw little-endian bytes of each array in header order.
+
+MAGIC = b"CVVS"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<4sHII")
+_ARRAYS = (("embedding", "<f4"), ("speech_tokens", "<i4"), ("mel", "<f4"))
+
+
+def encode_features(features: PromptFeatures) -> bytes:
+    """`features` as one blob. ValueError if its arrays do not have the documented dtypes and shapes."""
+    problem = _shape_problem(features.embedding, features.speech_tokens, features.mel)
+    if problem:
+        raise ValueError(f"cannot store these prompt features: {problem}")
+    if not isinstance(features.text, str) or not SHA256_PATTERN.fullmatch(str(features.audio_sha256)):
+        raise ValueError("cannot store these prompt features: text must be a str and audio_sha256 "
+                         "64 lowercase hex digits")
+    arrays = [np.ascontiguousarray(getattr(features, name)) for name, _ in _ARRAYS]
+    header = json.dumps({
+        "text": features.text,
+        "audio_sha256": features.audio_sha256,
+        "arrays": [[name, dtype, list(array.shape)] for (name, dtype), array in zip(_ARRAYS, arrays)],
+    }, ensure_ascii=False).encode("utf-8")
+    body = header + b"".join(array.astype(dtype, copy=False).tobytes()
+                             for (_, dtype), array in zip(_ARRAYS, arrays))
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), zlib.crc32(body)) + body
+
+
+def decode_features(blob: bytes, voice_id: str) -> PromptFeatures:
+    """The features in `blob`, with read-only arrays (they may be shared by many requests through
+    the LRU). CorruptVoice, naming `voice_id`, for anything that is not a well-formed version-1 blob."""
+    try:
+        return _decode(memoryview(blob))
+    except (ValueError, TypeError, KeyError, OverflowError, struct.error) as exc:  # JSON, UTF-8, numpy too
+        raise CorruptVoice(voice_id, str(exc)) from exc
+
+
+def _decode(blob: memoryview) -> PromptFeatures:
+    if len(blob) < _PREFIX.size:
+        raise ValueError(f"{len(blob)} bytes is shorter than the blob prefix")
+    magic, version, header_len, crc = _PREFIX.unpack_from(blob)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise ValueError(f"unknown format {bytes(magic)!r} version {version} (expected {MAGIC!r} "
+                         f"version {FORMAT_VERSION})")
+    body = blob[_PREFIX.size:]
+    if zlib.crc32(body) != crc:
+        raise ValueError("checksum mismatch")
+    header = json.loads(bytes(body[:header_len]).decode("utf-8"))
+    declared = header["arrays"]
+    if [tuple(entry[:2]) for entry in declared] != list(_ARRAYS):
+        raise ValueError(f"unexpected arrays {declared}")
+    offset, arrays = header_len, []
+    for name, dtype, shape in declared:
+        if not all(isinstance(size, int) and size >= 0 for size in shape):
+            raise ValueError(f"{name}: bad shape {shape}")
+        count = int(np.prod(shape, dtype=np.int64))
+        arrays.append(np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape))
+        offset += count * np.dtype(dtype).itemsize
+    if offset != len(body):
+        raise ValueError(f"{len(body) - offset} bytes after the last array")
+    problem = _shape_problem(*arrays)
+    if problem:
+        raise ValueError(problem)
+    text, sha = header["text"], header["audio_sha256"]
+    if not isinstance(text, str) or not isinstance(sha, str):
+        raise ValueError("text and audio_sha256 must be strings")
+    embedding, tokens, mel = arrays
+    return PromptFeatures(embedding=embedding, speech_tokens=tokens, mel=mel, text=text, audio_sha256=sha)
+
+
+def _shape_problem(embedding: np.ndarray, tokens: np.ndarray, mel: np.ndarray) -> str | None:
+    """What is wrong with the arrays of a voice, or None."""
+    if not (isinstance(embedding, np.ndarray) and embedding.dtype == np.float32
+            and embedding.shape == (EMBEDDING_DIM,)):
+        return f"embedding must be ({EMBEDDING_DIM},) float32"
+    if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1
+            and tokens.shape[0] > 0):
+        return "speech_tokens must be (N,) int32 with N > 0"
+    expected_mel = (TOKEN_MEL_RATIO * tokens.shape[0], MEL_BINS)
+    if not (isinstance(mel, np.ndarray) and mel.dtype == np.float32 and mel.shape == expected_mel):
+        return f"mel must be {expected_mel} float32 for {tokens.shape[0]} speech tokens"
+    return None
+
+
+# ---- the LRU in front of every backend ------------------------------------------------------------
+
+class CachedVoiceStore(ABC):
+    """`get` through a thread-safe LRU of decoded voices, each kept with the revision it was read at.
+    A backend supplies the two reads below and the rest of `VoiceStore`."""
+
+    def __init__(self, lru_size: int):
+        if lru_size < 0:
+            raise ValueError(f"lru_size must be >= 0, got {lru_size}")
+        self._lru_size = lru_size
+        self._lru: OrderedDict[str, tuple[str, PromptFeatures]] = OrderedDict()
+        self._lock = threading.Lock()  # guards the LRU and the counters
+        self._hits = self._misses = self._loads = 0
+
+    @abstractmethod
+    def _revision(self, voice_id: str) -> str | None:
+        """The stored revision of `voice_id`, None if it does not exist. Must be cheap."""
+
+    @abstractmethod
+    def _read(self, voice_id: str) -> tuple[str, bytes] | None:
+        """(revision, blob) of `voice_id` read together, None if it does not exist."""
+
+    def get(self, voice_id: str) -> PromptFeatures:
+        """The features of `voice_id`; NotFound("reference_audio_id") if there is no such voice."""
+        check_voice_id(voice_id)
+        with self._lock:
+            cached = self._lru.get(voice_id)
+        if cached is not None and self._revision(voice_id) == cached[0]:
+            with self._lock:
+                self._hits += 1
+                if voice_id in self._lru:
+                    self._lru.move_to_end(voice_id)
+            return cached[1]
+        stored = self._read(voice_id)
+        if stored is None:
+            with self._lock:
+                self._misses += 1
+                self._lru.pop(voice_id, None)  # deleted elsewhere: drop the stale copy
+            raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
+        revision, blob = stored
+        features = decode_features(blob, voice_id)
+        with self._lock:
+            self._loads += 1
+        self._remember(voice_id, revision, features)
+        return features
+
+    @property
+    def stats(self) -> VoiceStoreStats:
+        with self._lock:
+            return VoiceStoreStats(hits=self._hits, misses=self._misses, loads=self._loads,
+                                   size=len(self._lru))
+
+    def _remember(self, voice_id: str, revision: str, features: PromptFeatures) -> None:
+        if self._lru_size == 0:
+            return
+        with self._lock:
+            self._lru[voice_id] = (revision, features)
+            self._lru.move_to_end(voice_id)
+            while len(self._lru) > self._lru_size:
+                self._lru.popitem(last=False)
+
+    def _forget(self, voice_id: str) -> None:
+        with self._lock:
+            self._lru.pop(voice_id, None)

@@ -1,0 +1,121 @@
+"""Embedded voice store: one SQLite file, shared by the processes of one machine.
+
+The Triton models and the gateway may open the same file. WAL mode lets readers run while a writer
+writes; a registration checks and inserts inside one `BEGIN IMMEDIATE` transaction, so two
+processes registering the same recording at once end with one voice. Not for network filesystems
+(WAL needs shared memory between the processes): use Redis to share voices between machines.
+"""
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from cosyvoice_triton.errors import NotFound
+from cosyvoice_triton.frontend.prompt import PromptFeatures
+from cosyvoice_triton.runtime.voice_store import (CachedVoiceStore, VoiceInfo, check_same_voice, check_voice_id,
+                                                  decode_features, id_taken, prepare_registration)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS voices (
+    voice_id     TEXT PRIMARY KEY,
+    content_key  TEXT NOT NULL UNIQUE,  -- sha256(audio_sha256 + text): what registration is idempotent by
+    revision     TEXT NOT NULL,         -- random per registration: lets every LRU spot a stale copy
+    text         TEXT NOT NULL,
+    audio_sha256 TEXT NOT NULL,
+    tokens       INTEGER NOT NULL,
+    created_at   REAL NOT NULL,
+    name         TEXT,
+    blob         BLOB NOT NULL           -- `encode_features`
+)"""
+INFO_COLUMNS = "voice_id, text, audio_sha256, tokens, created_at, name"  # VoiceInfo's field order
+
+
+class SqliteVoiceStore(CachedVoiceStore):
+    """Voices in one SQLite file (created with its folders), with an LRU of decoded voices in front."""
+
+    def __init__(self, path: str | Path, *, lru_size: int = 256, busy_timeout_s: float = 30.0):
+        super().__init__(lru_size)
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Autocommit: every statement is its own transaction unless `_transaction` opens one.
+        # One connection shared by this process's threads, serialized by `_db_lock`.
+        self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None,
+                                   check_same_thread=False)
+        self._db_lock = threading.Lock()
+        mode = self._query("PRAGMA journal_mode=WAL")[0][0]
+        if mode != "wal":
+            raise RuntimeError(f"{self.path}: SQLite could not switch to WAL mode (got {mode!r})")
+        self._query(SCHEMA)
+
+    def register(self, features: PromptFeatures, voice_id: str | None = None,
+                 name: str | None = None) -> VoiceInfo:
+        """Store a voice, or return the one already stored for this recording and prompt text."""
+        reg = prepare_registration(features, voice_id, name)
+        info = reg.info
+        with self._transaction() as db:
+            existing = db.execute(f"SELECT {INFO_COLUMNS} FROM voices WHERE content_key = ?",
+                                  (reg.content_key,)).fetchall()
+            if existing:
+                found = VoiceInfo(*existing[0])
+                check_same_voice(voice_id, found.voice_id)
+                return found
+            if db.execute("SELECT 1 FROM voices WHERE voice_id = ?", (info.voice_id,)).fetchall():
+                raise id_taken(info.voice_id)
+            db.execute("INSERT INTO voices VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (info.voice_id, reg.content_key, reg.revision, info.text, info.audio_sha256,
+                        info.tokens, info.created_at, info.name, reg.blob))
+        self._remember(info.voice_id, reg.revision, decode_features(reg.blob, info.voice_id))
+        return info
+
+    def info(self, voice_id: str) -> VoiceInfo:
+        check_voice_id(voice_id)
+        rows = self._query(f"SELECT {INFO_COLUMNS} FROM voices WHERE voice_id = ?", (voice_id,))
+        if not rows:
+            raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
+        return VoiceInfo(*rows[0])
+
+    def list(self) -> list[VoiceInfo]:
+        """Every voice, oldest first."""
+        rows = self._query(f"SELECT {INFO_COLUMNS} FROM voices ORDER BY created_at, voice_id")
+        return [VoiceInfo(*row) for row in rows]
+
+    def delete(self, voice_id: str) -> bool:
+        """Remove a voice; False if there was none. Other instances see it at their next get."""
+        check_voice_id(voice_id)
+        with self._db_lock:
+            deleted = self._db.execute("DELETE FROM voices WHERE voice_id = ?", (voice_id,)).rowcount > 0
+        self._forget(voice_id)
+        return deleted
+
+    def close(self) -> None:
+        with self._db_lock:
+            self._db.close()
+
+    def _revision(self, voice_id: str) -> str | None:
+        rows = self._query("SELECT revision FROM voices WHERE voice_id = ?", (voice_id,))
+        return rows[0][0] if rows else None
+
+    def _read(self, voice_id: str) -> tuple[str, bytes] | None:
+        rows = self._query("SELECT revision, blob FROM voices WHERE voice_id = ?", (voice_id,))
+        return (rows[0][0], rows[0][1]) if rows else None
+
+    def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
+        # fetchall: a half-read cursor would keep its read snapshot open and later reads would be stale.
+        with self._db_lock:
+            return self._db.execute(sql, args).fetchall()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """IMMEDIATE takes the file's write lock at BEGIN, so no other process can write between
+        our checks and our insert (a DEFERRED transaction could fail to upgrade its lock)."""
+        with self._db_lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")

@@ -1,0 +1,183 @@
+"""`cosyvoice-triton serve`: render the model repository for one run and keep a tritonserver on it.
+
+1. The model folder: `--model-dir` (a folder or a hub id), or else a tiny random folder made on first
+   use under `$COSYVOICE_HOME/models/tiny` (default `~/.cache/cosyvoice_triton`).
+2. The run folder (`--run-dir`, default `$COSYVOICE_HOME/runs/<time>-<pid>`): `repo/` holds every model
+   of `model_repository/` with its `config.pbtxt` filled from `ServeOptions` (`repository_values`;
+   the filler refuses unknown keys and leftovers), `tritonserver.log` the server's output.
+3. `TritonProcess` starts the server (the nvidia-pytriton binary, or a system `tritonserver`) and waits
+   for readiness; the endpoints are printed; Ctrl-C or SIGTERM stops it gracefully.
+
+The voice store defaults to `$COSYVOICE_HOME/voices.sqlite`, so registered voices survive restarts.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from cosyvoice_triton.server.process import TritonProcess
+from cosyvoice_triton.server.templates import model_names, render_repository
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
+
+
+def cosyvoice_home() -> Path:
+    return Path(os.environ.get("COSYVOICE_HOME", "~/.cache/cosyvoice_triton")).expanduser()
+
+
+@dataclass
+class ServeOptions:
+    model_dir: Path | None = None  # None: the tiny random folder, made on first use
+    run_dir: Path | None = None  # None: a fresh folder under $COSYVOICE_HOME/runs
+    repository: Path = DEFAULT_REPOSITORY  # the templates
+    address: str = "0.0.0.0"
+    http_port: int | None = 8000  # None: a free port
+    grpc_port: int | None = 8001
+    metrics_port: int | None = 8002
+    device: str = "cpu"  # cpu | cuda: torch device of llm and token2wav (instance kind follows)
+    instances: int = 1  # instances of the stateless models (cosyvoice2*, prompt steps, register_voice)
+    workers: int = 16  # requests synthesized at once per cosyvoice2 instance
+    max_pending: int = 64  # requests queued per cosyvoice2 instance beyond that
+    voice_store: str | None = None  # sqlite path or redis:// url; None: $COSYVOICE_HOME/voices.sqlite
+    llm_max_batch: int = 8
+    llm_max_seq_len: int = 4096
+    llm_max_queue: int = 64
+    max_token_text_ratio: float | None = None  # None: the model's (20); lower only to shorten tests
+    t2w_max_streams: int = 64
+    t2w_max_batch: int = 16
+    t2w_idle_timeout_s: float = 120.0
+    t2w_queue_delay_us: int = 500
+    prompt_max_batch: int = 8
+    prompt_queue_delay_us: int = 1000
+    torch_threads: int = 0  # per llm / token2wav instance; 0: torch's default
+    max_text_chars: int = 2000
+    startup_timeout_s: float = 300.0
+    extra_args: list[str] = field(default_factory=list)  # more tritonserver flags
+
+
+def default_model_dir() -> Path:
+    """The tiny random model folder, written on first use (atomically: a half-written one never shows)."""
+    target = cosyvoice_home() / "models" / "tiny"
+    if (target / "cosyvoice2.yaml").exists() and (target / "speech_tokenizer_v2.onnx").exists():
+        return target
+    from cosyvoice_triton.export.random_model import write_random_model
+
+    staging = target.parent / f".tiny-{os.getpid()}"
+    write_random_model(staging, size="tiny")
+    try:
+        staging.rename(target)
+    except OSError:  # another process won the race
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_voice_store(url: str | None) -> str:
+    return url if url else str(cosyvoice_home() / "voices.sqlite")
+
+
+def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) -> dict[str, dict[str, object]]:
+    """The `${key}` values of every model template."""
+    kind = "KIND_GPU" if options.device.startswith("cuda") else "KIND_CPU"
+    onnx_device = "cuda" if options.device.startswith("cuda") else "cpu"
+    ratio = "" if options.max_token_text_ratio is None else options.max_token_text_ratio
+    synthesis = {"model_dir": model_dir, "voice_store": voice_store, "instances": options.instances,
+                 "max_workers": options.workers, "max_pending": options.max_pending,
+                 "max_text_chars": options.max_text_chars}
+    prompt_step = {"model_dir": model_dir, "instances": options.instances, "max_batch": options.prompt_max_batch,
+                   "queue_delay_us": options.prompt_queue_delay_us}
+    return {
+        "cosyvoice2": {**synthesis, "name": "cosyvoice2", "decoupled": True},
+        "cosyvoice2_offline": {**synthesis, "name": "cosyvoice2_offline", "decoupled": False},
+        "llm": {"model_dir": model_dir, "kind": kind, "device": options.device,
+                "max_batch": options.llm_max_batch, "max_seq_len": options.llm_max_seq_len,
+                "max_queue": options.llm_max_queue, "max_token_text_ratio": ratio,
+                "torch_threads": options.torch_threads},
+        "token2wav": {"model_dir": model_dir, "kind": kind, "device": options.device,
+                      "max_streams": options.t2w_max_streams, "max_batch": options.t2w_max_batch,
+                      "idle_timeout_s": options.t2w_idle_timeout_s, "queue_delay_us": options.t2w_queue_delay_us,
+                      "torch_threads": options.torch_threads},
+        "prompt_encoder": {"max_batch": options.prompt_max_batch},
+        "prompt_audio": prompt_step,
+        "speaker_embedding": prompt_step,
+        "audio_tokenizer": {**prompt_step, "device": onnx_device},
+        "register_voice": {"model_dir": model_dir, "voice_store": voice_store, "instances": options.instances},
+    }
+
+
+def render_run_repository(options: ServeOptions, model_dir: Path, voice_store: str, dst: Path) -> Path:
+    """Lay out every model of `options.repository` in `dst` with filled configs."""
+    values = repository_values(options, model_dir, voice_store)
+    present = set(model_names(options.repository))
+    return render_repository(options.repository, dst, {k: v for k, v in values.items() if k in present})
+
+
+def new_run_dir() -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = cosyvoice_home() / "runs" / f"{stamp}-{os.getpid()}"
+    path.mkdir(parents=True, exist_ok=False)
+    return path
+
+
+def prepare(options: ServeOptions) -> TritonProcess:
+    """Model folder, run folder and a `TritonProcess` ready to start (not started)."""
+    from cosyvoice_triton.model_hub import resolve_model_dir
+
+    model_dir = Path(resolve_model_dir(str(options.model_dir))) if options.model_dir else default_model_dir()
+    model_dir = model_dir.resolve()
+    run_dir = Path(options.run_dir) if options.run_dir else new_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    repo = render_run_repository(options, model_dir, resolve_voice_store(options.voice_store), run_dir / "repo")
+    return TritonProcess(repo, workdir=run_dir, address=options.address, http_port=options.http_port,
+                         grpc_port=options.grpc_port, metrics_port=options.metrics_port,
+                         startup_timeout_s=options.startup_timeout_s, extra_args=options.extra_args)
+
+
+def describe(server: TritonProcess, model_dir_hint: str, out: TextIO) -> None:
+    host = server.client_host if server.address in ("0.0.0.0", "") else server.address
+    models = ", ".join(model_names(server.model_repository))
+    print(f"cosyvoice-triton: serving {model_dir_hint}", file=out)
+    print(f"  models   {models}", file=out)
+    print(f"  HTTP     http://{host}:{server.http_port}   (whole waveform: POST /v2/models/cosyvoice2_offline/infer)",
+          file=out)
+    print(f"  gRPC     {host}:{server.grpc_port}   (streaming: model cosyvoice2)", file=out)
+    print(f"  metrics  http://{host}:{server.metrics_port}/metrics", file=out)
+    print(f"  log      {server.log_path}", file=out)
+    print("Press Ctrl-C to stop.", file=out, flush=True)
+
+
+def serve(options: ServeOptions, out: TextIO = sys.stdout) -> int:
+    """Start the server, print its endpoints, block until Ctrl-C / SIGTERM or until it exits."""
+    server = prepare(options)
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum, _frame) -> None:
+        received.append(signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        print(f"starting tritonserver (log: {server.workdir / 'tritonserver.log'}) ...", file=out, flush=True)
+        server.start()
+        describe(server, str(options.model_dir or "the tiny random model"), out)
+        while not stop.wait(0.5):
+            if not server.is_running():
+                print(f"tritonserver exited; log {server.log_path}:\n{server.log_tail(20)}", file=sys.stderr)
+                return 1
+        print("stopping tritonserver ...", file=out, flush=True)
+        return 0
+    finally:
+        code = server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if received:
+            print(f"tritonserver stopped (exit code {code})", file=out, flush=True)

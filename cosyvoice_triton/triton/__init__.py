@@ -1,0 +1,21 @@
+"""Library side of the Triton models in `model_repository/`: everything a `model.py` needs that can
+live outside it. `pb_utils` is never imported here; functions that need it take it as `pb`, so
+all of this is unit-testable with `cosyvoice_triton.server.pb_fake`.
+
+contracts  the tensor contracts between models (module docstring), with builders and parsers
+tensors    typed reading of request tensors (errors name the input), errors as TritonErrors
+params     config.pbtxt `parameters` -> frozen dataclasses
+bls        BLS clients: the orchestrator's LLM and token2wav backends, the prompt encoder
+service    voice resolution (store or prompt_encoder) and the synthesis service of `cosyvoice2`
+streaming  decoupled requests in a bounded worker pool; chunks out with one final flag
+metrics    custom metric families
+"""
+from __future__ import annotations
+
+
+def instance_device(device: str, args: dict) -> str:
+    """The torch device of this model instance: `cuda` becomes `cuda:<instance device id>` for a
+    KIND_GPU instance; anything else is used as given."""
+    if device == "cuda" and args.get("model_instance_kind") == "GPU":
+        return f"cuda:{args.get('model_instance_device_id', '0')}"
+    return device

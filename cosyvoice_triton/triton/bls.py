@@ -1,0 +1,108 @@
+"""BLS clients of our models, for code running inside a Python-backend model (`pb` = pb_utils).
+
+`BlsLLM` and `BlsToken2Wav` are the orchestrator's `LLMBackend` and `Token2WavBackend`: the same
+`Orchestrator.run` that drives the in-process engines drives the `llm` and `token2wav` models.
+`BlsPromptEncoder` turns a reference recording into `PromptFeatures` through the `prompt_encoder`
+ensemble. Calls block the calling thread, so callers run them in their own worker threads (never in a
+decoupled model's `execute`).
+
+Cancelling an LLM stream: python_backend 2.51 has no way to cancel a BLS request from the caller's side
+(`InferenceResponseIterator.cancel()` came later), so the caller sends a second request to `llm` with
+`cancel=true` and the stream's id; the engine retires the stream at its next round and the stream ends
+with its final response, which `cancel()` waits for. This requires the request to reach the instance
+that holds the stream, hence one `llm` instance per server (see llm/config.pbtxt).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from cosyvoice_triton.frontend.prompt import PromptFeatures
+from cosyvoice_triton.runtime.llm_engine import LLMRequest
+from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
+from cosyvoice_triton.triton import contracts
+from cosyvoice_triton.triton.tensors import RemoteError, output_tensors, response_arrays
+
+
+def bls_request(pb, model: str, inputs: Mapping[str, np.ndarray], outputs: list[str]):
+    return pb.InferenceRequest(model_name=model, inputs=output_tensors(pb, inputs),
+                               requested_output_names=outputs)
+
+
+def _check(response, model: str) -> None:
+    if response.has_error():
+        error = response.error()
+        raise RemoteError(model, error.message(), error.code() if hasattr(error, "code") else None)
+
+
+class BlsTokenStream:
+    """The speech tokens of one `llm` stream, as they come (a TokenStream)."""
+
+    def __init__(self, pb, model: str, request: LLMRequest):
+        self._pb = pb
+        self._model = model
+        self.stream_id = request.request_id
+        self._responses = bls_request(pb, model, contracts.llm_inputs(request), ["speech_tokens"]).exec(
+            decoupled=True)
+        self._ended = False
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for response in self._responses:
+            _check(response, self._model)
+            tensor = self._pb.get_output_tensor_by_name(response, "speech_tokens")
+            if tensor is not None:
+                tokens = tensor.as_numpy().reshape(-1).astype(np.int64).tolist()
+                if tokens:
+                    yield tokens
+        self._ended = True
+
+    def cancel(self) -> None:
+        """End the stream in `llm` and wait for its last response, so its slot is free on return."""
+        if self._ended:
+            return
+        for response in bls_request(self._pb, self._model, contracts.llm_cancel_inputs(self.stream_id),
+                                    []).exec(decoupled=True):
+            _check(response, self._model)
+        for _ in self._responses:  # the cancelled stream's remaining responses, then its final one
+            pass
+        self._ended = True
+
+
+class BlsLLM:
+    def __init__(self, pb, model: str = contracts.LLM):
+        self.pb = pb
+        self.model = model
+
+    def stream(self, request: LLMRequest) -> BlsTokenStream:
+        return BlsTokenStream(self.pb, self.model, request)
+
+
+class BlsToken2Wav:
+    def __init__(self, pb, model: str = contracts.TOKEN2WAV):
+        self.pb = pb
+        self.model = model
+
+    def chunk(self, chunk: ChunkRequest) -> np.ndarray:
+        response = bls_request(self.pb, self.model, contracts.chunk_inputs(chunk), ["waveform"]).exec()
+        return response_arrays(self.pb, response, self.model)["waveform"][0]
+
+    def cancel(self, stream_id: str) -> None:
+        response = bls_request(self.pb, self.model, contracts.token2wav_cancel_inputs(stream_id),
+                               ["waveform"]).exec()
+        _check(response, self.model)
+
+
+class BlsPromptEncoder:
+    """Reference audio -> aligned PromptFeatures through the `prompt_encoder` ensemble."""
+
+    def __init__(self, pb, model: str = contracts.PROMPT_ENCODER, token_mel_ratio: int = 2):
+        self.pb = pb
+        self.model = model
+        self.token_mel_ratio = token_mel_ratio
+
+    def encode(self, samples: np.ndarray, sample_rate: int, text: str, audio_sha256: str) -> PromptFeatures:
+        response = bls_request(self.pb, self.model, contracts.prompt_encoder_inputs(samples, sample_rate),
+                               ["embedding", "speech_tokens", "prompt_mel"]).exec()
+        outputs = response_arrays(self.pb, response, self.model)
+        return contracts.prompt_features_from_outputs(outputs, text, audio_sha256, self.token_mel_ratio)

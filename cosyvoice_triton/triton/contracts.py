@@ -1,0 +1,335 @@
+"""Tensor contracts of the Triton models: what each model takes and gives, and the code on both sides.
+
+Every builder here (used by a caller, usually a BLS call) has its parser (used by the callee), so a
+contract lives in one place. "[1]" is a scalar; "opt" marks an optional input. Models with
+`max_batch_size > 0` (prompt_encoder and its steps, token2wav) get a leading batch dimension on every
+tensor, which callers send as 1 (one request = one row; the dynamic batcher gathers requests).
+
+cosyvoice2 (decoupled) and cosyvoice2_offline (its non-decoupled twin, same template), max_batch_size 0
+  in   target_text            STRING [1]      the text to speak (split into sentences, streamed in order)
+       mode                   STRING [1] opt  zero_shot (default) | cross_lingual | instruct2
+       reference_audio_id     STRING [1] opt  a registered voice (see register_voice)
+       reference_wav          FP32 [-1]  opt  prompt samples, mono, in [-1, 1] ...
+       reference_sample_rate  INT32 [1]  opt  ... at this rate (required with reference_wav)
+       reference_audio        STRING [1] opt  or: a WAV/FLAC/OGG file's bytes
+       reference_text         STRING [1] opt  transcript of the prompt (zero_shot); overrides a stored one
+       instruct_text          STRING [1] opt  the instruction (instruct2)
+       seed                   UINT64 [1] opt  same seed, same inputs -> same audio (random when absent)
+       chunk_first_hop        INT32 [1]  opt  chunk policy overrides (ChunkPolicy.first_hop, ...)
+       chunk_hop_scale        FP32 [1]   opt
+       chunk_max_hop          INT32 [1]  opt
+       top_p FP32, top_k INT32, win_size INT32, tau_r FP32   [1] opt  sampling overrides (default: the yaml's)
+  out  waveform               FP32 [-1]       24 kHz audio: one response per chunk (decoupled, then an
+                                              empty final response), or the whole waveform (twin)
+  Exactly one voice: reference_audio_id, reference_wav (+ reference_sample_rate) or reference_audio.
+
+llm (decoupled, max_batch_size 0; one in-flight batching engine per instance)
+  in   stream_id              STRING [1]      caller-chosen id; a cancel request names it
+       cancel                 BOOL [1]   opt  true: end stream `stream_id` (only stream_id needed)
+       text_tokens            INT32 [-1]      the sentence's text tokens (required unless cancel)
+       prompt_text_tokens     INT32 [-1] opt  (empty when absent)
+       prompt_speech_tokens   INT32 [-1] opt  (empty when absent)
+       seed                   UINT64 [1]      seeds the stream's sampler
+       top_p FP32, top_k INT32, win_size INT32, tau_r FP32   [1] opt  default: the model yaml's sampling
+  out  speech_tokens          INT32 [-1]      the tokens sampled since the previous response
+  A stream ends with an empty final response (stop token, max length, or cancelled); a cancel request
+  gets one empty final response. Errors end a stream with an error response.
+
+token2wav (max_batch_size = engine max_batch, dynamic batching, one instance: see its config.pbtxt)
+  in   stream_id              STRING [1]      chunks of one stream share it; state lives until finalize
+       tokens                 INT32 [-1] opt  NEW speech tokens since the stream's previous chunk
+       finalize               BOOL [1]   opt  last chunk: emit everything and free the state
+       cancel                 BOOL [1]   opt  drop the stream's state now (no audio)
+       seed                   UINT64 [1] opt  vocoder noise seed (first chunk)
+       prompt_speech_tokens   INT32 [-1] opt  first chunk only: the voice's prompt tokens (P,)
+       prompt_mel             FP32 [-1, 80] opt  first chunk only: (2P, 80)
+       embedding              FP32 [192] opt  first chunk only: speaker embedding
+  out  waveform               FP32 [-1]       the chunk's audio (empty for a cancel)
+
+prompt_encoder (ensemble, max_batch_size 8): prompt_audio -> (speaker_embedding || audio_tokenizer)
+  in   reference_wav          FP32 [-1]       prompt samples at ...
+       reference_sample_rate  INT32 [1]       ... this rate; checked (0.5 s .. 30 s, finite, not silent)
+  out  embedding              FP32 [192]      CAM++ speaker embedding (of the 16 kHz audio)
+       speech_tokens          INT32 [-1]      S3 tokens, 25 Hz (of the 16 kHz audio)
+       prompt_mel             FP32 [-1, 80]   mel at 50 Hz (of the 24 kHz audio), not yet aligned
+  steps: prompt_audio (reference_wav, reference_sample_rate -> wav16k FP32 [-1], prompt_mel);
+         speaker_embedding (wav16k -> embedding); audio_tokenizer (wav16k -> speech_tokens).
+  The caller aligns tokens and mel as `PromptEncoder.encode` does (`align_prompt_features`).
+
+register_voice (max_batch_size 0)
+  in   reference_wav + reference_sample_rate, or reference_audio   (as for cosyvoice2)
+       reference_text         STRING [1] opt  the transcript (needed to use the voice in zero_shot)
+       voice_id               STRING [1] opt  the id to register under (default: derived from the content)
+       name                   STRING [1] opt  a label
+  out  voice_id               STRING [1]      idempotent: the same recording and text give the same id
+       audio_sha256           STRING [1]
+       prompt_tokens          INT32 [1]       prompt speech tokens stored (25 per second)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.frontend.prompt import PromptFeatures
+from cosyvoice_triton.runtime.llm_engine import LLMRequest
+from cosyvoice_triton.runtime.sampling import MAX_SEED, SamplingParams
+from cosyvoice_triton.runtime.token2wav import FlowPrompt
+from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
+from cosyvoice_triton.triton.tensors import TensorReader, string_array
+
+COSYVOICE2 = "cosyvoice2"
+COSYVOICE2_OFFLINE = "cosyvoice2_offline"
+LLM = "llm"
+TOKEN2WAV = "token2wav"
+PROMPT_ENCODER = "prompt_encoder"
+PROMPT_AUDIO = "prompt_audio"
+SPEAKER_EMBEDDING = "speaker_embedding"
+AUDIO_TOKENIZER = "audio_tokenizer"
+REGISTER_VOICE = "register_voice"
+
+SAMPLING_FIELDS = ("top_p", "top_k", "win_size", "tau_r")
+CHUNK_FIELDS = {"chunk_first_hop": "first_hop", "chunk_hop_scale": "hop_scale", "chunk_max_hop": "max_hop"}
+
+
+# ---- sampling overrides (cosyvoice2 and llm) -------------------------------------------------------
+
+def read_sampling(reader: TensorReader, defaults: SamplingParams) -> SamplingParams:
+    """`defaults` with any of top_p, top_k, win_size, tau_r given in the request, validated."""
+    return SamplingParams(top_p=reader.real("top_p", defaults.top_p),
+                          top_k=reader.integer("top_k", defaults.top_k),
+                          win_size=reader.integer("win_size", defaults.win_size),
+                          tau_r=reader.real("tau_r", defaults.tau_r)).validate()
+
+
+def sampling_inputs(sampling: SamplingParams) -> dict[str, np.ndarray]:
+    return {"top_p": np.array([sampling.top_p], np.float32), "top_k": np.array([sampling.top_k], np.int32),
+            "win_size": np.array([sampling.win_size], np.int32), "tau_r": np.array([sampling.tau_r], np.float32)}
+
+
+# ---- llm ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StreamCancel:
+    """A request to end stream `stream_id` (llm and token2wav)."""
+
+    stream_id: str
+
+
+def llm_inputs(request: LLMRequest) -> dict[str, np.ndarray]:
+    values = {"stream_id": string_array(request.request_id),
+              "text_tokens": np.asarray(request.text_tokens, dtype=np.int32),
+              "seed": np.array([request.seed], dtype=np.uint64)}
+    if request.prompt_text_tokens:
+        values["prompt_text_tokens"] = np.asarray(request.prompt_text_tokens, dtype=np.int32)
+    if request.prompt_speech_tokens:
+        values["prompt_speech_tokens"] = np.asarray(request.prompt_speech_tokens, dtype=np.int32)
+    values.update(sampling_inputs(request.sampling))
+    return values
+
+
+def llm_cancel_inputs(stream_id: str) -> dict[str, np.ndarray]:
+    return {"stream_id": string_array(stream_id), "cancel": np.array([True])}
+
+
+def parse_llm_request(reader: TensorReader, default_sampling: SamplingParams) -> LLMRequest | StreamCancel:
+    stream_id = reader.string("stream_id", required=True)
+    if not stream_id:
+        raise InvalidInput("stream_id", "must not be empty")
+    if reader.boolean("cancel"):
+        return StreamCancel(stream_id)
+    seed = reader.integer("seed", required=True, low=0, high=MAX_SEED)
+    return LLMRequest(request_id=stream_id, text_tokens=reader.token_ids("text_tokens", required=True),
+                      prompt_text_tokens=reader.token_ids("prompt_text_tokens"),
+                      prompt_speech_tokens=reader.token_ids("prompt_speech_tokens"),
+                      sampling=read_sampling(reader, default_sampling), seed=seed)
+
+
+# ---- token2wav ---------------------------------------------------------------------------------------
+
+def chunk_inputs(chunk: ChunkRequest) -> dict[str, np.ndarray]:
+    """One token2wav request (batch dimension 1 on every tensor)."""
+    values = {"stream_id": string_array(chunk.stream_id, batched=True),
+              "tokens": np.asarray(chunk.tokens, dtype=np.int32).reshape(1, -1),
+              "finalize": np.array([[chunk.finalize]])}
+    if chunk.seed is not None:
+        values["seed"] = np.array([[chunk.seed]], dtype=np.uint64)
+    if chunk.prompt is not None:
+        prompt = chunk.prompt
+        values["prompt_speech_tokens"] = prompt.speech_tokens.cpu().numpy().astype(np.int32).reshape(1, -1)
+        values["prompt_mel"] = prompt.mel.cpu().numpy().astype(np.float32)  # (1, 2P, 80)
+        values["embedding"] = prompt.embedding.cpu().numpy().astype(np.float32).reshape(1, -1)
+    return values
+
+
+def token2wav_cancel_inputs(stream_id: str) -> dict[str, np.ndarray]:
+    return {"stream_id": string_array(stream_id, batched=True), "cancel": np.array([[True]])}
+
+
+def parse_chunk(reader: TensorReader) -> ChunkRequest | StreamCancel:
+    """A batched token2wav request (reader.batched is True)."""
+    import torch
+
+    stream_id = reader.string("stream_id", required=True)
+    if not stream_id:
+        raise InvalidInput("stream_id", "must not be empty")
+    if reader.boolean("cancel"):
+        return StreamCancel(stream_id)
+    prompt = None
+    names = ("prompt_speech_tokens", "prompt_mel", "embedding")
+    given = [name for name in names if reader.has(name)]
+    if given:
+        missing = [name for name in names if name not in given]
+        if missing:
+            raise InvalidInput(missing[0], f"is required with {', '.join(given)} (a stream's first chunk)")
+        tokens = reader.array("prompt_speech_tokens", np.int32, 1)
+        mel = reader.array("prompt_mel", np.float32, 2)
+        embedding = reader.array("embedding", np.float32, 1)
+        prompt = FlowPrompt(speech_tokens=torch.from_numpy(np.array(tokens))[None],
+                            mel=torch.from_numpy(np.array(mel))[None],
+                            embedding=torch.from_numpy(np.array(embedding))[None])
+    return ChunkRequest(stream_id=stream_id, tokens=reader.token_ids("tokens"),
+                        finalize=reader.boolean("finalize"), prompt=prompt,
+                        seed=reader.integer("seed", low=0, high=MAX_SEED))
+
+
+# ---- prompt encoder ----------------------------------------------------------------------------------
+
+def prompt_encoder_inputs(samples: np.ndarray, sample_rate: int) -> dict[str, np.ndarray]:
+    return {"reference_wav": np.asarray(samples, dtype=np.float32).reshape(1, -1),
+            "reference_sample_rate": np.array([[sample_rate]], dtype=np.int32)}
+
+
+def align_prompt_features(embedding: np.ndarray, speech_tokens: np.ndarray, mel: np.ndarray, text: str,
+                          audio_sha256: str, token_mel_ratio: int = 2) -> PromptFeatures:
+    """Keep n = min(frames // ratio, tokens) tokens and ratio * n mel frames, as `PromptEncoder.encode`."""
+    n_tokens = min(mel.shape[0] // token_mel_ratio, speech_tokens.shape[0])
+    return PromptFeatures(embedding=np.ascontiguousarray(embedding.reshape(-1), dtype=np.float32),
+                          speech_tokens=np.ascontiguousarray(speech_tokens.reshape(-1)[:n_tokens], dtype=np.int32),
+                          mel=np.ascontiguousarray(mel[:token_mel_ratio * n_tokens], dtype=np.float32),
+                          text=text, audio_sha256=audio_sha256)
+
+
+def prompt_features_from_outputs(outputs: dict[str, np.ndarray], text: str, audio_sha256: str,
+                                 token_mel_ratio: int = 2) -> PromptFeatures:
+    """prompt_encoder's batched outputs (batch of 1) -> aligned PromptFeatures."""
+    return align_prompt_features(outputs["embedding"][0], outputs["speech_tokens"][0], outputs["prompt_mel"][0],
+                                 text, audio_sha256, token_mel_ratio)
+
+
+def read_prompt_audio(reader: TensorReader) -> tuple[np.ndarray, int]:
+    """prompt_audio's batched inputs -> (samples (N,) float32, rate)."""
+    samples = reader.array("reference_wav", np.float32, 1, required=True)
+    rate = reader.integer("reference_sample_rate", required=True, low=1, high=1_000_000)
+    return samples, rate
+
+
+# ---- voices in requests (cosyvoice2, register_voice) -------------------------------------------------
+
+@dataclass(frozen=True)
+class VoiceAudio:
+    """A reference recording as given: samples + rate, or the bytes of an audio file."""
+
+    samples: np.ndarray | None = None
+    sample_rate: int | None = None
+    file_bytes: bytes | None = None
+
+    @property
+    def field(self) -> str:
+        return "reference_audio" if self.file_bytes is not None else "reference_wav"
+
+
+def read_voice_audio(reader: TensorReader) -> VoiceAudio | None:
+    samples = reader.array("reference_wav", np.float32, 1)
+    rate = reader.integer("reference_sample_rate", low=1, high=1_000_000)
+    file_bytes = reader.blob("reference_audio")
+    if samples is not None and file_bytes is not None:
+        raise InvalidInput("reference_audio", "give reference_wav or reference_audio, not both")
+    if samples is not None:
+        if rate is None:
+            raise InvalidInput("reference_sample_rate", "is required with reference_wav")
+        return VoiceAudio(samples=np.array(samples, dtype=np.float32), sample_rate=rate)
+    if rate is not None:
+        raise InvalidInput("reference_wav", "is required with reference_sample_rate")
+    if file_bytes is not None:
+        return VoiceAudio(file_bytes=file_bytes)
+    return None
+
+
+@dataclass(frozen=True)
+class SynthesisInputs:
+    """A cosyvoice2 request as typed values (the voice still to be resolved)."""
+
+    text: str
+    mode: str = "zero_shot"
+    instruct_text: str = ""
+    voice_id: str | None = None
+    audio: VoiceAudio | None = None
+    reference_text: str | None = None
+    seed: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    chunk_overrides: dict = field(default_factory=dict)  # ChunkPolicy field -> value
+
+
+def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParams,
+                           max_chars: int) -> SynthesisInputs:
+    from cosyvoice_triton.frontend.text import validate_text
+    from cosyvoice_triton.runtime.request import MODES
+
+    text = validate_text(reader.string("target_text", required=True), "target_text", max_chars)
+    mode = reader.string("mode", default="zero_shot")
+    if mode not in MODES:
+        raise InvalidInput("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
+    voice_id = reader.string("reference_audio_id")
+    audio = read_voice_audio(reader)
+    if voice_id is not None and audio is not None:
+        raise InvalidInput("reference_audio_id", f"give reference_audio_id or {audio.field}, not both")
+    if voice_id is None and audio is None:
+        raise InvalidInput("reference_wav", "a voice is required: reference_audio_id, reference_wav "
+                                            "(+ reference_sample_rate) or reference_audio")
+    overrides = {}
+    for name, attr in CHUNK_FIELDS.items():
+        value = reader.real(name) if attr == "hop_scale" else reader.integer(name)
+        if value is not None:
+            overrides[attr] = value
+    return SynthesisInputs(text=text, mode=mode, instruct_text=reader.string("instruct_text", default=""),
+                           voice_id=voice_id, audio=audio, reference_text=reader.string("reference_text"),
+                           seed=reader.integer("seed", low=0, high=MAX_SEED),
+                           sampling=read_sampling(reader, default_sampling), chunk_overrides=overrides)
+
+
+def synthesis_inputs(text: str, *, voice_id: str | None = None, samples: np.ndarray | None = None,
+                     sample_rate: int | None = None, reference_text: str | None = None, mode: str | None = None,
+                     instruct_text: str | None = None, seed: int | None = None,
+                     **extra) -> dict[str, np.ndarray]:
+    """A cosyvoice2 request as tensors (for clients and tests)."""
+    values = {"target_text": string_array(text)}
+    if voice_id is not None:
+        values["reference_audio_id"] = string_array(voice_id)
+    if samples is not None:
+        values["reference_wav"] = np.asarray(samples, dtype=np.float32).reshape(-1)
+        values["reference_sample_rate"] = np.array([sample_rate], dtype=np.int32)
+    for name, value in (("reference_text", reference_text), ("mode", mode), ("instruct_text", instruct_text)):
+        if value is not None:
+            values[name] = string_array(value)
+    if seed is not None:
+        values["seed"] = np.array([seed], dtype=np.uint64)
+    values.update(extra)
+    return values
+
+
+@dataclass(frozen=True)
+class RegisterInputs:
+    audio: VoiceAudio
+    text: str
+    voice_id: str | None
+    name: str | None
+
+
+def parse_register_inputs(reader: TensorReader) -> RegisterInputs:
+    audio = read_voice_audio(reader)
+    if audio is None:
+        raise InvalidInput("reference_wav", "is required (or reference_audio)")
+    return RegisterInputs(audio=audio, text=reader.string("reference_text", default=""),
+                          voice_id=reader.string("voice_id"), name=reader.string("name"))

@@ -1,0 +1,123 @@
+"""Custom metrics of our Python models (`pb_utils.MetricFamily`), served on Triton's metrics port.
+
+Every metric carries the labels `model` and `instance`. Names (Prometheus):
+
+  cosyvoice_first_chunk_latency_seconds   histogram  request received -> first audio chunk sent (cosyvoice2*)
+  cosyvoice_active_streams                gauge      requests being synthesized (cosyvoice2*)
+  cosyvoice_requests_total{outcome}       counter    finished requests: ok | error | cancelled (cosyvoice2*)
+  cosyvoice_voice_store_hits_total        counter    voice-store gets answered from the LRU (cosyvoice2*)
+  cosyvoice_voice_store_misses_total      counter    gets of unknown voice ids
+  cosyvoice_voice_store_loads_total       counter    gets read from the backing store
+  cosyvoice_llm_active_streams            gauge      streams holding a KV-cache slot (llm)
+  cosyvoice_llm_queued                    gauge      requests waiting for a slot
+  cosyvoice_llm_free_slots                gauge
+  cosyvoice_llm_batch_size                gauge      rows of the latest decode step
+  cosyvoice_llm_tokens_per_second         gauge      speech tokens sent per second, last 5 s
+  cosyvoice_llm_streams_total{reason}     counter    ended streams: stop_token | max_len | cancelled | error
+  cosyvoice_token2wav_active_streams      gauge      streams holding state (token2wav)
+  cosyvoice_token2wav_batch_size          histogram  chunk requests per execute (dynamic batch)
+  cosyvoice_token2wav_flow_batch          gauge      rows of the latest flow call
+  cosyvoice_token2wav_queue_depth         gauge      chunk requests taken in but not yet answered
+  cosyvoice_token2wav_streams_freed_total{reason}  counter  finalize | cancel | idle
+
+Gauges follow the engines' `stats`, refreshed on every event that changes them (no polling thread).
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    description: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    buckets: Sequence[float] | None = None
+    label_values: Sequence[tuple[str, str]] = ()  # one metric per (label, value); none: one metric
+
+
+SYNTHESIS = {
+    "first_chunk": Spec("cosyvoice_first_chunk_latency_seconds",
+                        "Seconds from receiving a synthesis request to sending its first audio chunk",
+                        "histogram", LATENCY_BUCKETS),
+    "active": Spec("cosyvoice_active_streams", "Synthesis requests in progress", "gauge"),
+    "requests": Spec("cosyvoice_requests_total", "Finished synthesis requests by outcome", "counter",
+                     label_values=(("outcome", "ok"), ("outcome", "error"), ("outcome", "cancelled"))),
+    "voice_hits": Spec("cosyvoice_voice_store_hits_total", "Voice-store gets answered from the LRU", "counter"),
+    "voice_misses": Spec("cosyvoice_voice_store_misses_total", "Voice-store gets of unknown voice ids", "counter"),
+    "voice_loads": Spec("cosyvoice_voice_store_loads_total", "Voice-store gets read from the backing store",
+                        "counter"),
+}
+
+LLM_METRICS = {
+    "active": Spec("cosyvoice_llm_active_streams", "LLM streams holding a KV-cache slot", "gauge"),
+    "queued": Spec("cosyvoice_llm_queued", "LLM requests waiting for a slot", "gauge"),
+    "free_slots": Spec("cosyvoice_llm_free_slots", "Free LLM KV-cache slots", "gauge"),
+    "batch": Spec("cosyvoice_llm_batch_size", "Rows of the latest LLM decode step", "gauge"),
+    "tps": Spec("cosyvoice_llm_tokens_per_second", "Speech tokens sent per second (last 5 s)", "gauge"),
+    "ended": Spec("cosyvoice_llm_streams_total", "Ended LLM streams by reason", "counter",
+                  label_values=tuple(("reason", r) for r in ("stop_token", "max_len", "cancelled", "error"))),
+}
+
+TOKEN2WAV_METRICS = {
+    "active": Spec("cosyvoice_token2wav_active_streams", "token2wav streams holding state", "gauge"),
+    "batch": Spec("cosyvoice_token2wav_batch_size", "Chunk requests per token2wav execute", "histogram",
+                  BATCH_BUCKETS),
+    "flow_batch": Spec("cosyvoice_token2wav_flow_batch", "Rows of the latest token2wav flow call", "gauge"),
+    "queue": Spec("cosyvoice_token2wav_queue_depth", "token2wav chunk requests taken in, not yet answered",
+                  "gauge"),
+    "freed": Spec("cosyvoice_token2wav_streams_freed_total", "token2wav streams freed by reason", "counter",
+                  label_values=tuple(("reason", r) for r in ("finalize", "cancel", "idle"))),
+}
+
+
+class ModelMetrics:
+    """The metrics of one model instance. `m["active"]` is a metric; `m.labelled("ended", "max_len")`
+    one of a labelled family. The families are kept referenced: a metric outlives no family."""
+
+    def __init__(self, pb, specs: Mapping[str, Spec], labels: Mapping[str, str]):
+        kinds = {"counter": pb.MetricFamily.COUNTER, "gauge": pb.MetricFamily.GAUGE,
+                 "histogram": pb.MetricFamily.HISTOGRAM}
+        self._families = {}
+        self._metrics: dict[tuple[str, str | None], object] = {}
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, str | None], float] = {}
+        for key, spec in specs.items():
+            family = pb.MetricFamily(name=spec.name, description=spec.description, kind=kinds[spec.kind])
+            self._families[key] = family
+            buckets = list(spec.buckets) if spec.kind == "histogram" else None
+            if spec.label_values:
+                for label, value in spec.label_values:
+                    self._metrics[(key, value)] = family.Metric(labels={**labels, label: value}, buckets=buckets)
+            else:
+                self._metrics[(key, None)] = family.Metric(labels=dict(labels), buckets=buckets)
+
+    def __getitem__(self, key: str):
+        return self._metrics[(key, None)]
+
+    def labelled(self, key: str, value: str):
+        return self._metrics[(key, value)]
+
+    def set_gauges(self, read: Callable[[], Mapping[str, float]]) -> None:
+        """Set gauges to `read()`, read under this object's lock: concurrent refreshes cannot leave an
+        older reading on top of a newer one."""
+        with self._lock:
+            for key, value in read().items():
+                self._metrics[(key, None)].set(float(value))
+
+    def follow_counter(self, key: str, total: float, value: str | None = None) -> None:
+        """Advance a counter to an engine's running `total` (engines count; Triton's counters only add)."""
+        with self._lock:
+            last = self._seen.get((key, value), 0.0)
+            if total > last:
+                self._metrics[(key, value)].increment(float(total - last))
+                self._seen[(key, value)] = float(total)
+
+
+def instance_labels(args: Mapping[str, str]) -> dict[str, str]:
+    return {"model": args["model_name"], "instance": args["model_instance_name"]}

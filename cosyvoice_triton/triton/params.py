@@ -1,0 +1,106 @@
+"""`parameters` of each model's config.pbtxt, parsed once in `initialize()` into a frozen dataclass.
+
+Triton hands them over as `{"key": {"string_value": "..."}}`. Every key a dataclass declares must be
+present (the templates write them all, so a missing key is a template bug) and unknown keys are refused;
+an empty string means "not set" only where a field says so (`| None`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass
+
+
+class ParameterError(ValueError):
+    """A model's config.pbtxt parameters do not match its dataclass."""
+
+
+def parse_parameters(cls, model_config: dict | str, model: str = ""):
+    """An instance of the frozen dataclass `cls` from a model config's `parameters`."""
+    config = json.loads(model_config) if isinstance(model_config, str) else model_config
+    raw = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        raise ParameterError(f"{model}: unknown parameters {', '.join(unknown)}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            if f.default is not dataclasses.MISSING:
+                values[f.name] = f.default
+                continue
+            raise ParameterError(f"{model}: parameter {f.name} is missing")
+        values[f.name] = _convert(raw[f.name], hints[f.name], f"{model}: parameter {f.name}")
+    return cls(**values)
+
+
+def _convert(text: str, hint, where: str):
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+    if optional:
+        if text.strip() == "":
+            return None
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    try:
+        if hint is bool:
+            lowered = text.strip().lower()
+            if lowered not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return lowered in ("true", "1")
+        if hint is int:
+            return int(text)
+        if hint is float:
+            return float(text)
+        if hint is str:
+            return text
+    except ValueError:
+        raise ParameterError(f"{where}: {text!r} is not a {hint.__name__}") from None
+    raise ParameterError(f"{where}: unsupported type {hint}")
+
+
+@dataclass(frozen=True)
+class LLMParams:
+    model_dir: str
+    device: str  # "cpu", "cuda", "cuda:0"
+    max_batch: int  # KV-cache slots: streams decoded together
+    max_seq_len: int  # positions per stream (prompt + speech tokens)
+    max_queue: int  # requests waiting for a slot; more are refused (UNAVAILABLE)
+    max_token_text_ratio: float | None  # None: the model's own (20, as the official code)
+    torch_threads: int  # 0: torch's default
+
+
+@dataclass(frozen=True)
+class Token2WavParams:
+    model_dir: str
+    device: str
+    max_streams: int  # streams with state at once; more are refused (UNAVAILABLE)
+    max_batch: int  # chunks per flow call (also the model's max_batch_size)
+    idle_timeout_s: float  # a stream with no chunk for this long is freed
+    torch_threads: int
+
+
+@dataclass(frozen=True)
+class PromptStepParams:
+    model_dir: str
+    device: str  # onnxruntime: "cpu", "cuda" or "auto"
+
+
+@dataclass(frozen=True)
+class CosyVoice2Params:
+    model_dir: str
+    voice_store: str | None  # sqlite path or redis:// url; None: the library's default file
+    max_workers: int  # requests synthesized at once by this instance (decoupled)
+    max_pending: int  # requests accepted beyond max_workers before UNAVAILABLE
+    max_text_chars: int
+    llm_model: str
+    token2wav_model: str
+    prompt_encoder_model: str
+
+
+@dataclass(frozen=True)
+class RegisterVoiceParams:
+    model_dir: str
+    voice_store: str | None
+    prompt_encoder_model: str

@@ -1,0 +1,78 @@
+"""What the `cosyvoice2` and `register_voice` models do, without `pb_utils` of their own.
+
+`Voices` resolves a request's voice: a registered id from the voice store, or a recording through the
+`prompt_encoder` ensemble (the audio is checked here first, so errors name the request's field).
+`SynthesisService` turns a parsed request into audio chunks with the shared `Orchestrator`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from cosyvoice_triton.config import ModelPaths, read_yaml
+from cosyvoice_triton.frontend.audio import decode_audio, to_mono, validate_prompt_audio
+from cosyvoice_triton.frontend.prompt import PromptFeatures, audio_sha256
+from cosyvoice_triton.frontend.text import TextFrontend
+from cosyvoice_triton.models.speech_lm import SpeechLMConfig
+from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
+from cosyvoice_triton.runtime.orchestrator import LLMBackend, Orchestrator, Token2WavBackend
+from cosyvoice_triton.runtime.request import SynthesisRequest
+from cosyvoice_triton.runtime.voice_store import VoiceInfo, VoiceStore
+from cosyvoice_triton.triton.contracts import RegisterInputs, SynthesisInputs, VoiceAudio
+
+
+def token_mel_ratio(model_dir: str | Path) -> int:
+    return int(read_yaml(ModelPaths(Path(model_dir)).yaml).get("token_mel_ratio", 2))
+
+
+class Voices:
+    """Voice store + prompt encoder. `encoder.encode(samples, rate, text, sha) -> PromptFeatures`."""
+
+    def __init__(self, store: VoiceStore, encoder):
+        self.store = store
+        self.encoder = encoder
+
+    def from_audio(self, audio: VoiceAudio, text: str) -> PromptFeatures:
+        if audio.file_bytes is not None:
+            samples, rate = decode_audio(audio.file_bytes, field="reference_audio")
+        else:
+            samples, rate = to_mono(audio.samples), int(audio.sample_rate)
+        validate_prompt_audio(samples, rate, audio.field)
+        return self.encoder.encode(samples, rate, text, audio_sha256(samples, rate))
+
+    def resolve(self, inputs: SynthesisInputs) -> PromptFeatures:
+        if inputs.voice_id is not None:
+            voice = self.store.get(inputs.voice_id)
+            if inputs.reference_text is not None:
+                voice = PromptFeatures(embedding=voice.embedding, speech_tokens=voice.speech_tokens, mel=voice.mel,
+                                       text=inputs.reference_text, audio_sha256=voice.audio_sha256)
+            return voice
+        return self.from_audio(inputs.audio, inputs.reference_text or "")
+
+    def register(self, inputs: RegisterInputs) -> VoiceInfo:
+        features = self.from_audio(inputs.audio, inputs.text)
+        return self.store.register(features, voice_id=inputs.voice_id, name=inputs.name)
+
+
+class SynthesisService:
+    """Parsed cosyvoice2 request -> float32 24 kHz chunks (the orchestrator with the given backends)."""
+
+    def __init__(self, model_dir: str | Path, voices: Voices, llm: LLMBackend, token2wav: Token2WavBackend,
+                 max_text_chars: int):
+        self.frontend = TextFrontend.from_model_dir(model_dir, max_chars=max_text_chars)
+        self.default_sampling = SpeechLMConfig.from_model_dir(model_dir).sampling
+        self.voices = voices
+        self.orchestrator = Orchestrator(self.frontend, llm, token2wav)
+
+    def request(self, inputs: SynthesisInputs) -> SynthesisRequest:
+        policy = ChunkPolicy().with_overrides(**inputs.chunk_overrides)  # errors name chunk_*
+        return SynthesisRequest(text=inputs.text, voice=self.voices.resolve(inputs), mode=inputs.mode,
+                                instruct_text=inputs.instruct_text, seed=inputs.seed, sampling=inputs.sampling,
+                                chunk_policy=policy).validate()
+
+    def run(self, inputs: SynthesisInputs, stream: bool, is_cancelled: Callable[[], bool],
+            request_id: str | None = None) -> Iterator[np.ndarray]:
+        request = self.request(inputs)
+        return self.orchestrator.run(request, stream=stream, is_cancelled=is_cancelled, request_id=request_id)

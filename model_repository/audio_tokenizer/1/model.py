@@ -1,0 +1,35 @@
+"""`audio_tokenizer` (prompt_encoder step 2b): S3 speech tokens (25 Hz) of 16 kHz audio."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from cosyvoice_triton.config import ModelPaths
+from cosyvoice_triton.engines.onnx_session import open_session
+from cosyvoice_triton.frontend.prompt import PromptEncoder
+from cosyvoice_triton.triton.params import PromptStepParams, parse_parameters
+from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.name = args["model_name"]
+        params = parse_parameters(PromptStepParams, json.loads(args["model_config"]), self.name)
+        session = open_session(ModelPaths(Path(params.model_dir)).speech_tokenizer, device=params.device)
+        self.encoder = PromptEncoder(campplus=None, speech_tokenizer=session)  # only .speech_tokens
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                wav16k = TensorReader(request_arrays(request), batched=True).array("wav16k", np.float32, 1,
+                                                                                    required=True)
+                tokens = self.encoder.speech_tokens(wav16k)
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor("speech_tokens", tokens.astype(np.int32).reshape(1, -1))]))
+            except Exception as exc:  # noqa: BLE001 - answered to this request only
+                responses.append(error_response(pb_utils, exc, self.name))
+        return responses

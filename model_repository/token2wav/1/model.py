@@ -1,0 +1,96 @@
+"""`token2wav`: the chunk requests of one dynamic batch run through `Token2WavEngine.run` as one flow batch
+(contract: triton/contracts.py). Per-stream state lives in the engine, keyed by `stream_id`, and is freed
+on the final chunk, on a `cancel` request and after `idle_timeout_s` without chunks (checked on every
+batch, and by a timer while no chunks come).
+"""
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from cosyvoice_triton.models.flow import FlowModel
+from cosyvoice_triton.models.hift import HiFTGenerator
+from cosyvoice_triton.runtime.token2wav_engine import Token2WavEngine
+from cosyvoice_triton.triton import instance_device
+from cosyvoice_triton.triton.contracts import StreamCancel, parse_chunk
+from cosyvoice_triton.triton.metrics import TOKEN2WAV_METRICS, ModelMetrics, instance_labels
+from cosyvoice_triton.triton.params import Token2WavParams, parse_parameters
+from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.name = args["model_name"]
+        self.params = params = parse_parameters(Token2WavParams, config, self.name)
+        if int(config.get("max_batch_size", 0)) != params.max_batch:
+            raise ValueError(f"{self.name}: max_batch_size {config.get('max_batch_size')} != max_batch "
+                             f"{params.max_batch}")
+        if params.torch_threads > 0:
+            torch.set_num_threads(params.torch_threads)
+        device = instance_device(params.device, args)
+        self.engine = Token2WavEngine(FlowModel.from_model_dir(params.model_dir, device=device),
+                                      HiFTGenerator.from_model_dir(params.model_dir, device=device),
+                                      max_streams=params.max_streams, max_batch=params.max_batch,
+                                      idle_timeout_s=params.idle_timeout_s)
+        self.metrics = ModelMetrics(pb_utils, TOKEN2WAV_METRICS, instance_labels(args))
+        self._lock = threading.Lock()  # the engine has one caller at a time: execute or the idle timer
+        self._stop = threading.Event()
+        self._timer = threading.Thread(target=self._sweep_while_idle, name="token2wav-idle", daemon=True)
+        self._timer.start()
+        self._refresh()
+
+    def execute(self, requests):
+        responses = [None] * len(requests)
+        chunks, chunk_index = [], []
+        with self._lock:
+            self.metrics["batch"].observe(len(requests))
+            self.metrics["queue"].set(len(requests))
+            for i, request in enumerate(requests):
+                try:
+                    item = parse_chunk(TensorReader(request_arrays(request), batched=True))
+                except Exception as exc:  # noqa: BLE001 - answered to this request only
+                    responses[i] = error_response(pb_utils, exc, self.name)
+                    continue
+                if isinstance(item, StreamCancel):
+                    self.engine.cancel(item.stream_id)
+                    responses[i] = self._waveform(np.zeros(0, dtype=np.float32))
+                else:
+                    chunks.append(item)
+                    chunk_index.append(i)
+            if chunks:
+                for i, result in zip(chunk_index, self.engine.run(chunks)):
+                    if isinstance(result, Exception):
+                        responses[i] = error_response(pb_utils, result, self.name)
+                    else:
+                        responses[i] = self._waveform(result)
+            self.metrics["queue"].set(0)
+            self._refresh()
+        return responses
+
+    @staticmethod
+    def _waveform(audio: np.ndarray):
+        waveform = np.ascontiguousarray(audio, dtype=np.float32).reshape(1, -1)  # (batch 1, N)
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("waveform", waveform)])
+
+    def _sweep_while_idle(self) -> None:
+        interval = max(1.0, self.params.idle_timeout_s / 4)
+        while not self._stop.wait(interval):
+            with self._lock:
+                if self.engine.sweep_idle():
+                    self._refresh()
+
+    def _refresh(self) -> None:
+        """Hold self._lock."""
+        stats = self.engine.stats
+        self.metrics.set_gauges(lambda: {"active": stats.active_streams, "flow_batch": stats.last_flow_batch})
+        for reason, count in stats.freed.items():
+            self.metrics.follow_counter("freed", count, reason)
+
+    def finalize(self):
+        self._stop.set()
+        self._timer.join(timeout=5)

@@ -1,0 +1,290 @@
+"""The LLM in-flight batching engine against `SpeechLM.generate`, the single-stream reference.
+
+The engine's pace is set by `StepGate`, which wraps `step_logits`: while it is closed, every model call
+waits for the test to release it, so the test knows which rounds have run and reads stats while the
+engine thread stands still. No test depends on timing.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.export.random_model import write_random_model
+from cosyvoice_triton.models.speech_lm import SpeechLM
+from cosyvoice_triton.runtime.llm_engine import (EngineUnavailable, LLMEngine, LLMRequest, LLMStepError,
+                                                  LLMStream)
+from cosyvoice_triton.runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(120)  # a deadlock fails the test instead of hanging the session
+
+MAX_SEQ_LEN = 512
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_model(tmp_path_factory.mktemp("tiny") / "model", size="tiny", backbone_weights=False)
+
+
+@pytest.fixture
+def llm(model_dir: Path) -> SpeechLM:
+    return SpeechLM.from_model_dir(model_dir, max_batch=1, max_seq_len=MAX_SEQ_LEN)
+
+
+@pytest.fixture
+def engines() -> list[LLMEngine]:
+    """Engines made by a test; stopped after it whatever happened."""
+    made: list[LLMEngine] = []
+    yield made
+    for engine in made:
+        engine.stop()
+
+
+class StepGate:
+    """Replaces `llm.step_logits`: records each call's (B, T) and, while closed, holds each call until
+    the test releases it. `fail_when(x)` True makes that call raise."""
+
+    def __init__(self, llm: SpeechLM, fail_when: Callable[[Tensor], bool] = lambda x: False):
+        self.inner = llm.step_logits
+        self.fail_when = fail_when
+        self.calls: list[tuple[int, int]] = []
+        self.arrivals: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self.permits = threading.Semaphore(0)
+        self.opened = threading.Event()
+        llm.step_logits = self  # the instance attribute shadows the method
+
+    def __call__(self, x: Tensor, input_pos: Tensor, slots: Tensor) -> Tensor:
+        shape = (x.shape[0], x.shape[1])
+        self.calls.append(shape)
+        if not self.opened.is_set():
+            self.arrivals.put(shape)
+            self.permits.acquire()
+        if self.fail_when(x):
+            raise RuntimeError("injected fault")
+        return self.inner(x, input_pos, slots)
+
+    def next_call(self) -> tuple[int, int]:
+        """Wait until the engine blocks in its next model call; return that call's (B, T)."""
+        return self.arrivals.get()
+
+    def release(self) -> None:
+        self.permits.release()
+
+    def open(self) -> None:
+        """Let every call through, the one waiting now included."""
+        self.opened.set()
+        self.permits.release()
+
+    def decode_sizes(self) -> list[int]:
+        return [batch for batch, length in self.calls if length == 1]
+
+
+def make_request(llm: SpeechLM, name: str, text_len: int, prompt_text_len: int = 0, prompt_speech_len: int = 0,
+                 seed: int = 0, sampling: SamplingParams = SamplingParams()) -> LLMRequest:
+    rng = torch.Generator().manual_seed(1000 + seed)
+    vocab, speech = llm.config.qwen.vocab_size, llm.config.speech_token_size
+    return LLMRequest(request_id=name,
+                      text_tokens=torch.randint(vocab, (text_len,), generator=rng).tolist(),
+                      prompt_text_tokens=torch.randint(vocab, (prompt_text_len,), generator=rng).tolist(),
+                      prompt_speech_tokens=torch.randint(speech, (prompt_speech_len,), generator=rng).tolist(),
+                      sampling=sampling, seed=seed)
+
+
+def solo(llm: SpeechLM, request: LLMRequest) -> list[int]:
+    """The reference: `SpeechLM.generate` alone, seeded as the engine must seed it."""
+    tokens = [torch.tensor([ids], dtype=torch.int64).reshape(1, -1)
+              for ids in (request.text_tokens, request.prompt_text_tokens, request.prompt_speech_tokens)]
+    return list(llm.generate(*tokens, sampling=request.sampling,
+                             generator=torch.Generator().manual_seed(request.seed)))
+
+
+def read_all(stream: LLMStream) -> list[int]:
+    return [token for chunk in stream for token in chunk]
+
+
+def requests_of_all_shapes(llm: SpeechLM) -> list[LLMRequest]:
+    """Six requests: zero-shot, cross-lingual (no prompts) and instruct (prompt text only), of varied lengths."""
+    return [make_request(llm, "zero-shot-a", 3, 4, 12, seed=1),
+            make_request(llm, "cross-lingual", 2, seed=2),
+            make_request(llm, "instruct", 4, 6, seed=3, sampling=SamplingParams(top_p=0.9, top_k=10)),
+            make_request(llm, "zero-shot-b", 5, 2, 30, seed=4),
+            make_request(llm, "short", 1, 1, 3, seed=5),
+            make_request(llm, "zero-shot-c", 3, 8, 20, seed=6, sampling=SamplingParams(win_size=5, tau_r=0.3))]
+
+
+def test_each_request_alone_equals_generate(llm: SpeechLM, engines: list[LLMEngine]) -> None:
+    requests = requests_of_all_shapes(llm)
+    expected = [solo(llm, request) for request in requests]
+    engine = LLMEngine(llm, max_batch=4)
+    engines.append(engine)
+    engine.start()
+    for request, tokens in zip(requests, expected):
+        stream = engine.submit(request)
+        assert read_all(stream) == tokens
+        assert stream.finished and stream.reason == "max_len"  # random weights hardly ever stop early
+    assert engine.stats.peak_batch_size == 1
+    assert engine.stats.tokens_total == sum(map(len, expected))
+
+
+def test_concurrent_streams_with_cancellation_equal_their_solo_runs(llm: SpeechLM,
+                                                                     engines: list[LLMEngine]) -> None:
+    requests = requests_of_all_shapes(llm)
+    expected = [solo(llm, request) for request in requests]
+    engine = LLMEngine(llm, max_batch=4)
+    engines.append(engine)
+    gate = StepGate(llm)
+    streams = [engine.submit(request) for request in requests]  # before start: admission order is fixed
+    engine.start()
+    for _ in range(4):  # round 1: four prefills (B = 1) ...
+        assert gate.next_call()[0] == 1
+        gate.release()
+    assert gate.next_call() == (4, 1)  # ... then one decode step for all four
+    stats = engine.stats
+    assert (stats.active_streams, stats.queued, stats.slots_free) == (4, 2, 0)
+
+    cancelled = streams[1:3]
+    for stream in cancelled:
+        assert stream.get() == expected[streams.index(stream)][:1]  # the prefill's token
+        stream.cancel()
+        stream.cancel()  # idempotent
+    gate.release()  # the decode step still serves them; the next round retires them and admits two more
+    assert gate.next_call()[0] == 1  # prefill of the first waiting request
+    stats = engine.stats
+    assert (stats.active_streams, stats.queued) == (3, 1)  # two slots freed, one already refilled
+    for stream in cancelled:
+        assert stream.finished and stream.reason == "cancelled"
+        assert read_all(stream) == expected[streams.index(stream)][:2]  # prefill + one decode step
+    gate.open()
+
+    for index in (0, 3, 4, 5):
+        assert read_all(streams[index]) == expected[index], requests[index].request_id
+        assert streams[index].reason == "max_len"
+    assert max(gate.decode_sizes()) == 4 and engine.stats.peak_batch_size == 4
+    stats = engine.stats
+    assert (stats.active_streams, stats.queued, stats.slots_free) == (0, 0, 4)
+    assert stats.tokens_total == sum(len(expected[i]) for i in (0, 3, 4, 5)) + 2 * 2
+
+
+def test_a_request_that_arrives_while_others_decode_joins_the_batch(llm: SpeechLM,
+                                                                     engines: list[LLMEngine]) -> None:
+    first = make_request(llm, "first", 4, 3, 10, seed=7)
+    late = make_request(llm, "late", 2, 5, 6, seed=8)
+    expected_first, expected_late = solo(llm, first), solo(llm, late)
+    engine = LLMEngine(llm, max_batch=2)
+    engines.append(engine)
+    gate = StepGate(llm)
+    engine.start()
+    stream_first = engine.submit(first)
+    assert gate.next_call()[0] == 1  # prefill
+    gate.release()
+    assert gate.next_call() == (1, 1)  # decoding alone
+    with pytest.raises(TimeoutError):
+        stream_late = engine.submit(late)
+        stream_late.get(timeout=0.01)  # held: the engine is busy with the other stream's step
+    gate.release()
+    assert gate.next_call()[0] == 1  # the late request's prefill, before the next decode step
+    gate.release()
+    assert gate.next_call() == (2, 1)  # one step for both
+    assert engine.stats.active_streams == 2 and not stream_first.finished
+    gate.open()
+    assert read_all(stream_first) == expected_first
+    assert read_all(stream_late) == expected_late
+    assert engine.stats.peak_batch_size == 2
+
+
+def test_eos_waits_for_min_len_then_stops_the_stream(llm: SpeechLM, engines: list[LLMEngine]) -> None:
+    with torch.no_grad():
+        llm.llm_decoder.bias[llm.config.eos_token] += 100.0  # EOS wins as soon as it is allowed
+    request = make_request(llm, "eos", 3, 2, 5, seed=9)
+    expected = solo(llm, request)
+    assert len(expected) == llm.length_limits(3)[0]
+    engine = LLMEngine(llm, max_batch=2)
+    engines.append(engine)
+    engine.start()
+    stream = engine.submit(request)
+    assert read_all(stream) == expected
+    assert stream.reason == "stop_token"
+    assert engine.stats.slots_free == 2
+
+
+def test_a_failing_step_fails_only_its_streams(llm: SpeechLM, engines: list[LLMEngine]) -> None:
+    bad = make_request(llm, "bad", 3, 0, 7, seed=10)
+    good = make_request(llm, "good", 2, 1, 4, seed=11)
+    expected_good = solo(llm, good)
+    bad_prefill_len = 2 + len(bad.text_tokens) + len(bad.prompt_speech_tokens)
+    engine = LLMEngine(llm, max_batch=2)
+    engines.append(engine)
+    StepGate(llm, fail_when=lambda x: x.shape[1] == bad_prefill_len).open()
+    streams = [engine.submit(bad), engine.submit(good)]
+    engine.start()
+    with pytest.raises(LLMStepError, match="prefill failed for request bad"):
+        read_all(streams[0])
+    assert streams[0].reason == "error"
+    assert read_all(streams[1]) == expected_good
+    again = engine.submit(replace(good, request_id="again"))  # the engine lives on
+    assert read_all(again) == expected_good
+    assert engine.stats.slots_free == 2
+
+
+def test_stop_fails_live_and_waiting_streams_and_ends_the_thread(llm: SpeechLM) -> None:
+    engine = LLMEngine(llm, max_batch=1)
+    gate = StepGate(llm)
+    live = engine.submit(make_request(llm, "live", 3, seed=12))
+    waiting = engine.submit(make_request(llm, "waiting", 3, seed=13))
+    engine.start()
+    gate.next_call()
+    gate.release()
+    gate.next_call()  # the engine is inside a decode step
+    stopper = threading.Thread(target=engine.stop)
+    stopper.start()
+    for stream in (live, waiting):  # stop() fails them at once, without waiting for the step
+        with pytest.raises(EngineUnavailable, match="stopped"):
+            read_all(stream)
+        assert stream.reason == "error"
+    gate.open()
+    stopper.join()  # stop() returns once the engine thread has exited
+    assert not [t for t in threading.enumerate() if t.name == "llm-engine" and t.is_alive()]
+    stats = engine.stats
+    assert (stats.active_streams, stats.queued, stats.slots_free) == (0, 0, 1)
+    with pytest.raises(EngineUnavailable):
+        engine.submit(make_request(llm, "late", 3))
+
+
+def test_a_full_queue_refuses_requests(llm: SpeechLM) -> None:
+    engine = LLMEngine(llm, max_batch=1, max_queue=2)
+    queued = [engine.submit(make_request(llm, f"r{i}", 2, seed=i)) for i in range(2)]
+    with pytest.raises(EngineUnavailable, match="queue is full"):
+        engine.submit(make_request(llm, "r2", 2))
+    assert engine.stats.queued == 2
+    engine.stop()  # never started: the queued streams fail all the same
+    for stream in queued:
+        with pytest.raises(EngineUnavailable):
+            stream.get()
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"request_id": ""}, "request_id"),
+    ({"text_tokens": []}, "text_tokens"),
+    ({"text_tokens": [-1]}, "text_tokens"),
+    ({"text_tokens": [1, 2.5]}, "text_tokens"),
+    ({"prompt_text_tokens": [10**6]}, "prompt_text_tokens"),
+    ({"prompt_speech_tokens": [6561]}, "prompt_speech_tokens"),  # stop tokens are no prompt ids
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"sampling": SamplingParams(top_p=0.0)}, "top_p"),
+    ({"prompt_speech_tokens": [0] * MAX_SEQ_LEN}, "text_tokens"),  # does not fit the cache
+])
+def test_invalid_requests_name_the_field(llm: SpeechLM, changes: dict, field: str) -> None:
+    engine = LLMEngine(llm, max_batch=1)
+    request = replace(make_request(llm, "ok", 2), **changes)
+    with pytest.raises(InvalidInput) as caught:
+        engine.submit(request)
+    assert caught.value.field == field
+    assert engine.stats.queued == 0

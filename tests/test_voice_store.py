@@ -1,0 +1,329 @@
+"""Voice store behaviour, on the embedded SQLite backend and on a real Redis (see redis_harness.py)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import multiprocessing
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import redis
+
+from cosyvoice_triton.errors import InvalidInput, NotFound, Unavailable
+from cosyvoice_triton.frontend.prompt import PromptFeatures, audio_sha256
+from cosyvoice_triton.runtime.voice_store import (CorruptVoice, VoiceStore, decode_features, encode_features,
+                                                  generated_voice_id, open_voice_store)
+from cosyvoice_triton.runtime.voice_store_redis import voice_key
+from redis_harness import redis_binary_or_skip, redis_server, start_redis  # noqa: F401  (a fixture)
+
+OpenStore = Callable[..., VoiceStore]
+
+
+def make_features(seed: int = 0, n_tokens: int = 25, text: str = "希望你以后能够做的比我还好呦。"
+                  ) -> PromptFeatures:
+    rng = np.random.default_rng(seed)
+    recording = rng.standard_normal(16000).astype(np.float32)
+    embedding = rng.standard_normal(192).astype(np.float32)
+    embedding[:3] = [np.nan, -0.0, np.inf]  # only a bitwise copy keeps these exactly
+    return PromptFeatures(embedding=embedding,
+                          speech_tokens=rng.integers(0, 6561, n_tokens).astype(np.int32),
+                          mel=rng.standard_normal((2 * n_tokens, 80)).astype(np.float32),
+                          text=text, audio_sha256=audio_sha256(recording, 16000))
+
+
+def assert_same_features(got: PromptFeatures, want: PromptFeatures) -> None:
+    for name in ("embedding", "speech_tokens", "mel"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), name
+    assert (got.text, got.audio_sha256) == (want.text, want.audio_sha256)
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store_url(request, tmp_path) -> str:
+    """One empty backing store per test: a new SQLite file, or the flushed test Redis."""
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path / 'voices.sqlite'}"
+    server = request.getfixturevalue("redis_server")
+    server.flush()
+    return server.url
+
+
+@pytest.fixture
+def open_store(store_url) -> Iterator[OpenStore]:
+    """Opens store instances on the test's backing store (each like another process) and closes them."""
+    stores: list[VoiceStore] = []
+
+    def open_one(lru_size: int = 256) -> VoiceStore:
+        stores.append(open_voice_store(store_url, lru_size=lru_size))
+        return stores[-1]
+
+    yield open_one
+    for store in stores:
+        store.close()
+
+
+def overwrite_blob(url: str, voice_id: str, blob: bytes) -> None:
+    """Damage a stored voice behind the store's back."""
+    if url.startswith("redis://"):
+        with redis.Redis.from_url(url) as client:
+            client.hset(voice_key(voice_id), "blob", blob)
+    else:
+        with sqlite3.connect(url[len("sqlite://"):]) as db:
+            db.execute("UPDATE voices SET blob = ? WHERE voice_id = ?", (blob, voice_id))
+
+
+def test_round_trip_is_bitwise(open_store):
+    writer, reader = open_store(), open_store()
+    features = make_features()
+    info = writer.register(features, name="Alice")
+    assert (info.text, info.audio_sha256, info.name) == (features.text, features.audio_sha256, "Alice")
+    assert info.tokens == 25
+    for store in (writer, reader, reader):  # the writer's LRU, a cold read, a cached read
+        got = store.get(info.voice_id)
+        assert_same_features(got, features)
+        assert not got.mel.flags.writeable  # cached arrays are shared between requests
+    assert reader.info(info.voice_id) == info
+
+
+def test_registration_is_idempotent(open_store):
+    first, second = open_store(), open_store()
+    features = make_features()
+    info = first.register(features, name="Alice")
+    expected_id = "v_" + hashlib.sha256((features.audio_sha256 + features.text).encode()).hexdigest()[:16]
+    assert info.voice_id == expected_id
+    assert first.register(features) == info
+    assert second.register(make_features(), name="Bob") == info  # equal content from elsewhere: not rewritten
+    assert first.register(features, voice_id=expected_id) == info
+    assert second.list() == [info]
+
+
+def test_same_recording_with_other_text_is_another_voice(open_store):
+    store = open_store()
+    a = store.register(make_features(text="one"))
+    b = store.register(make_features(text="two"))
+    assert a.audio_sha256 == b.audio_sha256 and a.voice_id != b.voice_id
+    assert [info.voice_id for info in store.list()] == [a.voice_id, b.voice_id]
+
+
+def test_explicit_ids(open_store):
+    store, other = open_store(), open_store()
+    alice = store.register(make_features(seed=1), voice_id="alice")
+    assert alice.voice_id == "alice"
+    assert other.register(make_features(seed=1), voice_id="alice") == alice
+    assert other.register(make_features(seed=1)) == alice  # no id asked for: the existing voice
+    with pytest.raises(InvalidInput) as taken:
+        other.register(make_features(seed=2), voice_id="alice")
+    assert taken.value.field == "voice_id" and "taken" in taken.value.problem
+    with pytest.raises(InvalidInput) as elsewhere:
+        other.register(make_features(seed=1), voice_id="bob")
+    assert elsewhere.value.field == "voice_id" and "'alice'" in elsewhere.value.problem
+    assert store.list() == [alice]
+
+
+@pytest.mark.parametrize("bad_id", ["", "a b", "x" * 65, "a/b", "a:b", "stimme-ü", "v_0123456789abcdef", 7])
+def test_bad_ids_are_rejected(open_store, bad_id):
+    store = open_store()
+    with pytest.raises(InvalidInput) as registered:
+        store.register(make_features(), voice_id=bad_id)
+    assert registered.value.field == "voice_id"
+    if bad_id != "v_0123456789abcdef":  # reserved for registration, well-formed for a lookup
+        with pytest.raises(InvalidInput) as looked_up:
+            store.get(bad_id)
+        assert looked_up.value.field == "reference_audio_id"
+    assert store.list() == []
+
+
+def test_malformed_features_are_rejected(open_store):
+    store = open_store()
+    good = make_features()
+    bad = [dataclasses.replace(good, embedding=good.embedding.astype(np.float64)),
+           dataclasses.replace(good, mel=good.mel[:-2]),
+           dataclasses.replace(good, speech_tokens=good.speech_tokens[:0], mel=good.mel[:0]),
+           dataclasses.replace(good, audio_sha256="not-a-hash")]
+    for features in bad:
+        with pytest.raises(ValueError):
+            store.register(features)
+    with pytest.raises(InvalidInput) as named:
+        store.register(good, name="n" * 201)
+    assert named.value.field == "name"
+    assert store.list() == []
+
+
+def test_unknown_and_deleted_ids_are_not_found(open_store):
+    store = open_store()
+    for lookup in (store.get, store.info):
+        with pytest.raises(NotFound) as unknown:
+            lookup("nobody")
+        assert unknown.value.field == "reference_audio_id"
+    assert store.delete("nobody") is False
+    info = store.register(make_features())
+    store.get(info.voice_id)  # now in the LRU
+    assert store.delete(info.voice_id) is True
+    with pytest.raises(NotFound):
+        store.get(info.voice_id)
+    with pytest.raises(NotFound):
+        store.info(info.voice_id)
+    assert store.list() == [] and store.delete(info.voice_id) is False
+
+
+def test_instances_see_each_others_registrations_and_deletions(open_store):
+    a, b = open_store(), open_store()
+    alice = a.register(make_features(seed=1), voice_id="alice")
+    assert_same_features(b.get("alice"), make_features(seed=1))  # b now caches alice
+    assert b.list() == [alice]
+    assert a.delete("alice")
+    with pytest.raises(NotFound):
+        b.get("alice")  # b's cached copy is not served
+    assert b.list() == []
+    # The id comes back with another recording: b must not serve what it read before.
+    b.get(a.register(make_features(seed=3)).voice_id)
+    a.register(make_features(seed=2), voice_id="alice")
+    assert_same_features(b.get("alice"), make_features(seed=2))
+    a.delete("alice")
+    a.register(make_features(seed=1), voice_id="alice")  # same content as the first time, new revision
+    assert_same_features(b.get("alice"), make_features(seed=1))
+    assert b.delete("alice") and a.list() == b.list() and len(a.list()) == 1
+
+
+def test_concurrent_registrations_make_one_voice(open_store):
+    stores = [open_store() for _ in range(4)]
+    results: list = [None] * len(stores)
+
+    def register(i: int) -> None:
+        results[i] = stores[i].register(make_features())
+
+    threads = [threading.Thread(target=register, args=(i,)) for i in range(len(stores))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(info == results[0] for info in results)
+    assert stores[0].list() == [results[0]]
+
+
+def _register_in_child(path: str, seeds: list[int]) -> None:
+    store = open_voice_store(path)
+    for seed in seeds:
+        store.register(make_features(seed=seed))
+    store.close()
+
+
+def test_sqlite_processes_share_one_file(tmp_path):
+    path = str(tmp_path / "voices.sqlite")
+    parent = open_voice_store(path)
+    parent.get(parent.register(make_features(seed=0)).voice_id)
+    # Forked, so the children skip the slow imports; both register seed 1, each one of its own too.
+    fork = multiprocessing.get_context("fork")
+    children = [fork.Process(target=_register_in_child, args=(path, seeds)) for seeds in ([1, 2, 0], [1, 3])]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(timeout=60)
+    assert [child.exitcode for child in children] == [0, 0]
+    voices = parent.list()
+    expected = [make_features(seed=seed) for seed in range(4)]
+    assert sorted(info.voice_id for info in voices) == sorted(
+        generated_voice_id(features.audio_sha256, features.text) for features in expected)
+    for info in voices:
+        assert parent.get(info.voice_id).audio_sha256 == info.audio_sha256
+    parent.close()
+
+
+def test_sqlite_voices_survive_reopening(tmp_path):
+    path = tmp_path / "home" / "voices.sqlite"  # folders are created
+    store = open_voice_store(str(path))
+    info = store.register(make_features(), name="Alice")
+    store.close()
+    reopened = open_voice_store(f"sqlite://{path}")
+    assert reopened.list() == [info]
+    assert_same_features(reopened.get(info.voice_id), make_features())
+    reopened.close()
+
+
+def test_default_store_lives_under_cosyvoice_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("COSYVOICE_HOME", str(tmp_path / "home"))
+    store = open_voice_store(None)
+    store.register(make_features())
+    store.close()
+    assert (tmp_path / "home" / "voices.sqlite").is_file()
+    with pytest.raises(ValueError, match="mysql"):
+        open_voice_store("mysql://db/voices")
+
+
+def test_corrupt_blob_is_a_clear_error(open_store, store_url):
+    store = open_store()
+    bad = store.register(make_features(seed=1))
+    good = store.register(make_features(seed=2))
+    overwrite_blob(store_url, bad.voice_id, b"\x00garbage")
+    reader = open_store()
+    with pytest.raises(CorruptVoice, match=bad.voice_id):
+        reader.get(bad.voice_id)
+    # The damage left the revision as it was: the writer's copy, decoded at registration, still serves.
+    assert_same_features(store.get(bad.voice_id), make_features(seed=1))
+    assert_same_features(reader.get(good.voice_id), make_features(seed=2))  # the store keeps serving
+    assert reader.delete(bad.voice_id)
+    assert reader.register(make_features(seed=1)).voice_id == bad.voice_id
+    assert_same_features(store.get(bad.voice_id), make_features(seed=1))
+
+
+def _flip_bit(blob: bytes, index: int) -> bytes:
+    damaged = bytearray(blob)
+    damaged[index] ^= 0x01
+    return bytes(damaged)
+
+
+@pytest.mark.parametrize("damage", [
+    lambda blob: b"",
+    lambda blob: blob[:-4],  # truncated
+    lambda blob: blob + b"\x00" * 4,  # extended
+    lambda blob: _flip_bit(blob, -5),  # in the mel
+    lambda blob: _flip_bit(blob, 20),  # in the JSON header
+    lambda blob: b"PK\x03\x04" + blob[4:],  # another format (npz)
+    lambda blob: blob[:4] + b"\x02\x00" + blob[6:],  # a newer version
+    lambda blob: b"\x80\x04\x95" + blob[3:],  # a pickle
+], ids=["empty", "truncated", "extended", "mel bit", "header bit", "npz", "version", "pickle"])
+def test_blob_decoder_rejects_damage(damage):
+    blob = encode_features(make_features())
+    assert_same_features(decode_features(blob, "v"), make_features())
+    with pytest.raises(CorruptVoice, match="'v'"):
+        decode_features(damage(blob), "v")
+
+
+def test_stats_count_hits_misses_and_loads(open_store):
+    writer, reader = open_store(), open_store(lru_size=1)
+    a = writer.register(make_features(seed=1))
+    b = writer.register(make_features(seed=2))
+    assert reader.stats.hits == reader.stats.misses == reader.stats.loads == reader.stats.size == 0
+    reader.get(a.voice_id)
+    reader.get(a.voice_id)
+    with pytest.raises(NotFound):
+        reader.get("nobody")
+    assert (reader.stats.hits, reader.stats.misses, reader.stats.loads, reader.stats.size) == (1, 1, 1, 1)
+    reader.get(b.voice_id)  # evicts a (lru_size=1)
+    reader.get(a.voice_id)
+    assert (reader.stats.hits, reader.stats.loads, reader.stats.size) == (1, 3, 1)
+    writer.delete(a.voice_id)
+    with pytest.raises(NotFound):
+        reader.get(a.voice_id)  # a cached copy of a deleted voice is a miss, and is dropped
+    assert (reader.stats.hits, reader.stats.misses, reader.stats.size) == (1, 2, 0)
+    uncached = open_store(lru_size=0)
+    uncached.get(b.voice_id)
+    uncached.get(b.voice_id)
+    assert (uncached.stats.hits, uncached.stats.loads, uncached.stats.size) == (0, 2, 0)
+
+
+def test_lost_redis_is_unavailable(tmp_path):
+    server = start_redis(redis_binary_or_skip(), tmp_path)  # its own server: this test kills it
+    try:
+        store = open_voice_store(server.url)
+        info = store.register(make_features())
+        store.get(info.voice_id)
+    finally:
+        server.stop()
+    for call in (lambda: store.get(info.voice_id), store.list, lambda: store.register(make_features(seed=1))):
+        with pytest.raises(Unavailable, match="unreachable"):
+            call()
+    store.close()
