@@ -110,6 +110,20 @@ def _run_serve(args) -> int:
     return serve(options)
 
 
+def _add_up(sub) -> None:
+    from .server.up import add_up_arguments
+
+    p = sub.add_parser("up", help="start tritonserver and the HTTP/WebSocket gateway together; Ctrl-C stops both")
+    add_up_arguments(p)
+    p.set_defaults(func=_run_up)
+
+
+def _run_up(args) -> int:
+    from .server.up import up
+
+    return up(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cosyvoice-triton", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -117,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_synth(sub)
     _add_serve(sub)
+    _add_up(sub)
     return parser
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.errors import InvalidInput, Unavailable
 from cosyvoice_triton.export.random_model import write_random_model
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.runtime.llm_engine import (EngineUnavailable, LLMEngine, LLMRequest, LLMStepError,
@@ -40,10 +40,13 @@ def llm(model_dir: Path) -> SpeechLM:
 
 @pytest.fixture
 def engines() -> list[LLMEngine]:
-    """Engines made by a test; stopped after it whatever happened."""
+    """Engines made by a test; stopped after it whatever happened (a gate left closed is opened first)."""
     made: list[LLMEngine] = []
     yield made
     for engine in made:
+        gate = vars(engine.llm).get("step_logits")
+        if isinstance(gate, StepGate):
+            gate.open()
         engine.stop()
 
 
@@ -105,6 +108,11 @@ def solo(llm: SpeechLM, request: LLMRequest) -> list[int]:
                              generator=torch.Generator().manual_seed(request.seed)))
 
 
+def solo_reason(llm: SpeechLM, request: LLMRequest, tokens: list[int]) -> str:
+    """How `generate` ended: it stops after max_len tokens or before a stop token."""
+    return "max_len" if len(tokens) == llm.length_limits(len(request.text_tokens))[1] else "stop_token"
+
+
 def read_all(stream: LLMStream) -> list[int]:
     return [token for chunk in stream for token in chunk]
 
@@ -128,7 +136,8 @@ def test_each_request_alone_equals_generate(llm: SpeechLM, engines: list[LLMEngi
     for request, tokens in zip(requests, expected):
         stream = engine.submit(request)
         assert read_all(stream) == tokens
-        assert stream.finished and stream.reason == "max_len"  # random weights hardly ever stop early
+        assert stream.get() is None  # the end stays
+        assert stream.finished and stream.reason == solo_reason(llm, request, tokens)
     assert engine.stats.peak_batch_size == 1
     assert engine.stats.tokens_total == sum(map(len, expected))
 
@@ -160,12 +169,12 @@ def test_concurrent_streams_with_cancellation_equal_their_solo_runs(llm: SpeechL
     assert (stats.active_streams, stats.queued) == (3, 1)  # two slots freed, one already refilled
     for stream in cancelled:
         assert stream.finished and stream.reason == "cancelled"
-        assert read_all(stream) == expected[streams.index(stream)][:2]  # prefill + one decode step
+        assert read_all(stream) == expected[streams.index(stream)][1:2]  # the one decode step's token
     gate.open()
 
     for index in (0, 3, 4, 5):
         assert read_all(streams[index]) == expected[index], requests[index].request_id
-        assert streams[index].reason == "max_len"
+        assert streams[index].reason == solo_reason(llm, requests[index], expected[index])
     assert max(gate.decode_sizes()) == 4 and engine.stats.peak_batch_size == 4
     stats = engine.stats
     assert (stats.active_streams, stats.queued, stats.slots_free) == (0, 0, 4)
@@ -185,9 +194,9 @@ def test_a_request_that_arrives_while_others_decode_joins_the_batch(llm: SpeechL
     assert gate.next_call()[0] == 1  # prefill
     gate.release()
     assert gate.next_call() == (1, 1)  # decoding alone
+    stream_late = engine.submit(late)
     with pytest.raises(TimeoutError):
-        stream_late = engine.submit(late)
-        stream_late.get(timeout=0.01)  # held: the engine is busy with the other stream's step
+        stream_late.get(timeout=0.01)  # nothing yet: the engine is inside the other stream's step
     gate.release()
     assert gate.next_call()[0] == 1  # the late request's prefill, before the next decode step
     gate.release()
@@ -233,8 +242,10 @@ def test_a_failing_step_fails_only_its_streams(llm: SpeechLM, engines: list[LLME
     assert engine.stats.slots_free == 2
 
 
-def test_stop_fails_live_and_waiting_streams_and_ends_the_thread(llm: SpeechLM) -> None:
+def test_stop_fails_live_and_waiting_streams_and_ends_the_thread(llm: SpeechLM,
+                                                                  engines: list[LLMEngine]) -> None:
     engine = LLMEngine(llm, max_batch=1)
+    engines.append(engine)
     gate = StepGate(llm)
     live = engine.submit(make_request(llm, "live", 3, seed=12))
     waiting = engine.submit(make_request(llm, "waiting", 3, seed=13))
@@ -242,7 +253,7 @@ def test_stop_fails_live_and_waiting_streams_and_ends_the_thread(llm: SpeechLM) 
     gate.next_call()
     gate.release()
     gate.next_call()  # the engine is inside a decode step
-    stopper = threading.Thread(target=engine.stop)
+    stopper = threading.Thread(target=engine.stop, daemon=True)
     stopper.start()
     for stream in (live, waiting):  # stop() fails them at once, without waiting for the step
         with pytest.raises(EngineUnavailable, match="stopped"):
@@ -260,8 +271,9 @@ def test_stop_fails_live_and_waiting_streams_and_ends_the_thread(llm: SpeechLM) 
 def test_a_full_queue_refuses_requests(llm: SpeechLM) -> None:
     engine = LLMEngine(llm, max_batch=1, max_queue=2)
     queued = [engine.submit(make_request(llm, f"r{i}", 2, seed=i)) for i in range(2)]
-    with pytest.raises(EngineUnavailable, match="queue is full"):
+    with pytest.raises(EngineUnavailable, match="queue is full") as caught:
         engine.submit(make_request(llm, "r2", 2))
+    assert isinstance(caught.value, Unavailable)  # what the Triton model maps to UNAVAILABLE
     assert engine.stats.queued == 2
     engine.stop()  # never started: the queued streams fail all the same
     for stream in queued:

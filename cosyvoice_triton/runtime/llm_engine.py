@@ -11,9 +11,10 @@ Each loop round (gpt-fast style, over the model's static KV cache of `max_batch`
 A request that arrives while others decode joins them at the next round. Sampling mirrors
 `SpeechLM.generate` with `torch.Generator().manual_seed(request.seed)` (same length limits, EOS masked
 before min_len, stop tokens not yielded), so a stream's tokens do not depend on what runs beside it.
-The step's log-probs (B, V) are read to the host once per round: the repetition-aware sampler needs
-the tokens decoded so far and a CPU generator per request, and that read is also the one that streams
-the tokens. It is the only host synchronisation of a decode round.
+The step's log-probs (B, V) are read to the host once per round, the round's only device -> host read:
+the repetition-aware sampler needs the tokens decoded so far and a CPU generator per request, and the
+tokens have to reach the host to be streamed anyway. (On a GPU, `generate` runs the sampler's softmax
+and sort on the device, the engine on the host; the two agree up to rounding.)
 """
 from __future__ import annotations
 
@@ -30,16 +31,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..errors import CosyVoiceError, InvalidInput
+from ..errors import CosyVoiceError, InvalidInput, Unavailable
 from ..models.speech_lm import SpeechLM
 from .sampling import MAX_SEED, RasSampler, SamplingParams, make_generator
 
 log = logging.getLogger(__name__)
 
-RATE_WINDOW_S = 5.0  # tokens/s is the count of the last RATE_WINDOW_S seconds over that window
+RATE_WINDOW_S = 5.0  # LLMStats.tokens_per_s averages over this many seconds
 
 
-class EngineUnavailable(CosyVoiceError):
+class EngineUnavailable(Unavailable):
     """The engine takes no request now: its queue is full or it has stopped. Maps to UNAVAILABLE."""
 
 
@@ -80,8 +81,7 @@ class LLMStream:
         self.error: Exception | None = None
         self._cancel = threading.Event()
         self._lock = threading.Lock()  # orders the engine's pushes against a finish from stop()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # list[int] items, then _END
-        self._drained = False  # the consumer has taken _END
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # token ids, then _END
 
     @property
     def finished(self) -> bool:
@@ -98,23 +98,18 @@ class LLMStream:
     def get(self, timeout: float | None = None) -> list[int] | None:
         """The tokens sampled since the last call (waiting for at least one), or None once the stream has
         ended. Raises the stream's error if it failed, TimeoutError if `timeout` seconds pass first."""
-        if self._drained:
-            return self._end()
         try:
             item = self._queue.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"no token for request {self.request.request_id} within {timeout} s") from None
-        if item is _END:
-            self._drained = True
-            return self._end()
-        tokens = list(item)
-        while not self._queue.empty():  # hand over everything already sampled in one piece
+        tokens: list[int] = []
+        while item is not _END:  # hand over everything already sampled in one piece
+            tokens.append(item)
+            if self._queue.empty():
+                return tokens
             item = self._queue.get()
-            if item is _END:
-                self._queue.put(_END)  # the next call ends the stream
-                break
-            tokens.extend(item)
-        return tokens
+        self._queue.put(_END)  # the end stays for later calls
+        return tokens or self._end()
 
     def __iter__(self) -> Iterator[list[int]]:
         while (tokens := self.get()) is not None:
@@ -125,10 +120,10 @@ class LLMStream:
             raise self.error
         return None
 
-    def _push(self, tokens: list[int]) -> None:
+    def _push(self, token: int) -> None:
         with self._lock:
             if not self.finished:
-                self._queue.put(tokens)
+                self._queue.put(token)
 
     def _finish(self, reason: str, error: Exception | None = None) -> None:
         """End the stream; the first finish wins, later ones do nothing."""
@@ -255,11 +250,7 @@ class LLMEngine:
     def _run(self) -> None:
         error: Exception = EngineUnavailable("the LLM engine stopped")
         try:
-            while self._wait_for_work():
-                self._drop_cancelled()
-                self._admit()
-                if self._live:
-                    self._decode()
+            self._loop()
         except Exception as exc:  # a fault of the loop itself: fail every stream rather than leave it hanging
             log.exception("the LLM engine loop failed")
             error = LLMStepError(f"the LLM engine failed: {exc}")
@@ -269,6 +260,14 @@ class LLMEngine:
             with self._cond:
                 for live in list(self._live.values()):
                     self._release(live)
+
+    @torch.inference_mode()
+    def _loop(self) -> None:
+        while self._wait_for_work():
+            self._drop_cancelled()
+            self._admit()
+            if self._live:
+                self._decode()
 
     def _wait_for_work(self) -> bool:
         """Block while there is nothing to do; False once the engine is closed."""
@@ -322,10 +321,11 @@ class LLMEngine:
                                       _ids(request.prompt_speech_tokens, device))  # (1, L, D)
             input_pos = torch.arange(live.prompt_len, device=device)[None]  # (1, L)
             logits = self.llm.step_logits(x, input_pos, torch.tensor([live.slot], device=device))  # (1, V)
+            logp = _host_log_probs(logits)  # (1, V)
         except Exception as exc:
             self._fail([live], "prefill", exc)
             return
-        self._sample([live], logits)
+        self._sample([live], logp)
 
     def _decode(self) -> None:
         """One step for every live stream: row b feeds its latest token at its own position and slot."""
@@ -336,21 +336,17 @@ class LLMEngine:
             input_pos = torch.tensor([[live.next_pos] for live in batch], device=device)  # (B, 1)
             slots = torch.tensor([live.slot for live in batch], device=device)  # (B,)
             logits = self.llm.step_logits(self.llm.embed_speech(tokens), input_pos, slots)  # (B, V)
+            logp = _host_log_probs(logits)  # (B, V)
         except Exception as exc:
             self._fail(batch, "decode step", exc)
             return
         with self._cond:
             self._last_batch = len(batch)
             self._peak_batch = max(self._peak_batch, len(batch))
-        self._sample(batch, logits)
+        self._sample(batch, logp)
 
-    def _sample(self, batch: Sequence[_Live], logits: Tensor) -> None:
-        """Draw one token per row of logits (B, V), as `SpeechLM.generate` does, and deliver it."""
-        try:
-            logp = logits.log_softmax(dim=-1).cpu()  # (B, V): the round's one device -> host read
-        except Exception as exc:
-            self._fail(batch, "log-softmax", exc)
-            return
+    def _sample(self, batch: Sequence[_Live], logp: Tensor) -> None:
+        """Draw one token per row of the host log-probs (B, V), as `SpeechLM.generate` does; deliver it."""
         sent = 0
         for live, row in zip(batch, logp):
             try:
@@ -362,7 +358,7 @@ class LLMEngine:
                 self._retire(live, "stop_token")
                 continue
             live.decoded.append(token)
-            live.stream._push([token])
+            live.stream._push(token)
             sent += 1
             if len(live.decoded) >= live.max_len:
                 self._retire(live, "max_len")
@@ -404,6 +400,11 @@ class LLMEngine:
     def _forget_old_rounds(self, now: float) -> None:
         while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
             self._recent.popleft()
+
+
+def _host_log_probs(logits: Tensor) -> Tensor:
+    """Log-probs of logits (B, V) on the host: the round's one device -> host read."""
+    return logits.log_softmax(dim=-1).cpu()
 
 
 def _prompt_len(request: LLMRequest) -> int:

@@ -41,7 +41,7 @@ class ServeOptions:
     http_port: int | None = 8000  # None: a free port
     grpc_port: int | None = 8001
     metrics_port: int | None = 8002
-    device: str = "cpu"  # cpu | cuda: torch device of llm and token2wav (instance kind follows)
+    device: str = "cpu"  # cpu | cuda | cuda:N: device of llm and token2wav (their instance kind follows)
     instances: int = 1  # instances of the stateless models (cosyvoice2*, prompt steps, register_voice)
     workers: int = 16  # requests synthesized at once per cosyvoice2 instance
     max_pending: int = 64  # requests queued per cosyvoice2 instance beyond that
@@ -86,8 +86,11 @@ def resolve_voice_store(url: str | None) -> str:
 
 def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) -> dict[str, dict[str, object]]:
     """The `${key}` values of every model template."""
-    kind = "KIND_GPU" if options.device.startswith("cuda") else "KIND_CPU"
-    onnx_device = "cuda" if options.device.startswith("cuda") else "cpu"
+    gpu = options.device.startswith("cuda")
+    # One instance of llm / token2wav on one device (see their config.pbtxt); "cuda:N" picks GPU N.
+    placement = f"kind: KIND_GPU gpus: [ {options.device.partition(':')[2] or 0} ]" if gpu else "kind: KIND_CPU"
+    torch_device = "cuda" if gpu else options.device  # a KIND_GPU instance maps "cuda" to its own GPU
+    onnx_device = "auto" if gpu else "cpu"  # the S3 tokenizer on the GPU when onnxruntime has CUDA
     ratio = "" if options.max_token_text_ratio is None else options.max_token_text_ratio
     synthesis = {"model_dir": model_dir, "voice_store": voice_store, "instances": options.instances,
                  "max_workers": options.workers, "max_pending": options.max_pending,
@@ -97,11 +100,11 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
     return {
         "cosyvoice2": {**synthesis, "name": "cosyvoice2", "decoupled": True},
         "cosyvoice2_offline": {**synthesis, "name": "cosyvoice2_offline", "decoupled": False},
-        "llm": {"model_dir": model_dir, "kind": kind, "device": options.device,
+        "llm": {"model_dir": model_dir, "placement": placement, "device": torch_device,
                 "max_batch": options.llm_max_batch, "max_seq_len": options.llm_max_seq_len,
                 "max_queue": options.llm_max_queue, "max_token_text_ratio": ratio,
                 "torch_threads": options.torch_threads},
-        "token2wav": {"model_dir": model_dir, "kind": kind, "device": options.device,
+        "token2wav": {"model_dir": model_dir, "placement": placement, "device": torch_device,
                       "max_streams": options.t2w_max_streams, "max_batch": options.t2w_max_batch,
                       "idle_timeout_s": options.t2w_idle_timeout_s, "queue_delay_us": options.t2w_queue_delay_us,
                       "torch_threads": options.torch_threads},
@@ -127,8 +130,9 @@ def new_run_dir() -> Path:
     return path
 
 
-def prepare(options: ServeOptions) -> TritonProcess:
-    """Model folder, run folder and a `TritonProcess` ready to start (not started)."""
+def prepare(options: ServeOptions, **process_kwargs) -> TritonProcess:
+    """Model folder, run folder and a `TritonProcess` ready to start (not started). `process_kwargs` go
+    to `TritonProcess` (tests pass `die_with_parent`, `binary`)."""
     from cosyvoice_triton.model_hub import resolve_model_dir
 
     model_dir = Path(resolve_model_dir(str(options.model_dir))) if options.model_dir else default_model_dir()
@@ -138,7 +142,8 @@ def prepare(options: ServeOptions) -> TritonProcess:
     repo = render_run_repository(options, model_dir, resolve_voice_store(options.voice_store), run_dir / "repo")
     return TritonProcess(repo, workdir=run_dir, address=options.address, http_port=options.http_port,
                          grpc_port=options.grpc_port, metrics_port=options.metrics_port,
-                         startup_timeout_s=options.startup_timeout_s, extra_args=options.extra_args)
+                         startup_timeout_s=options.startup_timeout_s, extra_args=options.extra_args,
+                         **process_kwargs)
 
 
 def describe(server: TritonProcess, model_dir_hint: str, out: TextIO) -> None:

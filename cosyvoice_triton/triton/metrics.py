@@ -21,6 +21,11 @@ Every metric carries the labels `model` and `instance`. Names (Prometheus):
   cosyvoice_token2wav_streams_freed_total{reason}  counter  finalize | cancel | idle
 
 Gauges follow the engines' `stats`, refreshed on every event that changes them (no polling thread).
+
+Thread safety: python_backend 2.51 crashes tritonserver (SIGSEGV in `Metric::LoadFromSharedMemory`,
+from `ProcessMetricRequest`) when several threads of one stub update metrics at the same time; our
+decoupled models update them from worker threads. So every metric operation of the process goes
+through one lock (`_METRIC_LOCK`), held only for the IPC call.
 """
 from __future__ import annotations
 
@@ -30,6 +35,30 @@ from dataclasses import dataclass
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+_METRIC_LOCK = threading.RLock()  # see the module docstring
+
+
+class _Serialized:
+    """A pb_utils Metric whose operations hold the process-wide metric lock."""
+
+    def __init__(self, metric):
+        self._metric = metric
+
+    def increment(self, value: float) -> None:
+        with _METRIC_LOCK:
+            self._metric.increment(value)
+
+    def set(self, value: float) -> None:
+        with _METRIC_LOCK:
+            self._metric.set(value)
+
+    def observe(self, value: float) -> None:
+        with _METRIC_LOCK:
+            self._metric.observe(value)
+
+    def value(self) -> float:
+        with _METRIC_LOCK:
+            return self._metric.value()
 
 
 @dataclass(frozen=True)
@@ -84,18 +113,18 @@ class ModelMetrics:
         kinds = {"counter": pb.MetricFamily.COUNTER, "gauge": pb.MetricFamily.GAUGE,
                  "histogram": pb.MetricFamily.HISTOGRAM}
         self._families = {}
-        self._metrics: dict[tuple[str, str | None], object] = {}
+        self._metrics: dict[tuple[str, str | None], _Serialized] = {}
         self._lock = threading.Lock()
         self._seen: dict[tuple[str, str | None], float] = {}
-        for key, spec in specs.items():
-            family = pb.MetricFamily(name=spec.name, description=spec.description, kind=kinds[spec.kind])
-            self._families[key] = family
-            buckets = list(spec.buckets) if spec.kind == "histogram" else None
-            if spec.label_values:
-                for label, value in spec.label_values:
-                    self._metrics[(key, value)] = family.Metric(labels={**labels, label: value}, buckets=buckets)
-            else:
-                self._metrics[(key, None)] = family.Metric(labels=dict(labels), buckets=buckets)
+        with _METRIC_LOCK:
+            for key, spec in specs.items():
+                family = pb.MetricFamily(name=spec.name, description=spec.description, kind=kinds[spec.kind])
+                self._families[key] = family
+                buckets = list(spec.buckets) if spec.kind == "histogram" else None
+                for label_value in spec.label_values or [None]:
+                    own = dict(labels) if label_value is None else {**labels, label_value[0]: label_value[1]}
+                    metric = family.Metric(labels=own, buckets=buckets)
+                    self._metrics[(key, None if label_value is None else label_value[1])] = _Serialized(metric)
 
     def __getitem__(self, key: str):
         return self._metrics[(key, None)]

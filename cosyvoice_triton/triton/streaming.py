@@ -4,7 +4,8 @@ A decoupled model whose requests make blocking BLS calls must not make them in `
 instance would take no new request (or cancellation) meanwhile, and a BLS call back into a model
 waiting on this instance would deadlock. `RequestPool` runs each request in a thread of a bounded pool;
 `send_chunks` sends one request's audio chunks as they come, checks cancellation between chunks, and
-always ends with exactly one final flag.
+always ends with exactly one final flag; `send_whole` sends them as one waveform in one final response
+(a non-decoupled model may answer through its response sender too).
 """
 from __future__ import annotations
 
@@ -83,6 +84,41 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
             sender.send(error_response(pb, error, model), flags=final)
     except Exception:  # noqa: BLE001 - e.g. the client has gone
         pb.Logger.log_warn(f"{model}: final response not sent: {traceback.format_exc()}")
+    finally:
+        if metrics is not None:
+            metrics["active"].increment(-1)
+            metrics.labelled("requests", outcome).increment(1)
+    return outcome
+
+
+def send_whole(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model: str, received_at: float,
+               metrics=None, is_cancelled: Callable[[], bool] | None = None) -> str:
+    """Collect every chunk, then send the whole `waveform` (or the error) in one final response.
+    Returns the outcome: "ok", "error" or "cancelled"."""
+    final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    cancelled = is_cancelled or sender.is_cancelled
+    if metrics is not None:
+        metrics["active"].increment(1)
+    response = None
+    outcome = "ok"
+    try:
+        pieces = []
+        with contextlib.closing(chunks()) as produced:
+            for chunk in produced:
+                if cancelled():
+                    raise Cancelled("the client cancelled the request")
+                if chunk.size and not pieces and metrics is not None:
+                    metrics["first_chunk"].observe(time.monotonic() - received_at)
+                pieces.append(np.asarray(chunk, dtype=np.float32).reshape(-1))
+        waveform = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+        response = pb.InferenceResponse(output_tensors=[pb.Tensor("waveform", waveform)])
+    except BaseException as exc:  # noqa: BLE001 - every failure ends this request, never the instance
+        outcome = "cancelled" if classify(exc).code_name == "CANCELLED" else "error"
+        response = error_response(pb, exc, model)
+    try:
+        sender.send(response, flags=final)
+    except Exception:  # noqa: BLE001 - e.g. the client has gone
+        pb.Logger.log_warn(f"{model}: response not sent: {traceback.format_exc()}")
     finally:
         if metrics is not None:
             metrics["active"].increment(-1)

@@ -102,7 +102,9 @@ class TensorReader:
             return default
         if not isinstance(value, (np.floating, np.integer)) or isinstance(value, np.bool_):
             raise InvalidInput(name, f"must be a number, got {_dtype_name(np.asarray(value).dtype)}")
-        value = float(value)
+        # FP32 inputs: the shortest decimal that the float32 stands for (0.1, not 0.10000000149), so that
+        # a value such as tau_r = 0.1 arrives as the Python float the library's defaults use.
+        value = float(str(value)) if isinstance(value, np.float32) else float(value)
         if not np.isfinite(value):
             raise InvalidInput(name, f"must be finite, got {value}")
         return value

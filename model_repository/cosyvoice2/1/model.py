@@ -1,9 +1,10 @@
 """`cosyvoice2` (decoupled) and `cosyvoice2_offline` (its twin): text + voice -> 24 kHz audio.
 
 Tensors in -> `SynthesisInputs` -> `SynthesisService` (voice from the store or prompt_encoder, then the
-shared Orchestrator over BLS calls to llm and token2wav) -> `waveform` responses. The config's
-transaction policy decides the mode: decoupled requests run in a bounded worker pool and stream their
-chunks; the twin answers each request with its whole waveform from execute().
+shared Orchestrator over BLS calls to llm and token2wav) -> `waveform` responses. execute() only parses:
+each request runs in a bounded worker pool and answers through its response sender. The config's
+transaction policy decides the mode: decoupled requests stream their chunks; the twin sends the whole
+waveform in one final response (python_backend allows a response sender in non-decoupled models).
 """
 from __future__ import annotations
 
@@ -11,17 +12,16 @@ import json
 import time
 import uuid
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.errors import Cancelled, Unavailable
+from cosyvoice_triton.errors import Unavailable
 from cosyvoice_triton.runtime.voice_store import open_voice_store
 from cosyvoice_triton.triton.bls import BlsLLM, BlsPromptEncoder, BlsToken2Wav
 from cosyvoice_triton.triton.contracts import parse_synthesis_inputs
 from cosyvoice_triton.triton.metrics import SYNTHESIS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import CosyVoice2Params, parse_parameters
 from cosyvoice_triton.triton.service import SynthesisService, Voices, token_mel_ratio
-from cosyvoice_triton.triton.streaming import RequestPool, send_chunks
+from cosyvoice_triton.triton.streaming import RequestPool, send_chunks, send_whole
 from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -39,18 +39,16 @@ class TritonPythonModel:
         self.service = SynthesisService(params.model_dir, voices, BlsLLM(pb_utils, params.llm_model),
                                         BlsToken2Wav(pb_utils, params.token2wav_model), params.max_text_chars)
         self.metrics = ModelMetrics(pb_utils, SYNTHESIS, instance_labels(args))
-        self.pool = RequestPool(params.max_workers, params.max_pending, self.name) if self.decoupled else None
+        self.pool = RequestPool(params.max_workers, params.max_pending, self.name)
 
     def execute(self, requests):
-        if self.decoupled:
-            for request in requests:
-                self._submit(request)
-            return None
-        return [self._whole(request) for request in requests]
-
-    # ---- decoupled: stream chunks from a worker thread --------------------------------------------
+        for request in requests:
+            self._submit(request)
+        return None
 
     def _submit(self, request) -> None:
+        """Parse here; synthesize in a worker thread, which answers through the response sender:
+        chunk by chunk (decoupled) or with the whole waveform in one final response (the twin)."""
         received = time.monotonic()
         sender = request.get_response_sender()
         try:
@@ -61,13 +59,14 @@ class TritonPythonModel:
             return
         request_id = _request_id(request)
 
-        def job() -> None:
-            send_chunks(pb_utils, sender, lambda: self.service.run(inputs, True, cancelled, request_id),
-                        model=self.name, received_at=received, metrics=self.metrics, is_cancelled=cancelled)
-            self._follow_store()
-
         def cancelled() -> bool:
             return sender.is_cancelled() or self.pool.stopping.is_set()
+
+        def job() -> None:
+            send = send_chunks if self.decoupled else send_whole
+            send(pb_utils, sender, lambda: self.service.run(inputs, self.decoupled, cancelled, request_id),
+                 model=self.name, received_at=received, metrics=self.metrics, is_cancelled=cancelled)
+            self._follow_store()
 
         if not self.pool.try_submit(job):
             busy = Unavailable(f"{self.name} is busy: {self.params.max_workers} requests running and "
@@ -75,30 +74,7 @@ class TritonPythonModel:
             self.metrics.labelled("requests", "error").increment(1)
             sender.send(error_response(pb_utils, busy, self.name), flags=FINAL)
 
-    # ---- not decoupled: the whole waveform in one response ----------------------------------------
-
-    def _whole(self, request):
-        received = time.monotonic()
-        outcome = "ok"
-        self.metrics["active"].increment(1)
-        try:
-            inputs = self._parse(request)
-            chunks = []
-            for chunk in self.service.run(inputs, False, request.is_cancelled, _request_id(request)):
-                if chunk.size and not chunks:
-                    self.metrics["first_chunk"].observe(time.monotonic() - received)
-                chunks.append(np.asarray(chunk, dtype=np.float32).reshape(-1))
-            waveform = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
-            return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("waveform", waveform)])
-        except Exception as exc:  # noqa: BLE001 - answered to this request only
-            outcome = "cancelled" if isinstance(exc, Cancelled) else "error"
-            return error_response(pb_utils, exc, self.name)
-        finally:
-            self.metrics["active"].increment(-1)
-            self.metrics.labelled("requests", outcome).increment(1)
-            self._follow_store()
-
-    # ---- shared ------------------------------------------------------------------------------------
+    # ---- helpers -----------------------------------------------------------------------------------
 
     def _parse(self, request):
         reader = TensorReader(request_arrays(request))
@@ -111,8 +87,7 @@ class TritonPythonModel:
         self.metrics.follow_counter("voice_loads", stats.loads)
 
     def finalize(self):
-        if self.pool is not None:
-            self.pool.close()
+        self.pool.close()
         self.store.close()
 
 

@@ -1,0 +1,698 @@
+"""Clients for the HTTP gateway: `GatewayTTS` (blocking, standard library + websockets) and
+`AsyncGatewayTTS` (asyncio, aiohttp).
+
+```
+from cosyvoice_triton.client import GatewayTTS
+
+with GatewayTTS("http://localhost:8080") as tts:
+    voice = tts.add_voice("me.wav", prompt_text="what I say in me.wav")
+    audio = tts.synthesize("Hello there.", voice_id=voice.voice_id)       # float32, 24 kHz
+    with tts.stream("Hello there.", voice_id=voice.voice_id) as chunks:   # HTTP chunked PCM
+        for chunk in chunks: ...
+    with tts.stream_ws(["Hello ", "there. ", "How are you?"]) as chunks:  # text in as it is written
+        for chunk in chunks: ...
+    print(chunks.stats)   # the server's end message: first_chunk_ms, audio_seconds, segments, ...
+```
+Audio comes as float32 numpy arrays (the gateway's `pcm_f32`). Leaving a `with` block (or `close()`)
+before the end closes the connection, and the gateway cancels the synthesis on Triton. Errors raise
+`TTSError` with the gateway's `param` as `field`, its `code` and the HTTP status.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.client
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, field
+from urllib.parse import quote, urlsplit
+
+import numpy as np
+
+from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo, prompt_bytes, wav_bytes
+
+DEFAULT_URL = "http://localhost:8080"
+_READ = 64 * 1024
+
+
+def _prompt_file(audio: PromptAudio, sample_rate: int | None) -> bytes:
+    """A prompt as the bytes of an audio file (samples become a float WAV)."""
+    if isinstance(audio, np.ndarray):
+        if not sample_rate:
+            raise ValueError("prompt_sample_rate is required with prompt samples")
+        return wav_bytes(audio, sample_rate, float32=True)
+    return prompt_bytes(audio)
+
+
+def tts_body(text: str | None, *, voice_id: str | None = None, prompt_audio: PromptAudio | None = None,
+             prompt_sample_rate: int | None = None, prompt_text: str | None = None, mode: str | None = None,
+             instruct: str | None = None, seed: int | None = None) -> dict:
+    """The JSON of a /v1/tts request (or, without `format`/`stream`, of a WebSocket start message)."""
+    body: dict = {} if text is None else {"text": text}
+    if voice_id is not None and prompt_audio is not None:
+        raise ValueError("give voice_id or prompt_audio, not both")
+    if voice_id is not None:
+        body["voice_id"] = voice_id
+    if prompt_audio is not None:
+        body["prompt_audio"] = base64.b64encode(_prompt_file(prompt_audio, prompt_sample_rate)).decode("ascii")
+    for name, value in (("prompt_text", prompt_text), ("mode", mode), ("instruct", instruct), ("seed", seed)):
+        if value is not None:
+            body[name] = value
+    return body
+
+
+def voice_from_json(data: dict) -> VoiceInfo:
+    known = {"id", "name", "text", "audio_sha256", "prompt_tokens"}
+    return VoiceInfo(voice_id=data["id"], audio_sha256=data.get("audio_sha256"),
+                     prompt_tokens=data.get("prompt_tokens"), prompt_text=data.get("text"), name=data.get("name"),
+                     extra={k: v for k, v in data.items() if k not in known})
+
+
+def _multipart(fields: dict[str, str], files: dict[str, tuple[str, bytes]]) -> tuple[bytes, str]:
+    boundary = f"cosyvoice-{uuid.uuid4().hex}"
+    parts = []
+    for name, value in fields.items():
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'.encode()
+                     + value.encode("utf-8") + b"\r\n")
+    for name, (filename, data) in files.items():
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
+                     f"Content-Type: application/octet-stream\r\n\r\n".encode() + data + b"\r\n")
+    parts.append(f"--{boundary}--\r\n".encode())
+    return b"".join(parts), f"multipart/form-data; boundary={boundary}"
+
+
+def _voice_form(audio: PromptAudio, prompt_text: str, voice_id: str | None, name: str | None,
+                sample_rate: int | None) -> tuple[dict[str, str], bytes, str]:
+    data = _prompt_file(audio, sample_rate)
+    filename = os.path.basename(os.fspath(audio)) if isinstance(audio, (str, os.PathLike)) else "prompt.wav"
+    fields = {"text": prompt_text}
+    if voice_id is not None:
+        fields["id"] = voice_id
+    if name is not None:
+        fields["name"] = name
+    return fields, data, filename
+
+
+class _PcmDecoder:
+    """Bytes of little-endian float32 in arbitrary pieces -> whole samples."""
+
+    def __init__(self):
+        self.rest = b""
+
+    def feed(self, data: bytes) -> np.ndarray:
+        data = self.rest + data
+        cut = len(data) // 4 * 4
+        self.rest = data[cut:]
+        return np.frombuffer(data[:cut], "<f4").astype(np.float32)
+
+
+@dataclass
+class StreamInfo:
+    """What the gateway said about a stream: headers (HTTP) or its messages (WebSocket)."""
+
+    request_id: str | None = None
+    seed: int | None = None
+    sample_rate: int = SAMPLE_RATE
+    first_chunk_s: float | None = None  # measured here: request sent -> first audio bytes
+    samples: int = 0
+    segments: list[dict] = field(default_factory=list)  # WebSocket "segment" messages
+    end: dict | None = None  # WebSocket "end" message: segments, audio_seconds, first_chunk_ms, elapsed_ms
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.samples / self.sample_rate
+
+    def _add(self, chunk: np.ndarray, started: float) -> None:
+        if chunk.size and self.first_chunk_s is None:
+            self.first_chunk_s = time.monotonic() - started
+        self.samples += chunk.size
+
+
+# ---- blocking client ---------------------------------------------------------------------------------
+
+class HttpAudioStream(Iterator[np.ndarray]):
+    """Float32 chunks of a streamed /v1/tts answer, as they arrive. `close()` cancels."""
+
+    def __init__(self, connection: http.client.HTTPConnection, response: http.client.HTTPResponse, started: float):
+        self._connection = connection
+        self._response = response
+        self._decoder = _PcmDecoder()
+        self._started = started
+        self._done = False
+        seed = response.getheader("X-Seed")
+        self.stats = StreamInfo(request_id=response.getheader("X-Request-Id"), seed=int(seed) if seed else None,
+                                sample_rate=int(response.getheader("X-Sample-Rate") or SAMPLE_RATE))
+
+    def __iter__(self) -> "HttpAudioStream":
+        return self
+
+    def __next__(self) -> np.ndarray:
+        while not self._done:
+            try:
+                data = self._response.read1(_READ)
+            except (http.client.IncompleteRead, OSError) as exc:
+                self.close()
+                raise TTSError(f"the stream was cut before its end ({type(exc).__name__})", status=502) from None
+            if not data:
+                self.close()
+                break
+            chunk = self._decoder.feed(data)
+            if chunk.size:
+                self.stats._add(chunk, self._started)
+                return chunk
+        raise StopIteration
+
+    def close(self) -> None:
+        self._done = True
+        self._connection.close()
+
+    def __enter__(self) -> "HttpAudioStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class WsAudioStream(Iterator[np.ndarray]):
+    """A WebSocket session (/v1/tts/ws): float32 chunks as they come; text can be added while it runs
+    (`send_text`, `flush`, `end`). `stats.end` holds the server's end message once iteration is over.
+    `close()` before the end cancels the synthesis."""
+
+    def __init__(self, ws, started: float, texts: Iterable[str] | None):
+        self._ws = ws
+        self._decoder = _PcmDecoder()
+        self._started = started
+        self._done = False
+        self._lock = threading.Lock()
+        self.stats = StreamInfo()
+        started_message = self._receive_json()
+        self.stats.request_id = started_message.get("request_id")
+        self.stats.seed = started_message.get("seed")
+        self.stats.sample_rate = started_message.get("sample_rate", SAMPLE_RATE)
+        self._sender = None
+        if texts is not None:
+            self._sender = threading.Thread(target=self._send_all, args=(texts,), daemon=True)
+            self._sender.start()
+
+    def _send_all(self, texts: Iterable[str]) -> None:
+        try:
+            for text in texts:
+                if self._done:
+                    return
+                self.send_text(text)
+            self.end()
+        except Exception:  # noqa: BLE001 - the session ended (its error reaches the reader)
+            pass
+
+    def _send(self, message: dict) -> None:
+        with self._lock:
+            self._ws.send(json.dumps(message))
+
+    def send_text(self, text: str) -> None:
+        self._send({"type": "text", "text": text})
+
+    def flush(self) -> None:
+        self._send({"type": "flush"})
+
+    def end(self) -> None:
+        self._send({"type": "end"})
+
+    def _receive_json(self) -> dict:
+        message = self._receive()
+        if isinstance(message, bytes):
+            raise TTSError("expected a JSON message, got audio", status=502)
+        return message
+
+    def _receive(self) -> dict | bytes:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            message = self._ws.recv()
+        except ConnectionClosed as exc:
+            self._done = True
+            raise TTSError(f"the gateway closed the WebSocket ({exc})", status=502) from None
+        if isinstance(message, bytes):
+            return message
+        data = json.loads(message)
+        if data.get("type") == "error":
+            self.close()
+            raise TTSError.from_body(data)
+        return data
+
+    def __iter__(self) -> "WsAudioStream":
+        return self
+
+    def __next__(self) -> np.ndarray:
+        while not self._done:
+            message = self._receive()
+            if isinstance(message, bytes):
+                chunk = self._decoder.feed(message)
+                if chunk.size:
+                    self.stats._add(chunk, self._started)
+                    return chunk
+            elif message.get("type") == "segment":
+                self.stats.segments.append(message)
+            elif message.get("type") == "end":
+                self.stats.end = message
+                self.close()
+        raise StopIteration
+
+    def close(self) -> None:
+        self._done = True
+        self._ws.close()
+
+    def __enter__(self) -> "WsAudioStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class GatewayTTS:
+    """Blocking client of the gateway at `url` (default http://localhost:8080)."""
+
+    def __init__(self, url: str = DEFAULT_URL, *, api_key: str | None = None, timeout_s: float = 600.0):
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"gateway url must be http:// or https://, got {url!r}")
+        self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+        self._parts = parts
+        self._prefix = parts.path.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+
+    # ---- plumbing ----------------------------------------------------------------------------------------
+    def _connection(self) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self._parts.scheme == "https" else http.client.HTTPConnection
+        return cls(self._parts.hostname, self._parts.port, timeout=self.timeout_s)
+
+    def _headers(self, content_type: str | None = None) -> dict[str, str]:
+        headers = {"Accept": "*/*"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def _open(self, method: str, path: str, body: bytes | None = None,
+              content_type: str | None = None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        connection = self._connection()
+        try:
+            connection.request(method, self._prefix + path, body=body, headers=self._headers(content_type))
+            response = connection.getresponse()
+        except OSError as exc:
+            connection.close()
+            raise TTSError(f"cannot reach the gateway at {self.url}: {exc}", status="UNREACHABLE") from None
+        if response.status >= 400:
+            data = response.read()
+            connection.close()
+            try:
+                body_json = json.loads(data)
+            except ValueError:
+                body_json = data.decode("utf-8", "replace")
+            raise TTSError.from_body(body_json, response.status)
+        return connection, response
+
+    def _request(self, method: str, path: str, body: bytes | None = None, content_type: str | None = None) -> bytes:
+        connection, response = self._open(method, path, body, content_type)
+        try:
+            return response.read()
+        finally:
+            connection.close()
+
+    def _json(self, method: str, path: str, payload: dict | None = None) -> dict:
+        body = json.dumps(payload).encode() if payload is not None else None
+        return json.loads(self._request(method, path, body, "application/json" if body is not None else None))
+
+    # ---- synthesis ---------------------------------------------------------------------------------------
+    def synthesize(self, text: str, **options) -> np.ndarray:
+        """The whole waveform (float32, 24 kHz). Options: voice_id | prompt_audio (+ prompt_sample_rate for
+        samples) + prompt_text, mode, instruct, seed."""
+        body = {**tts_body(text, **options), "format": "pcm_f32"}
+        return np.frombuffer(self._request("POST", "/v1/tts", json.dumps(body).encode(), "application/json"),
+                             "<f4").astype(np.float32)
+
+    def synthesize_wav(self, text: str, **options) -> bytes:
+        """The whole answer as a WAV file (16-bit, 24 kHz)."""
+        body = {**tts_body(text, **options), "format": "wav"}
+        return self._request("POST", "/v1/tts", json.dumps(body).encode(), "application/json")
+
+    def stream(self, text: str, **options) -> HttpAudioStream:
+        """POST /v1/tts with stream=true: chunks as the gateway writes them."""
+        body = {**tts_body(text, **options), "format": "pcm_f32", "stream": True}
+        started = time.monotonic()
+        connection, response = self._open("POST", "/v1/tts", json.dumps(body).encode(), "application/json")
+        return HttpAudioStream(connection, response, started)
+
+    def stream_ws(self, text: str | Iterable[str] | None = None, **options) -> WsAudioStream:
+        """A WebSocket session. `text`: a string (sent with the start message, then "end"), an iterable of
+        pieces (sent from a thread as they come, then "end"), or None (call send_text/flush/end)."""
+        from websockets.sync.client import connect
+
+        start = {"type": "start", **tts_body(None, **options), "format": "pcm_f32"}
+        if isinstance(text, str):
+            start["text"] = text
+        scheme = "wss" if self._parts.scheme == "https" else "ws"
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        try:
+            ws = connect(f"{scheme}://{self._parts.netloc}{self._prefix}/v1/tts/ws",
+                         additional_headers=headers, max_size=None, open_timeout=self.timeout_s)
+        except OSError as exc:
+            raise TTSError(f"cannot reach the gateway at {self.url}: {exc}", status="UNREACHABLE") from None
+        except Exception as exc:  # websockets.InvalidStatus: refused before the upgrade (401, 429)
+            response = getattr(exc, "response", None)
+            if response is None:
+                raise
+            try:
+                body = json.loads(response.body)
+            except (TypeError, ValueError):
+                body = str(exc)
+            raise TTSError.from_body(body, response.status_code) from None
+        started = time.monotonic()
+        ws.send(json.dumps(start))
+        if isinstance(text, str):
+            ws.send(json.dumps({"type": "end"}))
+        try:
+            return WsAudioStream(ws, started, None if isinstance(text, str) else text)
+        except BaseException:
+            ws.close()
+            raise
+
+    def speech(self, input: str, *, voice: str = "default", model: str = "cosyvoice2",
+               response_format: str = "wav", instructions: str | None = None, seed: int | None = None) -> bytes:
+        """POST /v1/audio/speech (the OpenAI API): the audio file's bytes (wav) or 16-bit PCM (pcm)."""
+        body = {"model": model, "input": input, "voice": voice, "response_format": response_format}
+        if instructions is not None:
+            body["instructions"] = instructions
+        if seed is not None:
+            body["seed"] = seed
+        return self._request("POST", "/v1/audio/speech", json.dumps(body).encode(), "application/json")
+
+    # ---- voices ------------------------------------------------------------------------------------------
+    def add_voice(self, audio: PromptAudio, prompt_text: str = "", *, voice_id: str | None = None,
+                  name: str | None = None, sample_rate: int | None = None) -> VoiceInfo:
+        """Register a voice (multipart upload). `extra["created"]` is False when it was there already."""
+        fields, data, filename = _voice_form(audio, prompt_text, voice_id, name, sample_rate)
+        body, content_type = _multipart(fields, {"audio": (filename, data)})
+        return voice_from_json(json.loads(self._request("POST", "/v1/voices", body, content_type)))
+
+    def list_voices(self) -> list[VoiceInfo]:
+        return [voice_from_json(v) for v in self._json("GET", "/v1/voices")["voices"]]
+
+    def get_voice(self, voice_id: str) -> VoiceInfo:
+        return voice_from_json(self._json("GET", f"/v1/voices/{quote(voice_id, safe='')}"))
+
+    def delete_voice(self, voice_id: str) -> None:
+        self._json("DELETE", f"/v1/voices/{quote(voice_id, safe='')}")
+
+    # ---- health ------------------------------------------------------------------------------------------
+    def healthy(self) -> bool:
+        try:
+            return self._json("GET", "/healthz").get("status") == "ok"
+        except TTSError:
+            return False
+
+    def ready(self) -> dict:
+        """The /readyz answer ({"ready": ..., "servers": ..., "default_voice": ...}), ready or not."""
+        try:
+            return self._json("GET", "/readyz")
+        except TTSError as exc:
+            return {"ready": False, "error": exc.message}
+
+    def close(self) -> None:
+        """Nothing is kept open between calls; here for symmetry with the other clients."""
+
+    def __enter__(self) -> "GatewayTTS":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---- asyncio client ----------------------------------------------------------------------------------
+
+class AsyncHttpAudioStream(AsyncIterator[np.ndarray]):
+    def __init__(self, response, started: float):
+        self._response = response
+        self._decoder = _PcmDecoder()
+        self._started = started
+        seed = response.headers.get("X-Seed")
+        self.stats = StreamInfo(request_id=response.headers.get("X-Request-Id"), seed=int(seed) if seed else None,
+                                sample_rate=int(response.headers.get("X-Sample-Rate") or SAMPLE_RATE))
+
+    def __aiter__(self) -> "AsyncHttpAudioStream":
+        return self
+
+    async def __anext__(self) -> np.ndarray:
+        import aiohttp
+
+        while True:
+            try:
+                data = await self._response.content.readany()
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                await self.aclose()
+                raise TTSError(f"the stream was cut before its end ({type(exc).__name__})", status=502) from None
+            if not data:
+                await self.aclose()
+                raise StopAsyncIteration
+            chunk = self._decoder.feed(data)
+            if chunk.size:
+                self.stats._add(chunk, self._started)
+                return chunk
+
+    async def aclose(self) -> None:
+        self._response.close()
+
+    async def __aenter__(self) -> "AsyncHttpAudioStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class AsyncWsAudioStream(AsyncIterator[np.ndarray]):
+    def __init__(self, ws, started: float):
+        self._ws = ws
+        self._decoder = _PcmDecoder()
+        self._started = started
+        self._done = False
+        self._sender: asyncio.Task | None = None
+        self.stats = StreamInfo()
+
+    async def _begin(self, texts: Iterable[str] | AsyncIterable[str] | None) -> None:
+        started_message = await self._receive()
+        if isinstance(started_message, bytes):
+            raise TTSError("expected the started message, got audio", status=502)
+        self.stats.request_id = started_message.get("request_id")
+        self.stats.seed = started_message.get("seed")
+        self.stats.sample_rate = started_message.get("sample_rate", SAMPLE_RATE)
+        if texts is not None:
+            self._sender = asyncio.create_task(self._send_all(texts))
+
+    async def _send_all(self, texts) -> None:
+        try:
+            if isinstance(texts, AsyncIterable):
+                async for text in texts:
+                    await self.send_text(text)
+            else:
+                for text in texts:
+                    await self.send_text(text)
+            await self.end()
+        except Exception:  # noqa: BLE001 - the session ended (its error reaches the reader)
+            pass
+
+    async def send_text(self, text: str) -> None:
+        await self._ws.send_json({"type": "text", "text": text})
+
+    async def flush(self) -> None:
+        await self._ws.send_json({"type": "flush"})
+
+    async def end(self) -> None:
+        await self._ws.send_json({"type": "end"})
+
+    async def _receive(self) -> dict | bytes:
+        import aiohttp
+
+        message = await self._ws.receive()
+        if message.type == aiohttp.WSMsgType.BINARY:
+            return message.data
+        if message.type == aiohttp.WSMsgType.TEXT:
+            data = json.loads(message.data)
+            if data.get("type") == "error":
+                await self.aclose()
+                raise TTSError.from_body(data)
+            return data
+        self._done = True
+        raise TTSError(f"the gateway closed the WebSocket (code {self._ws.close_code})", status=502)
+
+    def __aiter__(self) -> "AsyncWsAudioStream":
+        return self
+
+    async def __anext__(self) -> np.ndarray:
+        while not self._done:
+            message = await self._receive()
+            if isinstance(message, bytes):
+                chunk = self._decoder.feed(message)
+                if chunk.size:
+                    self.stats._add(chunk, self._started)
+                    return chunk
+            elif message.get("type") == "segment":
+                self.stats.segments.append(message)
+            elif message.get("type") == "end":
+                self.stats.end = message
+                await self.aclose()
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        self._done = True
+        if self._sender is not None and not self._sender.done():
+            self._sender.cancel()
+        await self._ws.close()
+
+    async def __aenter__(self) -> "AsyncWsAudioStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class AsyncGatewayTTS:
+    """asyncio client of the gateway (aiohttp). Same methods as `GatewayTTS`, awaited; `stream()` and
+    `stream_ws()` are awaited once and then iterated with `async for`."""
+
+    def __init__(self, url: str = DEFAULT_URL, *, api_key: str | None = None, timeout_s: float = 600.0):
+        self.url = (url if "://" in url else f"http://{url}").rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self._session = None
+
+    @property
+    def session(self):
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s))
+        return self._session
+
+    async def _open(self, method: str, path: str, **kwargs):
+        import aiohttp
+
+        try:
+            response = await self.session.request(method, self.url + path, **kwargs)
+        except aiohttp.ClientConnectionError as exc:
+            raise TTSError(f"cannot reach the gateway at {self.url}: {exc}", status="UNREACHABLE") from None
+        if response.status >= 400:
+            data = await response.read()
+            response.release()
+            try:
+                body = json.loads(data)
+            except ValueError:
+                body = data.decode("utf-8", "replace")
+            raise TTSError.from_body(body, response.status)
+        return response
+
+    async def _request(self, method: str, path: str, **kwargs) -> bytes:
+        response = await self._open(method, path, **kwargs)
+        try:
+            return await response.read()
+        finally:
+            response.release()
+
+    async def _json(self, method: str, path: str, payload: dict | None = None) -> dict:
+        return json.loads(await self._request(method, path, json=payload))
+
+    async def synthesize(self, text: str, **options) -> np.ndarray:
+        body = {**tts_body(text, **options), "format": "pcm_f32"}
+        return np.frombuffer(await self._request("POST", "/v1/tts", json=body), "<f4").astype(np.float32)
+
+    async def synthesize_wav(self, text: str, **options) -> bytes:
+        return await self._request("POST", "/v1/tts", json={**tts_body(text, **options), "format": "wav"})
+
+    async def stream(self, text: str, **options) -> AsyncHttpAudioStream:
+        body = {**tts_body(text, **options), "format": "pcm_f32", "stream": True}
+        started = time.monotonic()
+        return AsyncHttpAudioStream(await self._open("POST", "/v1/tts", json=body), started)
+
+    async def stream_ws(self, text: str | Iterable[str] | AsyncIterable[str] | None = None,
+                        **options) -> AsyncWsAudioStream:
+        import aiohttp
+
+        start = {"type": "start", **tts_body(None, **options), "format": "pcm_f32"}
+        if isinstance(text, str):
+            start["text"] = text
+        ws_url = "ws" + self.url[4:] + "/v1/tts/ws"
+        try:
+            ws = await self.session.ws_connect(ws_url, max_msg_size=0)
+        except aiohttp.WSServerHandshakeError as exc:
+            raise TTSError(exc.message or f"WebSocket refused ({exc.status})", status=exc.status) from None
+        except aiohttp.ClientConnectionError as exc:
+            raise TTSError(f"cannot reach the gateway at {self.url}: {exc}", status="UNREACHABLE") from None
+        started = time.monotonic()
+        stream = AsyncWsAudioStream(ws, started)
+        try:
+            await ws.send_json(start)
+            if isinstance(text, str):
+                await ws.send_json({"type": "end"})
+            await stream._begin(None if isinstance(text, str) else text)
+        except BaseException:
+            await ws.close()
+            raise
+        return stream
+
+    async def speech(self, input: str, *, voice: str = "default", model: str = "cosyvoice2",
+                     response_format: str = "wav", instructions: str | None = None, seed: int | None = None) -> bytes:
+        body = {"model": model, "input": input, "voice": voice, "response_format": response_format}
+        if instructions is not None:
+            body["instructions"] = instructions
+        if seed is not None:
+            body["seed"] = seed
+        return await self._request("POST", "/v1/audio/speech", json=body)
+
+    async def add_voice(self, audio: PromptAudio, prompt_text: str = "", *, voice_id: str | None = None,
+                        name: str | None = None, sample_rate: int | None = None) -> VoiceInfo:
+        import aiohttp
+
+        fields, data, filename = _voice_form(audio, prompt_text, voice_id, name, sample_rate)
+        form = aiohttp.FormData()
+        for key, value in fields.items():
+            form.add_field(key, value)
+        form.add_field("audio", data, filename=filename, content_type="application/octet-stream")
+        return voice_from_json(json.loads(await self._request("POST", "/v1/voices", data=form)))
+
+    async def list_voices(self) -> list[VoiceInfo]:
+        return [voice_from_json(v) for v in (await self._json("GET", "/v1/voices"))["voices"]]
+
+    async def get_voice(self, voice_id: str) -> VoiceInfo:
+        return voice_from_json(await self._json("GET", f"/v1/voices/{quote(voice_id, safe='')}"))
+
+    async def delete_voice(self, voice_id: str) -> None:
+        await self._json("DELETE", f"/v1/voices/{quote(voice_id, safe='')}")
+
+    async def healthy(self) -> bool:
+        try:
+            return (await self._json("GET", "/healthz")).get("status") == "ok"
+        except TTSError:
+            return False
+
+    async def ready(self) -> dict:
+        try:
+            return await self._json("GET", "/readyz")
+        except TTSError as exc:
+            return {"ready": False, "error": exc.message}
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "AsyncGatewayTTS":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

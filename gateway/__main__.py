@@ -1,0 +1,31 @@
+"""`python -m cosyvoice_triton.gateway --triton grpc://host:8001 [--triton ...] [--port 8080]`: a gateway in
+front of Triton servers that run elsewhere (`cosyvoice-triton up` runs one server and a gateway together)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import add_gateway_arguments, config_from_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cosyvoice_triton.gateway", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--model-dir", default=None, help="model folder whose tokenizer prices requests (optional)")
+    add_gateway_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    from .app import run
+
+    run(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The gateway application: `create_app(config)`, and `run(config)` to serve it.
+
+```
+from cosyvoice_triton.gateway.app import create_app, run
+from cosyvoice_triton.gateway.config import GatewayConfig, TritonTarget
+
+run(GatewayConfig(triton=(TritonTarget.parse("grpc://127.0.0.1:8001"),)))
+```
+Routes: POST /v1/tts, WS /v1/tts/ws, POST /v1/audio/speech, /v1/voices (POST, GET, GET/DELETE {id}),
+GET /healthz, /readyz, /metrics, and the web page at / (gateway/static/index.html, when present).
+
+Resources live in `cleanup_ctx`: the voice store, one gRPC channel per Triton server with the router's
+health and metrics loops, and the default-voice registration. `run` serves with
+`handler_cancellation=True`, so a client that disconnects cancels its handler and with it its Triton
+stream, and with a bounded shutdown; WebSockets are closed with GOING_AWAY on shutdown.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from contextlib import suppress
+
+from aiohttp import web
+
+from . import routes_openai, routes_tts, routes_voices, routes_ws
+from .auth import StreamLimiter, auth_middleware
+from .config import GatewayConfig
+from .default_voice import DefaultVoice
+from .errors import ResponseAborted, error_middleware
+from .metrics import GatewayMetrics
+from .routing import Backend, CostModel, Router
+from .state import CONFIG, COSTS, DEFAULT_VOICE, LIMITER, METRICS, ROUTER, STORE, WEBSOCKETS
+from .triton_client import TritonClient
+
+log = logging.getLogger(__name__)
+
+FORM_OVERHEAD_BYTES = 64 * 1024  # multipart boundaries and the small fields next to the audio
+
+
+def create_app(config: GatewayConfig) -> web.Application:
+    from cosyvoice_triton.server.launcher import cosyvoice_home
+
+    app = web.Application(client_max_size=config.limits.max_upload_bytes + FORM_OVERHEAD_BYTES,
+                          middlewares=[metrics_middleware, error_middleware, auth_middleware(config.api_keys)])
+    app[CONFIG] = config
+    app[LIMITER] = StreamLimiter(config.limits.max_streams_per_key)
+    app[WEBSOCKETS] = weakref.WeakSet()
+    app[DEFAULT_VOICE] = DefaultVoice(config.default_voice, config.home or cosyvoice_home())
+    app.cleanup_ctx.extend([_voice_store, _triton, _default_voice])
+    routes_tts.add_routes(app)
+    routes_ws.add_routes(app)
+    routes_openai.add_routes(app)
+    routes_voices.add_routes(app)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", index)
+    if config.static_dir.is_dir():
+        app.router.add_static("/static/", config.static_dir)
+    return app
+
+
+# ---- resources ------------------------------------------------------------------------------------------
+
+async def _voice_store(app: web.Application):
+    from cosyvoice_triton.runtime.voice_store import open_voice_store
+    from cosyvoice_triton.server.launcher import resolve_voice_store
+
+    config = app[CONFIG]
+    store = await asyncio.to_thread(open_voice_store, resolve_voice_store(config.voice_store))
+    app[STORE] = store
+    app[COSTS] = await asyncio.to_thread(CostModel.from_model_dir, config.model_dir)
+    yield
+    await asyncio.to_thread(store.close)
+
+
+async def _triton(app: web.Application):
+    config = app[CONFIG]
+    backends = [Backend(target, TritonClient(target.grpc)) for target in config.triton]
+    router = Router(backends, config.routing, config.synthesis_model)
+    app[ROUTER] = router
+    app[METRICS] = GatewayMetrics(router)
+    await router.check_all()
+    for backend in backends:
+        if not backend.healthy:
+            log.warning("Triton %s is not ready yet; it joins the pool when it is", backend.name)
+    tasks = [asyncio.create_task(router.run_health()), asyncio.create_task(router.run_scrapes())]
+    yield
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with suppress(asyncio.CancelledError):
+            await task
+    await asyncio.gather(*(b.client.close() for b in backends), return_exceptions=True)
+
+
+async def _default_voice(app: web.Application):
+    state, store, router = app[DEFAULT_VOICE], app[STORE], app[ROUTER]
+
+    async def exists() -> bool:
+        from cosyvoice_triton.errors import NotFound
+
+        try:
+            await asyncio.to_thread(store.info, "default")
+            return True
+        except NotFound:
+            return False
+
+    async def register(audio: bytes, text: str, voice_id: str) -> None:
+        await routes_voices.register(app, audio, text, voice_id, name="default")
+
+    task = asyncio.create_task(state.ensure(exists, register, lambda: bool(router.healthy()))) if state.pending else None
+    yield
+    if task is not None:
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+
+
+# ---- middleware and plain routes --------------------------------------------------------------------------
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler):
+    status = "500"
+    try:
+        response = await handler(request)
+        status = str(response.status)
+        return response
+    except ResponseAborted:
+        status = "aborted"
+        raise
+    except asyncio.CancelledError:
+        status = "cancelled"  # the client went away
+        raise
+    except web.HTTPException as exc:
+        status = str(exc.status)
+        raise
+    finally:
+        metrics_ = request.app.get(METRICS)
+        if metrics_ is not None:
+            resource = request.match_info.route.resource
+            metrics_.requests.labels(resource.canonical if resource is not None else "unmatched", status).inc()
+            if request.get("error_code"):
+                metrics_.errors.labels(request["error_code"]).inc()
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready: at least one Triton server in the pool, and the default voice settled."""
+    router, voice = request.app[ROUTER], request.app[DEFAULT_VOICE]
+    servers = {b.name: b.healthy for b in router.backends}
+    ready = any(servers.values()) and voice.settled
+    body = {"ready": ready, "servers": servers, "default_voice": voice.state}
+    if voice.error:
+        body["default_voice_error"] = voice.error
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def index(request: web.Request) -> web.StreamResponse:
+    page = request.app[CONFIG].static_dir / "index.html"
+    if page.is_file():
+        return web.FileResponse(page)
+    return web.json_response({"service": "cosyvoice-triton gateway", "endpoints": [
+        "POST /v1/tts", "GET /v1/tts/ws (WebSocket)", "POST /v1/audio/speech", "POST /v1/voices", "GET /v1/voices",
+        "GET /v1/voices/{id}", "DELETE /v1/voices/{id}", "GET /healthz", "GET /readyz", "GET /metrics"]})
+
+
+# ---- serving --------------------------------------------------------------------------------------------
+
+def run(config: GatewayConfig, app: web.Application | None = None, print_fn=print) -> None:
+    """Serve until SIGINT / SIGTERM."""
+    web.run_app(app or create_app(config), host=config.host, port=config.port, handler_cancellation=True,
+                shutdown_timeout=config.shutdown_timeout_s, print=print_fn)

@@ -1,0 +1,137 @@
+"""What a gateway is configured with, and the command-line flags that fill it.
+
+```
+config = GatewayConfig(triton=(TritonTarget.parse("grpc://127.0.0.1:8001"),), voice_store="redis://r:6379/0")
+```
+`add_gateway_arguments` / `config_from_args` are shared by `python -m cosyvoice_triton.gateway` (a
+gateway in front of servers that run elsewhere) and `cosyvoice-triton up` (Triton and gateway together).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+MiB = 1024 * 1024
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+API_KEYS_ENV = "COSYVOICE_API_KEYS"  # comma-separated keys, added to --api-key
+
+
+@dataclass(frozen=True)
+class TritonTarget:
+    """One Triton server: its gRPC address and the URL of its Prometheus metrics."""
+
+    grpc: str  # host:port
+    metrics_url: str
+
+    @classmethod
+    def parse(cls, spec: str) -> TritonTarget:
+        """`grpc://host:port` (metrics at http://host:port+1/metrics, Triton's default layout), or
+        `grpc://host:port?metrics=http://host:9002/metrics`, or a bare `host:port`."""
+        text = spec.strip()
+        if "://" not in text:
+            text = "grpc://" + text
+        parts = urlsplit(text)
+        if parts.scheme != "grpc" or not parts.hostname or parts.port is None:
+            raise ValueError(f"--triton {spec!r}: expected grpc://host:port[?metrics=http://host:port/metrics]")
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        metrics = parse_qs(parts.query).get("metrics", [None])[0]
+        if metrics is None:
+            metrics = f"http://{host}:{parts.port + 1}/metrics"
+        return cls(grpc=f"{host}:{parts.port}", metrics_url=metrics)
+
+    @property
+    def name(self) -> str:
+        return self.grpc
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_text_chars: int = 2000  # per request; per WebSocket segment
+    max_session_chars: int = 20000  # all text of one WebSocket session
+    max_upload_bytes: int = 10 * MiB  # request bodies (413 beyond), WebSocket messages
+    max_streams_per_key: int = 8  # concurrent synthesis streams per API key (or client address); 429 beyond
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    health_interval_s: float = 2.0  # ServerReady + ModelReady(cosyvoice2) per server
+    health_timeout_s: float = 2.0
+    metrics_interval_s: float = 2.0  # scrape of each server's pending-request metric
+    first_chunk_timeout_s: float = 60.0  # a stream with no audio by then fails (and is retried elsewhere)
+    chunk_timeout_s: float = 60.0  # longest wait between two chunks once audio flows
+    register_timeout_s: float = 60.0
+    max_attempts: int = 3  # servers tried for a request that fails before its first byte
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    triton: tuple[TritonTarget, ...]
+    host: str = "0.0.0.0"
+    port: int = 8080
+    voice_store: str | None = None  # sqlite path or redis:// url; None: $COSYVOICE_HOME/voices.sqlite
+    model_dir: Path | None = None  # its tokenizer counts text tokens for cost estimates (else a byte count)
+    api_keys: frozenset[str] = frozenset()  # empty: no authentication
+    limits: Limits = field(default_factory=Limits)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    home: Path | None = None  # where the default voice's prompt wav is written; None: $COSYVOICE_HOME
+    default_voice: bool = True  # register voice "default" at start when the store lacks it
+    ws_heartbeat_s: float = 30.0
+    ws_pipeline_depth: int = 2  # WebSocket segments synthesized ahead of the one being sent
+    shutdown_timeout_s: float = 10.0
+    static_dir: Path = STATIC_DIR
+    synthesis_model: str = "cosyvoice2"
+    register_model: str = "register_voice"
+    sample_rate: int = 24000
+
+    def __post_init__(self):
+        if not self.triton:
+            raise ValueError("at least one Triton server is needed (--triton grpc://host:port)")
+
+
+def add_gateway_arguments(parser: argparse.ArgumentParser, *, with_triton: bool = True) -> None:
+    g = parser.add_argument_group("gateway")
+    if with_triton:
+        g.add_argument("--triton", action="append", default=[], metavar="URL",
+                       help="a Triton server, grpc://host:port[?metrics=URL]; repeat for several "
+                            "(default grpc://127.0.0.1:8001)")
+    g.add_argument("--host", default="0.0.0.0", help="address the gateway listens on")
+    g.add_argument("--port", type=int, default=8080)
+    g.add_argument("--redis-url", default=None, help="share voices through Redis (redis://host:port/db)")
+    g.add_argument("--voice-store", default=None,
+                   help="SQLite file of the voice store (default: $COSYVOICE_HOME/voices.sqlite)")
+    g.add_argument("--api-key", action="append", default=[],
+                   help=f"accept this API key (repeatable; also ${API_KEYS_ENV}); none: no authentication")
+    g.add_argument("--max-text-chars", type=int, default=Limits.max_text_chars)
+    g.add_argument("--max-upload-mb", type=float, default=Limits.max_upload_bytes / MiB)
+    g.add_argument("--max-streams-per-key", type=int, default=Limits.max_streams_per_key)
+    g.add_argument("--health-interval", type=float, default=RoutingConfig.health_interval_s, metavar="S")
+    g.add_argument("--first-chunk-timeout", type=float, default=RoutingConfig.first_chunk_timeout_s, metavar="S")
+    g.add_argument("--no-default-voice", action="store_true", help="do not register voice 'default' at start")
+
+
+def voice_store_url(args: argparse.Namespace) -> str | None:
+    if args.redis_url and args.voice_store:
+        raise ValueError("give --redis-url or --voice-store, not both")
+    return args.redis_url or args.voice_store
+
+
+def api_keys(args: argparse.Namespace) -> frozenset[str]:
+    keys = set(args.api_key)
+    keys.update(k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip())
+    return frozenset(keys)
+
+
+def config_from_args(args: argparse.Namespace, triton: tuple[TritonTarget, ...] | None = None,
+                     model_dir: Path | None = None) -> GatewayConfig:
+    if triton is None:
+        triton = tuple(TritonTarget.parse(s) for s in (args.triton or ["grpc://127.0.0.1:8001"]))
+    routing = RoutingConfig(health_interval_s=args.health_interval, first_chunk_timeout_s=args.first_chunk_timeout)
+    limits = Limits(max_text_chars=args.max_text_chars, max_upload_bytes=int(args.max_upload_mb * MiB),
+                    max_streams_per_key=args.max_streams_per_key)
+    model_dir = model_dir if model_dir is not None else getattr(args, "model_dir", None)
+    return GatewayConfig(triton=triton, host=args.host, port=args.port, voice_store=voice_store_url(args),
+                         model_dir=Path(model_dir) if model_dir else None, api_keys=api_keys(args),
+                         limits=limits, routing=routing, default_voice=not args.no_default_voice)

@@ -1,0 +1,134 @@
+"""The gateway's errors, and how every error becomes an HTTP status and a JSON body.
+
+Body (the OpenAI error object, so OpenAI clients read it too; `param` names the request field):
+  {"error": {"message": "text: must not be empty", "type": "invalid_request_error",
+             "code": "invalid_input", "param": "text"}}
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from cosyvoice_triton.errors import Cancelled, InvalidInput, NotFound, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class GatewayError(Exception):
+    status = 500
+    code = "internal"
+    kind = "server_error"  # the OpenAI `type`
+
+    def __init__(self, message: str, field: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.headers = headers or {}
+
+
+class BadRequest(GatewayError):
+    status, code, kind = 400, "invalid_input", "invalid_request_error"
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}", field)
+
+
+class Unauthorized(GatewayError):
+    status, code, kind = 401, "unauthorized", "authentication_error"
+
+    def __init__(self, message: str = "a valid API key is required (Authorization: Bearer KEY or X-API-Key)"):
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class VoiceNotFound(GatewayError):
+    status, code, kind = 404, "not_found", "invalid_request_error"
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}", field)
+
+
+class PayloadTooLarge(GatewayError):
+    status, code, kind = 413, "too_large", "invalid_request_error"
+
+
+class TooManyStreams(GatewayError):
+    status, code, kind = 429, "too_many_streams", "rate_limit_error"
+
+
+class ServiceUnavailable(GatewayError):
+    status, code, kind = 503, "unavailable", "server_error"
+
+    def __init__(self, message: str):
+        super().__init__(message, headers={"Retry-After": "1"})
+
+
+class UpstreamError(GatewayError):
+    """Triton answered with an error the gateway cannot attribute to a request field."""
+
+    status, code, kind = 502, "upstream_error", "server_error"
+
+
+class UpstreamTimeout(GatewayError):
+    status, code, kind = 504, "timeout", "server_error"
+
+
+def as_gateway_error(exc: BaseException) -> GatewayError:
+    """Any exception as a GatewayError (library errors keep their field)."""
+    if isinstance(exc, GatewayError):
+        return exc
+    if isinstance(exc, InvalidInput):
+        return BadRequest(exc.field, exc.problem)
+    if isinstance(exc, NotFound):
+        return VoiceNotFound(exc.field, exc.problem)
+    if isinstance(exc, Unavailable):
+        return ServiceUnavailable(str(exc))
+    if isinstance(exc, Cancelled):
+        return ServiceUnavailable(str(exc) or "cancelled")
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return PayloadTooLarge(f"the request body is larger than the limit ({exc.text})")
+    if isinstance(exc, web.HTTPException):
+        error = GatewayError(exc.reason if not exc.text or exc.text.startswith(str(exc.status)) else exc.text)
+        error.status = exc.status
+        error.code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
+        error.kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return error
+    return GatewayError("internal error")
+
+
+def error_body(error: GatewayError) -> dict:
+    return {"error": {"message": error.message, "type": error.kind, "code": error.code, "param": error.field}}
+
+
+def ws_error(error: GatewayError) -> dict:
+    """The same error as a WebSocket message."""
+    return {"type": "error", "status": error.status, "code": error.code, "param": error.field,
+            "message": error.message}
+
+
+class ResponseAborted(Exception):
+    """A streamed response failed after its headers went out: the connection is cut, the client sees
+    an incomplete body. The error middleware lets it through."""
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except (asyncio.CancelledError, ResponseAborted):
+        raise
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _json_error(as_gateway_error(exc), request)
+    except Exception as exc:  # noqa: BLE001 - every other error becomes JSON
+        error = as_gateway_error(exc)
+        if error.status >= 500 and not isinstance(exc, GatewayError):
+            log.exception("%s %s failed", request.method, request.path)
+        return _json_error(error, request)
+
+
+def _json_error(error: GatewayError, request: web.Request) -> web.Response:
+    request["error_code"] = error.code
+    return web.json_response(error_body(error), status=error.status, headers=error.headers)

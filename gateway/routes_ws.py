@@ -1,0 +1,324 @@
+"""WS /v1/tts/ws: text in as it is written, audio out as it is made.
+
+Client -> server (JSON text frames):
+  {"type": "start", "voice_id" | "prompt_audio" (+ "prompt_text"), "mode", "instruct", "seed",
+   "format": "pcm_f32" (default) | "pcm_s16le", "text" (optional)}              first, once
+  {"type": "text", "text": "Hello there. How"}   any number: text is buffered, and each complete
+                                                 sentence (end mark + space, or a CJK end mark, or a
+                                                 newline) is synthesized at once
+  {"type": "flush"}                              synthesize what is buffered now, complete or not
+  {"type": "end"}                                flush, finish, then the server ends the session
+Server -> client:
+  {"type": "started", "request_id", "sample_rate": 24000, "format", "seed"}
+  binary frames: PCM of the format, in text order, as Triton makes it
+  {"type": "segment", "index", "text", "audio_seconds", "first_chunk_ms"}       after each segment's audio
+  {"type": "end", "segments", "audio_seconds", "first_chunk_ms", "elapsed_ms"}  then close (1000)
+  {"type": "error", "status", "code", "param", "message"}  then close (1008 for 4xx, 1011 otherwise)
+
+Segments are separate Triton requests, routed one by one; up to `ws_pipeline_depth` run ahead of the one
+being sent, and their audio is sent strictly in order. Segment i uses seed + 1000 * i. A client that
+goes away (or closes) cancels every running segment, which frees its LLM slot and token2wav state.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from contextlib import aclosing, suppress
+from dataclasses import dataclass, field
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from cosyvoice_triton.runtime.request import SEED_LIMIT
+
+from .audio_format import pcm_bytes
+from .auth import limit_key
+from .errors import BadRequest, GatewayError, PayloadTooLarge, as_gateway_error, ws_error
+from .state import CONFIG, COSTS, LIMITER, METRICS, WEBSOCKETS
+from .synthesis import TTS_FIELDS, Synthesis, decode_base64, prepare, stream_audio
+
+log = logging.getLogger(__name__)
+
+WS_FORMATS = ("pcm_f32", "pcm_s16le")
+SEGMENT_SEED_STRIDE = 1000
+START_KEYS = frozenset({"type", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
+                        "format", "text"})
+# A sentence is complete at an end mark followed by white space, a CJK end mark, or a newline.
+_BOUNDARY = re.compile(r"[.!?;]+[\"'”’)\]]*\s+|[。！？；…]+[\"”’」』）)]*\s*|\n+")
+_DONE = object()
+
+
+class SentenceBuffer:
+    """Text arriving in pieces -> segments of complete sentences, at most `max_chars` each."""
+
+    def __init__(self, max_chars: int):
+        self.max_chars = max_chars
+        self.text = ""
+
+    def feed(self, text: str) -> list[str]:
+        self.text += text
+        cut = 0
+        for match in _BOUNDARY.finditer(self.text):
+            cut = match.end()
+        ready, self.text = self.text[:cut], self.text[cut:]
+        pieces = self._split(ready)
+        while len(self.text) > self.max_chars:  # no sentence end for too long: cut at a space
+            space = self.text.rfind(" ", 0, self.max_chars)
+            at = space + 1 if space > 0 else self.max_chars
+            pieces.append(self.text[:at])
+            self.text = self.text[at:]
+        return [p for p in pieces if _speakable(p)]
+
+    def flush(self) -> list[str]:
+        rest, self.text = self.text, ""
+        return [p for p in self._split(rest) if _speakable(p)]
+
+    def _split(self, text: str) -> list[str]:
+        """`text` as one segment, or at sentence ends into segments of at most max_chars."""
+        if len(text) <= self.max_chars:
+            return [text] if text else []
+        pieces, current, start = [], "", 0
+        for match in _BOUNDARY.finditer(text):
+            sentence = text[start:match.end()]
+            start = match.end()
+            if current and len(current) + len(sentence) > self.max_chars:
+                pieces.append(current)
+                current = ""
+            current += sentence
+        current += text[start:]
+        while len(current) > self.max_chars:
+            pieces.append(current[:self.max_chars])
+            current = current[self.max_chars:]
+        return pieces + ([current] if current else [])
+
+
+def _speakable(text: str) -> bool:
+    return any(ch.isalnum() for ch in text)
+
+
+@dataclass(eq=False)
+class Segment:
+    index: int
+    text: str
+    submitted: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # chunks, then _DONE or an exception
+    task: asyncio.Task | None = None
+
+
+class Session:
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse):
+        self.request = request
+        self.app = request.app
+        self.ws = ws
+        self.config = self.app[CONFIG]
+        self.request_id = uuid.uuid4().hex
+        self.base: Synthesis | None = None
+        self.fmt = "pcm_f32"
+        self.buffer = SentenceBuffer(self.config.limits.max_text_chars)
+        self.pending: asyncio.Queue[str | None] = asyncio.Queue()  # segment texts; None: end
+        self.order: asyncio.Queue[Segment | None] = asyncio.Queue()  # started segments, in order
+        self.ahead = asyncio.Semaphore(max(1, self.config.ws_pipeline_depth))
+        self.segments: list[Segment] = []
+        self.received_chars = 0
+        self.started = time.monotonic()
+        self.first_chunk_ms: float | None = None
+        self.audio_seconds = 0.0
+        self.ended = False
+
+    # ---- the session -----------------------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            await self._start(await self._receive_json())
+        except _ClientGone:
+            return
+        except Exception as exc:  # noqa: BLE001 - reported to the client
+            await self._fail(as_gateway_error(exc))
+            return
+        metrics = self.app[METRICS]
+        metrics.active_streams.labels("ws").inc()
+        tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._start_segments()),
+                 asyncio.create_task(self._send())]
+        reader, _, sender = tasks
+        try:
+            done, _ = await asyncio.wait({reader, sender}, return_when=asyncio.FIRST_COMPLETED)
+            error = None
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    error = task.exception()
+            if error is not None and not isinstance(error, _ClientGone):
+                await self._stop(tasks)
+                await self._fail(as_gateway_error(error))
+            elif sender in done and error is None:
+                await self._stop(tasks)
+                await self.ws.close()
+        finally:
+            await self._stop(tasks)  # the client left (reader done): cancels the Triton streams
+            metrics.active_streams.labels("ws").dec()
+            metrics.audio_seconds.labels("ws").inc(self.audio_seconds)
+
+    async def _start(self, message: dict) -> None:
+        if message.get("type") != "start":
+            raise BadRequest("type", "the first message must be {\"type\": \"start\", ...}")
+        unknown = sorted(set(message) - START_KEYS)
+        if unknown:
+            raise BadRequest(unknown[0], f"is not a field of the start message (fields: {', '.join(sorted(START_KEYS))})")
+        self.fmt = message.get("format", "pcm_f32")
+        if self.fmt not in WS_FORMATS:
+            raise BadRequest("format", f"must be one of {', '.join(WS_FORMATS)}, got {self.fmt!r}")
+        if "voice_id" in message and "voice" in message:
+            raise BadRequest("voice", "give voice_id (or its alias voice), not both")
+        prompt_audio = message.get("prompt_audio")
+        if prompt_audio is not None:
+            prompt_audio = decode_base64(prompt_audio, "prompt_audio", self.config.limits.max_upload_bytes)
+        self.base = await prepare(self.app, text="", check_text=False,
+                                  voice_id=message.get("voice_id", message.get("voice")), prompt_audio=prompt_audio,
+                                  prompt_text=message.get("prompt_text"), mode=message.get("mode"),
+                                  instruct=message.get("instruct"), seed=message.get("seed"), fields=TTS_FIELDS)
+        await self.ws.send_json({"type": "started", "request_id": self.request_id,
+                                 "sample_rate": self.config.sample_rate, "format": self.fmt, "seed": self.base.seed})
+        if message.get("text") is not None:
+            self._add_text(message["text"])
+
+    async def _read(self) -> None:
+        """Client messages until it closes (after "end" too, to notice it leaving)."""
+        while True:
+            message = await self._receive_json()
+            kind = message.get("type")
+            if self.ended:
+                raise BadRequest("type", "no messages are accepted after \"end\"")
+            if kind == "text":
+                self._add_text(message.get("text"))
+            elif kind == "flush":
+                self._queue(self.buffer.flush())
+            elif kind == "end":
+                self._queue(self.buffer.flush())
+                self.pending.put_nowait(None)
+                self.ended = True
+            else:
+                raise BadRequest("type", f"must be text, flush or end, got {kind!r}")
+
+    def _add_text(self, text: object) -> None:
+        if not isinstance(text, str):
+            raise BadRequest("text", f"must be a string, got {type(text).__name__}")
+        self.received_chars += len(text)
+        if self.received_chars > self.config.limits.max_session_chars:
+            raise PayloadTooLarge(f"text: a session takes at most {self.config.limits.max_session_chars} "
+                                  "characters", "text")
+        self._queue(self.buffer.feed(text))
+
+    def _queue(self, texts: list[str]) -> None:
+        for text in texts:
+            self.pending.put_nowait(text)
+
+    async def _start_segments(self) -> None:
+        costs = self.app[COSTS]
+        while (text := await self.pending.get()) is not None:
+            await self.ahead.acquire()  # released by the sender once the segment is sent
+            index = len(self.segments)
+            seed = (self.base.seed + SEGMENT_SEED_STRIDE * index) % SEED_LIMIT
+            cost = costs.estimate(text, self.base.prompt_tokens, self.base.prompt_audio is not None)
+            segment = Segment(index, text, time.monotonic())
+            segment.task = asyncio.create_task(self._synthesize(segment, self.base.with_text(text, seed, cost)))
+            self.segments.append(segment)
+            self.order.put_nowait(segment)
+        self.order.put_nowait(None)
+
+    async def _synthesize(self, segment: Segment, synthesis: Synthesis) -> None:
+        try:
+            async with aclosing(stream_audio(self.app, synthesis, f"{self.request_id}-{segment.index}")) as chunks:
+                async for chunk in chunks:
+                    segment.queue.put_nowait(chunk)
+            segment.queue.put_nowait(_DONE)
+        except Exception as exc:  # noqa: BLE001 - handed to the sender
+            segment.queue.put_nowait(exc)
+
+    async def _send(self) -> None:
+        metrics = self.app[METRICS]
+        while (segment := await self.order.get()) is not None:
+            samples, first_ms = 0, None
+            while (item := await segment.queue.get()) is not _DONE:
+                if isinstance(item, Exception):
+                    raise item
+                if first_ms is None:
+                    first_ms = (time.monotonic() - segment.submitted) * 1000
+                    if self.first_chunk_ms is None:
+                        self.first_chunk_ms = first_ms
+                        metrics.first_chunk.labels("ws").observe(first_ms / 1000)
+                await self.ws.send_bytes(pcm_bytes(item, self.fmt))
+                samples += item.size
+            seconds = samples / self.config.sample_rate
+            self.audio_seconds += seconds
+            self.ahead.release()
+            await self.ws.send_json({"type": "segment", "index": segment.index, "text": segment.text,
+                                     "audio_seconds": seconds, "first_chunk_ms": first_ms})
+        await self.ws.send_json({"type": "end", "segments": len(self.segments), "audio_seconds": self.audio_seconds,
+                                 "first_chunk_ms": self.first_chunk_ms,
+                                 "elapsed_ms": (time.monotonic() - self.started) * 1000})
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    async def _receive_json(self) -> dict:
+        message = await self.ws.receive()
+        if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
+            raise _ClientGone()
+        if message.type != WSMsgType.TEXT:
+            raise BadRequest("type", "messages must be JSON text frames")
+        try:
+            data = json.loads(message.data)
+        except ValueError:
+            raise BadRequest("message", "is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise BadRequest("message", "must be a JSON object")
+        return data
+
+    async def _stop(self, tasks: list[asyncio.Task]) -> None:
+        running = [t for t in tasks if not t.done()] + [s.task for s in self.segments if s.task and not s.task.done()]
+        for task in running:
+            task.cancel()
+        for task in running:
+            with suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _fail(self, error: GatewayError) -> None:
+        self.app[METRICS].errors.labels(error.code).inc()
+        if self.ws.closed:
+            return
+        with suppress(ConnectionError, RuntimeError):
+            await self.ws.send_json(ws_error(error))
+            code = WSCloseCode.POLICY_VIOLATION if error.status < 500 else WSCloseCode.INTERNAL_ERROR
+            await self.ws.close(code=code, message=error.code.encode())
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def tts_ws(request: web.Request) -> web.WebSocketResponse:
+    app = request.app
+    config = app[CONFIG]
+    with app[LIMITER].slot(limit_key(request)):  # 429 before the upgrade
+        ws = web.WebSocketResponse(heartbeat=config.ws_heartbeat_s, max_msg_size=config.limits.max_upload_bytes * 2)
+        await ws.prepare(request)
+        app[WEBSOCKETS].add(ws)
+        try:
+            await Session(request, ws).run()
+        finally:
+            app[WEBSOCKETS].discard(ws)
+            if not ws.closed:
+                await ws.close()
+    return ws
+
+
+async def close_websockets(app: web.Application) -> None:
+    """on_shutdown: tell every client the server is going away."""
+    for ws in list(app[WEBSOCKETS]):
+        with suppress(Exception):
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/tts/ws", tts_ws)
+    app.on_shutdown.append(close_websockets)
+

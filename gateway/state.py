@@ -1,0 +1,21 @@
+"""The application's shared objects, under module-level `web.AppKey`s (set up in `app.create_app`)."""
+from __future__ import annotations
+
+import weakref
+
+from aiohttp import web
+
+from .auth import StreamLimiter
+from .config import GatewayConfig
+from .default_voice import DefaultVoice
+from .metrics import GatewayMetrics
+from .routing import CostModel, Router
+
+CONFIG = web.AppKey("config", GatewayConfig)
+ROUTER = web.AppKey("router", Router)
+STORE = web.AppKey("store", object)  # a cosyvoice_triton.runtime.voice_store.VoiceStore (blocking: use threads)
+COSTS = web.AppKey("costs", CostModel)
+METRICS = web.AppKey("metrics", GatewayMetrics)
+LIMITER = web.AppKey("limiter", StreamLimiter)
+WEBSOCKETS = web.AppKey("websockets", weakref.WeakSet)
+DEFAULT_VOICE = web.AppKey("default_voice", DefaultVoice)

@@ -1,0 +1,244 @@
+"""One synthesis request, shared by every API: check it, price it, stream it from the least-loaded server.
+
+The checks happen here, before Triton sees the request, so errors name the field of the API that was
+called (`Fields`: `text` for /v1/tts, `input` for the OpenAI route, ...). Errors Triton still reports
+are mapped back to the same names. A request without a seed gets one here, so a retry on another
+server gives the same audio.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import numpy as np
+from aiohttp import web
+
+from cosyvoice_triton.errors import InvalidInput, NotFound
+from cosyvoice_triton.frontend.audio import load_prompt_audio
+from cosyvoice_triton.frontend.text import validate_text
+from cosyvoice_triton.runtime.request import MODES, SEED_LIMIT
+from cosyvoice_triton.runtime.voice_store import check_voice_id
+
+from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
+from .errors import (BadRequest, GatewayError, PayloadTooLarge, ServiceUnavailable, UpstreamError,
+                     UpstreamTimeout, VoiceNotFound)
+from .routing import TOKENS_PER_SECOND
+from .state import CONFIG, COSTS, DEFAULT_VOICE, METRICS, ROUTER, STORE
+from .triton_client import TritonCallError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Request field names of one API, for error messages."""
+
+    text: str = "text"
+    voice: str = "voice_id"
+    prompt_audio: str = "prompt_audio"
+    prompt_text: str = "prompt_text"
+    mode: str = "mode"
+    instruct: str = "instruct"
+    seed: str = "seed"
+
+    def of_model_input(self, name: str | None) -> str | None:
+        """The API field behind a cosyvoice2 input named in a Triton error."""
+        return {"target_text": self.text, "reference_audio_id": self.voice, "reference_audio": self.prompt_audio,
+                "reference_wav": self.prompt_audio, "reference_sample_rate": self.prompt_audio,
+                "reference_text": self.prompt_text, "instruct_text": self.instruct, "mode": self.mode,
+                "seed": self.seed}.get(name or "", name)
+
+
+TTS_FIELDS = Fields()
+OPENAI_FIELDS = Fields(text="input", voice="voice", instruct="instructions")
+
+
+def string_array(value: str) -> np.ndarray:
+    return np.array([value.encode("utf-8")], dtype=object)
+
+
+@dataclass(frozen=True)
+class Synthesis:
+    text: str
+    mode: str
+    seed: int
+    voice_id: str | None
+    prompt_audio: bytes | None  # an audio file's bytes
+    prompt_text: str | None
+    instruct: str
+    prompt_tokens: int  # of the voice: its cost share
+    cost: float
+    fields: Fields
+
+    def inputs(self, seed: int | None = None) -> dict[str, np.ndarray]:
+        """The cosyvoice2 request (contracts.py), with `seed` instead of the request's when given."""
+        values = {"target_text": string_array(self.text), "mode": string_array(self.mode),
+                  "seed": np.array([self.seed if seed is None else seed], dtype=np.uint64)}
+        if self.voice_id is not None:
+            values["reference_audio_id"] = string_array(self.voice_id)
+        if self.prompt_audio is not None:
+            values["reference_audio"] = np.array([self.prompt_audio], dtype=object)
+        if self.prompt_text is not None:
+            values["reference_text"] = string_array(self.prompt_text)
+        if self.instruct:
+            values["instruct_text"] = string_array(self.instruct)
+        return values
+
+    def with_text(self, text: str, seed: int, cost: float) -> "Synthesis":
+        """The same voice and settings for another text (WebSocket segments)."""
+        return Synthesis(text=text, mode=self.mode, seed=seed, voice_id=self.voice_id, prompt_audio=self.prompt_audio,
+                         prompt_text=self.prompt_text, instruct=self.instruct, prompt_tokens=self.prompt_tokens,
+                         cost=cost, fields=self.fields)
+
+
+def decode_base64(value: object, field: str, max_bytes: int) -> bytes:
+    if not isinstance(value, str):
+        raise BadRequest(field, "must be a base64 string of an audio file (WAV, FLAC or OGG)")
+    if len(value) * 3 // 4 > max_bytes:
+        raise PayloadTooLarge(f"{field}: the audio is larger than {max_bytes} bytes", field)
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(field, "is not valid base64") from None
+
+
+def check_seed(seed: object, field: str) -> int:
+    if seed is None:
+        return secrets.randbelow(SEED_LIMIT)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise BadRequest(field, f"must be an integer from 0 to {SEED_LIMIT - 1}")
+    return seed
+
+
+def optional_string(value: object, field: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(field, f"must be a string, got {type(value).__name__}")
+    return value
+
+
+async def prepare(app: web.Application, *, text: object, voice_id: object = None, prompt_audio: bytes | None = None,
+                  prompt_text: object = None, mode: object = "zero_shot", instruct: object = None,
+                  seed: object = None, fields: Fields = TTS_FIELDS, check_text: bool = True) -> Synthesis:
+    """Check a request and resolve its voice (no voice given: "default")."""
+    config = app[CONFIG]
+    if check_text:
+        try:
+            text = validate_text(text, fields.text, config.limits.max_text_chars)
+        except InvalidInput as exc:
+            raise BadRequest(fields.text, exc.problem) from None
+    mode = "zero_shot" if mode is None else mode
+    if mode not in MODES:
+        raise BadRequest(fields.mode, f"must be one of {', '.join(MODES)}, got {mode!r}")
+    instruct = optional_string(instruct, fields.instruct) or ""
+    if mode == "instruct2" and not instruct.strip():
+        raise BadRequest(fields.instruct, "is required in instruct2 mode")
+    prompt_text = optional_string(prompt_text, fields.prompt_text)
+    seed = check_seed(seed, fields.seed)
+    if voice_id is not None and prompt_audio is not None:
+        raise BadRequest(fields.voice, f"give {fields.voice} or {fields.prompt_audio}, not both")
+    if prompt_audio is not None:
+        try:
+            samples, rate = await asyncio.to_thread(load_prompt_audio, prompt_audio, fields.prompt_audio)
+        except InvalidInput as exc:
+            raise BadRequest(fields.prompt_audio, exc.problem) from None
+        prompt_tokens = int(samples.shape[0] / rate * TOKENS_PER_SECOND)
+        if mode == "zero_shot" and not (prompt_text or "").strip():
+            raise BadRequest(fields.prompt_text, f"is required with {fields.prompt_audio} in zero_shot mode "
+                                                 "(the transcript of the prompt recording)")
+    else:
+        voice_id = DEFAULT_VOICE_ID if voice_id is None else voice_id
+        info = await voice_info(app, voice_id, fields.voice)
+        prompt_tokens = info.tokens
+        if mode == "zero_shot" and not info.text.strip() and not (prompt_text or "").strip():
+            raise BadRequest(fields.prompt_text, f"is required in zero_shot mode: voice {voice_id!r} was "
+                                                 "registered without a transcript")
+    cost = app[COSTS].estimate(text if check_text else "", prompt_tokens, prompt_audio is not None)
+    return Synthesis(text=text if check_text else "", mode=mode, seed=seed, voice_id=voice_id,
+                     prompt_audio=prompt_audio, prompt_text=prompt_text, instruct=instruct,
+                     prompt_tokens=prompt_tokens, cost=cost, fields=fields)
+
+
+async def voice_info(app: web.Application, voice_id: object, field: str):
+    try:
+        check_voice_id(voice_id, field)
+    except InvalidInput as exc:
+        raise BadRequest(field, exc.problem) from None
+    try:
+        return await asyncio.to_thread(app[STORE].info, voice_id)
+    except NotFound:
+        if voice_id == DEFAULT_VOICE_ID and app[DEFAULT_VOICE].pending:
+            raise ServiceUnavailable("the default voice is being registered; try again in a moment") from None
+        raise VoiceNotFound(field, f"no voice {voice_id!r} is registered (see GET /v1/voices)") from None
+
+
+def gateway_error(exc: TritonCallError, fields: Fields) -> GatewayError:
+    if exc.kind == "invalid":
+        return BadRequest(fields.of_model_input(exc.field) or "request", exc.problem)
+    if exc.kind == "not_found":
+        return VoiceNotFound(fields.voice, exc.problem)
+    if exc.kind in ("busy", "unreachable", "cancelled"):
+        return ServiceUnavailable(exc.message)
+    if exc.kind == "timeout":
+        return UpstreamTimeout(exc.message)
+    return UpstreamError(exc.message)
+
+
+async def stream_audio(app: web.Application, synthesis: Synthesis, request_id: str) -> AsyncIterator[np.ndarray]:
+    """The request's float32 24 kHz chunks from the least-loaded healthy server. A failure before the first
+    chunk is retried on another server; after it, it ends the stream (raised as a GatewayError)."""
+    router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
+    tried = []
+    while True:
+        backend = router.pick(exclude=tried)
+        tried.append(backend)
+        metrics.routed.labels(backend.name).inc()
+        produced = False
+        with router.lease(backend, synthesis.cost):
+            try:
+                chunks = backend.client.stream(app[CONFIG].synthesis_model, synthesis.inputs(),
+                                               f"{request_id}-{len(tried)}",
+                                               first_timeout_s=routing.first_chunk_timeout_s,
+                                               chunk_timeout_s=routing.chunk_timeout_s)
+                async with aclosing(chunks):
+                    async for chunk in chunks:
+                        produced = True
+                        yield chunk
+                return
+            except TritonCallError as exc:
+                metrics.errors.labels(f"triton_{exc.kind}").inc()
+                if exc.kind == "unreachable":
+                    router.set_health(backend, False, exc.message)
+                others = [b for b in router.healthy() if b not in tried]
+                if produced or not exc.retryable or len(tried) >= routing.max_attempts or not others:
+                    raise gateway_error(exc, synthesis.fields) from None
+                metrics.retries.inc()
+                log.warning("request %s failed on %s before any audio (%s); retrying on another server",
+                            request_id, backend.name, exc.message)
+
+
+async def call_model(app: web.Application, model: str, inputs: dict[str, np.ndarray], cost: float,
+                     timeout_s: float) -> dict[str, np.ndarray]:
+    """A unary call (register_voice) on the least-loaded server, retried elsewhere on transport errors."""
+    router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
+    tried = []
+    while True:
+        backend = router.pick(exclude=tried)
+        tried.append(backend)
+        metrics.routed.labels(backend.name).inc()
+        with router.lease(backend, cost):
+            try:
+                return await backend.client.infer(model, inputs, timeout_s)
+            except TritonCallError as exc:
+                metrics.errors.labels(f"triton_{exc.kind}").inc()
+                if exc.kind == "unreachable":
+                    router.set_health(backend, False, exc.message)
+                others = [b for b in router.healthy() if b not in tried]
+                if not exc.retryable or len(tried) >= routing.max_attempts or not others:
+                    raise
+                metrics.retries.inc()

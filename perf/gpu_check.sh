@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# GPU check of the token2wav and CAM++ engines on one GPU: parity of ONNX Runtime CUDA and TensorRT
+# (fp16, fp32) with torch, and per-call times of the flow estimator (one Euler step and the 10-step
+# loop), HiFT and CAM++ at 1, 4 and 16 streams for 1 s and 4 s chunks, for torch eager, torch with CUDA
+# graphs, ONNX Runtime CUDA and TensorRT. perf/gpu_check.py says what each number is.
+#
+#   bash perf/gpu_check.sh [options of perf/gpu_check.py]     e.g. --precisions fp16 --iters 10
+#
+# Through the device tool, from the repository root:
+#   run(command="bash perf/gpu_check.sh", timeout_s=600)          # add carry=["wheels"] when wheels/ exists
+# The markdown report (date, GPU, versions, engine status, parity table, timing table) goes to stdout
+# and to $OUT/gpu_check.md. Without network access it installs nothing from a registry:
+#   - The Python that runs it (`python3`, or $PYTHON) must hold torch with CUDA, onnx, numpy, pyyaml,
+#     scipy and tokenizers (the device image has them).
+#   - onnxruntime-gpu (the "ORT CUDA" column) and tensorrt (the "TRT" columns) must be on the device
+#     image or be carried as wheels in a `wheels/` folder at the repository root (keep it out of git, e.g.
+#     in .git/info/exclude, and name it in `carry`). Every wheel there is installed with
+#     `pip --no-index --no-deps` into /tmp/gpu_check_site, ahead of the image's packages: carry each
+#     dependency that the image lacks too, one version of each. Mind the tool's limit on what travels:
+#     the TensorRT and onnxruntime-gpu wheels are hundreds of MB. A column whose package is missing is
+#     reported unavailable, with the reason, and the rest of the check runs.
+#   - This project is installed from the working tree (editable, --no-index) when it is not importable.
+# Time: writing the full-size folder and exporting ONNX take about a minute; the first run builds
+# 2 x 4 TensorRT engines, which dominates (cached in the work folder for reruns on the same machine;
+# --precisions fp16 halves it). --dry-run stops after the ONNX export; --device cpu --size tiny runs the
+# whole check on a CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+if compgen -G "wheels/*.whl" > /dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/gpu_check_site wheels/*.whl
+    export PYTHONPATH=/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! "$PYTHON" -c "import cosyvoice_triton.export.onnx_export" 2> /dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e .
+fi
+export PYTHONUNBUFFERED=1
+exec "$PYTHON" -m cosyvoice_triton.perf.gpu_check "$@"

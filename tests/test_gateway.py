@@ -1,0 +1,530 @@
+"""The gateway against a real tritonserver: every endpoint, audio equal to Triton's own, the OpenAI client,
+WebSocket text-in streaming, cancellation, keys and limits.
+
+One tritonserver for the module (started like `cosyvoice-triton serve`, on free ports, a tiny random model,
+max_token_text_ratio 3 to keep outputs short) and two gateways in this process (`GatewayThread`): an open
+one, and one with API keys and small limits. References come from the server directly over gRPC
+streaming (tests/triton_harness.GrpcStream) with the same inputs and seed.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import struct
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+import soundfile as sf
+
+from cosyvoice_triton.export.sample_prompt import speech_like
+from cosyvoice_triton.gateway.audio_format import to_s16
+from cosyvoice_triton.gateway.config import GatewayConfig, Limits, RoutingConfig, TritonTarget
+from cosyvoice_triton.gateway.routes_ws import SentenceBuffer
+from cosyvoice_triton.gateway.testing import GatewayThread
+from cosyvoice_triton.triton.contracts import synthesis_inputs
+from triton_harness import GrpcStream, metric_value, scrape, tritonserver_or_skip, wait_for_metric
+
+pytestmark = pytest.mark.timeout(300)
+
+RATIO = 3.0
+RATE = 16000
+PROMPT_TEXT = "a short voice prompt"
+TEXT = "The streamed reply is made of several chunks. A second sentence makes it a little longer."
+ATOL = 2e-4  # batched flow/vocoder calls may add float rounding (see test_triton_serving)
+ENDLESS = ", ".join(["this clause keeps the one sentence going on and on"] * 25) + "."
+KEYS = ("key-one", "key-two")
+CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=120)
+
+
+# ---- fixtures -----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def triton(tiny_model_dir, tmp_path_factory):
+    from cosyvoice_triton.server.launcher import ServeOptions, prepare
+
+    binary = tritonserver_or_skip()
+    run_dir = tmp_path_factory.mktemp("gateway-triton")
+    options = ServeOptions(model_dir=tiny_model_dir, run_dir=run_dir, address="127.0.0.1", http_port=None,
+                           grpc_port=None, metrics_port=None, voice_store=str(run_dir / "voices.sqlite"),
+                           max_token_text_ratio=RATIO, torch_threads=1, workers=8)
+    server = prepare(options, binary=binary, die_with_parent=True)
+    server.start()
+    yield server
+    server.stop()
+
+
+def gateway_config(triton, tiny_model_dir: Path, home: Path, **overrides) -> GatewayConfig:
+    return GatewayConfig(triton=(TritonTarget(triton.grpc_url, triton.metrics_url),),
+                         voice_store=str(triton.workdir / "voices.sqlite"), model_dir=tiny_model_dir, home=home,
+                         routing=RoutingConfig(health_interval_s=1.0, metrics_interval_s=1.0), **overrides)
+
+
+@pytest.fixture(scope="module")
+def gateway(triton, tiny_model_dir, tmp_path_factory):
+    with GatewayThread(gateway_config(triton, tiny_model_dir, tmp_path_factory.mktemp("home"))) as gw:
+        gw.wait_ready()
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def locked(triton, tiny_model_dir, tmp_path_factory, gateway):
+    """API keys on; small limits (uploads of 100 kB, one stream per key, 300 characters)."""
+    config = gateway_config(triton, tiny_model_dir, tmp_path_factory.mktemp("home"), api_keys=frozenset(KEYS),
+                            limits=Limits(max_text_chars=300, max_upload_bytes=100_000, max_streams_per_key=1),
+                            default_voice=False)
+    with GatewayThread(config) as gw:
+        gw.wait_ready()
+        yield gw
+
+
+def wav_file(samples: np.ndarray, rate: int = RATE, subtype: str = "PCM_16") -> bytes:
+    out = io.BytesIO()
+    sf.write(out, samples, rate, format="WAV", subtype=subtype)
+    return out.getvalue()
+
+
+PROMPT_WAV = wav_file(speech_like(2.0, RATE, seed=3, pitch_hz=110.0))
+
+
+@pytest.fixture(scope="module")
+def voice_id(gateway) -> str:
+    status, body = run(register(gateway.url, PROMPT_WAV, PROMPT_TEXT))
+    assert status in (200, 201), body
+    return body["id"]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def register(url: str, audio: bytes, text: str, headers=None, **fields) -> tuple[int, dict]:
+    form = aiohttp.FormData()
+    form.add_field("audio", audio, filename="prompt.wav", content_type="audio/wav")
+    form.add_field("text", text)
+    for key, value in fields.items():
+        form.add_field(key, value)
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+        async with session.post(url + "/v1/voices", data=form, headers=headers) as response:
+            return response.status, await response.json()
+
+
+async def post_json(url: str, body, headers=None) -> tuple[int, dict, bytes]:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+        kwargs = {"data": body} if isinstance(body, (str, bytes)) else {"json": body}
+        async with session.post(url, headers=headers, **kwargs) as response:
+            return response.status, dict(response.headers), await response.read()
+
+
+async def post_stream(url: str, body: dict) -> tuple[dict, list[bytes]]:
+    """The body of a streamed response as its HTTP chunks."""
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+        async with session.post(url, json=body) as response:
+            assert response.status == 200, await response.text()
+            chunks, current = [], b""
+            async for data, end_of_chunk in response.content.iter_chunks():
+                current += data
+                if end_of_chunk:
+                    chunks.append(current)
+                    current = b""
+            assert current == b""
+            return dict(response.headers), chunks
+
+
+def direct(triton, text: str, seed: int, **voice) -> list[np.ndarray]:
+    """The server's own chunks for a cosyvoice2 request (gRPC streaming, no gateway)."""
+    with GrpcStream(triton.grpc_url, timeout_s=120) as stream:
+        responses = stream.infer("cosyvoice2", synthesis_inputs(text, seed=seed, **voice))
+    errors = [r.error for r in responses if r.error]
+    assert not errors, errors
+    return [r.outputs["waveform"] for r in responses if r.outputs.get("waveform") is not None
+            and r.outputs["waveform"].size]
+
+
+@pytest.fixture(scope="module")
+def reference(triton, voice_id) -> list[np.ndarray]:
+    return direct(triton, TEXT, seed=7, voice_id=voice_id)
+
+
+def error_param(body: bytes | dict) -> tuple[str, str]:
+    data = json.loads(body) if isinstance(body, bytes) else body
+    return data["error"]["param"], data["error"]["code"]
+
+
+def metric(url: str, name: str, **labels) -> float:
+    return metric_value(scrape(url), name, **labels) or 0.0
+
+
+# ---- health, readiness, the default voice -------------------------------------------------------------
+
+def test_health_readiness_and_the_default_voice(gateway):
+    assert gateway.get_json("/healthz") == (200, {"status": "ok"})
+    status, ready = gateway.get_json("/readyz")
+    assert status == 200 and ready["default_voice"] == "ready" and all(ready["servers"].values())
+    status, voices = gateway.get_json("/v1/voices")
+    default = [v for v in voices["voices"] if v["id"] == "default"]
+    assert status == 200 and default and default[0]["text"] and default[0]["prompt_tokens"] > 0
+    assert (gateway.config.home / "default_voice.wav").exists()
+    status, _, body = run(post_json(gateway.url + "/v1/tts", {"text": "The default voice speaks.", "seed": 1}))
+    assert status == 200
+    audio, rate = sf.read(io.BytesIO(body), dtype="float32")
+    assert rate == 24000 and audio.size > 0
+
+
+# ---- /v1/tts ------------------------------------------------------------------------------------------
+
+def test_streamed_pcm_equals_triton_output_chunk_for_chunk(gateway, voice_id, reference):
+    headers, chunks = run(post_stream(gateway.url + "/v1/tts", {"text": TEXT, "voice_id": voice_id, "seed": 7,
+                                                                 "format": "pcm_f32", "stream": True}))
+    assert headers["Transfer-Encoding"] == "chunked" and headers["X-Seed"] == "7"
+    assert headers["X-Sample-Rate"] == "24000"
+    assert len(reference) >= 2
+    assert len(chunks) == len(reference)  # one HTTP chunk per Triton chunk, flushed as it came
+    for got, want in zip(chunks, reference):
+        np.testing.assert_allclose(np.frombuffer(got, "<f4"), want, rtol=0, atol=ATOL)
+
+
+def test_whole_wav_and_streamed_wav_and_s16(gateway, voice_id, reference):
+    want = to_s16(np.concatenate(reference)).astype(np.int32)
+    status, headers, body = run(post_json(gateway.url + "/v1/tts", {"text": TEXT, "voice_id": voice_id, "seed": 7}))
+    assert status == 200 and headers["Content-Type"] == "audio/wav" and int(headers["Content-Length"]) == len(body)
+    audio, rate = sf.read(io.BytesIO(body), dtype="int16")
+    assert rate == 24000
+    assert np.abs(audio.astype(np.int32) - want).max() <= 8  # ATOL in 16-bit steps
+
+    _, chunks = run(post_stream(gateway.url + "/v1/tts", {"text": TEXT, "voice_id": voice_id, "seed": 7,
+                                                           "stream": True}))
+    header = chunks[0]
+    assert header[:4] == b"RIFF" and header[8:16] == b"WAVEfmt " and len(header) == 44
+    assert struct.unpack("<I", header[4:8])[0] == 0xFFFFFFFF and struct.unpack("<I", header[40:44])[0] == 0xFFFFFFFF
+    streamed = np.frombuffer(b"".join(chunks[1:]), "<i2").astype(np.int32)
+    assert np.abs(streamed - want).max() <= 8
+
+    status, _, raw = run(post_json(gateway.url + "/v1/tts", {"text": TEXT, "voice_id": voice_id, "seed": 7,
+                                                              "format": "pcm_s16le"}))
+    assert status == 200 and np.abs(np.frombuffer(raw, "<i2").astype(np.int32) - want).max() <= 8
+
+
+def test_a_prompt_recording_instead_of_a_voice_id(gateway, triton):
+    text = "A prompt recording sent with the request."
+    body = {"text": text, "prompt_audio": base64.b64encode(PROMPT_WAV).decode(), "prompt_text": PROMPT_TEXT,
+            "seed": 21, "format": "pcm_f32"}
+    status, headers, raw = run(post_json(gateway.url + "/v1/tts", body))
+    assert status == 200, raw[:300]
+    want = direct(triton, text, 21, reference_text=PROMPT_TEXT,
+                  reference_audio=np.array([PROMPT_WAV], dtype=object))
+    np.testing.assert_allclose(np.frombuffer(raw, "<f4"), np.concatenate(want), rtol=0, atol=ATOL)
+
+
+SILENCE_WAV = wav_file(np.zeros(RATE, np.float32))
+GOOD_AUDIO = base64.b64encode(PROMPT_WAV).decode()
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"text": "   "}, 400, "text"),
+    ({"text": 12}, 400, "text"),
+    ({"text": "x" * 2001}, 400, "text"),
+    ({"voice_id": "default"}, 400, "text"),
+    ({"text": "Hi.", "mode": "sing"}, 400, "mode"),
+    ({"text": "Hi.", "mode": "instruct2"}, 400, "instruct"),
+    ({"text": "Hi.", "seed": -1}, 400, "seed"),
+    ({"text": "Hi.", "seed": "7"}, 400, "seed"),
+    ({"text": "Hi.", "format": "mp3"}, 400, "format"),
+    ({"text": "Hi.", "stream": "yes"}, 400, "stream"),
+    ({"text": "Hi.", "voice_id": "not a valid id!"}, 400, "voice_id"),
+    ({"text": "Hi.", "voice_id": "nobody"}, 404, "voice_id"),
+    ({"text": "Hi.", "prompt_audio": "%%% not base64"}, 400, "prompt_audio"),
+    ({"text": "Hi.", "prompt_audio": base64.b64encode(b"RIFF junk").decode(), "prompt_text": "x"}, 400,
+     "prompt_audio"),
+    ({"text": "Hi.", "prompt_audio": base64.b64encode(SILENCE_WAV).decode(), "prompt_text": "x"}, 400,
+     "prompt_audio"),
+    ({"text": "Hi.", "prompt_audio": GOOD_AUDIO}, 400, "prompt_text"),
+    ({"text": "Hi.", "voice_id": "default", "prompt_audio": GOOD_AUDIO}, 400, "voice_id"),
+    ({"text": "Hi.", "colour": "blue"}, 400, "colour"),
+    ("{not json", 400, "body"),
+    ([1, 2], 400, "body"),
+])
+def test_bad_inputs_get_a_4xx_naming_the_field(gateway, body, status, param):
+    got, headers, raw = run(post_json(gateway.url + "/v1/tts", body, headers={"Content-Type": "application/json"}))
+    assert got == status and headers["Content-Type"].startswith("application/json")
+    assert error_param(raw)[0] == param, raw
+
+
+# ---- OpenAI-compatible --------------------------------------------------------------------------------
+
+def test_the_official_openai_client(gateway, voice_id, reference):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    pcm = client.audio.speech.create(model="tts-1", voice=voice_id, input=TEXT, response_format="pcm",
+                                     extra_body={"seed": 7})
+    want = to_s16(np.concatenate(reference)).astype(np.int32)
+    assert np.abs(np.frombuffer(pcm.content, "<i2").astype(np.int32) - want).max() <= 8
+
+    with client.audio.speech.with_streaming_response.create(model="gpt-4o-mini-tts", voice="alloy",
+                                                            input="Streaming through the OpenAI client.",
+                                                            response_format="wav", speed=1.0) as response:
+        assert response.headers["content-type"] == "audio/wav"
+        parts = list(response.iter_bytes())
+    data = b"".join(parts)
+    assert data[:4] == b"RIFF" and len(data) > 44 and (len(data) - 44) % 2 == 0
+
+    for kwargs, param in [({"input": ""}, "input"), ({"input": "Hi.", "response_format": "mp3"}, "response_format"),
+                          ({"input": "Hi.", "speed": 9.0}, "speed"), ({"input": "Hi.", "voice": "nobody"}, "voice")]:
+        kwargs = {"model": "tts-1", "voice": voice_id, "response_format": "wav", **kwargs}
+        with pytest.raises(openai.APIStatusError) as info:
+            client.audio.speech.create(**kwargs)
+        assert info.value.status_code in (400, 404) and info.value.body["param"] == param
+
+
+def test_openai_server_sent_events(gateway, voice_id, reference):
+    async def events():
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+            body = {"model": "tts-1", "voice": voice_id, "input": TEXT, "response_format": "pcm",
+                    "stream_format": "sse", "seed": 7}
+            async with session.post(gateway.url + "/v1/audio/speech", json=body) as response:
+                assert response.headers["Content-Type"].startswith("text/event-stream")
+                text = (await response.read()).decode()
+        return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+
+    got = run(events())
+    assert [e["type"] for e in got] == ["speech.audio.delta"] * len(reference) + ["speech.audio.done"]
+    audio = np.frombuffer(b"".join(base64.b64decode(e["audio"]) for e in got[:-1]), "<i2").astype(np.int32)
+    assert np.abs(audio - to_s16(np.concatenate(reference)).astype(np.int32)).max() <= 8
+
+
+# ---- WebSocket --------------------------------------------------------------------------------------
+
+def test_sentence_buffer_cuts_complete_sentences_only():
+    buffer = SentenceBuffer(max_chars=40)
+    assert buffer.feed("Hello there") == []
+    assert buffer.feed(". How are") == ["Hello there. "]
+    assert buffer.feed(" you? I am") == ["How are you? "]
+    assert buffer.feed(" fine") == []
+    assert buffer.flush() == ["I am fine"]
+    assert buffer.feed("One. Two! Three") == ["One. Two! "]  # what is complete goes as one segment
+    assert buffer.flush() == ["Three"]
+    assert buffer.feed("你好。今天") == ["你好。"]
+    assert buffer.feed("...") == [] and buffer.flush() == ["今天..."]
+    assert buffer.feed("3.14 is pi") == [] and buffer.flush() == ["3.14 is pi"]
+    long = buffer.feed("word " * 20)  # no sentence end past max_chars: cut at a space
+    assert long and all(len(p) <= 40 for p in long) and "".join(long + buffer.flush()) == "word " * 20
+    assert buffer.feed("!!! ") == []  # nothing speakable
+
+
+def test_websocket_text_in_streaming(gateway, triton, voice_id):
+    first, second = "The first sentence arrives on its own. ", "Then a second one follows it"
+
+    async def session():
+        frames, messages = [], []
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+            async with http.ws_connect(gateway.url + "/v1/tts/ws") as ws:
+                await ws.send_json({"type": "start", "voice_id": voice_id, "seed": 11, "format": "pcm_f32"})
+                messages.append(await ws.receive_json())
+                await ws.send_json({"type": "text", "text": first})
+                # the first sentence is complete: its audio comes before any more text is sent
+                message = await ws.receive()
+                assert message.type == aiohttp.WSMsgType.BINARY
+                frames.append((0, message.data))
+                await ws.send_json({"type": "text", "text": second})
+                await ws.send_json({"type": "end"})
+                segment = 0
+                async for message in ws:
+                    if message.type == aiohttp.WSMsgType.BINARY:
+                        frames.append((segment, message.data))
+                    else:
+                        messages.append(json.loads(message.data))
+                        if messages[-1]["type"] == "segment":
+                            segment += 1
+                close_code = ws.close_code
+        return frames, messages, close_code
+
+    frames, messages, close_code = run(session())
+    assert close_code == 1000
+    assert [m["type"] for m in messages] == ["started", "segment", "segment", "end"]
+    assert messages[0]["sample_rate"] == 24000 and messages[0]["seed"] == 11
+    assert [m["text"] for m in messages[1:3]] == [first, second]
+    end = messages[-1]
+    assert end["segments"] == 2 and end["first_chunk_ms"] > 0
+    want = [direct(triton, first, 11, voice_id=voice_id), direct(triton, second, 11 + 1000, voice_id=voice_id)]
+    for index in (0, 1):  # each segment's audio, in order, before its segment message
+        got = np.frombuffer(b"".join(data for seg, data in frames if seg == index), "<f4")
+        np.testing.assert_allclose(got, np.concatenate(want[index]), rtol=0, atol=ATOL)
+        assert messages[1 + index]["audio_seconds"] == pytest.approx(got.size / 24000)
+    assert end["audio_seconds"] == pytest.approx(sum(np.concatenate(w).size for w in want) / 24000)
+
+
+@pytest.mark.parametrize("transport", ["websocket", "http"])
+def test_a_client_that_leaves_mid_stream_frees_its_triton_stream(gateway, triton, voice_id, transport):
+    counters = (("cosyvoice_llm_streams_total", "llm", "cancelled"),
+                ("cosyvoice_token2wav_streams_freed_total", "token2wav", "cancel"))
+    before = {key: metric(triton.metrics_url, key[0], model=key[1], reason=key[2]) for key in counters}
+
+    async def leave_after_first_audio():
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+            if transport == "websocket":
+                async with http.ws_connect(gateway.url + "/v1/tts/ws") as ws:
+                    await ws.send_json({"type": "start", "voice_id": voice_id, "seed": 404})
+                    assert (await ws.receive_json())["type"] == "started"
+                    await ws.send_json({"type": "text", "text": ENDLESS})
+                    await ws.send_json({"type": "end"})
+                    assert (await ws.receive()).type == aiohttp.WSMsgType.BINARY
+            else:
+                body = {"text": ENDLESS, "voice_id": voice_id, "seed": 404, "stream": True, "format": "pcm_f32"}
+                async with http.post(gateway.url + "/v1/tts", json=body) as response:
+                    assert response.status == 200 and await response.content.readany()
+        # leaving the blocks closes the socket with most of the audio still to come
+
+    run(leave_after_first_audio())
+    for (name, model, reason), value in before.items():
+        wait_for_metric(triton.metrics_url, name, lambda v, value=value: v is not None and v >= value + 1,
+                        model=model, reason=reason)
+    for name, model in (("cosyvoice_llm_active_streams", "llm"), ("cosyvoice_token2wav_active_streams", "token2wav"),
+                        ("cosyvoice_active_streams", "cosyvoice2")):
+        wait_for_metric(triton.metrics_url, name, lambda v: v == 0, model=model)
+    assert metric(triton.metrics_url, "cosyvoice_llm_free_slots", model="llm") == 8
+    gateway_metrics = gateway.url + "/metrics"
+    route = "ws" if transport == "websocket" else "tts"
+    wait_for_metric(gateway_metrics, "cosyvoice_gateway_active_streams", lambda v: v == 0, route=route)
+
+
+def test_websocket_errors_are_messages_with_codes(gateway):
+    async def first_reply(*messages):
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+            async with http.ws_connect(gateway.url + "/v1/tts/ws") as ws:
+                for message in messages:
+                    await ws.send_json(message)
+                reply = await ws.receive_json()
+                while reply["type"] == "started":
+                    reply = await ws.receive_json()
+                await ws.receive()
+                return reply, ws.close_code
+
+    cases = [([{"type": "text", "text": "no start"}], "type", 400),
+             ([{"type": "start", "format": "wav"}], "format", 400),
+             ([{"type": "start", "voice_id": "nobody"}], "voice_id", 404),
+             ([{"type": "start"}, {"type": "text", "text": 5}], "text", 400),
+             ([{"type": "start"}, {"type": "sing"}], "type", 400)]
+    for messages, param, status in cases:
+        reply, close_code = run(first_reply(*messages))
+        assert reply["type"] == "error" and reply["param"] == param and reply["status"] == status, reply
+        assert close_code == 1008
+
+
+# ---- voices -----------------------------------------------------------------------------------------
+
+def test_voice_api(gateway, voice_id):
+    url = gateway.url
+    status, again = run(register(url, PROMPT_WAV, PROMPT_TEXT))
+    assert status == 200 and again["id"] == voice_id and again["created"] is False  # idempotent by audio hash
+    other = wav_file(speech_like(1.5, RATE, seed=8))
+    status, alice = run(register(url, other, "another prompt", id="alice", name="Alice"))
+    assert status == 201 and alice["id"] == "alice" and alice["name"] == "Alice" and alice["created"]
+    status, listed = gateway.get_json("/v1/voices")
+    assert {"alice", voice_id, "default"} <= {v["id"] for v in listed["voices"]}
+    status, shown = gateway.get_json("/v1/voices/alice")
+    assert status == 200 and shown["text"] == "another prompt" and shown["prompt_tokens"] > 0
+
+    async def json_registration():
+        body = {"audio": base64.b64encode(other).decode(), "text": "another prompt"}
+        return await post_json(url + "/v1/voices", body)
+
+    status, _, raw = run(json_registration())
+    assert status == 200 and json.loads(raw)["id"] == "alice"
+
+    async def delete(voice):
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+            async with session.delete(f"{url}/v1/voices/{voice}") as response:
+                return response.status, await response.json()
+
+    assert run(delete("alice")) == (200, {"id": "alice", "deleted": True})
+    assert gateway.get_json("/v1/voices/alice")[0] == 404
+    status, body = run(delete("alice"))
+    assert status == 404 and error_param(body) == ("id", "not_found")
+
+    for audio, text, param in [(SILENCE_WAV, "x", "audio"), (b"not audio at all", "x", "audio"),
+                               (PROMPT_WAV, "x", "id")]:
+        extra = {"id": "bad id!"} if param == "id" else {}
+        status, body = run(register(url, audio, text, **extra))
+        assert status == 400 and error_param(body)[0] == param, body
+
+
+# ---- keys and limits ---------------------------------------------------------------------------------
+
+def test_api_keys(locked, voice_id):
+    status, _, body = run(post_json(locked.url + "/v1/tts", {"text": "Hi."}))
+    assert status == 401 and error_param(body)[1] == "unauthorized"
+    status, _, body = run(post_json(locked.url + "/v1/tts", {"text": "Hi."}, headers={"Authorization": "Bearer no"}))
+    assert status == 401
+    assert locked.get_json("/v1/voices")[0] == 401
+    assert locked.get_json("/healthz")[0] == 200 and locked.get_json("/readyz")[0] == 200
+
+    async def with_keys():
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+            async with http.get(locked.url + "/v1/voices", headers={"Authorization": f"Bearer {KEYS[0]}"}) as r:
+                assert r.status == 200
+            async with http.get(locked.url + "/v1/voices", headers={"X-API-Key": KEYS[1]}) as r:
+                assert r.status == 200
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await http.ws_connect(locked.url + "/v1/tts/ws")
+            assert refused.value.status == 401
+            async with http.ws_connect(locked.url + f"/v1/tts/ws?api_key={KEYS[0]}") as ws:
+                await ws.send_json({"type": "start", "voice_id": voice_id})
+                assert (await ws.receive_json())["type"] == "started"
+
+    run(with_keys())
+
+
+def test_oversized_uploads_get_413(locked):
+    big = wav_file(speech_like(4.0, RATE, seed=1))  # 128 kB > 100 kB
+    status, body = run(register(locked.url, big, "too big", headers={"X-API-Key": KEYS[0]}))
+    assert status == 413 and body["error"]["code"] == "too_large"
+    status, _, raw = run(post_json(locked.url + "/v1/tts", {"text": "Hi.", "prompt_audio": base64.b64encode(big).decode(),
+                                                             "prompt_text": "x"}, headers={"X-API-Key": KEYS[0]}))
+    assert status == 413
+    status, _, raw = run(post_json(locked.url + "/v1/tts", {"text": "x" * 301}, headers={"X-API-Key": KEYS[0]}))
+    assert status == 400 and error_param(raw)[0] == "text"
+
+
+def test_concurrent_streams_per_key_are_limited(locked, voice_id):
+    async def scenario():
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+            async with http.ws_connect(locked.url + f"/v1/tts/ws?api_key={KEYS[0]}") as ws:
+                await ws.send_json({"type": "start", "voice_id": voice_id})
+                assert (await ws.receive_json())["type"] == "started"
+                # key one holds its only stream: a second one is refused, key two is not limited by it
+                async with http.post(locked.url + "/v1/tts", json={"text": "Hi.", "voice_id": voice_id},
+                                     headers={"X-API-Key": KEYS[0]}) as response:
+                    assert response.status == 429
+                    assert (await response.json())["error"]["code"] == "too_many_streams"
+                with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                    await http.ws_connect(locked.url + f"/v1/tts/ws?api_key={KEYS[0]}")
+                assert refused.value.status == 429
+                async with http.ws_connect(locked.url + f"/v1/tts/ws?api_key={KEYS[1]}") as other:
+                    await other.send_json({"type": "start", "voice_id": voice_id})
+                    assert (await other.receive_json())["type"] == "started"
+
+    run(scenario())
+
+
+# ---- metrics ---------------------------------------------------------------------------------------
+
+def test_gateway_metrics(gateway, triton):
+    run(post_json(gateway.url + "/v1/tts", {"text": "Counted."}))
+    run(post_json(gateway.url + "/v1/tts", {"text": ""}))
+    run(post_json(gateway.url + "/v1/tts", {"text": "Hi.", "voice_id": "nobody"}))
+    text = scrape(gateway.url + "/metrics")
+    server = triton.grpc_url
+    assert metric_value(text, "cosyvoice_gateway_requests_total", route="/v1/tts", status="200") >= 1
+    assert metric_value(text, "cosyvoice_gateway_requests_total", route="/v1/tts", status="400") >= 1
+    assert metric_value(text, "cosyvoice_gateway_first_chunk_seconds_count", route="tts") >= 1
+    assert metric_value(text, "cosyvoice_gateway_active_streams", route="tts") == 0
+    assert metric_value(text, "cosyvoice_gateway_outstanding_cost", server=server) == 0
+    assert metric_value(text, "cosyvoice_gateway_server_healthy", server=server) == 1
+    assert metric_value(text, "cosyvoice_gateway_server_pending", server=server) is not None
+    assert metric_value(text, "cosyvoice_gateway_routed_total", server=server) >= 2
+    assert metric_value(text, "cosyvoice_gateway_errors_total", kind="invalid_input") >= 1
+    assert metric_value(text, "cosyvoice_gateway_errors_total", kind="not_found") >= 1
+    assert metric_value(text, "cosyvoice_gateway_audio_seconds_total", route="tts") > 0

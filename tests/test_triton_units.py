@@ -1,0 +1,432 @@
+"""The Triton layer without Triton: contracts, parameters, templates, metrics, and every model.py
+under `pb_fake`, wired together by a BLS handler that plays the server (models in-process)."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.export.sample_prompt import speech_like
+from cosyvoice_triton.runtime.llm_engine import LLMRequest
+from cosyvoice_triton.runtime.sampling import SamplingParams
+from cosyvoice_triton.runtime.token2wav import FlowPrompt
+from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
+from cosyvoice_triton.server import pb_fake
+from cosyvoice_triton.server.launcher import DEFAULT_REPOSITORY, ServeOptions, repository_values
+from cosyvoice_triton.server.templates import model_names, render_template
+from cosyvoice_triton.triton import contracts
+from cosyvoice_triton.triton.params import (CosyVoice2Params, LLMParams, ParameterError, PromptStepParams,
+                                            RegisterVoiceParams, Token2WavParams, parse_parameters)
+from cosyvoice_triton.triton.tensors import RemoteError, TensorReader, classify, string_array
+
+REPO = DEFAULT_REPOSITORY
+RATE = 16000
+PARAMS = {"llm": LLMParams, "token2wav": Token2WavParams, "cosyvoice2": CosyVoice2Params,
+          "cosyvoice2_offline": CosyVoice2Params, "register_voice": RegisterVoiceParams,
+          "prompt_audio": PromptStepParams, "speaker_embedding": PromptStepParams, "audio_tokenizer": PromptStepParams}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from cosyvoice_triton.export.random_model import write_random_model
+
+    return write_random_model(tmp_path_factory.mktemp("units") / "tiny", size="tiny", seed=0)
+
+
+def model_config(name: str, model_dir: Path, voice_store: str = "/tmp/unused.sqlite", **options) -> dict:
+    values = repository_values(ServeOptions(**options), model_dir, voice_store)[name]
+    return pb_fake.pbtxt_to_dict(render_template((REPO / name / "config.pbtxt").read_text(), values, name=name))
+
+
+# ---- templates and parameters ---------------------------------------------------------------------
+
+def test_every_template_renders_and_its_parameters_parse(tmp_path):
+    assert set(model_names(REPO)) == set(PARAMS) | {"prompt_encoder"}
+    for name in model_names(REPO):
+        config = model_config(name, tmp_path, device="cpu")
+        assert config["name"] == name
+        if name in PARAMS:
+            parse_parameters(PARAMS[name], config, name)
+    assert model_config("cosyvoice2", tmp_path)["model_transaction_policy"]["decoupled"] is True
+    assert model_config("cosyvoice2_offline", tmp_path)["model_transaction_policy"].get("decoupled", False) is False
+    assert (REPO / "cosyvoice2_offline" / "config.pbtxt").resolve() == (REPO / "cosyvoice2" / "config.pbtxt").resolve()
+    t2w = model_config("token2wav", tmp_path, t2w_max_batch=5)
+    assert int(t2w["max_batch_size"]) == 5 and t2w["instance_group"][0]["count"] == 1
+    gpu = model_config("llm", tmp_path, device="cuda:1")["instance_group"][0]
+    assert gpu["kind"] == "KIND_GPU" and gpu["gpus"] == [1] and gpu["count"] == 1
+    assert model_config("token2wav", tmp_path)["instance_group"][0]["kind"] == "KIND_CPU"
+    ensemble = model_config("prompt_encoder", tmp_path)
+    steps = [step["model_name"] for step in ensemble["ensemble_scheduling"]["step"]]
+    assert steps == ["prompt_audio", "speaker_embedding", "audio_tokenizer"]
+
+
+def test_llm_ratio_is_official_unless_set(tmp_path):
+    assert parse_parameters(LLMParams, model_config("llm", tmp_path), "llm").max_token_text_ratio is None
+    assert parse_parameters(LLMParams, model_config("llm", tmp_path, max_token_text_ratio=3),
+                            "llm").max_token_text_ratio == 3.0
+
+
+@pytest.mark.parametrize("parameters, problem", [
+    ({"model_dir": "m", "voice_store": "", "prompt_encoder_model": "p", "extra": "1"}, "unknown parameters extra"),
+    ({"model_dir": "m", "voice_store": ""}, "prompt_encoder_model is missing"),
+])
+def test_parameters_are_strict(parameters, problem):
+    config = {"parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    with pytest.raises(ParameterError, match=problem):
+        parse_parameters(RegisterVoiceParams, config, "register_voice")
+
+
+def test_parameter_types_are_checked():
+    config = {"parameters": {k: {"string_value": v} for k, v in {
+        "model_dir": "m", "device": "cpu", "max_streams": "many", "max_batch": "2", "idle_timeout_s": "1",
+        "torch_threads": "0"}.items()}}
+    with pytest.raises(ParameterError, match="max_streams: 'many' is not a int"):
+        parse_parameters(Token2WavParams, config, "token2wav")
+
+
+# ---- contracts -------------------------------------------------------------------------------------
+
+def test_llm_request_round_trip():
+    request = LLMRequest("s/0", [5, 6, 7], [1, 2], [10, 11, 12], SamplingParams(top_p=0.5, top_k=7), seed=2**64 - 1)
+    parsed = contracts.parse_llm_request(TensorReader(contracts.llm_inputs(request)), SamplingParams())
+    assert parsed == request  # FP32 on the wire; tau_r = 0.1 arrives as 0.1 (RAS compares win_size * tau_r)
+    bare = LLMRequest("s/1", [5], [], [], SamplingParams(), seed=3)
+    assert contracts.parse_llm_request(TensorReader(contracts.llm_inputs(bare)), SamplingParams()).prompt_text_tokens == []
+    cancel = contracts.parse_llm_request(TensorReader(contracts.llm_cancel_inputs("s/0")), SamplingParams())
+    assert cancel == contracts.StreamCancel("s/0")
+
+
+def test_chunk_round_trip():
+    prompt = FlowPrompt(torch.tensor([[1, 2, 3]], dtype=torch.int32), torch.randn(1, 6, 80), torch.randn(1, 192))
+    chunk = ChunkRequest("r/0", [4, 5, 6, 7], False, prompt, seed=9)
+    parsed = contracts.parse_chunk(TensorReader(contracts.chunk_inputs(chunk), batched=True))
+    assert (parsed.stream_id, parsed.tokens, parsed.finalize, parsed.seed) == ("r/0", [4, 5, 6, 7], False, 9)
+    for name in ("speech_tokens", "mel", "embedding"):
+        assert torch.equal(getattr(parsed.prompt, name), getattr(prompt, name))
+    later = contracts.parse_chunk(TensorReader(contracts.chunk_inputs(ChunkRequest("r/0", [], True, None, None)),
+                                               batched=True))
+    assert (later.tokens, later.finalize, later.prompt, later.seed) == ([], True, None, None)
+    assert contracts.parse_chunk(TensorReader(contracts.token2wav_cancel_inputs("r/0"), batched=True)) == \
+        contracts.StreamCancel("r/0")
+    partial = contracts.chunk_inputs(chunk)
+    del partial["embedding"]
+    with pytest.raises(InvalidInput, match="embedding: is required"):
+        contracts.parse_chunk(TensorReader(partial, batched=True))
+
+
+def _synthesis(values):
+    return contracts.parse_synthesis_inputs(TensorReader(values), SamplingParams(), 2000)
+
+
+def test_synthesis_inputs_parse():
+    wav = speech_like(1.0, RATE)
+    inputs = _synthesis(contracts.synthesis_inputs("Hi.", samples=wav, sample_rate=RATE, reference_text="t", seed=4,
+                                                   mode="cross_lingual", top_k=np.array([5], np.int32),
+                                                   chunk_first_hop=np.array([8], np.int32)))
+    assert (inputs.text, inputs.mode, inputs.seed, inputs.reference_text) == ("Hi.", "cross_lingual", 4, "t")
+    assert inputs.audio.sample_rate == RATE and np.array_equal(inputs.audio.samples, wav)
+    assert inputs.sampling.top_k == 5 and inputs.chunk_overrides == {"first_hop": 8}
+    assert _synthesis(contracts.synthesis_inputs("Hi.", voice_id="v1")).voice_id == "v1"
+
+
+@pytest.mark.parametrize("values, field", [
+    (lambda: contracts.synthesis_inputs(" ", voice_id="v"), "target_text"),
+    (lambda: contracts.synthesis_inputs("Hi."), "reference_wav"),
+    (lambda: contracts.synthesis_inputs("Hi.", voice_id="v", samples=np.ones(8), sample_rate=RATE), "reference_audio_id"),
+    (lambda: {**contracts.synthesis_inputs("Hi.", samples=np.ones(8), sample_rate=RATE)} | {
+        "reference_sample_rate": np.array([0], np.int32)}, "reference_sample_rate"),
+    (lambda: {"target_text": string_array("Hi."), "reference_wav": np.ones(8, np.float32)}, "reference_sample_rate"),
+    (lambda: contracts.synthesis_inputs("Hi.", voice_id="v", mode="sing"), "mode"),
+    (lambda: contracts.synthesis_inputs("Hi.", voice_id="v", seed=None, top_p=np.array([2.0], np.float32)), "top_p"),
+    (lambda: {"target_text": np.array([b"\xff"], dtype=object), "reference_audio_id": string_array("v")},
+     "target_text"),
+    (lambda: {"target_text": string_array(["a", "b"]), "reference_audio_id": string_array("v")}, "target_text"),
+])
+def test_synthesis_input_errors_name_the_field(values, field):
+    with pytest.raises(InvalidInput) as error:
+        _synthesis(values())
+    assert error.value.field == field
+
+
+def test_tensor_reader_checks_dtypes_and_batches():
+    reader = TensorReader({"a": np.array([[1.5]], np.float32), "b": np.array([1, 2], np.int32)}, batched=True)
+    assert reader.real("a") == 1.5
+    with pytest.raises(InvalidInput, match="b: expected a batch of one request"):
+        reader.raw("b")
+    with pytest.raises(InvalidInput, match="must be INT32, got FP64"):
+        TensorReader({"t": np.ones(3)}).token_ids("t")
+    with pytest.raises(InvalidInput, match="x: must be BOOL, got INT32"):
+        TensorReader({"x": np.array([1], np.int32)}).boolean("x")
+
+
+def test_errors_map_to_triton_codes():
+    from cosyvoice_triton.errors import Cancelled, NotFound, Unavailable
+
+    assert classify(InvalidInput("f", "bad")).code_name == "INVALID_ARG"
+    assert classify(NotFound("reference_audio_id", "no")).code_name == "NOT_FOUND"
+    assert classify(Cancelled("gone")).code_name == "CANCELLED"
+    assert classify(Unavailable("busy")).code_name == "UNAVAILABLE"
+    assert classify(RemoteError("llm", "stream_id: x", 3)).code_name == "INVALID_ARG"
+    assert classify(ValueError("oops")).code_name == "INTERNAL"
+
+
+def test_align_prompt_features_matches_the_prompt_encoder(tiny):
+    from cosyvoice_triton.frontend.prompt import PromptEncoder, audio_sha256
+
+    encoder = PromptEncoder.from_model_dir(tiny)
+    wav = speech_like(1.3, RATE, seed=3)
+    want = encoder.encode(wav, RATE, "t")
+    got = contracts.align_prompt_features(encoder.speaker_embedding(wav), encoder.speech_tokens(wav),
+                                          encoder.prompt_mel(wav, RATE), "t", audio_sha256(wav, RATE))
+    for name in ("embedding", "speech_tokens", "mel"):
+        assert np.array_equal(getattr(got, name), getattr(want, name))
+    assert got.audio_sha256 == want.audio_sha256
+
+
+# ---- metrics and streaming --------------------------------------------------------------------------
+
+def test_model_metrics_follow_engine_counters():
+    from cosyvoice_triton.triton.metrics import LLM_METRICS, ModelMetrics
+
+    with pb_fake.installed() as pb:
+        metrics = ModelMetrics(pb, LLM_METRICS, {"model": "llm", "instance": "llm_0_0"})
+        metrics.follow_counter("ended", 3, "max_len")
+        metrics.follow_counter("ended", 5, "max_len")
+        metrics.follow_counter("ended", 4, "max_len")  # an older reading never takes a counter back
+        metrics.set_gauges(lambda: {"active": 2, "tps": 10.5})
+        assert metrics.labelled("ended", "max_len").value() == 5
+        assert metrics["active"].value() == 2 and metrics["tps"].value() == 10.5
+        family = pb.MetricFamily.registry["cosyvoice_llm_streams_total"]
+        assert {m.labels["reason"] for m in family.metrics} == {"stop_token", "max_len", "cancelled", "error"}
+
+
+def test_send_chunks_stops_the_producer_on_cancel_and_sends_one_final():
+    from cosyvoice_triton.triton.streaming import send_chunks
+
+    closed = []
+
+    def produce():
+        try:
+            for i in range(10):
+                yield np.full(4, i, np.float32)
+        finally:
+            closed.append(True)
+
+    with pb_fake.installed() as pb:
+        request = pb.InferenceRequest()
+        sent = []
+
+        def cancel_after_two():
+            sent.append(1)
+            if len(sent) > 2:
+                request.cancel()
+            return request.is_cancelled()
+
+        outcome = send_chunks(pb, request.sender, produce, model="m", received_at=0.0, is_cancelled=cancel_after_two)
+        responses = request.sender.wait_final(1)
+    assert outcome == "cancelled" and closed == [True]
+    assert [r.outputs()["waveform"][0] for r in responses[:-1]] == [0.0, 1.0]
+    assert responses[-1].error().code() == pb_fake.TritonError.CANCELLED
+    assert sum(flags for _, flags in request.sender.sent) == pb_fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def test_send_chunks_reports_an_error_in_the_final_response():
+    from cosyvoice_triton.triton.streaming import send_chunks
+
+    def produce():
+        yield np.zeros(3, np.float32)
+        raise InvalidInput("target_text", "bad")
+
+    with pb_fake.installed() as pb:
+        request = pb.InferenceRequest()
+        assert send_chunks(pb, request.sender, produce, model="m", received_at=0.0) == "error"
+        responses = request.sender.wait_final(1)
+    assert responses[0].outputs()["waveform"].shape == (3,)
+    assert responses[1].error().message() == "target_text: bad"
+    assert responses[1].error().code() == pb_fake.TritonError.INVALID_ARG
+
+
+# ---- the model files, wired by a fake BLS -----------------------------------------------------------
+
+class FakeServer:
+    """Loads model.py files under pb_fake and answers their BLS calls like Triton would."""
+
+    def __init__(self, pb, tiny: Path, store: str):
+        self.pb = pb
+        self.models = {}
+        for name in ("llm", "token2wav", "prompt_audio", "speaker_embedding", "audio_tokenizer", "cosyvoice2",
+                     "cosyvoice2_offline", "register_voice"):
+            module = pb_fake.load_model(REPO / name / "1" / "model.py")
+            model = module.TritonPythonModel()
+            model.initialize(pb_fake.initialize_args(model_config(name, tiny, store, max_token_text_ratio=3,
+                                                                  workers=2, max_pending=0)))
+            self.models[name] = model
+        pb.set_bls_handler(self.handle)
+
+    def call(self, name: str, inputs: dict[str, np.ndarray]):
+        request = self.pb.InferenceRequest(model_name=name, inputs=[self.pb.Tensor(k, v) for k, v in inputs.items()])
+        return self.handle(request, decoupled=False)
+
+    def handle(self, request, decoupled: bool):
+        name = request.model_name()
+        inner = self.pb.InferenceRequest(model_name=name, inputs=request.inputs())
+        if name == "prompt_encoder":  # the ensemble: prompt_audio, then both steps on its wav16k
+            step1 = self.call("prompt_audio", {t.name(): t.as_numpy() for t in request.inputs()})
+            if step1.has_error():
+                return step1
+            out = step1.outputs()
+            embedding = self.call("speaker_embedding", {"wav16k": out["wav16k"]}).outputs()["embedding"]
+            tokens = self.call("audio_tokenizer", {"wav16k": out["wav16k"]}).outputs()["speech_tokens"]
+            return self.pb.InferenceResponse(output_tensors=[
+                self.pb.Tensor("embedding", embedding), self.pb.Tensor("speech_tokens", tokens),
+                self.pb.Tensor("prompt_mel", out["prompt_mel"])])
+        model = self.models[name]
+        returned = model.execute([inner])
+        if decoupled:
+            return inner.sender.wait_final(60) + [self.pb.InferenceResponse()]
+        if returned is None:  # answered through the response sender (cosyvoice2_offline)
+            (response,) = inner.sender.wait_final(60)
+            return response
+        return returned[0]
+
+    def close(self):
+        for model in self.models.values():
+            if hasattr(model, "finalize"):
+                model.finalize()
+
+
+@pytest.fixture(scope="module")
+def fake(tiny, tmp_path_factory):
+    with pb_fake.installed() as pb:
+        server = FakeServer(pb, tiny, str(tmp_path_factory.mktemp("store") / "voices.sqlite"))
+        yield server
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    from cosyvoice_triton.runtime.orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav
+    from cosyvoice_triton.runtime.synthesizer import CosyVoice2
+
+    tts = CosyVoice2.from_model_dir(tiny)
+    tts.llm.config.max_token_text_ratio = 3
+    return tts, Orchestrator(tts.frontend, ReferenceLLM(tts.llm), ReferenceToken2Wav(tts.token2wav))
+
+
+def _reference_chunks(reference, text, wav, seed, stream=True):
+    from cosyvoice_triton.runtime.request import SynthesisRequest
+
+    tts, orchestrator = reference
+    request = SynthesisRequest(text=text, voice=tts.encode_voice(wav, RATE, "a prompt"), seed=seed,
+                               sampling=tts.llm.config.sampling)
+    return [c for c in orchestrator.run(request, stream=stream) if c.size]
+
+
+def test_cosyvoice2_streams_what_the_library_streams(fake, reference):
+    wav = speech_like(1.5, RATE, seed=1)
+    text = "Hello there, this is the fake server. A second sentence is here."
+    request = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in contracts.synthesis_inputs(
+        text, samples=wav, sample_rate=RATE, reference_text="a prompt", seed=7).items()])
+    assert fake.models["cosyvoice2"].execute([request]) is None
+    got = [r.outputs()["waveform"] for r in request.sender.wait_final(120)]
+    want = _reference_chunks(reference, text, wav, 7)
+    assert [c.size for c in got] == [c.size for c in want]
+    np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), atol=2e-4, rtol=0)
+    metrics = fake.models["cosyvoice2"].metrics
+    assert metrics.labelled("requests", "ok").value() >= 1 and metrics["active"].value() == 0
+    assert fake.models["token2wav"].engine.stats.active_streams == 0
+    assert fake.models["llm"].engine.stats.active_streams == 0
+
+
+def test_offline_twin_and_registered_voices(fake, reference):
+    wav = speech_like(1.25, RATE, seed=2)
+    answer = fake.call("register_voice", {"reference_wav": wav, "reference_sample_rate": np.array([RATE], np.int32),
+                                          "reference_text": string_array("a prompt")})
+    voice_id = answer.outputs()["voice_id"][0].decode()
+    again = fake.call("register_voice", {"reference_wav": wav, "reference_sample_rate": np.array([RATE], np.int32),
+                                         "reference_text": string_array("a prompt")})
+    assert again.outputs()["voice_id"][0].decode() == voice_id
+    text = "Offline, by voice id."
+    response = fake.call("cosyvoice2_offline", contracts.synthesis_inputs(text, voice_id=voice_id, seed=3))
+    want = np.concatenate(_reference_chunks(reference, text, wav, 3, stream=False))
+    np.testing.assert_allclose(response.outputs()["waveform"], want, atol=2e-4, rtol=0)
+    missing = fake.call("cosyvoice2_offline", contracts.synthesis_inputs(text, voice_id="nobody"))
+    assert missing.error().code() == pb_fake.TritonError.NOT_FOUND and "reference_audio_id" in missing.error().message()
+
+
+def test_bad_requests_get_errors_naming_the_field(fake):
+    request = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor("target_text", string_array(""))])
+    fake.models["cosyvoice2"].execute([request])
+    (response,) = request.sender.wait_final(5)
+    assert response.error().code() == pb_fake.TritonError.INVALID_ARG
+    assert response.error().message().startswith("target_text:")
+    silent = fake.call("register_voice", {"reference_wav": np.zeros(RATE, np.float32),
+                                          "reference_sample_rate": np.array([RATE], np.int32)})
+    assert "reference_wav" in silent.error().message()
+
+
+def test_cosyvoice2_refuses_beyond_its_pool(fake):
+    model = fake.models["cosyvoice2"]
+    gate = threading.Event()
+    blockers = [model.pool.try_submit(gate.wait) for _ in range(2)]  # workers=2, max_pending=0
+    try:
+        assert blockers == [True, True]
+        request = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in contracts.synthesis_inputs(
+            "Hi.", voice_id="nobody").items()])
+        model.execute([request])
+        (response,) = request.sender.wait_final(5)
+        assert response.error().code() == pb_fake.TritonError.UNAVAILABLE
+    finally:
+        gate.set()
+
+
+def test_llm_model_cancel_by_stream_id(fake):
+    llm = fake.models["llm"]
+    request = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in contracts.llm_inputs(
+        LLMRequest("long/0", list(range(5, 600)), [], [], SamplingParams(), seed=1)).items()])
+    llm.execute([request])
+    cancel = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v)
+                                              for k, v in contracts.llm_cancel_inputs("long/0").items()])
+    llm.execute([cancel])
+    assert cancel.sender.wait_final(5) == []
+    tokens = sum(r.outputs()["speech_tokens"].size for r in request.sender.wait_final(30))
+    assert tokens < 3 * 595  # ended early
+    assert llm.metrics.labelled("ended", "cancelled").value() >= 1
+    assert llm.engine.stats.slots_free == llm.engine.max_batch
+
+
+def test_token2wav_model_batches_streams_and_frees_them(fake, reference):
+    tts, _ = reference
+    model = fake.models["token2wav"]
+    prompts = [FlowPrompt(torch.randint(0, 6561, (1, p), dtype=torch.int32), torch.randn(1, 2 * p, 80),
+                          torch.randn(1, 192)) for p in (20, 33)]
+    first = [ChunkRequest(f"t{i}", list(range(10 + i, 40 + i)), False, prompt, seed=i) for i, prompt in enumerate(prompts)]
+
+    def run(chunks):
+        requests = [fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in contracts.chunk_inputs(c).items()])
+                    for c in chunks]
+        return [r.outputs()["waveform"][0] if not r.has_error() else r.error() for r in model.execute(requests)]
+
+    from cosyvoice_triton.runtime.orchestrator import ReferenceToken2Wav
+
+    solo = ReferenceToken2Wav(tts.token2wav)
+    got = run(first)
+    for chunk, audio in zip(first, got):
+        np.testing.assert_allclose(audio, solo.chunk(chunk), atol=2e-4, rtol=0)
+    assert model.engine.stats.active_streams == 2
+    cancel = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v)
+                                              for k, v in contracts.token2wav_cancel_inputs("t1").items()])
+    final = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in contracts.chunk_inputs(
+        ChunkRequest("t0", [3, 4, 5], True, None, None)).items()])
+    responses = model.execute([final, cancel])
+    np.testing.assert_allclose(responses[0].outputs()["waveform"][0],
+                               solo.chunk(ChunkRequest("t0", [3, 4, 5], True, None, None)), atol=2e-4, rtol=0)
+    assert responses[1].outputs()["waveform"].shape == (1, 0)
+    assert model.engine.stats.active_streams == 0
+    assert model.metrics.labelled("freed", "cancel").value() >= 1
+    unknown = run([ChunkRequest("t9", [1, 2, 3, 4, 5, 6, 7, 8], False, None, None)])[0]
+    assert unknown.code() == pb_fake.TritonError.NOT_FOUND and "stream_id" in unknown.message()
