@@ -11,12 +11,20 @@ Audio is float32 numpy at 24 kHz. Streams are iterators (`for` / `async for`) wh
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .common import SAMPLE_RATE, TTSError, VoiceInfo, read_wav, write_wav
 
-_LAZY = {"TritonTTS": "triton_client", "AsyncTritonTTS": "triton_client", "AudioStream": "triton_client",
-         "AsyncAudioStream": "triton_client", "GatewayTTS": "gateway_client", "AsyncGatewayTTS": "gateway_client"}
+if TYPE_CHECKING:
+    from .gateway_aio import AsyncGatewayTTS
+    from .gateway_client import GatewayTTS
+    from .triton_client import AsyncAudioStream, AsyncTritonTTS, AudioStream, TritonTTS
 
-__all__ = ["SAMPLE_RATE", "TTSError", "VoiceInfo", "read_wav", "write_wav", *_LAZY]
+_LAZY = {"TritonTTS": "triton_client", "AsyncTritonTTS": "triton_client", "AudioStream": "triton_client",
+         "AsyncAudioStream": "triton_client", "GatewayTTS": "gateway_client", "AsyncGatewayTTS": "gateway_aio"}
+
+__all__ = ["SAMPLE_RATE", "TTSError", "VoiceInfo", "read_wav", "write_wav", "TritonTTS", "AsyncTritonTTS",
+           "AudioStream", "AsyncAudioStream", "GatewayTTS", "AsyncGatewayTTS"]
 
 
 def __getattr__(name: str):

@@ -64,11 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--name", default=None, help="a label")
     _add_target(add)
     add.set_defaults(func=_voices_add)
-    for name, func, helptext in (("list", _voices_list, "list registered voices"),):
-        q = vsub.add_parser(name, help=helptext)
-        _add_target(q)
-        q.set_defaults(func=func)
-    for name, func, helptext in (("show", _voices_show, "show one voice"), ("delete", _voices_delete, "delete a voice")):
+    q = vsub.add_parser("list", help="list registered voices (id, name, prompt length, transcript)")
+    _add_target(q)
+    q.set_defaults(func=_voices_list)
+    for name, func, helptext in (("show", _voices_show, "show one voice"),
+                                 ("delete", _voices_delete, "delete a voice")):
         q = vsub.add_parser(name, help=helptext)
         q.add_argument("voice_id")
         _add_target(q)

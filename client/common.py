@@ -11,14 +11,13 @@ import struct
 import wave
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 
 SAMPLE_RATE = 24000  # CosyVoice2 speaks at 24 kHz, mono
 
 # A prompt recording: a file (path or its bytes: WAV, FLAC, OGG, ...) or samples in [-1, 1].
-PromptAudio = Union[str, os.PathLike, bytes, np.ndarray]
+PromptAudio = str | os.PathLike | bytes | np.ndarray
 
 _FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*):\s")
 
@@ -41,14 +40,14 @@ class TTSError(Exception):
         super().__init__(message if not field or message.startswith(f"{field}:") else f"{field}: {message}")
 
     @classmethod
-    def from_message(cls, text: str, status: int | str | None = None) -> "TTSError":
+    def from_message(cls, text: str, status: int | str | None = None) -> TTSError:
         """A Triton error text; by this project's convention "field: problem" names the field."""
         text = (text or "unknown error").strip()
         match = _FIELD.match(text)
         return cls(text, field=match.group(1) if match else None, status=status)
 
     @classmethod
-    def from_body(cls, body: object, status: int | None = None) -> "TTSError":
+    def from_body(cls, body: object, status: int | None = None) -> TTSError:
         """A gateway error: {"error": {"message", "code", "param", "type"}} over HTTP, or
         {"type": "error", "message", "code", "param", "status"} over the WebSocket."""
         error = body.get("error") if isinstance(body, dict) else None

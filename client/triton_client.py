@@ -127,7 +127,7 @@ def infer_request(model: str, values: Mapping[str, np.ndarray], request_id: str 
 def response_outputs(response: service_pb2.ModelInferResponse) -> dict[str, np.ndarray]:
     """Output name -> numpy array (BYTES outputs as arrays of `bytes`)."""
     outputs = {}
-    for tensor, raw in zip(response.outputs, response.raw_output_contents):
+    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
         if tensor.datatype == "BYTES":
             items, pos = [], 0
             while pos < len(raw):
@@ -213,7 +213,7 @@ class AudioStream(Iterator[np.ndarray]):
 
         self._call = stub.ModelStreamInfer(requests(), timeout=timeout_s)
 
-    def __iter__(self) -> "AudioStream":
+    def __iter__(self) -> AudioStream:
         return self
 
     def __next__(self) -> np.ndarray:
@@ -254,7 +254,7 @@ class AudioStream(Iterator[np.ndarray]):
     def cancelled(self) -> bool:
         return self._call.cancelled()
 
-    def __enter__(self) -> "AudioStream":
+    def __enter__(self) -> AudioStream:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -324,7 +324,7 @@ class TritonTTS:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "TritonTTS":
+    def __enter__(self) -> TritonTTS:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -350,7 +350,7 @@ class AsyncAudioStream(AsyncIterator[np.ndarray]):
         self._call = stub.ModelStreamInfer(requests(), timeout=timeout_s)
         self._responses = self._call.__aiter__()
 
-    def __aiter__(self) -> "AsyncAudioStream":
+    def __aiter__(self) -> AsyncAudioStream:
         return self
 
     async def __anext__(self) -> np.ndarray:
@@ -387,7 +387,7 @@ class AsyncAudioStream(AsyncIterator[np.ndarray]):
             self._finish()
             self._call.cancel()
 
-    async def __aenter__(self) -> "AsyncAudioStream":
+    async def __aenter__(self) -> AsyncAudioStream:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -458,7 +458,7 @@ class AsyncTritonTTS:
             await self._channel.close()
             self._channel = self._stub = None
 
-    async def __aenter__(self) -> "AsyncTritonTTS":
+    async def __aenter__(self) -> AsyncTritonTTS:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -77,6 +77,8 @@ def _run_synth(args) -> int:
 
 
 def _add_serve(sub) -> None:
+    from .server.launcher import ENGINES, PRECISIONS
+
     p = sub.add_parser("serve", help="start tritonserver with every CosyVoice2 model; Ctrl-C stops it")
     p.add_argument("--model-dir", default=None,
                    help="model folder or hub id (default: a tiny random model made on first use)")
@@ -95,6 +97,14 @@ def _add_serve(sub) -> None:
     p.add_argument("--t2w-max-streams", type=int, default=64, help="token2wav streams with state at once")
     p.add_argument("--t2w-max-batch", type=int, default=16, help="token2wav chunks per flow batch")
     p.add_argument("--torch-threads", type=int, default=0, help="torch threads per llm/token2wav instance")
+    p.add_argument("--engine", choices=ENGINES, default="torch",
+                   help="engine of token2wav's flow and HiFT decode (torch: the reference); tensorrt also runs "
+                        "CAM++ on the GPU. One that cannot run here falls back (tensorrt -> onnxruntime -> torch)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="precision of TensorRT engines (torch and onnxruntime run fp32)")
+    p.add_argument("--onnx-dir", type=Path, default=None,
+                   help="exported ONNX graphs and TensorRT engines (default: MODEL_DIR/onnx, or RUN_DIR/onnx when "
+                        "the model folder is read-only)")
     p.set_defaults(func=_run_serve)
 
 
@@ -106,7 +116,8 @@ def _run_serve(args) -> int:
                            device=args.device, instances=args.instances, workers=args.workers,
                            voice_store=args.voice_store, llm_max_batch=args.llm_max_batch,
                            t2w_max_streams=args.t2w_max_streams, t2w_max_batch=args.t2w_max_batch,
-                           torch_threads=args.torch_threads)
+                           torch_threads=args.torch_threads, engine=args.engine, precision=args.precision,
+                           onnx_dir=args.onnx_dir)
     return serve(options)
 
 

@@ -96,16 +96,15 @@ def verify_token2wav(model_dir: str | Path, paths: dict[str, Path], batch: int =
                      frames: int = 46) -> dict[str, float]:
     """Max abs difference between ONNX Runtime (CPU) and torch per graph, on `example_inputs` of that size."""
     from ..engines.ort_runner import OrtRunner  # the exporter itself does not need onnxruntime
+    from ..engines.torch_runner import TorchRunner
 
     flow = FlowModel.from_model_dir(model_dir)
     hift = HiFTGenerator.from_model_dir(model_dir)
-    reference = {"flow_encoder": flow.encoder, "flow_estimator": flow.decoder.estimator,
-                 "hift_decode": hift.decode}
+    modules = {"flow_encoder": flow.encoder, "flow_estimator": flow.decoder.estimator, "hift_decode": hift.decode}
     errors = {}
     for name, spec in token2wav_specs(flow.config).items():
         inputs = example_inputs(name, flow.config, hift.config, batch, frames)
-        with torch.inference_mode():
-            expected = reference[name](*inputs)
+        expected = TorchRunner(modules[name], spec, "cpu")(*inputs)
         actual = OrtRunner(paths[name], spec, "cpu")(*inputs)
         errors[name] = float((actual - expected).abs().max())
     return errors

@@ -91,7 +91,7 @@ class HiFTDecodeGraph(nn.Module):
         c = hift.config
         n_fft, bins = c.n_fft, c.spec_bins
         assert n_fft % 2 == 0, f"n_fft {n_fft}: the one-sided inverse below assumes a Nyquist bin"
-        window = hift.stft_window.double()  # (n_fft,) periodic Hann, as `decode` uses
+        window = hift.stft_window.double().cpu()  # (n_fft,) periodic Hann, as `decode` uses
         angle = 2 * math.pi * torch.outer(torch.arange(bins), torch.arange(n_fft)).double() / n_fft  # (F, n_fft)
         # STFT: X_k = sum_n w[n] x[n] exp(-i angle): rows 0..F-1 give the real parts, F..2F-1 the imaginary.
         analysis = torch.cat([window * angle.cos(), -window * angle.sin()])  # (2F, n_fft)
@@ -100,9 +100,11 @@ class HiFTDecodeGraph(nn.Module):
         twice = torch.full((bins, 1), 2.0, dtype=torch.float64)
         twice[0] = twice[-1] = 1.0
         synthesis = torch.cat([twice * angle.cos(), -twice * angle.sin()]) * window / n_fft  # (2F, n_fft)
-        self.register_buffer("analysis", analysis.float()[:, None, :], persistent=False)  # (2F, 1, n_fft)
-        self.register_buffer("synthesis", synthesis.float()[:, None, :], persistent=False)  # (2F, 1, n_fft)
-        self.register_buffer("window_sq", (window ** 2).float()[None, None, :], persistent=False)  # (1, 1, n_fft)
+        device = hift.stft_window.device
+        self.register_buffer("analysis", analysis.float()[:, None, :].to(device), persistent=False)  # (2F, 1, n_fft)
+        self.register_buffer("synthesis", synthesis.float()[:, None, :].to(device), persistent=False)  # (2F, 1, n_fft)
+        self.register_buffer("window_sq", (window ** 2).float()[None, None, :].to(device),
+                             persistent=False)  # (1, 1, n_fft)
 
     def stft(self, signal: Tensor) -> Tensor:
         """(B, 1, L) -> (B, 2F, L / hop + 1): centred frames (reflect padding), real parts then imaginary."""

@@ -27,8 +27,9 @@ from . import routes_openai, routes_tts, routes_voices, routes_ws
 from .auth import StreamLimiter, auth_middleware
 from .config import GatewayConfig
 from .default_voice import DefaultVoice
-from .errors import ResponseAborted, error_middleware
+from .errors import error_middleware
 from .metrics import GatewayMetrics
+from .request_keys import ABORTED, ERROR_CODE
 from .routing import Backend, CostModel, Router
 from .state import CONFIG, COSTS, DEFAULT_VOICE, LIMITER, METRICS, ROUTER, STORE, WEBSOCKETS
 from .triton_client import TritonClient
@@ -38,10 +39,16 @@ log = logging.getLogger(__name__)
 FORM_OVERHEAD_BYTES = 64 * 1024  # multipart boundaries and the small fields next to the audio
 
 
+def body_limit(max_upload_bytes: int) -> int:
+    """Largest request body: an upload as base64 in JSON (4/3 larger) plus the other fields. Audio
+    itself is held to `max_upload_bytes` where it is decoded (413 beyond)."""
+    return max_upload_bytes * 4 // 3 + FORM_OVERHEAD_BYTES
+
+
 def create_app(config: GatewayConfig) -> web.Application:
     from cosyvoice_triton.server.launcher import cosyvoice_home
 
-    app = web.Application(client_max_size=config.limits.max_upload_bytes + FORM_OVERHEAD_BYTES,
+    app = web.Application(client_max_size=body_limit(config.limits.max_upload_bytes),
                           middlewares=[metrics_middleware, error_middleware, auth_middleware(config.api_keys)])
     app[CONFIG] = config
     app[LIMITER] = StreamLimiter(config.limits.max_streams_per_key)
@@ -110,7 +117,9 @@ async def _default_voice(app: web.Application):
     async def register(audio: bytes, text: str, voice_id: str) -> None:
         await routes_voices.register(app, audio, text, voice_id, name="default")
 
-    task = asyncio.create_task(state.ensure(exists, register, lambda: bool(router.healthy()))) if state.pending else None
+    task = None
+    if state.pending:
+        task = asyncio.create_task(state.ensure(exists, register, lambda: bool(router.healthy())))
     yield
     if task is not None:
         task.cancel()
@@ -125,11 +134,8 @@ async def metrics_middleware(request: web.Request, handler):
     status = "500"
     try:
         response = await handler(request)
-        status = str(response.status)
+        status = "aborted" if request.get(ABORTED) else str(response.status)
         return response
-    except ResponseAborted:
-        status = "aborted"
-        raise
     except asyncio.CancelledError:
         status = "cancelled"  # the client went away
         raise
@@ -141,8 +147,8 @@ async def metrics_middleware(request: web.Request, handler):
         if metrics_ is not None:
             resource = request.match_info.route.resource
             metrics_.requests.labels(resource.canonical if resource is not None else "unmatched", status).inc()
-            if request.get("error_code"):
-                metrics_.errors.labels(request["error_code"]).inc()
+            if request.get(ERROR_CODE):
+                metrics_.errors.labels(request[ERROR_CODE]).inc()
 
 
 async def healthz(request: web.Request) -> web.Response:

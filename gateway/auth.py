@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from aiohttp import web
 
 from .errors import TooManyStreams, Unauthorized
+from .request_keys import API_KEY
 
 PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics", "/favicon.ico"})
-API_KEY = "api_key"  # request[API_KEY]: the key the request authenticated with
 
 
 def presented_key(request: web.Request) -> str | None:

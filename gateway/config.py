@@ -91,12 +91,11 @@ class GatewayConfig:
             raise ValueError("at least one Triton server is needed (--triton grpc://host:port)")
 
 
-def add_gateway_arguments(parser: argparse.ArgumentParser, *, with_triton: bool = True) -> None:
+def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str | None = None) -> None:
     g = parser.add_argument_group("gateway")
-    if with_triton:
-        g.add_argument("--triton", action="append", default=[], metavar="URL",
-                       help="a Triton server, grpc://host:port[?metrics=URL]; repeat for several "
-                            "(default grpc://127.0.0.1:8001)")
+    g.add_argument("--triton", action="append", default=[], metavar="URL",
+                   help=triton_help or "a Triton server, grpc://host:port[?metrics=URL] (metrics default: "
+                                       "port + 1); repeat for several (default grpc://127.0.0.1:8001)")
     g.add_argument("--host", default="0.0.0.0", help="address the gateway listens on")
     g.add_argument("--port", type=int, default=8080)
     g.add_argument("--redis-url", default=None, help="share voices through Redis (redis://host:port/db)")

@@ -29,7 +29,6 @@ def prompt_wav(home: Path) -> bytes:
     path = home / "default_voice.wav"
     if not path.exists():
         import soundfile as sf
-
         from cosyvoice_triton.export.sample_prompt import speech_like
 
         home.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,8 @@ from aiohttp import web
 
 from cosyvoice_triton.errors import Cancelled, InvalidInput, NotFound, Unavailable
 
+from .request_keys import ERROR_CODE
+
 log = logging.getLogger(__name__)
 
 
@@ -107,16 +109,11 @@ def ws_error(error: GatewayError) -> dict:
             "message": error.message}
 
 
-class ResponseAborted(Exception):
-    """A streamed response failed after its headers went out: the connection is cut, the client sees
-    an incomplete body. The error middleware lets it through."""
-
-
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
-    except (asyncio.CancelledError, ResponseAborted):
+    except asyncio.CancelledError:
         raise
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -130,5 +127,5 @@ async def error_middleware(request: web.Request, handler):
 
 
 def _json_error(error: GatewayError, request: web.Request) -> web.Response:
-    request["error_code"] = error.code
+    request[ERROR_CODE] = error.code
     return web.json_response(error_body(error), status=error.status, headers=error.headers)

@@ -28,8 +28,8 @@ from cosyvoice_triton.errors import NotFound
 
 from .audio_format import pcm_bytes
 from .auth import limit_key
-from .errors import BadRequest, GatewayError, ResponseAborted
-from .routes_tts import audio_headers, json_body, send_audio
+from .errors import BadRequest, GatewayError
+from .routes_tts import abort, audio_headers, json_body, send_audio
 from .state import CONFIG, COSTS, LIMITER, METRICS, STORE
 from .synthesis import OPENAI_FIELDS, prepare, stream_audio
 
@@ -103,12 +103,13 @@ async def _send_events(request: web.Request, synthesis, fmt: str) -> web.StreamR
                 await response.write(_event({"type": "speech.audio.delta", "audio": audio}))
                 samples += chunk.size
                 chunk = await anext(chunks, None)
-        except GatewayError as exc:
+        except GatewayError as exc:  # the stream ends with an error event
             metrics.errors.labels(exc.code).inc()
             await response.write(_event({"type": "error", "error": {"message": exc.message, "code": exc.code}}))
-            raise ResponseAborted(str(exc)) from None
-        except ConnectionError as exc:
-            raise ResponseAborted(str(exc)) from None
+            await response.write_eof()
+            return response
+        except ConnectionError:
+            return abort(request, response)
         metrics.audio_seconds.labels("openai").inc(samples / rate)
         tokens = app[COSTS].text_tokens(synthesis.text)
         await response.write(_event({"type": "speech.audio.done",

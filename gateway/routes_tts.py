@@ -26,9 +26,10 @@ from aiohttp import web
 
 from .audio_format import CONTENT_TYPES, FORMATS, pcm_bytes, wav_bytes, wav_header
 from .auth import limit_key
-from .errors import BadRequest, GatewayError, ResponseAborted
+from .errors import BadRequest, GatewayError
+from .request_keys import ABORTED
 from .state import CONFIG, LIMITER, METRICS
-from .synthesis import Synthesis, TTS_FIELDS, decode_base64, prepare, stream_audio
+from .synthesis import TTS_FIELDS, Synthesis, decode_base64, prepare, stream_audio
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +91,9 @@ async def send_audio(request: web.Request, synthesis: Synthesis, fmt: str, strea
         except GatewayError as exc:
             metrics.errors.labels(exc.code).inc()
             log.warning("request %s: stream cut after %.2f s of audio: %s", request_id, samples / rate, exc)
-            _abort(request)
-            raise ResponseAborted(str(exc)) from None
-        except ConnectionError as exc:  # the client went away while we wrote
-            raise ResponseAborted(str(exc)) from None
+            return abort(request, response)
+        except ConnectionError:  # the client went away while we wrote
+            return abort(request, response)
         finally:
             metrics.active_streams.labels(route).dec()
             metrics.audio_seconds.labels(route).inc(samples / rate)
@@ -101,10 +101,13 @@ async def send_audio(request: web.Request, synthesis: Synthesis, fmt: str, strea
         return response
 
 
-def _abort(request: web.Request) -> None:
-    """Cut the connection so that the client sees an incomplete chunked body, not a short success."""
+def abort(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """Cut the connection of a response whose headers went out, so that the client sees an incomplete
+    chunked body rather than a short success (aiohttp then skips the end of the body quietly)."""
+    request[ABORTED] = True
     if request.transport is not None:
         request.transport.abort()
+    return response
 
 
 async def tts(request: web.Request) -> web.StreamResponse:

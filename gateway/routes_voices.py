@@ -20,10 +20,10 @@ from cosyvoice_triton.frontend.audio import load_prompt_audio
 from cosyvoice_triton.frontend.prompt import audio_sha256
 from cosyvoice_triton.runtime.voice_store import check_voice_id, generated_voice_id
 
-from .errors import BadRequest, VoiceNotFound
+from .errors import BadRequest, PayloadTooLarge, VoiceNotFound
 from .routing import ENCODE_COST
 from .state import CONFIG, STORE
-from .synthesis import call_model, decode_base64, gateway_error, optional_string, string_array, Fields
+from .synthesis import Fields, call_model, decode_base64, gateway_error, optional_string, string_array
 from .triton_client import TritonCallError
 
 REGISTER_FIELDS = Fields(text="text", voice="id", prompt_audio="audio", prompt_text="text")
@@ -101,6 +101,9 @@ async def create_voice(request: web.Request) -> web.Response:
     audio = values.get("audio")
     if not audio:
         raise BadRequest("audio", "is required: the prompt recording (WAV, FLAC or OGG)")
+    limit = request.app[CONFIG].limits.max_upload_bytes
+    if len(audio) > limit:
+        raise PayloadTooLarge(f"audio: {len(audio)} bytes is more than the limit of {limit}", "audio")
     text = optional_string(values.get("text", values.get("prompt_text", "")), "text") or ""
     voice_id = optional_string(values.get("id"), "id") or None
     name = optional_string(values.get("name"), "name") or None

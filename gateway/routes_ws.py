@@ -164,7 +164,8 @@ class Session:
             raise BadRequest("type", "the first message must be {\"type\": \"start\", ...}")
         unknown = sorted(set(message) - START_KEYS)
         if unknown:
-            raise BadRequest(unknown[0], f"is not a field of the start message (fields: {', '.join(sorted(START_KEYS))})")
+            raise BadRequest(unknown[0], "is not a field of the start message "
+                                         f"(fields: {', '.join(sorted(START_KEYS))})")
         self.fmt = message.get("format", "pcm_f32")
         if self.fmt not in WS_FORMATS:
             raise BadRequest("format", f"must be one of {', '.join(WS_FORMATS)}, got {self.fmt!r}")
@@ -274,10 +275,11 @@ class Session:
         return data
 
     async def _stop(self, tasks: list[asyncio.Task]) -> None:
-        running = [t for t in tasks if not t.done()] + [s.task for s in self.segments if s.task and not s.task.done()]
-        for task in running:
+        """Cancel what still runs (Triton streams included) and collect every task's outcome."""
+        every = tasks + [s.task for s in self.segments if s.task is not None]
+        for task in every:
             task.cancel()
-        for task in running:
+        for task in every:
             with suppress(asyncio.CancelledError, Exception):
                 await task
 

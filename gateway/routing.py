@@ -41,7 +41,7 @@ PROMPT_WEIGHT = 0.5
 ENCODE_COST = 25.0
 BASE_COST = 25.0
 TOKENS_PER_SECOND = 25  # prompt speech tokens per second of prompt audio
-_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)\{([^}]*)\}\s+(\S+)', re.M)
+_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)\{([^}]*)\}\s+(\S+)', re.MULTILINE)
 
 
 class CostModel:

@@ -19,3 +19,4 @@ METRICS = web.AppKey("metrics", GatewayMetrics)
 LIMITER = web.AppKey("limiter", StreamLimiter)
 WEBSOCKETS = web.AppKey("websockets", weakref.WeakSet)
 DEFAULT_VOICE = web.AppKey("default_voice", DefaultVoice)
+

@@ -26,8 +26,15 @@ from cosyvoice_triton.runtime.request import MODES, SEED_LIMIT
 from cosyvoice_triton.runtime.voice_store import check_voice_id
 
 from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
-from .errors import (BadRequest, GatewayError, PayloadTooLarge, ServiceUnavailable, UpstreamError,
-                     UpstreamTimeout, VoiceNotFound)
+from .errors import (
+    BadRequest,
+    GatewayError,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    UpstreamError,
+    UpstreamTimeout,
+    VoiceNotFound,
+)
 from .routing import TOKENS_PER_SECOND
 from .state import CONFIG, COSTS, DEFAULT_VOICE, METRICS, ROUTER, STORE
 from .triton_client import TritonCallError
@@ -90,7 +97,7 @@ class Synthesis:
             values["instruct_text"] = string_array(self.instruct)
         return values
 
-    def with_text(self, text: str, seed: int, cost: float) -> "Synthesis":
+    def with_text(self, text: str, seed: int, cost: float) -> Synthesis:
         """The same voice and settings for another text (WebSocket segments)."""
         return Synthesis(text=text, mode=self.mode, seed=seed, voice_id=self.voice_id, prompt_audio=self.prompt_audio,
                          prompt_text=self.prompt_text, instruct=self.instruct, prompt_tokens=self.prompt_tokens,
@@ -100,12 +107,13 @@ class Synthesis:
 def decode_base64(value: object, field: str, max_bytes: int) -> bytes:
     if not isinstance(value, str):
         raise BadRequest(field, "must be a base64 string of an audio file (WAV, FLAC or OGG)")
-    if len(value) * 3 // 4 > max_bytes:
-        raise PayloadTooLarge(f"{field}: the audio is larger than {max_bytes} bytes", field)
     try:
-        return base64.b64decode(value, validate=True)
+        data = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise BadRequest(field, "is not valid base64") from None
+    if len(data) > max_bytes:
+        raise PayloadTooLarge(f"{field}: {len(data)} bytes is more than the limit of {max_bytes}", field)
+    return data
 
 
 def check_seed(seed: object, field: str) -> int:
@@ -125,11 +133,13 @@ def optional_string(value: object, field: str) -> str | None:
 async def prepare(app: web.Application, *, text: object, voice_id: object = None, prompt_audio: bytes | None = None,
                   prompt_text: object = None, mode: object = "zero_shot", instruct: object = None,
                   seed: object = None, fields: Fields = TTS_FIELDS, check_text: bool = True) -> Synthesis:
-    """Check a request and resolve its voice (no voice given: "default")."""
-    config = app[CONFIG]
-    if check_text:
+    """Check a request and resolve its voice (no voice given: "default"). `check_text` False: settings
+    for texts that come later (a WebSocket start message)."""
+    if not check_text:
+        text = ""
+    else:
         try:
-            text = validate_text(text, fields.text, config.limits.max_text_chars)
+            text = validate_text(text, fields.text, app[CONFIG].limits.max_text_chars)
         except InvalidInput as exc:
             raise BadRequest(fields.text, exc.problem) from None
     mode = "zero_shot" if mode is None else mode
@@ -158,8 +168,8 @@ async def prepare(app: web.Application, *, text: object, voice_id: object = None
         if mode == "zero_shot" and not info.text.strip() and not (prompt_text or "").strip():
             raise BadRequest(fields.prompt_text, f"is required in zero_shot mode: voice {voice_id!r} was "
                                                  "registered without a transcript")
-    cost = app[COSTS].estimate(text if check_text else "", prompt_tokens, prompt_audio is not None)
-    return Synthesis(text=text if check_text else "", mode=mode, seed=seed, voice_id=voice_id,
+    cost = app[COSTS].estimate(text, prompt_tokens, prompt_audio is not None)
+    return Synthesis(text=text, mode=mode, seed=seed, voice_id=voice_id,
                      prompt_audio=prompt_audio, prompt_text=prompt_text, instruct=instruct,
                      prompt_tokens=prompt_tokens, cost=cost, fields=fields)
 

@@ -54,7 +54,7 @@ class GatewayThread:
             site = web.TCPSite(runner, self.config.host, 0)
             self._loop.run_until_complete(site.start())
             self.port = runner.addresses[0][1]
-        except BaseException as exc:  # noqa: BLE001 - handed to start()
+        except BaseException as exc:
             self._started.set_exception(exc)
             if runner is not None:
                 self._loop.run_until_complete(runner.cleanup())

@@ -37,7 +37,7 @@ MODEL_INPUTS = frozenset({
     "reference_text", "instruct_text", "seed", "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "top_p",
     "top_k", "win_size", "tau_r", "voice_id", "name",
 })
-_FIELD_MESSAGE = re.compile(r"^([a-z_]+): (.+)$", re.S)
+_FIELD_MESSAGE = re.compile(r"^([a-z_]+): (.+)$", re.DOTALL)
 _BUSY_WORDS = ("busy", "queue is full", "unavailable", "no free", "limit reached")
 _DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64",
            np.dtype(np.uint64): "UINT64", np.dtype(np.bool_): "BOOL"}
@@ -131,7 +131,7 @@ def infer_request(model: str, inputs: Mapping[str, np.ndarray], request_id: str 
 
 def response_outputs(response: service_pb2.ModelInferResponse) -> dict[str, np.ndarray]:
     outputs = {}
-    for tensor, raw in zip(response.outputs, response.raw_output_contents):
+    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=False):
         shape = tuple(tensor.shape)
         if tensor.datatype == "BYTES":
             outputs[tensor.name] = np.array(_deserialize_bytes(raw), dtype=object).reshape(shape)
@@ -176,7 +176,7 @@ class TritonClient:
                 if response.error_message:
                     raise classify_message(response.error_message)
                 result = response.infer_response
-                for tensor, raw in zip(result.outputs, result.raw_output_contents):
+                for tensor, raw in zip(result.outputs, result.raw_output_contents, strict=False):
                     if tensor.name == "waveform" and raw:
                         produced = True
                         yield np.frombuffer(raw, dtype=np.float32)

@@ -175,12 +175,16 @@ def parity_rows(reference: Stack, stacks: dict[Column, Stack], model_dir: Path, 
     for column, stack in stacks.items():
         if column.engine == "torch":
             continue
-        with torch.inference_mode():
-            actual = {"flow encoder": stack.flow.encoder(*encoder_in),
-                      "estimator step": stack.flow.decoder.estimator(*step_in),
-                      "mel (10 steps)": stack.flow.decoder(*loop_in),
-                      "HiFT waveform": stack.hift.inference(mel, None, ZeroNoise())[0],
-                      "CAM++": F.normalize(stack.campplus(fbank).float(), dim=1)}
+        try:
+            with torch.inference_mode():
+                actual = {"flow encoder": stack.flow.encoder(*encoder_in),
+                          "estimator step": stack.flow.decoder.estimator(*step_in),
+                          "mel (10 steps)": stack.flow.decoder(*loop_in),
+                          "HiFT waveform": stack.hift.inference(mel, None, ZeroNoise())[0],
+                          "CAM++": F.normalize(stack.campplus(fbank).float(), dim=1)}
+        except Exception as error:  # noqa: BLE001 - reported in its row; the other engines are still checked
+            rows.append(f"| all | {column.label} | {type(error).__name__}: {error} | | **NO** |")
+            continue
         tolerances = TOLERANCES[column.precision]
         for output, value in actual.items():
             value = value.float().cpu()
@@ -204,9 +208,12 @@ def timing_rows(reference: Stack, stacks: dict[Column, Stack | str], batches: li
                     if fn is None:
                         cells.append("n/a")
                         continue
-                    if column.cuda_graphs:
-                        fn = CudaGraphCall(fn, inputs)
-                    cells.append(f"{median_ms(fn, inputs, device, iters):.2f}")
+                    try:
+                        if column.cuda_graphs:
+                            fn = CudaGraphCall(fn, inputs)
+                        cells.append(f"{median_ms(fn, inputs, device, iters):.2f}")
+                    except Exception as error:  # noqa: BLE001 - one failing cell must not end the check
+                        cells.append(f"{type(error).__name__}: {str(error)[:80]}")
                 rows_label = f"{2 * streams} rows" if module == "estimator step" else f"{streams}"
                 rows.append(f"| {module} | {rows_label} | {seconds:g} s | " + " | ".join(cells) + " |")
     return rows
@@ -245,7 +252,8 @@ def run(args: argparse.Namespace) -> str:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     lines = ["# token2wav engines: GPU check", "",
-             f"- {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; {versions(device)}"]
+             f"- {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; {versions(device)}",
+             "- TF32 off in torch and TensorRT: fp32 means fp32"]
     model_dir, onnx_dir, prepared = prepare(args)
     lines += prepared
     if args.dry_run:

@@ -35,10 +35,11 @@ from cosyvoice_triton.engines.onnx_precision import mixed_precision
 from cosyvoice_triton.engines.ort_runner import OrtRunner
 from cosyvoice_triton.engines.select import (RunnerHiFT, build_token2wav, open_campplus, open_runner,
                                              resolve_engine)
+from cosyvoice_triton.engines.torch_runner import TorchRunner
 from cosyvoice_triton.engines.trt_build import (build_engine, declared_input_shapes, engine_cache_key,
                                                 engine_file, profile_shapes, token2wav_dim_ranges)
 from cosyvoice_triton.export.onnx_export import MANIFEST, token2wav_onnx
-from cosyvoice_triton.export.onnx_graphs import example_inputs, token2wav_specs
+from cosyvoice_triton.export.onnx_graphs import HiFTDecodeGraph, example_inputs, token2wav_specs
 from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise, ZeroNoise
@@ -105,10 +106,19 @@ def test_onnxruntime_matches_torch(folder, name: str, streaming: bool):
         with torch.inference_mode():  # the flag matters at this length: 110 frames span several chunks
             flipped = inputs[:index] + [~inputs[index]] + inputs[index + 1:]
             assert not torch.allclose(reference[name](*inputs), reference[name](*flipped))
-    with torch.inference_mode():
-        expected = reference[name](*inputs)
+    expected = TorchRunner(reference[name], spec, "cpu")(*inputs)
     actual = OrtRunner(paths[name], spec, "cpu")(*inputs)
     report(f"{label} {name} streaming={streaming}", actual, expected, GRAPH_TOL[name])
+
+
+def test_hift_decode_twin_equals_decode_in_torch(golden_model_dir, golden):
+    """The exported HiFT decode (STFTs as convolutions) in torch itself, as the CUDA-graph benchmark runs it."""
+    hift = HiFTGenerator.from_model_dir(golden_model_dir)
+    mel = torch.from_numpy(golden["hift_in_mel"])
+    with torch.inference_mode():
+        source = hift.m_source(hift.f0_predictor(mel), ZeroNoise())
+        report("HiFTDecodeGraph vs HiFTGenerator.decode", HiFTDecodeGraph(hift)(mel, source),
+               hift.decode(mel, source), GRAPH_TOL["hift_decode"])
 
 
 def golden_flow_call(flow: FlowModel, golden: dict, n_tokens: int, finalize: bool) -> np.ndarray:

@@ -131,7 +131,7 @@ async def post_stream(url: str, body: dict) -> tuple[dict, list[bytes]]:
                     chunks.append(current)
                     current = b""
             assert current == b""
-            return dict(response.headers), chunks
+            return dict(response.headers), [c for c in chunks if c]  # not the empty last chunk
 
 
 def direct(triton, text: str, seed: int, **voice) -> list[np.ndarray]:
@@ -183,7 +183,7 @@ def test_streamed_pcm_equals_triton_output_chunk_for_chunk(gateway, voice_id, re
     assert headers["X-Sample-Rate"] == "24000"
     assert len(reference) >= 2
     assert len(chunks) == len(reference)  # one HTTP chunk per Triton chunk, flushed as it came
-    for got, want in zip(chunks, reference):
+    for got, want in zip(chunks, reference, strict=True):
         np.testing.assert_allclose(np.frombuffer(got, "<f4"), want, rtol=0, atol=ATOL)
 
 
@@ -413,6 +413,25 @@ def test_websocket_errors_are_messages_with_codes(gateway):
         assert close_code == 1008
 
 
+def test_shutdown_closes_websockets_with_going_away(triton, tiny_model_dir, tmp_path, gateway):
+    gw = GatewayThread(gateway_config(triton, tiny_model_dir, tmp_path, default_voice=False)).start()
+
+    async def session():
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+            async with http.ws_connect(gw.url + "/v1/tts/ws") as ws:
+                await ws.send_json({"type": "start"})
+                assert (await ws.receive_json())["type"] == "started"
+                stopping = asyncio.get_running_loop().run_in_executor(None, gw.stop)
+                message = await ws.receive()
+                await stopping
+                return message.type, ws.close_code
+
+    try:
+        assert run(session()) == (aiohttp.WSMsgType.CLOSE, aiohttp.WSCloseCode.GOING_AWAY)
+    finally:
+        gw.stop()
+
+
 # ---- voices -----------------------------------------------------------------------------------------
 
 def test_voice_api(gateway, voice_id):
@@ -479,10 +498,11 @@ def test_api_keys(locked, voice_id):
 
 def test_oversized_uploads_get_413(locked):
     big = wav_file(speech_like(4.0, RATE, seed=1))  # 128 kB > 100 kB
-    status, body = run(register(locked.url, big, "too big", headers={"X-API-Key": KEYS[0]}))
-    assert status == 413 and body["error"]["code"] == "too_large"
-    status, _, raw = run(post_json(locked.url + "/v1/tts", {"text": "Hi.", "prompt_audio": base64.b64encode(big).decode(),
-                                                             "prompt_text": "x"}, headers={"X-API-Key": KEYS[0]}))
+    for audio in (big, bytes(300_000)):  # over the audio limit; over the body limit too
+        status, body = run(register(locked.url, audio, "too big", headers={"X-API-Key": KEYS[0]}))
+        assert status == 413 and body["error"]["code"] == "too_large"
+    body = {"text": "Hi.", "prompt_audio": base64.b64encode(big).decode(), "prompt_text": "x"}
+    status, _, raw = run(post_json(locked.url + "/v1/tts", body, headers={"X-API-Key": KEYS[0]}))
     assert status == 413
     status, _, raw = run(post_json(locked.url + "/v1/tts", {"text": "x" * 301}, headers={"X-API-Key": KEYS[0]}))
     assert status == 400 and error_param(raw)[0] == "text"

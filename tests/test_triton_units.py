@@ -2,6 +2,7 @@
 under `pb_fake`, wired together by a BLS handler that plays the server (models in-process)."""
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -20,14 +21,16 @@ from cosyvoice_triton.server.launcher import DEFAULT_REPOSITORY, ServeOptions, r
 from cosyvoice_triton.server.templates import model_names, render_template
 from cosyvoice_triton.triton import contracts
 from cosyvoice_triton.triton.params import (CosyVoice2Params, LLMParams, ParameterError, PromptStepParams,
-                                            RegisterVoiceParams, Token2WavParams, parse_parameters)
+                                            RegisterVoiceParams, SpeakerEmbeddingParams, Token2WavParams,
+                                            parse_parameters)
 from cosyvoice_triton.triton.tensors import RemoteError, TensorReader, classify, string_array
 
 REPO = DEFAULT_REPOSITORY
 RATE = 16000
 PARAMS = {"llm": LLMParams, "token2wav": Token2WavParams, "cosyvoice2": CosyVoice2Params,
           "cosyvoice2_offline": CosyVoice2Params, "register_voice": RegisterVoiceParams,
-          "prompt_audio": PromptStepParams, "speaker_embedding": PromptStepParams, "audio_tokenizer": PromptStepParams}
+          "prompt_audio": PromptStepParams, "speaker_embedding": SpeakerEmbeddingParams,
+          "audio_tokenizer": PromptStepParams}
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +86,102 @@ def test_parameters_are_strict(parameters, problem):
 def test_parameter_types_are_checked():
     config = {"parameters": {k: {"string_value": v} for k, v in {
         "model_dir": "m", "device": "cpu", "max_streams": "many", "max_batch": "2", "idle_timeout_s": "1",
-        "torch_threads": "0"}.items()}}
+        "torch_threads": "0", "engine": "torch", "precision": "fp32", "onnx_dir": ""}.items()}}
     with pytest.raises(ParameterError, match="max_streams: 'many' is not a int"):
         parse_parameters(Token2WavParams, config, "token2wav")
+
+
+# ---- engines ---------------------------------------------------------------------------------------
+
+def test_engine_parameters_are_parsed_and_validated(tmp_path):
+    import typing
+
+    from cosyvoice_triton.engines.base import ENGINES, PRECISIONS
+    from cosyvoice_triton.triton.params import Engine, Precision
+
+    assert typing.get_args(Engine) == ENGINES and typing.get_args(Precision) == PRECISIONS
+    default = parse_parameters(Token2WavParams, model_config("token2wav", tmp_path), "token2wav")
+    assert (default.engine, default.precision, default.onnx_dir) == ("torch", "fp32", None)
+    config = model_config("token2wav", tmp_path, engine="onnxruntime", precision="fp16", onnx_dir=tmp_path / "graphs")
+    chosen = parse_parameters(Token2WavParams, config, "token2wav")
+    assert (chosen.engine, chosen.precision, chosen.onnx_dir) == ("onnxruntime", "fp16", str(tmp_path / "graphs"))
+    # CAM++ ships as ONNX: ONNX Runtime on the CPU, unless TensorRT is asked for (then on the server's device).
+    campplus = parse_parameters(SpeakerEmbeddingParams, model_config("speaker_embedding", tmp_path, engine="torch"),
+                                "speaker_embedding")
+    assert (campplus.engine, campplus.device, campplus.onnx_dir) == ("onnxruntime", "cpu", None)
+    trt = parse_parameters(SpeakerEmbeddingParams, model_config("speaker_embedding", tmp_path, engine="tensorrt",
+                                                                device="cuda:1"), "speaker_embedding")
+    assert (trt.engine, trt.device) == ("tensorrt", "cuda:1")
+
+    bad = model_config("token2wav", tmp_path)
+    bad["parameters"]["engine"] = {"string_value": "tensorflow"}
+    with pytest.raises(ParameterError, match="token2wav: parameter engine: 'tensorflow' is not one of "
+                                             "torch, onnxruntime, tensorrt"):
+        parse_parameters(Token2WavParams, bad, "token2wav")
+    bad = model_config("token2wav", tmp_path)
+    bad["parameters"]["precision"] = {"string_value": "int8"}
+    with pytest.raises(ParameterError, match="parameter precision: 'int8' is not one of fp32, fp16, bf16"):
+        parse_parameters(Token2WavParams, bad, "token2wav")
+    bad = model_config("speaker_embedding", tmp_path)
+    bad["parameters"]["engine"] = {"string_value": "torch"}
+    with pytest.raises(ParameterError, match="parameter engine: 'torch' is not one of onnxruntime, tensorrt"):
+        parse_parameters(SpeakerEmbeddingParams, bad, "speaker_embedding")
+    with pytest.raises(ValueError, match="engine must be one of torch, onnxruntime, tensorrt, got 'trt'"):
+        model_config("token2wav", tmp_path, engine="trt")
+
+
+def test_a_read_only_model_folder_exports_into_the_run_folder(tiny, tmp_path, monkeypatch):
+    from cosyvoice_triton.server import launcher
+
+    def prepared(**options):
+        run_dir = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+        server = launcher.prepare(ServeOptions(model_dir=tiny, run_dir=run_dir, voice_store="v.sqlite", **options))
+        return pb_fake.pbtxt_to_dict((server.model_repository / "token2wav" / "config.pbtxt").read_text())
+
+    def onnx_dir(config):
+        return config["parameters"]["onnx_dir"]["string_value"]
+
+    assert onnx_dir(prepared(engine="onnxruntime")) == ""  # writable: <model_dir>/onnx, the models' default
+    assert onnx_dir(prepared(engine="tensorrt", onnx_dir=tmp_path / "mine")) == str(tmp_path / "mine")
+    real_access = launcher.os.access
+    monkeypatch.setattr(launcher.os, "access", lambda path, mode: False if str(path).startswith(str(tiny))
+                        else real_access(path, mode))
+    assert onnx_dir(prepared(engine="onnxruntime")) == str(tmp_path / "run2" / "onnx")
+    assert onnx_dir(prepared()) == ""  # torch exports nothing
+
+
+def test_model_files_fall_back_from_tensorrt_with_one_log_line(tiny, tmp_path, caplog):
+    """token2wav and speaker_embedding asked for TensorRT on this CPU: ONNX Runtime, one warning line each
+    in Triton's log (pb.Logger), the same chunk audio as the torch reference."""
+    from cosyvoice_triton.engines.select import build_token2wav
+    from cosyvoice_triton.runtime.orchestrator import ReferenceToken2Wav
+    from cosyvoice_triton.runtime.token2wav import Token2Wav
+
+    values = {"engine": "tensorrt", "onnx_dir": tmp_path / "onnx"}
+    with pb_fake.installed() as pb, caplog.at_level(logging.INFO, logger="triton_python_backend_utils.fake"):
+        models = {}
+        for name in ("token2wav", "speaker_embedding"):
+            models[name] = pb_fake.load_model(REPO / name / "1" / "model.py").TritonPythonModel()
+            models[name].initialize(pb_fake.initialize_args(model_config(name, tiny, **values)))
+        triton_log = [r for r in caplog.records if r.name == "triton_python_backend_utils.fake"]  # pb.Logger
+        warnings = [r.getMessage() for r in triton_log if r.levelno == logging.WARNING]
+        assert len(warnings) == 2, warnings
+        assert warnings[0].startswith("token2wav: cosyvoice_triton.engines.select: engine 'tensorrt' is not "
+                                      "available on cpu") and warnings[0].endswith("using 'onnxruntime'")
+        assert warnings[1].startswith("speaker_embedding: ") and "'tensorrt'" in warnings[1]
+        assert any("exporting the token2wav ONNX graphs" in r.getMessage() for r in triton_log)
+        engine = models["token2wav"].engine
+        assert engine.flow.decoder.estimator.runner.engine == "onnxruntime"
+        assert models["speaker_embedding"].encoder.campplus.engine == "onnxruntime"
+
+        prompt = FlowPrompt(torch.randint(0, 6561, (1, 20), dtype=torch.int32), torch.randn(1, 40, 80),
+                            torch.randn(1, 192))
+        chunk = ChunkRequest("e0", list(range(10, 40)), False, prompt, seed=5)
+        request = pb.InferenceRequest(inputs=[pb.Tensor(k, v) for k, v in contracts.chunk_inputs(chunk).items()])
+        (response,) = models["token2wav"].execute([request])
+        models["token2wav"].finalize()
+    want = ReferenceToken2Wav(Token2Wav(*build_token2wav(tiny, "torch"))).chunk(chunk)
+    np.testing.assert_allclose(response.outputs()["waveform"][0], want, atol=1e-3, rtol=0)
 
 
 # ---- contracts -------------------------------------------------------------------------------------

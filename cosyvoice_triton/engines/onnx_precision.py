@@ -19,14 +19,14 @@ from onnx import TensorProto, helper, numpy_helper
 LOW_PRECISION_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose")
 _CONV_OPS = ("Conv", "ConvTranspose")
 _BF16_CONV_OPSET = 22
-_TYPES = {"fp16": (TensorProto.FLOAT16, torch.float16), "bf16": (TensorProto.BFLOAT16, torch.bfloat16)}
+_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 
 
 def mixed_precision(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
     """A copy of `model` with LOW_PRECISION_OPS computing in `precision` ("fp16" or "bf16")."""
     if precision not in _TYPES:
         raise ValueError(f"precision must be one of {sorted(_TYPES)}, got {precision!r}")
-    low_type = _TYPES[precision][0]
+    low_type = _TYPES[precision]
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     ops = [op for op in LOW_PRECISION_OPS
            if not (precision == "bf16" and op in _CONV_OPS and opset < _BF16_CONV_OPSET)]

@@ -50,6 +50,10 @@ class TensorRTRunner(Runner):
 
     def __call__(self, *inputs: Tensor) -> Tensor:
         check_arity(self.spec, inputs)
+        with torch.cuda.device(self.device):  # TensorRT enqueues on the current device: make it the engine's
+            return self._run(inputs)
+
+    def _run(self, inputs: tuple[Tensor, ...]) -> Tensor:
         caller = torch.cuda.current_stream(self.device)
         tensors = [x.detach().to(self.device, self.dtypes[name]).contiguous()
                    for name, x in zip(self.spec.inputs, inputs)]

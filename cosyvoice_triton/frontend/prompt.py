@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from cosyvoice_triton.config import ModelPaths, read_yaml
+from cosyvoice_triton.engines.base import Runner
 from cosyvoice_triton.engines.onnx_session import Device, input_names, open_session
 from cosyvoice_triton.frontend.audio import resample, validate_prompt_audio
 from cosyvoice_triton.frontend.features import MelConfig, prompt_mel, speaker_fbank, whisper_log_mel
@@ -44,9 +45,12 @@ def audio_sha256(samples: np.ndarray, sample_rate: int) -> str:
 
 
 class PromptEncoder:
-    """Speaker embedding, prompt speech tokens and prompt mel of a reference recording."""
+    """Speaker embedding, prompt speech tokens and prompt mel of a reference recording.
 
-    def __init__(self, campplus: ort.InferenceSession, speech_tokenizer: ort.InferenceSession,
+    `campplus`: an ONNX Runtime session of campplus.onnx, or a `Runner` of it on any engine
+    (`engines.select.open_campplus`)."""
+
+    def __init__(self, campplus: ort.InferenceSession | Runner, speech_tokenizer: ort.InferenceSession,
                  mel_config: MelConfig = MelConfig(), token_mel_ratio: int = 2):
         self.campplus = campplus
         self.speech_tokenizer = speech_tokenizer
@@ -65,7 +69,10 @@ class PromptEncoder:
 
     def speaker_embedding(self, wav16k: np.ndarray) -> np.ndarray:
         """(N,) at 16 kHz → (192,) float32."""
-        fbank = speaker_fbank(wav16k).numpy()[None]  # (1, T, 80)
+        fbank = speaker_fbank(wav16k)[None]  # (1, T, 80)
+        if isinstance(self.campplus, Runner):
+            return self.campplus(fbank).cpu().numpy().reshape(-1).astype(np.float32)
+        fbank = fbank.numpy()
         (name,) = input_names(self.campplus)
         return self.campplus.run(None, {name: fbank})[0].reshape(-1).astype(np.float32)
 

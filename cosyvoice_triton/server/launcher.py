@@ -9,6 +9,13 @@
    for readiness; the endpoints are printed; Ctrl-C or SIGTERM stops it gracefully.
 
 The voice store defaults to `$COSYVOICE_HOME/voices.sqlite`, so registered voices survive restarts.
+
+Engines (`--engine`, `--precision`): token2wav's flow and HiFT decode run on torch (the default: the
+reference, and on the CPU as fast as ONNX Runtime for these graphs), ONNX Runtime or TensorRT; CAM++
+on ONNX Runtime, or on TensorRT with `--engine tensorrt` on a GPU. The ONNX graphs are exported on first
+use into `<model dir>/onnx`, or `<run dir>/onnx` when the model folder is read-only (`--onnx-dir`
+chooses); TensorRT engines are cached under `<onnx dir>/trt`. An engine that cannot run here falls back
+(tensorrt -> onnxruntime -> torch) with one warning line in the server's log.
 """
 from __future__ import annotations
 
@@ -17,12 +24,17 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
 from cosyvoice_triton.server.process import TritonProcess
 from cosyvoice_triton.server.templates import model_names, render_repository
+from cosyvoice_triton.triton.params import Engine, Precision
+
+ENGINES = typing.get_args(Engine)  # torch | onnxruntime | tensorrt
+PRECISIONS = typing.get_args(Precision)  # fp32 | fp16 | bf16
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
@@ -57,6 +69,9 @@ class ServeOptions:
     prompt_max_batch: int = 8
     prompt_queue_delay_us: int = 1000
     torch_threads: int = 0  # per llm / token2wav instance; 0: torch's default
+    engine: str = "torch"  # token2wav: torch | onnxruntime | tensorrt (CAM++: tensorrt, else onnxruntime)
+    precision: str = "fp32"  # of TensorRT engines: fp32 | fp16 | bf16
+    onnx_dir: Path | None = None  # exported graphs and TensorRT engines; None: see `default_onnx_dir`
     max_text_chars: int = 2000
     startup_timeout_s: float = 300.0
     extra_args: list[str] = field(default_factory=list)  # more tritonserver flags
@@ -80,18 +95,34 @@ def default_model_dir() -> Path:
     return target
 
 
+def default_onnx_dir(model_dir: Path, run_dir: Path) -> Path | None:
+    """Where the graph engines export to when `--onnx-dir` is not given: None (the models' default,
+    `<model_dir>/onnx`) if that can be written, else `<run_dir>/onnx` (a read-only model folder)."""
+    target = model_dir / "onnx"
+    writable = os.access(target, os.W_OK | os.X_OK) if target.exists() else os.access(model_dir, os.W_OK | os.X_OK)
+    return None if writable else run_dir / "onnx"
+
+
 def resolve_voice_store(url: str | None) -> str:
     return url if url else str(cosyvoice_home() / "voices.sqlite")
 
 
 def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) -> dict[str, dict[str, object]]:
     """The `${key}` values of every model template."""
+    if options.engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {options.engine!r}")
+    if options.precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {options.precision!r}")
     gpu = options.device.startswith("cuda")
     # One instance of llm / token2wav on one device (see their config.pbtxt); "cuda:N" picks GPU N.
     placement = f"kind: KIND_GPU gpus: [ {options.device.partition(':')[2] or 0} ]" if gpu else "kind: KIND_CPU"
     torch_device = "cuda" if gpu else options.device  # a KIND_GPU instance maps "cuda" to its own GPU
     onnx_device = "auto" if gpu else "cpu"  # the S3 tokenizer on the GPU when onnxruntime has CUDA
     ratio = "" if options.max_token_text_ratio is None else options.max_token_text_ratio
+    onnx_dir = "" if options.onnx_dir is None else options.onnx_dir
+    # CAM++ ships as ONNX only: TensorRT when asked for (on the GPU), else ONNX Runtime on the CPU.
+    campplus_engine, campplus_device = ("tensorrt", options.device) if options.engine == "tensorrt" else \
+        ("onnxruntime", "cpu")
     synthesis = {"model_dir": model_dir, "voice_store": voice_store, "instances": options.instances,
                  "max_workers": options.workers, "max_pending": options.max_pending,
                  "max_text_chars": options.max_text_chars}
@@ -107,10 +138,12 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
         "token2wav": {"model_dir": model_dir, "placement": placement, "device": torch_device,
                       "max_streams": options.t2w_max_streams, "max_batch": options.t2w_max_batch,
                       "idle_timeout_s": options.t2w_idle_timeout_s, "queue_delay_us": options.t2w_queue_delay_us,
-                      "torch_threads": options.torch_threads},
+                      "torch_threads": options.torch_threads, "engine": options.engine,
+                      "precision": options.precision, "onnx_dir": onnx_dir},
         "prompt_encoder": {"max_batch": options.prompt_max_batch},
         "prompt_audio": prompt_step,
-        "speaker_embedding": prompt_step,
+        "speaker_embedding": {**prompt_step, "engine": campplus_engine, "device": campplus_device,
+                              "onnx_dir": onnx_dir},
         "audio_tokenizer": {**prompt_step, "device": onnx_device},
         "register_voice": {"model_dir": model_dir, "voice_store": voice_store, "instances": options.instances},
     }
@@ -139,6 +172,10 @@ def prepare(options: ServeOptions, **process_kwargs) -> TritonProcess:
     model_dir = model_dir.resolve()
     run_dir = Path(options.run_dir) if options.run_dir else new_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
+    if options.onnx_dir is not None:
+        options = replace(options, onnx_dir=Path(options.onnx_dir).expanduser().resolve())
+    elif options.engine != "torch":
+        options = replace(options, onnx_dir=default_onnx_dir(model_dir, run_dir))
     repo = render_run_repository(options, model_dir, resolve_voice_store(options.voice_store), run_dir / "repo")
     return TritonProcess(repo, workdir=run_dir, address=options.address, http_port=options.http_port,
                          grpc_port=options.grpc_port, metrics_port=options.metrics_port,

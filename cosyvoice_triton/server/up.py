@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TextIO
 
 from cosyvoice_triton.gateway.config import TritonTarget, add_gateway_arguments, config_from_args, voice_store_url
-from cosyvoice_triton.server.launcher import ServeOptions, default_model_dir, prepare, resolve_voice_store
+from cosyvoice_triton.server.launcher import (ENGINES, PRECISIONS, ServeOptions, default_model_dir, prepare,
+                                              resolve_voice_store)
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,8 @@ TRITON_WATCH_S = 1.0
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None,
                    help="model folder or hub id (default: a tiny random model made on first use)")
-    add_gateway_arguments(p)
+    add_gateway_arguments(p, triton_help="further Triton servers to route to besides the local one, "
+                                         "grpc://host:port[?metrics=URL] (repeatable)")
     t = p.add_argument_group("tritonserver")
     t.add_argument("--run-dir", type=Path, default=None, help="where the rendered repository and log go")
     t.add_argument("--triton-address", default="127.0.0.1", help="address tritonserver listens on")
@@ -44,6 +46,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--workers", type=int, default=16, help="requests synthesized at once per cosyvoice2 instance")
     t.add_argument("--llm-max-batch", type=int, default=8, help="LLM streams decoded together (KV slots)")
     t.add_argument("--torch-threads", type=int, default=0, help="torch threads per llm/token2wav instance")
+    t.add_argument("--engine", choices=ENGINES, default="torch", help="token2wav engine, as for `serve`")
+    t.add_argument("--precision", choices=PRECISIONS, default="fp32", help="precision of TensorRT engines")
+    t.add_argument("--onnx-dir", type=Path, default=None, help="exported ONNX graphs and TensorRT engines")
     t.add_argument("--max-token-text-ratio", type=float, default=None, help=argparse.SUPPRESS)  # tests
 
 
@@ -62,8 +67,9 @@ def up(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                            metrics_port=_port(args.triton_metrics_port), device=args.device,
                            instances=args.instances, workers=args.workers, voice_store=voice_store,
                            llm_max_batch=args.llm_max_batch, torch_threads=args.torch_threads,
+                           engine=args.engine, precision=args.precision, onnx_dir=args.onnx_dir,
                            max_text_chars=args.max_text_chars, max_token_text_ratio=args.max_token_text_ratio)
-    server = prepare(options)
+    server = prepare(options, die_with_parent=True)  # one service: tritonserver never outlives the gateway
     print(f"starting tritonserver (log: {server.workdir / 'tritonserver.log'}) ...", file=out, flush=True)
     try:
         server.start()

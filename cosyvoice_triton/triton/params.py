@@ -2,7 +2,8 @@
 
 Triton hands them over as `{"key": {"string_value": "..."}}`. Every key a dataclass declares must be
 present (the templates write them all, so a missing key is a template bug) and unknown keys are refused;
-an empty string means "not set" only where a field says so (`| None`).
+an empty string means "not set" only where a field says so (`| None`); a `Literal[...]` field takes one
+of its values only.
 """
 from __future__ import annotations
 
@@ -11,10 +12,17 @@ import json
 import types
 import typing
 from dataclasses import dataclass
+from typing import Literal
 
 
 class ParameterError(ValueError):
     """A model's config.pbtxt parameters do not match its dataclass."""
+
+
+# As `cosyvoice_triton.engines.base.ENGINES` / `PRECISIONS` (a unit test keeps them equal).
+Engine = Literal["torch", "onnxruntime", "tensorrt"]
+Precision = Literal["fp32", "fp16", "bf16"]
+GraphEngine = Literal["onnxruntime", "tensorrt"]  # for models that ship as ONNX only (CAM++)
 
 
 def parse_parameters(cls, model_config: dict | str, model: str = ""):
@@ -43,6 +51,11 @@ def _convert(text: str, hint, where: str):
         if text.strip() == "":
             return None
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        if text not in choices:
+            raise ParameterError(f"{where}: {text!r} is not one of {', '.join(choices)}")
+        return text
     try:
         if hint is bool:
             lowered = text.strip().lower()
@@ -79,12 +92,23 @@ class Token2WavParams:
     max_batch: int  # chunks per flow call (also the model's max_batch_size)
     idle_timeout_s: float  # a stream with no chunk for this long is freed
     torch_threads: int
+    engine: Engine  # flow encoder, flow estimator and HiFT decode on this engine (engines/select.py)
+    precision: Precision  # of TensorRT engines; torch and ONNX Runtime run fp32
+    onnx_dir: str | None  # exported graphs (TensorRT engines in <onnx_dir>/trt); None: <model_dir>/onnx
 
 
 @dataclass(frozen=True)
 class PromptStepParams:
     model_dir: str
     device: str  # onnxruntime: "cpu", "cuda" or "auto"
+
+
+@dataclass(frozen=True)
+class SpeakerEmbeddingParams:
+    model_dir: str
+    device: str  # "cpu", "cuda", "cuda:N"; a fallback ends on ONNX Runtime on the CPU
+    engine: GraphEngine
+    onnx_dir: str | None  # TensorRT engines go to <onnx_dir>/trt; None: <model_dir>/onnx
 
 
 @dataclass(frozen=True)

@@ -54,13 +54,13 @@ class Chromium:
 
         self.proc = proc
         self.profile = profile
-        self.ws = connect(ws_url, max_size=64 * 1024 * 1024, open_timeout=30)
+        self.ws = connect(ws_url, max_size=64 * 1024 * 1024, open_timeout=30).__enter__()  # closed by close()
         self._next_id = 0
         self._events: list[dict] = []
 
     @classmethod
     def launch(cls, profile: str | Path, executable: str | None = None, timeout_s: float = 60.0,
-               extra_flags: tuple[str, ...] = ()) -> "Chromium":
+               extra_flags: tuple[str, ...] = ()) -> Chromium:
         executable = executable or find_chromium()
         if executable is None:
             raise FileNotFoundError("no chromium found (apt-get install chromium, or set CHROMIUM)")
@@ -119,7 +119,7 @@ class Chromium:
             if "method" in reply:
                 self._events.append(reply)
 
-    def new_page(self) -> "Page":
+    def new_page(self) -> Page:
         target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         page = Page(self, session)
@@ -134,7 +134,7 @@ class Chromium:
             pass
         _kill_group(self.proc)
 
-    def __enter__(self) -> "Chromium":
+    def __enter__(self) -> Chromium:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -186,11 +186,12 @@ class Page:
         return result["result"].get("value")
 
     def wait_for(self, expression: str, timeout_s: float = 60.0, interval_s: float = 0.1):
-        """Poll `expression` until it is truthy; returns its value."""
+        """Poll `expression` until it is truthy (in JavaScript's sense); returns its value (None for objects)."""
         deadline = time.monotonic() + timeout_s
+        probe = f"(() => {{ const v = ({expression}); return [!!v, typeof v === 'object' ? null : v]; }})()"
         while True:
-            value = self.evaluate(expression)
-            if value:
+            ok, value = self.evaluate(probe)
+            if ok:
                 return value
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not true after {timeout_s:.0f} s: {expression}")

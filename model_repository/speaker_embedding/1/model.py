@@ -1,25 +1,32 @@
-"""`speaker_embedding` (prompt_encoder step 2a): CAM++ embedding (192,) of 16 kHz audio."""
+"""`speaker_embedding` (prompt_encoder step 2a): CAM++ embedding (192,) of 16 kHz audio, on the
+`engine` and `device` of its parameters (`open_campplus`; a fallback is one warning line in Triton's log)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.config import ModelPaths
-from cosyvoice_triton.engines.onnx_session import open_session
+from cosyvoice_triton.engines.select import open_campplus
 from cosyvoice_triton.frontend.prompt import PromptEncoder
-from cosyvoice_triton.triton.params import PromptStepParams, parse_parameters
+from cosyvoice_triton.triton.logs import library_logs_to_triton
+from cosyvoice_triton.triton.params import SpeakerEmbeddingParams, parse_parameters
 from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.name = args["model_name"]
-        params = parse_parameters(PromptStepParams, json.loads(args["model_config"]), self.name)
-        session = open_session(ModelPaths(Path(params.model_dir)).campplus, device=params.device)
-        self.encoder = PromptEncoder(campplus=session, speech_tokenizer=None)  # only .speaker_embedding
+        params = parse_parameters(SpeakerEmbeddingParams, json.loads(args["model_config"]), self.name)
+        # One thread per instance (fbank in torch, CAM++ in ONNX Runtime, which takes torch's count):
+        # scale with instances, as the other ONNX Runtime steps do.
+        torch.set_num_threads(1)
+        onnx_dir = Path(params.onnx_dir) if params.onnx_dir else Path(params.model_dir) / "onnx"
+        with library_logs_to_triton(pb_utils, self.name):
+            runner = open_campplus(params.model_dir, params.engine, params.device, cache_dir=onnx_dir / "trt")
+        self.encoder = PromptEncoder(campplus=runner, speech_tokenizer=None)  # only .speaker_embedding
 
     def execute(self, requests):
         responses = []

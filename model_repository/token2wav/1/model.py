@@ -2,6 +2,9 @@
 (contract: triton/contracts.py). Per-stream state lives in the engine, keyed by `stream_id`, and is freed
 on the final chunk, on a `cancel` request and after `idle_timeout_s` without chunks (checked on every
 batch, and by a timer while no chunks come).
+
+Flow and HiFT come from `build_token2wav` with the `engine`, `precision` and `onnx_dir` parameters
+(ONNX graphs exported on first use; a fallback is one warning line in Triton's log).
 """
 from __future__ import annotations
 
@@ -12,11 +15,11 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.models.flow import FlowModel
-from cosyvoice_triton.models.hift import HiFTGenerator
+from cosyvoice_triton.engines.select import build_token2wav
 from cosyvoice_triton.runtime.token2wav_engine import Token2WavEngine
 from cosyvoice_triton.triton import instance_device
 from cosyvoice_triton.triton.contracts import StreamCancel, parse_chunk
+from cosyvoice_triton.triton.logs import library_logs_to_triton
 from cosyvoice_triton.triton.metrics import TOKEN2WAV_METRICS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import Token2WavParams, parse_parameters
 from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
@@ -31,11 +34,13 @@ class TritonPythonModel:
             raise ValueError(f"{self.name}: max_batch_size {config.get('max_batch_size')} != max_batch "
                              f"{params.max_batch}")
         if params.torch_threads > 0:
-            torch.set_num_threads(params.torch_threads)
+            torch.set_num_threads(params.torch_threads)  # before the runners: ONNX Runtime takes as many
         device = instance_device(params.device, args)
-        self.engine = Token2WavEngine(FlowModel.from_model_dir(params.model_dir, device=device),
-                                      HiFTGenerator.from_model_dir(params.model_dir, device=device),
-                                      max_streams=params.max_streams, max_batch=params.max_batch,
+        with library_logs_to_triton(pb_utils, self.name):
+            # TensorRT profile: up to max_batch chunks (2 * max_batch estimator rows) per flow call.
+            flow, hift = build_token2wav(params.model_dir, params.engine, device, precision=params.precision,
+                                         onnx_dir=params.onnx_dir, max_streams=params.max_batch)
+        self.engine = Token2WavEngine(flow, hift, max_streams=params.max_streams, max_batch=params.max_batch,
                                       idle_timeout_s=params.idle_timeout_s)
         self.metrics = ModelMetrics(pb_utils, TOKEN2WAV_METRICS, instance_labels(args))
         self._lock = threading.Lock()  # the engine has one caller at a time: execute or the idle timer

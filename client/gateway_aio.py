@@ -1,0 +1,277 @@
+"""asyncio client of the gateway (aiohttp): `AsyncGatewayTTS`, with the methods of `GatewayTTS` awaited.
+
+```
+async with AsyncGatewayTTS("http://localhost:8080") as tts:
+    audio = await tts.synthesize("Hello there.", voice_id="default")
+    async with await tts.stream("Hello there.") as chunks:          # HTTP chunked PCM
+        async for chunk in chunks: ...
+    async with await tts.stream_ws(llm_tokens()) as chunks:        # text in from an async iterator
+        async for chunk in chunks: ...
+```
+`stream()` and `stream_ws()` are awaited once (the request is sent and its answer begun) and then
+iterated; `aclose()` (or leaving `async with`) before the end cancels the synthesis on the server.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from urllib.parse import quote
+
+import aiohttp
+import numpy as np
+
+from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo
+from .gateway_client import DEFAULT_URL, StreamInfo, _PcmDecoder, _voice_form, tts_body, voice_from_json
+
+
+class AsyncHttpAudioStream(AsyncIterator[np.ndarray]):
+    def __init__(self, response, started: float):
+        self._response = response
+        self._decoder = _PcmDecoder()
+        self._started = started
+        seed = response.headers.get("X-Seed")
+        self.stats = StreamInfo(request_id=response.headers.get("X-Request-Id"), seed=int(seed) if seed else None,
+                                sample_rate=int(response.headers.get("X-Sample-Rate") or SAMPLE_RATE))
+
+    def __aiter__(self) -> AsyncHttpAudioStream:
+        return self
+
+    async def __anext__(self) -> np.ndarray:
+        while True:
+            try:
+                data = await self._response.content.readany()
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                await self.aclose()
+                raise TTSError(f"the stream was cut before its end ({type(exc).__name__})", status=502) from None
+            if not data:
+                await self.aclose()
+                raise StopAsyncIteration
+            chunk = self._decoder.feed(data)
+            if chunk.size:
+                self.stats._add(chunk, self._started)
+                return chunk
+
+    async def aclose(self) -> None:
+        self._response.close()
+
+    async def __aenter__(self) -> AsyncHttpAudioStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class AsyncWsAudioStream(AsyncIterator[np.ndarray]):
+    def __init__(self, ws, started: float):
+        self._ws = ws
+        self._decoder = _PcmDecoder()
+        self._started = started
+        self._done = False
+        self._sender: asyncio.Task | None = None
+        self.stats = StreamInfo()
+
+    async def _begin(self, texts: Iterable[str] | AsyncIterable[str] | None) -> None:
+        started_message = await self._receive()
+        if isinstance(started_message, bytes):
+            raise TTSError("expected the started message, got audio", status=502)
+        self.stats.request_id = started_message.get("request_id")
+        self.stats.seed = started_message.get("seed")
+        self.stats.sample_rate = started_message.get("sample_rate", SAMPLE_RATE)
+        if texts is not None:
+            self._sender = asyncio.create_task(self._send_all(texts))
+
+    async def _send_all(self, texts) -> None:
+        try:
+            if isinstance(texts, AsyncIterable):
+                async for text in texts:
+                    await self.send_text(text)
+            else:
+                for text in texts:
+                    await self.send_text(text)
+            await self.end()
+        except Exception:  # noqa: BLE001 - the session ended (its error reaches the reader)
+            pass
+
+    async def send_text(self, text: str) -> None:
+        await self._ws.send_json({"type": "text", "text": text})
+
+    async def flush(self) -> None:
+        await self._ws.send_json({"type": "flush"})
+
+    async def end(self) -> None:
+        await self._ws.send_json({"type": "end"})
+
+    async def _receive(self) -> dict | bytes:
+        message = await self._ws.receive()
+        if message.type == aiohttp.WSMsgType.BINARY:
+            return message.data
+        if message.type == aiohttp.WSMsgType.TEXT:
+            data = json.loads(message.data)
+            if data.get("type") == "error":
+                await self.aclose()
+                raise TTSError.from_body(data)
+            return data
+        self._done = True
+        raise TTSError(f"the gateway closed the WebSocket (code {self._ws.close_code})", status=502)
+
+    def __aiter__(self) -> AsyncWsAudioStream:
+        return self
+
+    async def __anext__(self) -> np.ndarray:
+        while not self._done:
+            message = await self._receive()
+            if isinstance(message, bytes):
+                chunk = self._decoder.feed(message)
+                if chunk.size:
+                    self.stats._add(chunk, self._started)
+                    return chunk
+            elif message.get("type") == "segment":
+                self.stats.segments.append(message)
+            elif message.get("type") == "end":
+                self.stats.end = message
+                await self.aclose()
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        self._done = True
+        if self._sender is not None and not self._sender.done():
+            self._sender.cancel()
+        await self._ws.close()
+
+    async def __aenter__(self) -> AsyncWsAudioStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class AsyncGatewayTTS:
+    """asyncio client of the gateway (aiohttp). Same methods as `GatewayTTS`, awaited; `stream()` and
+    `stream_ws()` are awaited once and then iterated with `async for`."""
+
+    def __init__(self, url: str = DEFAULT_URL, *, api_key: str | None = None, timeout_s: float = 600.0):
+        self.url = (url if "://" in url else f"http://{url}").rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self._session = None
+
+    @property
+    def session(self):
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s))
+        return self._session
+
+    async def _open(self, method: str, path: str, **kwargs):
+        try:
+            response = await self.session.request(method, self.url + path, **kwargs)
+        except aiohttp.ClientConnectionError as exc:
+            raise TTSError(f"cannot reach the gateway at {self.url}: {exc}", status="UNREACHABLE") from None
+        if response.status >= 400:
+            data = await response.read()
+            response.release()
+            try:
+                body = json.loads(data)
+            except ValueError:
+                body = data.decode("utf-8", "replace")
+            raise TTSError.from_body(body, response.status)
+        return response
+
+    async def _request(self, method: str, path: str, **kwargs) -> bytes:
+        response = await self._open(method, path, **kwargs)
+        try:
+            return await response.read()
+        finally:
+            response.release()
+
+    async def _json(self, method: str, path: str, payload: dict | None = None) -> dict:
+        return json.loads(await self._request(method, path, json=payload))
+
+    async def synthesize(self, text: str, **options) -> np.ndarray:
+        body = {**tts_body(text, **options), "format": "pcm_f32"}
+        return np.frombuffer(await self._request("POST", "/v1/tts", json=body), "<f4").astype(np.float32)
+
+    async def synthesize_wav(self, text: str, **options) -> bytes:
+        return await self._request("POST", "/v1/tts", json={**tts_body(text, **options), "format": "wav"})
+
+    async def stream(self, text: str, **options) -> AsyncHttpAudioStream:
+        body = {**tts_body(text, **options), "format": "pcm_f32", "stream": True}
+        started = time.monotonic()
+        return AsyncHttpAudioStream(await self._open("POST", "/v1/tts", json=body), started)
+
+    async def stream_ws(self, text: str | Iterable[str] | AsyncIterable[str] | None = None,
+                        **options) -> AsyncWsAudioStream:
+        start = {"type": "start", **tts_body(None, **options), "format": "pcm_f32"}
+        if isinstance(text, str):
+            start["text"] = text
+        ws_url = "ws" + self.url[4:] + "/v1/tts/ws"
+        try:
+            ws = await self.session.ws_connect(ws_url, max_msg_size=0)
+        except aiohttp.WSServerHandshakeError as exc:
+            raise TTSError(exc.message or f"WebSocket refused ({exc.status})", status=exc.status) from None
+        except aiohttp.ClientConnectionError as exc:
+            raise TTSError(f"cannot reach the gateway at {self.url}: {exc}", status="UNREACHABLE") from None
+        started = time.monotonic()
+        stream = AsyncWsAudioStream(ws, started)
+        try:
+            await ws.send_json(start)
+            if isinstance(text, str):
+                await ws.send_json({"type": "end"})
+            await stream._begin(None if isinstance(text, str) else text)
+        except BaseException:
+            await ws.close()
+            raise
+        return stream
+
+    async def speech(self, input: str, *, voice: str = "default", model: str = "cosyvoice2",
+                     response_format: str = "wav", instructions: str | None = None, seed: int | None = None) -> bytes:
+        body = {"model": model, "input": input, "voice": voice, "response_format": response_format}
+        if instructions is not None:
+            body["instructions"] = instructions
+        if seed is not None:
+            body["seed"] = seed
+        return await self._request("POST", "/v1/audio/speech", json=body)
+
+    async def add_voice(self, audio: PromptAudio, prompt_text: str = "", *, voice_id: str | None = None,
+                        name: str | None = None, sample_rate: int | None = None) -> VoiceInfo:
+        fields, data, filename = _voice_form(audio, prompt_text, voice_id, name, sample_rate)
+        form = aiohttp.FormData()
+        for key, value in fields.items():
+            form.add_field(key, value)
+        form.add_field("audio", data, filename=filename, content_type="application/octet-stream")
+        return voice_from_json(json.loads(await self._request("POST", "/v1/voices", data=form)))
+
+    async def list_voices(self) -> list[VoiceInfo]:
+        return [voice_from_json(v) for v in (await self._json("GET", "/v1/voices"))["voices"]]
+
+    async def get_voice(self, voice_id: str) -> VoiceInfo:
+        return voice_from_json(await self._json("GET", f"/v1/voices/{quote(voice_id, safe='')}"))
+
+    async def delete_voice(self, voice_id: str) -> None:
+        await self._json("DELETE", f"/v1/voices/{quote(voice_id, safe='')}")
+
+    async def healthy(self) -> bool:
+        try:
+            return (await self._json("GET", "/healthz")).get("status") == "ok"
+        except TTSError:
+            return False
+
+    async def ready(self) -> dict:
+        try:
+            return await self._json("GET", "/readyz")
+        except TTSError as exc:
+            return {"ready": False, "error": exc.message}
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> AsyncGatewayTTS:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,85 @@
+"""`cosyvoice-triton up` as a user runs it: tritonserver and the gateway from one command, on a fresh home."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import soundfile as sf
+
+from cosyvoice_triton.server import free_port
+from triton_harness import tritonserver_or_skip
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _lines(stream, out: queue.Queue) -> None:
+    for line in stream:
+        out.put(line)
+
+
+def _request(url: str, body: dict | None = None, timeout_s: float = 60.0) -> tuple[int, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+    except OSError:
+        return 0, b""
+
+
+def test_up_starts_triton_and_the_gateway_with_a_default_voice(tiny_model_dir, tmp_path):
+    tritonserver_or_skip()
+    home = tmp_path / "home"
+    port = free_port()
+    command = [sys.executable, "-m", "cosyvoice_triton.cli", "up", "--model-dir", str(tiny_model_dir),
+               "--host", "127.0.0.1", "--port", str(port), "--triton-http-port", "0", "--triton-grpc-port", "0",
+               "--triton-metrics-port", "0", "--workers", "4", "--torch-threads", "1", "--max-token-text-ratio", "3"]
+    env = {**os.environ, "COSYVOICE_HOME": str(home)}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_lines, args=(process.stdout, lines), daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        status = 0
+        while status != 200:
+            assert process.poll() is None, "".join(lines.queue)
+            assert time.monotonic() < deadline, "not ready in time:\n" + "".join(lines.queue)
+            time.sleep(0.5)
+            status, body = _request(url + "/readyz", timeout_s=5)
+        assert json.loads(body)["default_voice"] == "ready"
+
+        status, body = _request(url + "/v1/tts", {"text": "A fresh install speaks.", "voice": "default", "seed": 1})
+        assert status == 200, body[:300]
+        audio, rate = sf.read(io.BytesIO(body))
+        assert rate == 24000 and audio.size > 0
+        status, body = _request(url + "/v1/voices")
+        assert status == 200 and [v["id"] for v in json.loads(body)["voices"]] == ["default"]
+        assert (home / "voices.sqlite").exists() and (home / "default_voice.wav").exists()
+
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = "".join(lines.queue)
+    assert "gateway  http://127.0.0.1:" in output and "tritonserver stopped (exit code" in output, output
+    grpc_port = int(re.search(r"triton   grpc 127\.0\.0\.1:(\d+)", output).group(1))
+    for port_in_use in (grpc_port, port):  # both servers are gone
+        with socket.socket() as sock, pytest.raises(ConnectionRefusedError):
+            sock.connect(("127.0.0.1", port_in_use))

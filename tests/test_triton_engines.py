@@ -1,0 +1,135 @@
+"""The engine switch on a real tritonserver: token2wav on ONNX Runtime, and TensorRT asked for where it
+cannot run (no GPU, no tensorrt package), which must fall back to ONNX Runtime and still serve.
+
+Both servers run every model of model_repository/ on a tiny random folder, started as `cosyvoice-triton
+serve --engine ...` starts them (free ports, max_token_text_ratio 3 as in test_triton_serving.py). Their
+streamed audio is compared with the library's in-process pipeline on torch (`Orchestrator` over the
+reference LLM and token2wav) for the same inputs and seed. Tolerance 1e-3 absolute, as the engine tests'
+end-to-end waveforms: ONNX Runtime's graphs differ from torch by ~1e-6 on mels, which moves HiFT's F0 and
+so its harmonic phase a little. Measured ~1e-5 here, where the tiny model's audio peaks at ~5e-2 and
+another seed changes it by ~2e-2.
+"""
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cosyvoice_triton.export.sample_prompt import speech_like
+from cosyvoice_triton.triton.contracts import synthesis_inputs
+from triton_harness import GrpcStream, tritonserver_or_skip
+
+RATIO = 3.0
+RATE = 16000
+PROMPT_TEXT = "a short voice prompt"
+TEXT = "Engines should not change what the server says. Not even a little."
+SEED = 21
+ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def engine_model(tmp_path_factory) -> Path:
+    """A tiny folder of its own: the onnxruntime server exports its graphs into `<model>/onnx`."""
+    from cosyvoice_triton.export.random_model import write_random_model
+
+    return write_random_model(tmp_path_factory.mktemp("engines") / "model", size="tiny", seed=0)
+
+
+def prepared(model_dir: Path, run_dir: Path, engine: str, **options):
+    from cosyvoice_triton.server.launcher import ServeOptions, prepare
+
+    options = ServeOptions(model_dir=model_dir, run_dir=run_dir, address="127.0.0.1", http_port=None,
+                           grpc_port=None, metrics_port=None, voice_store=str(run_dir / "voices.sqlite"),
+                           max_token_text_ratio=RATIO, torch_threads=1, workers=2, engine=engine, **options)
+    return prepare(options, binary=tritonserver_or_skip(), die_with_parent=True)
+
+
+@pytest.fixture(scope="module")
+def servers(engine_model, tmp_path_factory) -> dict[str, object]:
+    """Both servers, started side by side. The onnxruntime one exports into `<model>/onnx` (the default);
+    the tensorrt one, to not race it there, into its own `--onnx-dir`."""
+    run_dirs = {engine: tmp_path_factory.mktemp(f"serve_{engine}") for engine in ("onnxruntime", "tensorrt")}
+    servers = {"onnxruntime": prepared(engine_model, run_dirs["onnxruntime"], "onnxruntime"),
+               "tensorrt": prepared(engine_model, run_dirs["tensorrt"], "tensorrt",
+                                    onnx_dir=run_dirs["tensorrt"] / "graphs")}
+    with ThreadPoolExecutor(len(servers)) as pool:
+        starts = [pool.submit(server.start) for server in servers.values()]
+        wait(starts)  # both done (or failed) before any is stopped
+        try:
+            for started in starts:
+                started.result()
+            yield servers
+        finally:
+            list(pool.map(lambda server: server.stop(), servers.values()))
+
+
+@pytest.fixture(scope="module")
+def prompt() -> np.ndarray:
+    return speech_like(1.5, RATE, seed=3, pitch_hz=110.0)
+
+
+@pytest.fixture(scope="module")
+def reference_chunks(engine_model, prompt) -> list[np.ndarray]:
+    """The streamed chunks of the library's pipeline, all on torch."""
+    import torch
+
+    from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
+    from cosyvoice_triton.runtime.orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav
+    from cosyvoice_triton.runtime.request import SynthesisRequest
+    from cosyvoice_triton.runtime.synthesizer import CosyVoice2
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tts = CosyVoice2.from_model_dir(engine_model)
+        tts.llm.config.max_token_text_ratio = RATIO
+        orchestrator = Orchestrator(tts.frontend, ReferenceLLM(tts.llm), ReferenceToken2Wav(tts.token2wav))
+        request = SynthesisRequest(text=TEXT, voice=tts.encode_voice(prompt, RATE, PROMPT_TEXT), seed=SEED,
+                                   sampling=tts.llm.config.sampling, chunk_policy=ChunkPolicy())
+        return [chunk for chunk in orchestrator.run(request, stream=True) if chunk.size]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def streamed(server, prompt: np.ndarray) -> list[np.ndarray]:
+    values = synthesis_inputs(TEXT, samples=prompt, sample_rate=RATE, reference_text=PROMPT_TEXT, seed=SEED)
+    with GrpcStream(server.grpc_url, timeout_s=120) as stream:
+        responses = stream.infer("cosyvoice2", values)
+    errors = [r.error for r in responses if r.error]
+    assert not errors, errors
+    assert responses[-1].final
+    return [r.outputs["waveform"] for r in responses if r.outputs.get("waveform") is not None
+            and r.outputs["waveform"].size]
+
+
+def assert_same_audio(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(want) >= 3  # a stream of several chunks, not one
+    assert [c.size for c in got] == [c.size for c in want]
+    got, want = np.concatenate(got), np.concatenate(want)
+    print(f"max abs difference to the torch reference: {np.abs(got - want).max():.1e} (peak {np.abs(want).max():.2f})")
+    np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+
+
+def log_lines(server, pattern: str) -> list[str]:
+    return [line for line in server.log_path.read_text(errors="replace").splitlines() if re.search(pattern, line)]
+
+
+def test_onnxruntime_server_streams_the_torch_audio(servers, engine_model, prompt, reference_chunks):
+    ort_server = servers["onnxruntime"]
+    assert_same_audio(streamed(ort_server, prompt), reference_chunks)
+    # exported on first use into the model folder, and actually used
+    assert (engine_model / "onnx" / "manifest.json").exists()
+    assert len(log_lines(ort_server, r"token2wav: .*token2wav on onnxruntime \(cpu\)")) == 1
+    assert not log_lines(ort_server, r"is not available")
+
+
+def test_tensorrt_falls_back_once_and_still_serves(servers, prompt, reference_chunks):
+    trt_server = servers["tensorrt"]
+    token2wav = log_lines(trt_server, r"token2wav: .*engine 'tensorrt' is not available on cpu .*using 'onnxruntime'")
+    campplus = log_lines(trt_server, r"speaker_embedding: .*CAM\+\+: engine 'tensorrt' is not available")
+    assert len(token2wav) == 1 and len(campplus) == 1, log_lines(trt_server, r"not available")
+    assert len(log_lines(trt_server, r"token2wav on onnxruntime \(cpu\).* from .*/graphs")) == 1
+    assert_same_audio(streamed(trt_server, prompt), reference_chunks)

@@ -1,0 +1,153 @@
+"""The web page (gateway/static) in headless Chromium, served by the real gateway in front of a real
+tritonserver (tests/web/stack.py), driven over the DevTools protocol (tests/web/cdp_browser.py).
+
+A person's path through the page: pick the default voice, type, press Speak: the page streams over the
+WebSocket and plays the chunks through Web Audio, showing the first-chunk latency and the audio seconds
+received; register a voice from an uploaded file and from the (fake) microphone; see a server error.
+Screenshots go to the test's tmp dir (their paths are printed; run with -s to see them).
+"""
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from cosyvoice_triton.client import GatewayTTS, write_wav
+from cosyvoice_triton.export.sample_prompt import speech_like
+from web.cdp_browser import Chromium, find_chromium
+from web.stack import serve_stack
+
+pytest.importorskip("cosyvoice_triton.gateway.app", reason="the gateway (cosyvoice_triton.gateway.app) is missing")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    if find_chromium() is None:
+        pytest.skip("no chromium to run the page in (Debian: apt-get install chromium; or set CHROMIUM)")
+    with serve_stack(tmp_path_factory.mktemp("web_page"), tiny_model_dir) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def browser(stack, tmp_path_factory):
+    with Chromium.launch(tmp_path_factory.mktemp("chromium") / "profile") as browser:
+        yield browser
+
+
+@pytest.fixture
+def page(browser, stack):
+    page = browser.new_page()
+    page.goto(stack.gateway_url + "/")
+    page.wait_for("document.querySelector('#server').dataset.ready === 'yes'", 60)
+    page.wait_for("!!document.querySelector('#voice option[value=\"default\"]')", 30)
+    yield page
+    assert page.errors == [], page.errors  # no uncaught exception in the page
+    page.call("Page.close")
+
+
+def speak(page, text: str, timeout_s: float = 120.0) -> str:
+    page.fill("#text", text)
+    page.click("#speak")
+    return page.wait_for("['done', 'error'].includes(document.querySelector('#status').dataset.state) "
+                         "&& document.querySelector('#status').dataset.state", timeout_s)
+
+
+def registered(page, timeout_s: float = 60.0) -> None:
+    """Wait for the registration's outcome; fail with the page's error message if it failed."""
+    page.wait_for("document.querySelector('#register-status').textContent.startsWith('Registered') "
+                  "|| !document.querySelector('#error').hidden", timeout_s)
+    assert page.text("#register-status").startswith("Registered"), page.text("#error")
+
+
+def shot(page, tmp_path, name: str):
+    path = page.screenshot(tmp_path / f"{name}.png")
+    print(f"screenshot: {path}")
+    return path
+
+
+def test_speak_streams_audio_into_web_audio_and_shows_the_latency(page, tmp_path):
+    assert page.evaluate("document.querySelector('#voice').value") == "default"
+    page.select("#voice", "default")
+    assert "default voice" in page.text("#voice-info")
+    page.fill("#seed", "9007199254740993")  # 2^53 + 1: more than a JavaScript number holds exactly
+    state = speak(page, "Hello from the web page. It plays the audio while it streams in.")
+    assert state == "done", page.text("#error")
+    first_ms = float(page.text("#first-chunk"))
+    seconds = float(page.text("#audio-seconds"))
+    assert first_ms > 0 and seconds > 0
+    assert int(page.text("#chunks")) >= 1 and page.text("#used-seed") == "9007199254740993"
+    assert page.evaluate("document.querySelector('#error').hidden")
+    assert not page.evaluate("document.querySelector('#download').hidden")  # a WAV of what was received
+    # "done" comes after the last scheduled AudioBufferSourceNode ended: the audio went through Web Audio.
+    assert page.evaluate("document.querySelector('#stop').disabled && !document.querySelector('#speak').disabled")
+    shot(page, tmp_path, "spoken")
+
+
+def test_register_an_uploaded_voice_and_speak_with_it(page, tmp_path):
+    prompt = write_wav(tmp_path / "upload.wav", speech_like(1.6, 16000, seed=31), 16000)
+    document = page.call("DOM.getDocument")["root"]["nodeId"]
+    node = page.call("DOM.querySelector", {"nodeId": document, "selector": "#voice-file"})["nodeId"]
+    page.call("DOM.setFileInputFiles", {"files": [str(prompt)], "nodeId": node})
+    page.fill("#voice-text", "a short voice prompt")
+    page.fill("#voice-name", "Uploaded")
+    page.fill("#voice-id", "page_upload")
+    page.click("#register")
+    registered(page)
+    assert page.evaluate("document.querySelector('#voice').value") == "page_upload"
+    assert "Uploaded (page_upload)" in page.evaluate(
+        "document.querySelector('#voice').selectedOptions[0].textContent")
+    assert speak(page, "A cloned voice speaks.") == "done", page.text("#error")
+    assert float(page.text("#audio-seconds")) > 0
+    shot(page, tmp_path, "uploaded")
+
+
+def test_record_a_voice_with_the_microphone(page, stack, tmp_path):
+    page.click("#record")
+    page.wait_for("document.querySelector('#record').getAttribute('aria-pressed') === 'true'", 10)
+    page.evaluate("new Promise(resolve => setTimeout(resolve, 1500))")  # ~1.5 s of the fake microphone
+    page.click("#record")
+    page.wait_for("document.querySelector('#register-status').textContent.startsWith('Recording ready')", 20)
+    page.fill("#voice-text", "a beep from the fake microphone")
+    page.click("#register")
+    registered(page)
+    voice_id = page.evaluate("document.querySelector('#voice').value")
+    with GatewayTTS(stack.gateway_url) as tts:
+        info = tts.get_voice(voice_id)
+    assert info.prompt_text == "a beep from the fake microphone" and info.prompt_seconds >= 1.0
+    shot(page, tmp_path, "recorded")
+
+
+def test_stop_cancels_the_stream_on_the_server(page, stack, tmp_path):
+    from triton_harness import metric_value, scrape, wait_for_metric
+
+    metrics_url = stack.triton.metrics_url
+    before = metric_value(scrape(metrics_url), "cosyvoice_llm_streams_total", model="llm", reason="cancelled") or 0
+    endless = ", ".join(["this clause keeps the one sentence going on and on"] * 25) + "."
+    page.fill("#text", endless)
+    page.click("#speak")
+    page.wait_for("document.querySelector('#status').dataset.state === 'streaming'", 120)
+    page.click("#stop")
+    assert page.text("#status") == "Stopped" and float(page.text("#audio-seconds")) > 0
+    assert page.evaluate("!document.querySelector('#speak').disabled && document.querySelector('#error').hidden")
+    wait_for_metric(metrics_url, "cosyvoice_llm_streams_total", lambda v: v is not None and v >= before + 1,
+                    model="llm", reason="cancelled")
+    wait_for_metric(metrics_url, "cosyvoice_active_streams", lambda v: v == 0, model="cosyvoice2")
+    shot(page, tmp_path, "stopped")
+
+
+def test_a_server_error_is_shown(page, stack, tmp_path):
+    with GatewayTTS(stack.gateway_url) as tts:
+        tts.add_voice(write_wav(tmp_path / "gone.wav", speech_like(1.2, 16000, seed=41), 16000),
+                      "a short voice prompt", voice_id="page_gone")
+    page.click("#refresh-voices")
+    page.wait_for("!!document.querySelector('#voice option[value=\"page_gone\"]')", 20)
+    page.select("#voice", "page_gone")
+    request = urllib.request.Request(f"{stack.gateway_url}/v1/voices/page_gone", method="DELETE")
+    with urllib.request.urlopen(request, timeout=30) as response:  # deleted behind the page's back
+        assert json.loads(response.read())["deleted"] is True
+    assert speak(page, "This voice is gone.") == "error"
+    message = page.text("#error")
+    assert "voice_id" in message and "page_gone" in message
+    assert page.evaluate("!document.querySelector('#error').hidden")
+    shot(page, tmp_path, "error")

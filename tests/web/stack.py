@@ -1,0 +1,89 @@
+"""The whole service for client and page tests: a real tritonserver (through the launcher, on a tiny random
+model, free ports) and the aiohttp gateway in front of it, served from a thread of the test process
+(`cosyvoice_triton.gateway.testing.GatewayThread`).
+
+```
+with serve_stack(tmp_path_factory.mktemp("stack")) as stack:
+    stack.triton.grpc_url, stack.gateway_url, stack.model_dir
+```
+The server runs with max_token_text_ratio 3 (the random LLM rarely stops on its own; 3 speech tokens per
+text token keeps requests short) and one torch thread per model. Skips, naming the reason, when no
+tritonserver can be found. Both voice stores are the same SQLite file, as with `cosyvoice-triton up`.
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+RATIO = 3.0
+
+
+@dataclass
+class Stack:
+    triton: object  # TritonProcess
+    gateway_url: str  # http://127.0.0.1:PORT
+    model_dir: Path
+    voice_store: str
+
+
+@contextmanager
+def triton_server(root: Path, model_dir: Path | None = None) -> Iterator[tuple[object, Path, str]]:
+    from cosyvoice_triton.export.random_model import write_random_model
+    from cosyvoice_triton.server.launcher import ServeOptions, prepare
+    from triton_harness import tritonserver_or_skip
+
+    binary = tritonserver_or_skip()
+    if model_dir is None:
+        model_dir = write_random_model(root / "model", size="tiny", seed=0)
+    voice_store = str(root / "voices.sqlite")
+    options = ServeOptions(model_dir=model_dir, run_dir=root / "run", address="127.0.0.1", http_port=None,
+                           grpc_port=None, metrics_port=None, voice_store=voice_store, max_token_text_ratio=RATIO,
+                           torch_threads=1, workers=4)
+    server = prepare(options, binary=binary, die_with_parent=True)
+    server.start()
+    try:
+        yield server, model_dir, voice_store
+    finally:
+        server.stop()
+
+
+def wait_ready(url: str, timeout_s: float = 120.0) -> dict:
+    """Poll /readyz until the gateway is ready with voice "default" registered."""
+    deadline = time.monotonic() + timeout_s
+    body: dict = {}
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=5) as response:
+                body = json.loads(response.read())
+                if body.get("ready") and body.get("default_voice") == "ready":
+                    return body
+        except OSError as exc:  # 503 while not ready
+            body = {"error": str(exc)}
+        time.sleep(0.2)
+    raise TimeoutError(f"gateway at {url} not ready in {timeout_s:.0f} s: {body}")
+
+
+@contextmanager
+def gateway(triton, root: Path, model_dir: Path, voice_store: str) -> Iterator[str]:
+    """The gateway (`cosyvoice_triton.gateway.testing.GatewayThread`) on a free port; yields its URL once
+    it is ready with voice "default" registered."""
+    from cosyvoice_triton.gateway.config import GatewayConfig, TritonTarget
+    from cosyvoice_triton.gateway.testing import GatewayThread
+
+    config = GatewayConfig(triton=(TritonTarget(grpc=triton.grpc_url, metrics_url=triton.metrics_url),),
+                           voice_store=voice_store, model_dir=model_dir, home=root, shutdown_timeout_s=5.0)
+    with GatewayThread(config) as thread:
+        wait_ready(thread.url)
+        yield thread.url
+
+
+@contextmanager
+def serve_stack(root: Path, model_dir: Path | None = None) -> Iterator[Stack]:
+    with triton_server(root, model_dir) as (server, model_dir, voice_store):
+        with gateway(server, root / "gateway", model_dir, voice_store) as url:
+            yield Stack(triton=server, gateway_url=url, model_dir=model_dir, voice_store=voice_store)
