@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine.
-#   ./run.sh serve [args]   set up, then start the service (a tiny random model unless --model-dir is given)
+#   ./run.sh serve [args]   set up, then start the service: tritonserver + the gateway on http://localhost:8080
+#                           (a tiny random model unless --model-dir is given)
 #   ./run.sh test  [args]   set up, then run the test suite (args go to pytest)
 #   ./run.sh setup          only set up: system packages and the virtualenv in .venv
 set -euo pipefail
@@ -13,7 +14,7 @@ setup() {
 
 case "${1:-}" in
   setup) setup ;;
-  serve) shift; setup; exec "$VENV/bin/cosyvoice-triton" serve "$@" ;;
+  serve) shift; setup; exec "$VENV/bin/cosyvoice-triton" up "$@" ;;
   synth) shift; setup; exec "$VENV/bin/cosyvoice-triton" synth "$@" ;;
   test)  shift; setup; exec "$VENV/bin/python" -m pytest "$@" ;;
   *) echo "usage: ./run.sh {setup|serve|synth|test} [args]" >&2; exit 2 ;;

@@ -13,6 +13,7 @@ The TorchScript-based exporter (`dynamo=False`) is used: it needs no package bey
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ MANIFEST = "manifest.json"
 def export_graph(module: nn.Module, spec: GraphSpec, inputs: tuple[torch.Tensor, ...], path: Path,
                  opset: int = OPSET) -> Path:
     """Trace `module` on `inputs` to `path` with the spec's names and dynamic axes; checked, then moved in place."""
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     with torch.no_grad(), warnings.catch_warnings():
         # Known and harmless: the exporter is deprecated (see the module docstring) and cannot constant-fold
         # the negative-step Slice of the relative positions.
@@ -73,23 +74,41 @@ def export_token2wav(model_dir: str | Path, out_dir: str | Path, opset: int = OP
         log.info("exported %s", paths[name])
     manifest = {"opset": opset, "torch": torch.__version__, "sources": _sources(model_dir),
                 "graphs": {name: path.name for name, path in paths.items()}}
-    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # last: marks the set complete
+    partial = out_dir / f"{MANIFEST}.{os.getpid()}.partial"
+    partial.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(partial, out_dir / MANIFEST)  # last: marks the set complete
     return paths
+
+
+def _current_graphs(model_dir: Path, onnx_dir: Path) -> dict[str, Path] | None:
+    """The graphs in `onnx_dir` if its manifest says they were made from `model_dir`'s checkpoints."""
+    manifest_path = onnx_dir / MANIFEST
+    if not manifest_path.exists():
+        return None
+    manifest = json.loads(manifest_path.read_text())
+    paths = {name: onnx_dir / file for name, file in manifest["graphs"].items()}
+    if manifest["sources"] == _sources(model_dir) and all(path.exists() for path in paths.values()):
+        return paths
+    return None
 
 
 def token2wav_onnx(model_dir: str | Path, onnx_dir: str | Path | None = None) -> dict[str, Path]:
     """The token2wav ONNX graphs of `model_dir` (default folder `<model_dir>/onnx`), exported first when
-    they are missing or were made from other checkpoints."""
+    they are missing or were made from other checkpoints. Processes that share the folder (servers
+    started together on one model folder) export one at a time: the others wait and take the result."""
     model_dir = Path(model_dir)
     onnx_dir = Path(onnx_dir) if onnx_dir is not None else model_dir / "onnx"
-    manifest_path = onnx_dir / MANIFEST
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        paths = {name: onnx_dir / file for name, file in manifest["graphs"].items()}
-        if manifest["sources"] == _sources(model_dir) and all(path.exists() for path in paths.values()):
+    paths = _current_graphs(model_dir, onnx_dir)  # no lock needed (nor a writable folder) to read
+    if paths is not None:
+        return paths
+    onnx_dir.mkdir(parents=True, exist_ok=True)
+    with open(onnx_dir / ".export.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        paths = _current_graphs(model_dir, onnx_dir)
+        if paths is not None:
             return paths
-    log.info("exporting the token2wav ONNX graphs of %s to %s", model_dir, onnx_dir)
-    return export_token2wav(model_dir, onnx_dir)
+        log.info("exporting the token2wav ONNX graphs of %s to %s", model_dir, onnx_dir)
+        return export_token2wav(model_dir, onnx_dir)
 
 
 def verify_token2wav(model_dir: str | Path, paths: dict[str, Path], batch: int = 2,

@@ -32,29 +32,27 @@ ATOL = 1e-3
 
 @pytest.fixture(scope="module")
 def engine_model(tmp_path_factory) -> Path:
-    """A tiny folder of its own: the onnxruntime server exports its graphs into `<model>/onnx`."""
+    """A tiny folder of its own: the servers export their graphs into `<model>/onnx`."""
     from cosyvoice_triton.export.random_model import write_random_model
 
     return write_random_model(tmp_path_factory.mktemp("engines") / "model", size="tiny", seed=0)
 
 
-def prepared(model_dir: Path, run_dir: Path, engine: str, **options):
+def prepared(model_dir: Path, run_dir: Path, engine: str):
     from cosyvoice_triton.server.launcher import ServeOptions, prepare
 
     options = ServeOptions(model_dir=model_dir, run_dir=run_dir, address="127.0.0.1", http_port=None,
                            grpc_port=None, metrics_port=None, voice_store=str(run_dir / "voices.sqlite"),
-                           max_token_text_ratio=RATIO, torch_threads=1, workers=2, engine=engine, **options)
+                           max_token_text_ratio=RATIO, torch_threads=1, workers=2, engine=engine)
     return prepare(options, binary=tritonserver_or_skip(), die_with_parent=True)
 
 
 @pytest.fixture(scope="module")
 def servers(engine_model, tmp_path_factory) -> dict[str, object]:
-    """Both servers, started side by side. The onnxruntime one exports into `<model>/onnx` (the default);
-    the tensorrt one, to not race it there, into its own `--onnx-dir`."""
-    run_dirs = {engine: tmp_path_factory.mktemp(f"serve_{engine}") for engine in ("onnxruntime", "tensorrt")}
-    servers = {"onnxruntime": prepared(engine_model, run_dirs["onnxruntime"], "onnxruntime"),
-               "tensorrt": prepared(engine_model, run_dirs["tensorrt"], "tensorrt",
-                                    onnx_dir=run_dirs["tensorrt"] / "graphs")}
+    """Both servers, started side by side on one model folder: both find no graphs in `<model>/onnx` (the
+    default folder) and one exports them while the other waits for it."""
+    servers = {engine: prepared(engine_model, tmp_path_factory.mktemp(f"serve_{engine}"), engine)
+               for engine in ("onnxruntime", "tensorrt")}
     with ThreadPoolExecutor(len(servers)) as pool:
         starts = [pool.submit(server.start) for server in servers.values()]
         wait(starts)  # both done (or failed) before any is stopped
@@ -120,10 +118,16 @@ def log_lines(server, pattern: str) -> list[str]:
 def test_onnxruntime_server_streams_the_torch_audio(servers, engine_model, prompt, reference_chunks):
     ort_server = servers["onnxruntime"]
     assert_same_audio(streamed(ort_server, prompt), reference_chunks)
-    # exported on first use into the model folder, and actually used
-    assert (engine_model / "onnx" / "manifest.json").exists()
     assert len(log_lines(ort_server, r"token2wav: .*token2wav on onnxruntime \(cpu\)")) == 1
     assert not log_lines(ort_server, r"is not available")
+
+
+def test_the_graphs_are_exported_once_into_the_model_folder(servers, engine_model):
+    exports = [line for server in servers.values()
+               for line in log_lines(server, r"exporting the token2wav ONNX graphs of .* to .*/model/onnx")]
+    assert len(exports) == 1, exports  # one server exported, the other waited for its graphs
+    assert (engine_model / "onnx" / "manifest.json").exists()
+    assert not list((engine_model / "onnx").glob("*.partial"))
 
 
 def test_tensorrt_falls_back_once_and_still_serves(servers, prompt, reference_chunks):
@@ -131,5 +135,5 @@ def test_tensorrt_falls_back_once_and_still_serves(servers, prompt, reference_ch
     token2wav = log_lines(trt_server, r"token2wav: .*engine 'tensorrt' is not available on cpu .*using 'onnxruntime'")
     campplus = log_lines(trt_server, r"speaker_embedding: .*CAM\+\+: engine 'tensorrt' is not available")
     assert len(token2wav) == 1 and len(campplus) == 1, log_lines(trt_server, r"not available")
-    assert len(log_lines(trt_server, r"token2wav on onnxruntime \(cpu\).* from .*/graphs")) == 1
+    assert len(log_lines(trt_server, r"token2wav on onnxruntime \(cpu\)")) == 1
     assert_same_audio(streamed(trt_server, prompt), reference_chunks)
