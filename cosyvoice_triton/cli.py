@@ -135,6 +135,21 @@ def _run_up(args) -> int:
     return up(args)
 
 
+def _add_bench(sub) -> None:
+    from .perf.bench import add_arguments
+
+    p = sub.add_parser("bench", help="latency/RTF/throughput by concurrency against Triton or the gateway, "
+                                     "with a markdown + PNG report")
+    add_arguments(p)
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> int:
+    from .perf.bench import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cosyvoice-triton", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -143,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_synth(sub)
     _add_serve(sub)
     _add_up(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -13,8 +13,9 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
 fi
 
 # soundfile ships libsndfile in its wheel; redis-server backs the shared voice store and its tests;
-# libb64-0d is needed by perf_analyzer; chromium runs the web-page test headless.
-APT_PACKAGES="redis-server libb64-0d chromium"
+# libb64-0d is needed by perf_analyzer; chromium runs the web-page test headless; espeak-ng speaks the
+# benchmark prompts.
+APT_PACKAGES="redis-server libb64-0d chromium espeak-ng"
 missing=""
 for p in $APT_PACKAGES; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then

@@ -204,8 +204,9 @@ class GrpcStream:
     def __enter__(self) -> "GrpcStream":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        # After a failure a request may still be open: cancel it, or stop_stream would wait for it forever.
+        self.close(cancel_requests=exc_type is not None)
 
 
 # -- metrics ---------------------------------------------------------------------------------------

@@ -1,0 +1,56 @@
+# syntax=docker/dockerfile:1
+# CosyVoice2 on Triton: one image for every role (all-in-one `up`, `serve`, and the gateway).
+#
+#   docker build -t cosyvoice-triton:0.1.0 .
+#   docker run --gpus all --shm-size=1g -p 8080:8080 -p 8000-8002:8000-8002 \
+#       -v cosyvoice-home:/var/lib/cosyvoice cosyvoice-triton:0.1.0
+#
+# --shm-size=1g (or --ipc=host) is required: every Python-backend model instance keeps a region in
+# /dev/shm (16 MiB, grown on demand) and Docker's default /dev/shm is 64 MiB ("Failed to increase the
+# shared memory pool size" otherwise). In Kubernetes mount an emptyDir {medium: Memory} on /dev/shm.
+#
+# The base matches tritonserver 2.51 (the version the launcher and tests are written against). Pin it
+# by digest too when you publish: FROM nvcr.io/nvidia/tritonserver:24.10-py3@sha256:<digest>.
+FROM nvcr.io/nvidia/tritonserver:24.10-py3
+
+# torch: the PyPI Linux wheel bundles its own CUDA runtime (print torch.version.cuda to see which);
+# the host driver must support it. 2.13.0 is the version CI tests with (CPU build there). For an
+# older driver choose a build that matches the container's CUDA 12.6, e.g.
+#   --build-arg TORCH_VERSION=2.7.1 --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://pypi.org/simple
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    COSYVOICE_HOME=/var/lib/cosyvoice \
+    TRITONSERVER=/opt/tritonserver/bin/tritonserver
+
+WORKDIR /opt/cosyvoice-triton
+
+# Dependencies first (own layer, cached while only the source changes). Installed into the system
+# Python 3.10: the container's python_backend stub embeds 3.10 and imports from its site-packages.
+COPY deploy/docker/constraints.txt deploy/docker/constraints.txt
+RUN python3 -m pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+ && python3 -m pip install -c deploy/docker/constraints.txt \
+        "numpy" "onnx" "onnxruntime-gpu" "tokenizers" "safetensors" "pyyaml" "soundfile" "scipy" \
+        "wetext" "tritonclient[all]" "aiohttp" "websockets" "redis" "prometheus-client" "tensorrt"
+
+COPY . .
+# Editable on purpose: the launcher renders templates from <repo>/model_repository and the gateway
+# serves gateway/static, both found next to the source (they are not package data).
+# onnxruntime (a base dependency) and onnxruntime-gpu install the same module; keep the GPU one.
+RUN python3 -m pip install -c deploy/docker/constraints.txt -e ".[gpu]" \
+ && python3 -m pip uninstall -y onnxruntime \
+ && python3 -m pip install --force-reinstall --no-deps -c deploy/docker/constraints.txt onnxruntime-gpu \
+ && mkdir -p "${COSYVOICE_HOME}" \
+ && cosyvoice-triton --help > /dev/null
+
+VOLUME ["/var/lib/cosyvoice"]
+# 8000 Triton HTTP, 8001 Triton gRPC, 8002 Triton metrics, 8080 gateway (HTTP, WebSocket, /metrics)
+EXPOSE 8000 8001 8002 8080
+
+ENTRYPOINT ["cosyvoice-triton"]
+# --triton-address 0.0.0.0: `up` binds tritonserver to 127.0.0.1 by default; in a container the
+# exposed Triton ports (and Prometheus scraping 8002) need it on every interface.
+CMD ["up", "--port", "8080", "--device", "cuda", "--triton-address", "0.0.0.0"]

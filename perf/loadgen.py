@@ -1,0 +1,203 @@
+"""Closed-loop load generator (asyncio) against Triton gRPC or the gateway.
+
+For each concurrency level, `concurrency` clients each send a request, read its stream to the end and
+send the next, until `requests` requests of that level are done. Each request records the time to the
+first and second audio chunk (from sending it), its total time and its audio seconds; a level reports
+their p50/p90/p99, RTF (level wall time / audio seconds made) and throughput (audio seconds per second).
+
+Targets:
+- `TritonTarget("host:8001")`: the `cosyvoice2` decoupled model through `AsyncTritonTTS` (one
+  `ModelStreamInfer` call per request).
+- `GatewayTarget("http://host:8080")`: `POST /v1/tts` with `stream: true` through `AsyncGatewayTTS`.
+
+Voice mode `id` registers each distinct prompt once before the run and sends its id; `audio` sends the
+prompt recording with every request (the prompt is then encoded, or fetched from the server's cache,
+per request).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..client.common import SAMPLE_RATE, wav_bytes
+from ..client.gateway_aio import AsyncGatewayTTS
+from ..client.triton_client import AsyncTritonTTS
+from .scenarios import Case
+
+VOICE_MODES = ("id", "audio")
+
+
+@dataclass
+class RequestResult:
+    first_chunk_s: float | None = None
+    second_chunk_s: float | None = None
+    total_s: float = 0.0
+    audio_s: float = 0.0
+    chunks: int = 0
+    error: str | None = None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100) of `values`; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    wall_s: float
+    requests: list[RequestResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> list[RequestResult]:
+        return [r for r in self.requests if r.error is None]
+
+    @property
+    def errors(self) -> int:
+        return len(self.requests) - len(self.ok)
+
+    @property
+    def audio_s(self) -> float:
+        return sum(r.audio_s for r in self.ok)
+
+    def _times(self, name: str) -> list[float]:
+        return [getattr(r, name) for r in self.ok if getattr(r, name) is not None]
+
+    def summary(self) -> dict:
+        """Plain numbers (seconds) for the report and results.json."""
+        first, second, total = self._times("first_chunk_s"), self._times("second_chunk_s"), self._times("total_s")
+        out = {"concurrency": self.concurrency, "requests": len(self.requests), "errors": self.errors,
+               "wall_s": self.wall_s, "audio_s": self.audio_s,
+               "rtf": self.wall_s / self.audio_s if self.audio_s else None,
+               "throughput": self.audio_s / self.wall_s if self.wall_s else None,
+               "first_error": next((r.error for r in self.requests if r.error), None)}
+        for label, values in (("first_chunk", first), ("second_chunk", second), ("total", total)):
+            for q in (50, 90, 99):
+                out[f"{label}_p{q}_s"] = percentile(values, q)
+        return out
+
+
+class TritonTarget:
+    """Direct gRPC to the `cosyvoice2` model."""
+
+    kind = "triton"
+
+    def __init__(self, url: str, timeout_s: float = 600.0):
+        self.url = url
+        self.client = AsyncTritonTTS(url, timeout_s=timeout_s)
+
+    async def register(self, case: Case) -> str:
+        voice = await self.client.register_voice(case.prompt_audio, sample_rate=case.prompt_rate,
+                                                 prompt_text=case.prompt_text or None)
+        return voice.voice_id
+
+    async def stream(self, case: Case, voice_id: str | None, seed: int):
+        if voice_id is not None:
+            return self.client.stream(case.text, voice_id=voice_id, mode=case.mode, seed=seed)
+        return self.client.stream(case.text, prompt_audio=case.prompt_audio, prompt_sample_rate=case.prompt_rate,
+                                  prompt_text=case.prompt_text if case.mode == "zero_shot" else None,
+                                  mode=case.mode, seed=seed)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class GatewayTarget:
+    """The HTTP gateway's streamed `/v1/tts`."""
+
+    kind = "gateway"
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0):
+        self.url = url
+        self.client = AsyncGatewayTTS(url, api_key=api_key, timeout_s=timeout_s)
+
+    async def register(self, case: Case) -> str:
+        voice = await self.client.add_voice(wav_bytes(case.prompt_audio, case.prompt_rate), case.prompt_text)
+        return voice.voice_id
+
+    async def stream(self, case: Case, voice_id: str | None, seed: int):
+        if voice_id is not None:
+            return await self.client.stream(case.text, voice_id=voice_id, mode=case.mode, seed=seed)
+        return await self.client.stream(case.text, prompt_audio=wav_bytes(case.prompt_audio, case.prompt_rate),
+                                        prompt_text=case.prompt_text if case.mode == "zero_shot" else None,
+                                        mode=case.mode, seed=seed)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+async def one_request(target, case: Case, voice_id: str | None, seed: int) -> RequestResult:
+    result = RequestResult()
+    started = time.monotonic()
+    try:
+        stream = await target.stream(case, voice_id, seed)
+        async with stream:
+            async for chunk in stream:
+                now = time.monotonic() - started
+                if result.chunks == 0:
+                    result.first_chunk_s = now
+                elif result.chunks == 1:
+                    result.second_chunk_s = now
+                result.chunks += 1
+                result.audio_s += chunk.size / getattr(stream.stats, "sample_rate", SAMPLE_RATE)
+    except Exception as exc:  # noqa: BLE001 - counted per request, the run goes on
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+    result.total_s = time.monotonic() - started
+    return result
+
+
+async def run_level(target, cases: list[Case], voice_ids: list[str | None], concurrency: int,
+                    requests: int, seed: int = 0) -> LevelResult:
+    """`requests` requests by `concurrency` closed-loop clients; cases are taken round-robin."""
+    counter = iter(range(requests))
+    results: list[RequestResult] = []
+
+    async def client() -> None:
+        for k in counter:  # a shared iterator: each request index is taken once
+            results.append(await one_request(target, cases[k % len(cases)], voice_ids[k % len(cases)], seed + k))
+
+    started = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return LevelResult(concurrency, time.monotonic() - started, results)
+
+
+def progress_line(level: LevelResult) -> str:
+    s = level.summary()
+
+    def ms(key: str) -> str:
+        return "-" if s[key] is None else f"{1000 * s[key]:.0f}"
+
+    rtf = "-" if s["rtf"] is None else f"{s['rtf']:.3f}"
+    return (f"concurrency {s['concurrency']:>3}: {s['requests']} requests, {s['errors']} errors, "
+            f"first chunk p50/p90/p99 {ms('first_chunk_p50_s')}/{ms('first_chunk_p90_s')}/{ms('first_chunk_p99_s')} ms, "
+            f"RTF {rtf}, {s['audio_s']:.1f} s audio in {s['wall_s']:.1f} s")
+
+
+async def run_load(target, cases: list[Case], concurrencies: list[int], requests: int, *, voice_mode: str = "id",
+                   warmup: int = 1, on_level: Callable[[LevelResult], None] | None = None) -> list[LevelResult]:
+    """Every level in turn (after `warmup` unmeasured requests); `on_level` sees each as it finishes."""
+    if voice_mode not in VOICE_MODES:
+        raise ValueError(f"voice_mode must be one of {', '.join(VOICE_MODES)}, got {voice_mode!r}")
+    voice_ids: list[str | None] = [None] * len(cases)
+    if voice_mode == "id":
+        registered: dict[int, str] = {}
+        for i, case in enumerate(cases):
+            key = id(case.prompt_audio)
+            if key not in registered:
+                registered[key] = await target.register(case)
+            voice_ids[i] = registered[key]
+    for k in range(warmup):
+        await one_request(target, cases[k % len(cases)], voice_ids[k % len(cases)], 10_000 + k)
+    levels = []
+    for n, concurrency in enumerate(concurrencies):
+        level = await run_level(target, cases, voice_ids, concurrency, requests, seed=100_000 * (n + 1))
+        levels.append(level)
+        if on_level is not None:
+            on_level(level)
+    return levels

@@ -1,0 +1,136 @@
+"""Benchmark reports: `report.md` (environment + one table row per concurrency), `results.json`, and PNG
+plots (`first_chunk.png`: first-chunk p50/p99 vs concurrency; `rtf_throughput.png`: RTF and audio
+seconds per second vs concurrency), all in one folder per run.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from importlib import metadata
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_names() -> list[str]:
+    """GPU names from nvidia-smi (on this machine; the server may be elsewhere), or none."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(**extra: object) -> dict:
+    """Machine, versions and date; `extra` (target, model, scenario, ...) is merged in."""
+    import os
+
+    versions = {name: _version(name) for name in ("cosyvoice-triton", "cosyvoice_triton", "torch", "tritonclient",
+                                                  "nvidia-pytriton", "numpy")}
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpu": cpu_name(),
+            "cpu_count": os.cpu_count(), "gpu": ", ".join(gpu_names()) or "none",
+            "python": platform.python_version(), "platform": platform.platform(),
+            "versions": {k: v for k, v in versions.items() if v}, **extra}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{1000 * value:.0f}"
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(summaries: list[dict], env: dict) -> str:
+    lines = [f"# CosyVoice2 benchmark: {env.get('scenario', '')}", ""]
+    for key in ("date", "scenario", "scenario_description", "target", "voice_mode", "model", "server_version",
+                "requests_per_level", "cpu", "cpu_count", "gpu", "python", "platform"):
+        if env.get(key) not in (None, ""):
+            lines.append(f"- **{key}**: {env[key]}")
+    lines.append(f"- **versions**: {', '.join(f'{k} {v}' for k, v in env.get('versions', {}).items())}")
+    lines += ["", ("Times in ms from sending the request; RTF = level wall time / audio seconds made; "
+                   "throughput = audio seconds per second."), "",
+              ("| concurrency | requests | errors | first chunk p50 / p90 / p99 | second chunk p50 / p99 "
+               "| total p50 / p99 | audio (s) | RTF | throughput |"),
+              "|---:|---:|---:|---|---|---|---:|---:|---:|"]
+    for s in summaries:
+        lines.append(
+            f"| {s['concurrency']} | {s['requests']} | {s['errors']} | {_ms(s['first_chunk_p50_s'])} / "
+            f"{_ms(s['first_chunk_p90_s'])} / {_ms(s['first_chunk_p99_s'])} | {_ms(s['second_chunk_p50_s'])} / "
+            f"{_ms(s['second_chunk_p99_s'])} | {_ms(s['total_p50_s'])} / {_ms(s['total_p99_s'])} | "
+            f"{s['audio_s']:.1f} | {_num(s['rtf'])} | {_num(s['throughput'], 2)} |")
+    errors = [(s["concurrency"], s["first_error"]) for s in summaries if s.get("first_error")]
+    if errors:
+        lines += ["", "First error per level:", ""] + [f"- concurrency {c}: {e}" for c, e in errors]
+    return "\n".join(lines) + "\n"
+
+
+def plots(summaries: list[dict], out: Path, title: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [s["concurrency"] for s in summaries]
+
+    def series(key: str, scale: float = 1.0) -> list[float]:
+        return [float("nan") if s[key] is None else scale * s[key] for s in summaries]
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, series("first_chunk_p50_s", 1000), "o-", label="p50")
+    ax.plot(x, series("first_chunk_p99_s", 1000), "s--", label="p99")
+    ax.set(xlabel="concurrency", ylabel="first chunk (ms)", title=f"{title}: first chunk")
+    ax.set_xticks(x)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "first_chunk.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, series("rtf"), "o-", color="tab:red", label="RTF")
+    ax.set(xlabel="concurrency", ylabel="RTF (wall / audio)", title=f"{title}: RTF and throughput")
+    ax.set_xticks(x)
+    ax.grid(alpha=0.3)
+    twin = ax.twinx()
+    twin.plot(x, series("throughput"), "s--", color="tab:blue", label="throughput")
+    twin.set_ylabel("audio seconds per second")
+    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    ax.legend(handles, ["RTF", "throughput"], loc="upper left")
+    fig.tight_layout()
+    paths.append(out / "rtf_throughput.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def write(summaries: list[dict], env: dict, out: Path) -> dict[str, Path]:
+    """report.md, results.json and the plots in `out` (made if missing); their paths by name."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": out / "report.md", "json": out / "results.json"}
+    paths["markdown"].write_text(markdown(summaries, env), encoding="utf-8")
+    paths["json"].write_text(json.dumps({"environment": env, "levels": summaries}, indent=2, ensure_ascii=False),
+                             encoding="utf-8")
+    first, rtf = plots(summaries, out, env.get("scenario", "benchmark"))
+    paths.update(first_chunk_png=first, rtf_png=rtf)
+    return paths
