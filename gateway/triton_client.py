@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-import struct
 from collections.abc import AsyncIterator, Mapping
 
 import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from cosyvoice_triton.client.triton_client import infer_request, response_outputs
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -39,10 +40,6 @@ MODEL_INPUTS = frozenset({
 })
 _FIELD_MESSAGE = re.compile(r"^([a-z_]+): (.+)$", re.DOTALL)
 _BUSY_WORDS = ("busy", "queue is full", "unavailable", "no free", "limit reached")
-_DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64",
-           np.dtype(np.uint64): "UINT64", np.dtype(np.bool_): "BOOL"}
-_NUMPY = {"FP32": np.float32, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64, "BOOL": np.bool_,
-          "FP16": np.float16, "FP64": np.float64, "UINT8": np.uint8, "INT8": np.int8}
 
 
 class TritonCallError(Exception):
@@ -91,53 +88,7 @@ def rpc_error(error: grpc.aio.AioRpcError) -> TritonCallError:
     return TritonCallError(kind, f"{code.name}: {details}")
 
 
-# ---- tensors <-> protobuf ------------------------------------------------------------------------------
-
-def _serialize_bytes(array: np.ndarray) -> bytes:
-    parts = []
-    for item in array.reshape(-1):
-        data = item.encode("utf-8") if isinstance(item, str) else bytes(item)
-        parts.append(struct.pack("<I", len(data)) + data)
-    return b"".join(parts)
-
-
-def _deserialize_bytes(raw: bytes) -> list[bytes]:
-    items, offset = [], 0
-    while offset < len(raw):
-        (size,) = struct.unpack_from("<I", raw, offset)
-        items.append(raw[offset + 4:offset + 4 + size])
-        offset += 4 + size
-    return items
-
-
-def infer_request(model: str, inputs: Mapping[str, np.ndarray], request_id: str = "",
-                  empty_final: bool = False) -> service_pb2.ModelInferRequest:
-    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
-    for name, value in inputs.items():
-        array = np.asarray(value)
-        tensor = request.inputs.add()
-        tensor.name = name
-        tensor.shape.extend(array.shape)
-        if array.dtype.kind in "OSU":
-            tensor.datatype = "BYTES"
-            request.raw_input_contents.append(_serialize_bytes(array))
-        else:
-            tensor.datatype = _DTYPES[array.dtype]
-            request.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
-    if empty_final:
-        request.parameters["triton_enable_empty_final_response"].bool_param = True
-    return request
-
-
-def response_outputs(response: service_pb2.ModelInferResponse) -> dict[str, np.ndarray]:
-    outputs = {}
-    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=False):
-        shape = tuple(tensor.shape)
-        if tensor.datatype == "BYTES":
-            outputs[tensor.name] = np.array(_deserialize_bytes(raw), dtype=object).reshape(shape)
-        else:
-            outputs[tensor.name] = np.frombuffer(raw, dtype=_NUMPY[tensor.datatype]).reshape(shape)
-    return outputs
+# Tensors <-> protobuf: the SDK's helpers (one implementation for both sides).
 
 
 # ---- the client -----------------------------------------------------------------------------------------
