@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -213,3 +213,17 @@ def triton_error(pb, exc: BaseException, model: str = ""):
 
 def error_response(pb, exc: BaseException, model: str = ""):
     return pb.InferenceResponse(error=triton_error(pb, exc, model))
+
+
+def respond_each(pb, requests, model: str, outputs_of: Callable[[object], dict[str, np.ndarray]]) -> list:
+    """One response per request of a non-decoupled `execute`: the tensors `outputs_of(request)` names, or
+    that request's error. A bad request is answered on its own and never fails the others."""
+    responses = []
+    for request in requests:
+        try:
+            outputs = outputs_of(request)
+            responses.append(pb.InferenceResponse(
+                output_tensors=[pb.Tensor(name, array) for name, array in outputs.items()]))
+        except Exception as exc:  # noqa: BLE001 - answered to this request only
+            responses.append(error_response(pb, exc, model))
+    return responses

@@ -11,7 +11,7 @@ from cosyvoice_triton.config import ModelPaths
 from cosyvoice_triton.engines.onnx_session import open_session
 from cosyvoice_triton.frontend.prompt import PromptEncoder
 from cosyvoice_triton.triton.params import PromptStepParams, parse_parameters
-from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
+from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each
 
 
 class TritonPythonModel:
@@ -22,14 +22,9 @@ class TritonPythonModel:
         self.encoder = PromptEncoder(campplus=None, speech_tokenizer=session)  # only .speech_tokens
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                wav16k = TensorReader(request_arrays(request), batched=True).array("wav16k", np.float32, 1,
-                                                                                    required=True)
-                tokens = self.encoder.speech_tokens(wav16k)
-                responses.append(pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.Tensor("speech_tokens", tokens.astype(np.int32).reshape(1, -1))]))
-            except Exception as exc:  # noqa: BLE001 - answered to this request only
-                responses.append(error_response(pb_utils, exc, self.name))
-        return responses
+        return respond_each(pb_utils, requests, self.name, self.outputs)
+
+    def outputs(self, request) -> dict[str, np.ndarray]:
+        wav16k = TensorReader(request_arrays(request), batched=True).array("wav16k", np.float32, 1, required=True)
+        tokens = self.encoder.speech_tokens(wav16k)
+        return {"speech_tokens": tokens.astype(np.int32).reshape(1, -1)}

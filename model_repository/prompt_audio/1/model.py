@@ -16,7 +16,7 @@ from cosyvoice_triton.frontend.features import MelConfig, prompt_mel
 from cosyvoice_triton.frontend.prompt import SPEAKER_RATE
 from cosyvoice_triton.triton.contracts import read_prompt_audio
 from cosyvoice_triton.triton.params import PromptStepParams, parse_parameters
-from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
+from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each
 
 
 class TritonPythonModel:
@@ -26,16 +26,12 @@ class TritonPythonModel:
         self.mel_config = MelConfig.from_yaml(read_yaml(ModelPaths(Path(params.model_dir)).yaml))
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                samples, rate = read_prompt_audio(TensorReader(request_arrays(request), batched=True))
-                validate_prompt_audio(samples, rate, "reference_wav")
-                wav16k = resample(samples, rate, SPEAKER_RATE)
-                mel = prompt_mel(resample(samples, rate, self.mel_config.sampling_rate), self.mel_config).numpy()
-                responses.append(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("wav16k", np.ascontiguousarray(wav16k, dtype=np.float32)[None]),
-                    pb_utils.Tensor("prompt_mel", np.ascontiguousarray(mel, dtype=np.float32)[None])]))
-            except Exception as exc:  # noqa: BLE001 - answered to this request only
-                responses.append(error_response(pb_utils, exc, self.name))
-        return responses
+        return respond_each(pb_utils, requests, self.name, self.outputs)
+
+    def outputs(self, request) -> dict[str, np.ndarray]:
+        samples, rate = read_prompt_audio(TensorReader(request_arrays(request), batched=True))
+        validate_prompt_audio(samples, rate, "reference_wav")
+        wav16k = resample(samples, rate, SPEAKER_RATE)
+        mel = prompt_mel(resample(samples, rate, self.mel_config.sampling_rate), self.mel_config).numpy()
+        return {"wav16k": np.ascontiguousarray(wav16k, dtype=np.float32)[None],
+                "prompt_mel": np.ascontiguousarray(mel, dtype=np.float32)[None]}

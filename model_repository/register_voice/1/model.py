@@ -11,7 +11,7 @@ from cosyvoice_triton.triton.bls import BlsPromptEncoder
 from cosyvoice_triton.triton.contracts import parse_register_inputs
 from cosyvoice_triton.triton.params import RegisterVoiceParams, parse_parameters
 from cosyvoice_triton.triton.service import Voices, token_mel_ratio
-from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays, string_array
+from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each, string_array
 
 
 class TritonPythonModel:
@@ -22,17 +22,12 @@ class TritonPythonModel:
         self.voices = Voices(open_voice_store(params.voice_store), encoder)
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                info = self.voices.register(parse_register_inputs(TensorReader(request_arrays(request))))
-                responses.append(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("voice_id", string_array(info.voice_id)),
-                    pb_utils.Tensor("audio_sha256", string_array(info.audio_sha256)),
-                    pb_utils.Tensor("prompt_tokens", np.array([info.tokens], dtype=np.int32))]))
-            except Exception as exc:  # noqa: BLE001 - answered to this request only
-                responses.append(error_response(pb_utils, exc, self.name))
-        return responses
+        return respond_each(pb_utils, requests, self.name, self.outputs)
+
+    def outputs(self, request) -> dict[str, np.ndarray]:
+        info = self.voices.register(parse_register_inputs(TensorReader(request_arrays(request))))
+        return {"voice_id": string_array(info.voice_id), "audio_sha256": string_array(info.audio_sha256),
+                "prompt_tokens": np.array([info.tokens], dtype=np.int32)}
 
     def finalize(self):
         self.voices.store.close()

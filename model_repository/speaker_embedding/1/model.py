@@ -13,7 +13,7 @@ from cosyvoice_triton.engines.select import open_campplus
 from cosyvoice_triton.frontend.prompt import PromptEncoder
 from cosyvoice_triton.triton.logs import library_logs_to_triton
 from cosyvoice_triton.triton.params import SpeakerEmbeddingParams, parse_parameters
-from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
+from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each
 
 
 class TritonPythonModel:
@@ -29,14 +29,8 @@ class TritonPythonModel:
         self.encoder = PromptEncoder(campplus=runner, speech_tokenizer=None)  # only .speaker_embedding
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                wav16k = TensorReader(request_arrays(request), batched=True).array("wav16k", np.float32, 1,
-                                                                                    required=True)
-                embedding = self.encoder.speaker_embedding(wav16k)
-                responses.append(pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.Tensor("embedding", embedding.reshape(1, -1))]))
-            except Exception as exc:  # noqa: BLE001 - answered to this request only
-                responses.append(error_response(pb_utils, exc, self.name))
-        return responses
+        return respond_each(pb_utils, requests, self.name, self.outputs)
+
+    def outputs(self, request) -> dict[str, np.ndarray]:
+        wav16k = TensorReader(request_arrays(request), batched=True).array("wav16k", np.float32, 1, required=True)
+        return {"embedding": self.encoder.speaker_embedding(wav16k).reshape(1, -1)}
