@@ -77,7 +77,7 @@ def _run_synth(args) -> int:
 
 
 def _add_serve(sub) -> None:
-    from .server.launcher import ENGINES, PRECISIONS
+    from .server.launcher import ENGINES, PRECISIONS, ROLES
 
     p = sub.add_parser("serve", help="start tritonserver with every CosyVoice2 model; Ctrl-C stops it")
     p.add_argument("--model-dir", default=None,
@@ -105,6 +105,14 @@ def _add_serve(sub) -> None:
     p.add_argument("--onnx-dir", type=Path, default=None,
                    help="exported ONNX graphs and TensorRT engines (default: MODEL_DIR/onnx, or RUN_DIR/onnx when "
                         "the model folder is read-only)")
+    p.add_argument("--role", choices=ROLES, default="all",
+                   help="all: every model in this server; split deployment: frontend (cosyvoice2, llm, prompt "
+                        "encoder, register_voice; token2wav on --backend) or backend (token2wav only)")
+    p.add_argument("--backend", action="append", default=[], metavar="grpc://HOST:PORT[?metrics=URL]",
+                   help="with --role frontend: a token2wav server (repeatable); each stream stays on one, new "
+                        "streams go to the one with the least outstanding work")
+    p.add_argument("--t2w-idle-timeout", type=float, default=120.0,
+                   help="seconds after which a token2wav stream with no new chunk is freed")
     p.set_defaults(func=_run_serve)
 
 
@@ -117,7 +125,8 @@ def _run_serve(args) -> int:
                            voice_store=args.voice_store, llm_max_batch=args.llm_max_batch,
                            t2w_max_streams=args.t2w_max_streams, t2w_max_batch=args.t2w_max_batch,
                            torch_threads=args.torch_threads, engine=args.engine, precision=args.precision,
-                           onnx_dir=args.onnx_dir)
+                           onnx_dir=args.onnx_dir, role=args.role, backends=tuple(args.backend),
+                           t2w_idle_timeout_s=args.t2w_idle_timeout)
     return serve(options)
 
 

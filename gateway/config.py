@@ -12,39 +12,12 @@ import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+
+from cosyvoice_triton.targets import TritonTarget  # noqa: F401 - part of this module's interface
 
 MiB = 1024 * 1024
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 API_KEYS_ENV = "COSYVOICE_API_KEYS"  # comma-separated keys, added to --api-key
-
-
-@dataclass(frozen=True)
-class TritonTarget:
-    """One Triton server: its gRPC address and the URL of its Prometheus metrics."""
-
-    grpc: str  # host:port
-    metrics_url: str
-
-    @classmethod
-    def parse(cls, spec: str) -> TritonTarget:
-        """`grpc://host:port` (metrics at http://host:port+1/metrics, Triton's default layout), or
-        `grpc://host:port?metrics=http://host:9002/metrics`, or a bare `host:port`."""
-        text = spec.strip()
-        if "://" not in text:
-            text = "grpc://" + text
-        parts = urlsplit(text)
-        if parts.scheme != "grpc" or not parts.hostname or parts.port is None:
-            raise ValueError(f"--triton {spec!r}: expected grpc://host:port[?metrics=http://host:port/metrics]")
-        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-        metrics = parse_qs(parts.query).get("metrics", [None])[0]
-        if metrics is None:
-            metrics = f"http://{host}:{parts.port + 1}/metrics"
-        return cls(grpc=f"{host}:{parts.port}", metrics_url=metrics)
-
-    @property
-    def name(self) -> str:
-        return self.grpc
 
 
 @dataclass(frozen=True)

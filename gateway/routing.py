@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+
+from cosyvoice_triton.prometheus_text import metric_sum
 
 from .config import RoutingConfig, TritonTarget
 from .errors import ServiceUnavailable
@@ -41,7 +42,6 @@ PROMPT_WEIGHT = 0.5
 ENCODE_COST = 25.0
 BASE_COST = 25.0
 TOKENS_PER_SECOND = 25  # prompt speech tokens per second of prompt audio
-_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)\{([^}]*)\}\s+(\S+)', re.MULTILINE)
 
 
 class CostModel:
@@ -132,6 +132,9 @@ class Router:
         if backend.healthy == healthy:
             return
         backend.healthy = healthy
+        # Its last scrape described a server that is gone or was down: forget it, so a stale count of
+        # streams that died with it does not steer requests away once it is back (the next scrape refills).
+        backend.external = backend.pending = 0.0
         if healthy:
             log.info("Triton %s is ready: back in the pool", backend.name)
         else:
@@ -170,14 +173,3 @@ class Router:
                 await asyncio.gather(*(self.scrape(b, session) for b in self.backends if b.healthy))
                 await asyncio.sleep(self.routing.metrics_interval_s)
 
-
-def metric_sum(text: str, name: str, model: str) -> float:
-    """Sum of the samples of `name` whose `model` label is `model` (Prometheus text format)."""
-    total = 0.0
-    for metric, labels, value in _SAMPLE.findall(text):
-        if metric == name and f'model="{model}"' in labels:
-            try:
-                total += float(value)
-            except ValueError:
-                pass
-    return total

@@ -19,7 +19,8 @@ import soundfile as sf
 from cosyvoice_triton.export.sample_prompt import speech_like
 from cosyvoice_triton.gateway.config import GatewayConfig, RoutingConfig, TritonTarget
 from cosyvoice_triton.gateway.errors import ServiceUnavailable
-from cosyvoice_triton.gateway.routing import BASE_COST, ENCODE_COST, Backend, CostModel, Router, metric_sum
+from cosyvoice_triton.gateway.routing import BASE_COST, ENCODE_COST, Backend, CostModel, Router
+from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.gateway.state import ROUTER
 from cosyvoice_triton.gateway.testing import GatewayThread
 from cosyvoice_triton.gateway.triton_client import classify_message
@@ -91,6 +92,16 @@ def test_unhealthy_and_excluded_servers_are_skipped():
         r.pick(exclude=[a])
     r.set_health(b, True)
     assert r.pick(exclude=[a]) is b
+
+
+def test_a_server_that_leaves_the_pool_forgets_its_scraped_load():
+    r = router(2)
+    a, b = r.backends
+    b.external, b.pending = 2, 1  # scraped while streams ran there
+    r.set_health(b, False, "killed")
+    r.set_health(b, True)  # restarted: those streams died with it
+    a.external = 1
+    assert (b.external, b.pending) == (0, 0) and r.pick() is b
 
 
 def test_metric_parsing_and_error_messages():

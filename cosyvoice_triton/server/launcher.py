@@ -33,6 +33,7 @@ from typing import TextIO
 
 from cosyvoice_triton.server.process import TritonProcess
 from cosyvoice_triton.server.templates import model_names, render_repository
+from cosyvoice_triton.targets import TritonTarget
 from cosyvoice_triton.triton.params import Engine, Precision
 
 ENGINES = typing.get_args(Engine)  # torch | onnxruntime | tensorrt
@@ -75,6 +76,11 @@ class ServeOptions:
     precision: str = "fp32"  # of TensorRT engines: fp32 | fp16 | bf16
     onnx_dir: Path | None = None  # exported graphs and TensorRT engines; None: see `default_onnx_dir`
     max_text_chars: int = 2000
+    # Split deployment: "frontend" (cosyvoice2, llm, prompt encoder, voice registration; token2wav on
+    # `backends`), "backend" (token2wav only), or "all" (every model in one server, the default).
+    role: str = "all"
+    backends: tuple[str, ...] = ()  # token2wav servers of a frontend: grpc://host:port[?metrics=URL]
+    token2wav_timeout_s: float = 60.0  # a frontend's longest wait for one remote token2wav chunk
     startup_timeout_s: float = 300.0
     extra_args: list[str] = field(default_factory=list)  # more tritonserver flags
 
@@ -109,6 +115,27 @@ def resolve_voice_store(url: str | None) -> str:
     return url if url else str(cosyvoice_home() / "voices.sqlite")
 
 
+ROLES = ("all", "frontend", "backend")
+BACKEND_MODELS = ("token2wav",)  # what a backend server holds; a frontend holds the rest
+
+
+def role_models(options: ServeOptions, available: list[str]) -> list[str]:
+    """The models one server of `options.role` serves, out of the repository's `available` ones."""
+    if options.role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {options.role!r}")
+    if options.role == "frontend" and not options.backends:
+        raise ValueError("a frontend needs at least one token2wav backend: --backend grpc://host:port")
+    if options.role != "frontend" and options.backends:
+        raise ValueError(f"--backend is for --role frontend (this server's role is {options.role})")
+    for spec in options.backends:
+        TritonTarget.parse(spec, "--backend")  # a bad address fails here, not inside tritonserver
+    if options.role == "backend":
+        return [name for name in available if name in BACKEND_MODELS]
+    if options.role == "frontend":
+        return [name for name in available if name not in BACKEND_MODELS]
+    return list(available)
+
+
 def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) -> dict[str, dict[str, object]]:
     """The `${key}` values of every model template."""
     if options.engine not in ENGINES:
@@ -127,7 +154,9 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
         ("onnxruntime", "cpu")
     synthesis = {"model_dir": model_dir, "voice_store": voice_store, "instances": options.instances,
                  "max_workers": options.workers, "max_pending": options.max_pending,
-                 "max_text_chars": options.max_text_chars}
+                 "max_text_chars": options.max_text_chars,
+                 "token2wav_backends": ",".join(TritonTarget.parse(b, "--backend").spec for b in options.backends),
+                 "token2wav_timeout_s": options.token2wav_timeout_s}
     prompt_step = {"model_dir": model_dir, "instances": options.instances, "max_batch": options.prompt_max_batch,
                    "queue_delay_us": options.prompt_queue_delay_us}
     return {
@@ -154,8 +183,9 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
 def render_run_repository(options: ServeOptions, model_dir: Path, voice_store: str, dst: Path) -> Path:
     """Lay out every model of `options.repository` in `dst` with filled configs."""
     values = repository_values(options, model_dir, voice_store)
-    present = set(model_names(options.repository))
-    return render_repository(options.repository, dst, {k: v for k, v in values.items() if k in present})
+    models = role_models(options, model_names(options.repository))
+    return render_repository(options.repository, dst, {k: v for k, v in values.items() if k in models},
+                             models=models)
 
 
 def new_run_dir() -> Path:
@@ -187,12 +217,16 @@ def prepare(options: ServeOptions, **process_kwargs) -> TritonProcess:
 
 def describe(server: TritonProcess, model_dir_hint: str, out: TextIO) -> None:
     host = server.client_host if server.address in ("0.0.0.0", "") else server.address
-    models = ", ".join(model_names(server.model_repository))
+    names = model_names(server.model_repository)
     print(f"cosyvoice-triton: serving {model_dir_hint}", file=out)
-    print(f"  models   {models}", file=out)
-    print(f"  HTTP     http://{host}:{server.http_port}   (whole waveform: POST /v2/models/cosyvoice2_offline/infer)",
-          file=out)
-    print(f"  gRPC     {host}:{server.grpc_port}   (streaming: model cosyvoice2)", file=out)
+    print(f"  models   {', '.join(names)}", file=out)
+    if "cosyvoice2" in names:
+        print(f"  HTTP     http://{host}:{server.http_port}   (whole waveform: POST /v2/models/cosyvoice2_offline/infer)",
+              file=out)
+        print(f"  gRPC     {host}:{server.grpc_port}   (streaming: model cosyvoice2)", file=out)
+    else:  # a split deployment's backend: frontends call it
+        print(f"  gRPC     {host}:{server.grpc_port}   (give frontends --backend grpc://{host}:{server.grpc_port})",
+              file=out)
     print(f"  metrics  http://{host}:{server.metrics_port}/metrics", file=out)
     print(f"  log      {server.log_path}", file=out)
     print("Press Ctrl-C to stop.", file=out, flush=True)

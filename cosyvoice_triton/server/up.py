@@ -8,6 +8,12 @@
    `--triton` servers); at first start it registers voice `default`.
 4. Ctrl-C / SIGTERM stops the gateway (WebSockets get GOING_AWAY), then tritonserver. If tritonserver
    exits on its own, the gateway stops too and the command exits with 1.
+
+Split mode (`--frontends N --backends M`): instead of one server, a `SplitTopology` (backends with
+token2wav, frontends with the rest calling them) behind the gateway, which routes over the frontends. The
+voice store is Redis: `--redis-url`, or a redis-server started here in the run folder. A frontend that
+dies is taken out of the pool by the gateway's health checks and the rest carry on; the command stops
+when no frontend or no backend is left. `<run dir>/topology.json` lists every process and endpoint.
 """
 from __future__ import annotations
 
@@ -49,7 +55,13 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--engine", choices=ENGINES, default="torch", help="token2wav engine, as for `serve`")
     t.add_argument("--precision", choices=PRECISIONS, default="fp32", help="precision of TensorRT engines")
     t.add_argument("--onnx-dir", type=Path, default=None, help="exported ONNX graphs and TensorRT engines")
+    t.add_argument("--t2w-idle-timeout", type=float, default=120.0,
+                   help="seconds after which a token2wav stream with no new chunk is freed")
     t.add_argument("--max-token-text-ratio", type=float, default=None, help=argparse.SUPPRESS)  # tests
+    s = p.add_argument_group("split deployment (both, or neither)")
+    s.add_argument("--frontends", type=int, default=0,
+                   help="frontend servers (cosyvoice2, llm, prompt encoder) behind the gateway, on free ports")
+    s.add_argument("--backends", type=int, default=0, help="backend servers (token2wav) the frontends call")
 
 
 def _port(value: int) -> int | None:
@@ -57,53 +69,103 @@ def _port(value: int) -> int | None:
 
 
 def up(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    from cosyvoice_triton.gateway.app import create_app, run
     from cosyvoice_triton.model_hub import resolve_model_dir
 
+    if args.frontends or args.backends:
+        return up_split(args, out)
     model_dir = Path(resolve_model_dir(args.model_dir)) if args.model_dir else default_model_dir()
     voice_store = resolve_voice_store(voice_store_url(args))
-    options = ServeOptions(model_dir=model_dir, run_dir=args.run_dir, address=args.triton_address,
-                           http_port=_port(args.triton_http_port), grpc_port=_port(args.triton_grpc_port),
-                           metrics_port=_port(args.triton_metrics_port), device=args.device,
-                           instances=args.instances, workers=args.workers, voice_store=voice_store,
-                           llm_max_batch=args.llm_max_batch, torch_threads=args.torch_threads,
-                           engine=args.engine, precision=args.precision, onnx_dir=args.onnx_dir,
-                           max_text_chars=args.max_text_chars, max_token_text_ratio=args.max_token_text_ratio)
+    options = serve_options(args, model_dir, voice_store)
     server = prepare(options, die_with_parent=True)  # one service: tritonserver never outlives the gateway
     print(f"starting tritonserver (log: {server.workdir / 'tritonserver.log'}) ...", file=out, flush=True)
     try:
         server.start()
         local = TritonTarget(grpc=server.grpc_url, metrics_url=server.metrics_url)
-        extra = tuple(TritonTarget.parse(s) for s in args.triton)
-        config = config_from_args(args, triton=(local, *extra), model_dir=model_dir)
-        config = dataclasses.replace(config, voice_store=voice_store)
-        app = create_app(config)
-        triton_exited = []
-        app.cleanup_ctx.append(_watch(server, triton_exited))
-        host = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
-        print(f"cosyvoice-triton: serving {args.model_dir or 'the tiny random model'}\n"
-              f"  gateway  http://{host}:{config.port}   (POST /v1/tts, WS /v1/tts/ws, POST /v1/audio/speech, "
-              f"/v1/voices)\n"
-              f"  triton   grpc {server.grpc_url}, metrics {server.metrics_url}\n"
-              f"  voices   {voice_store}\n"
-              f"  log      {server.log_path}\n"
-              "Press Ctrl-C to stop.", file=out, flush=True)
-        run(config, app, print_fn=lambda *a, **k: None)
-        if triton_exited:
+        lines = [f"  triton   grpc {server.grpc_url}, metrics {server.metrics_url}",
+                 f"  voices   {voice_store}", f"  log      {server.log_path}"]
+        code = run_gateway(args, (local,), model_dir, voice_store, lines, lambda: not server.is_running(), out)
+        if code:
             print(f"tritonserver exited; log {server.log_path}:\n{server.log_tail(20)}", file=sys.stderr)
-            return 1
-        return 0
+        return code
     finally:
         code = server.stop()
         print(f"tritonserver stopped (exit code {code})", file=out, flush=True)
 
 
-def _watch(server, exited: list):
-    """cleanup_ctx: stop the gateway (as SIGTERM would) when tritonserver exits by itself."""
+def up_split(args: argparse.Namespace, out: TextIO) -> int:
+    """`--frontends N --backends M`: the split topology behind the gateway."""
+    from cosyvoice_triton.model_hub import resolve_model_dir
+    from cosyvoice_triton.server.launcher import new_run_dir
+    from cosyvoice_triton.server.topology import SplitTopology
+
+    if args.frontends < 1 or args.backends < 1:
+        raise ValueError("split mode needs --frontends >= 1 and --backends >= 1")
+    if args.voice_store:
+        raise ValueError("split mode shares voices through Redis: give --redis-url (or nothing: a local "
+                         "redis-server is started), not --voice-store")
+    model_dir = Path(resolve_model_dir(args.model_dir)) if args.model_dir else default_model_dir()
+    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir()
+    options = serve_options(args, model_dir, args.redis_url)
+    topology = SplitTopology(options, args.frontends, args.backends, run_dir, die_with_parent=True)
+    print(f"starting {args.backends} backend and {args.frontends} frontend tritonservers (in {run_dir}) ...",
+          file=out, flush=True)
+    try:
+        topology.start()
+        targets = tuple(TritonTarget(grpc=f.grpc_url, metrics_url=f.metrics_url) for f in topology.frontends)
+        lines = [*(f"  frontend grpc {f.grpc_url}, metrics {f.metrics_url} (pid {f.pid})" for f in topology.frontends),
+                 *(f"  backend  grpc {b.grpc_url}, metrics {b.metrics_url} (pid {b.pid})" for b in topology.backends),
+                 f"  voices   {topology.voice_store}", f"  layout   {run_dir / 'topology.json'}"]
+
+        def gone() -> bool:
+            return not any(f.is_running() for f in topology.frontends) or \
+                not any(b.is_running() for b in topology.backends)
+
+        code = run_gateway(args, targets, model_dir, topology.voice_store, lines, gone, out)
+        if code:
+            print(f"no frontend or no backend is left; logs under {run_dir}", file=sys.stderr)
+        return code
+    finally:
+        topology.stop()
+        print("tritonservers stopped", file=out, flush=True)
+
+
+def serve_options(args: argparse.Namespace, model_dir: Path, voice_store: str | None) -> ServeOptions:
+    return ServeOptions(model_dir=model_dir, run_dir=args.run_dir, address=args.triton_address,
+                        http_port=_port(args.triton_http_port), grpc_port=_port(args.triton_grpc_port),
+                        metrics_port=_port(args.triton_metrics_port), device=args.device,
+                        instances=args.instances, workers=args.workers, voice_store=voice_store,
+                        llm_max_batch=args.llm_max_batch, torch_threads=args.torch_threads,
+                        engine=args.engine, precision=args.precision, onnx_dir=args.onnx_dir,
+                        max_text_chars=args.max_text_chars, max_token_text_ratio=args.max_token_text_ratio,
+                        t2w_idle_timeout_s=args.t2w_idle_timeout)
+
+
+def run_gateway(args, targets: tuple[TritonTarget, ...], model_dir: Path, voice_store: str, lines: list[str],
+                servers_gone, out: TextIO) -> int:
+    """Serve the gateway in front of `targets` (plus any `--triton`) until Ctrl-C / SIGTERM (0) or until
+    `servers_gone()` (1)."""
+    from cosyvoice_triton.gateway.app import create_app, run
+
+    extra = tuple(TritonTarget.parse(s) for s in args.triton)
+    config = config_from_args(args, triton=(*targets, *extra), model_dir=model_dir)
+    config = dataclasses.replace(config, voice_store=voice_store)
+    app = create_app(config)
+    exited: list[bool] = []
+    app.cleanup_ctx.append(_watch(servers_gone, exited))
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
+    print(f"cosyvoice-triton: serving {args.model_dir or 'the tiny random model'}\n"
+          f"  gateway  http://{host}:{config.port}   (POST /v1/tts, WS /v1/tts/ws, POST /v1/audio/speech, "
+          f"/v1/voices)\n" + "\n".join(lines) + "\nPress Ctrl-C to stop.", file=out, flush=True)
+    run(config, app, print_fn=lambda *a, **k: None)
+    return 1 if exited else 0
+
+
+def _watch(servers_gone, exited: list):
+    """cleanup_ctx: stop the gateway (as SIGTERM would) once `servers_gone()`."""
 
     async def watch(app):
         async def loop():
-            while server.is_running():
+            while not servers_gone():
                 await asyncio.sleep(TRITON_WATCH_S)
             exited.append(True)
             os.kill(os.getpid(), signal.SIGTERM)

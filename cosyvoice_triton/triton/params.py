@@ -121,6 +121,10 @@ class CosyVoice2Params:
     llm_model: str
     token2wav_model: str
     prompt_encoder_model: str
+    # Split deployment: backend servers holding `token2wav_model`, as comma-separated
+    # grpc://host:port[?metrics=URL]; None: this server's own token2wav, through BLS.
+    token2wav_backends: str | None = None
+    token2wav_timeout_s: float = 60.0  # longest wait for one remote token2wav chunk
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from cosyvoice_triton.triton.bls import BlsLLM, BlsPromptEncoder, BlsToken2Wav
 from cosyvoice_triton.triton.contracts import parse_synthesis_inputs
 from cosyvoice_triton.triton.metrics import SYNTHESIS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import CosyVoice2Params, parse_parameters
+from cosyvoice_triton.triton.remote_token2wav import RemoteToken2Wav
 from cosyvoice_triton.triton.service import SynthesisService, Voices, token_mel_ratio
 from cosyvoice_triton.triton.streaming import RequestPool, send_chunks, send_whole
 from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
@@ -36,8 +37,12 @@ class TritonPythonModel:
         self.store = open_voice_store(params.voice_store)
         voices = Voices(self.store, BlsPromptEncoder(pb_utils, params.prompt_encoder_model,
                                                      token_mel_ratio(params.model_dir)))
+        # Split deployment: token2wav on the backend servers named in the config; else this server's own.
+        self.token2wav = RemoteToken2Wav.from_specs(params.token2wav_backends, params.token2wav_model,
+                                                    params.token2wav_timeout_s) \
+            if params.token2wav_backends else BlsToken2Wav(pb_utils, params.token2wav_model)
         self.service = SynthesisService(params.model_dir, voices, BlsLLM(pb_utils, params.llm_model),
-                                        BlsToken2Wav(pb_utils, params.token2wav_model), params.max_text_chars)
+                                        self.token2wav, params.max_text_chars)
         self.metrics = ModelMetrics(pb_utils, SYNTHESIS, instance_labels(args))
         self.pool = RequestPool(params.max_workers, params.max_pending, self.name)
 
@@ -89,6 +94,8 @@ class TritonPythonModel:
     def finalize(self):
         self.pool.close()
         self.store.close()
+        if isinstance(self.token2wav, RemoteToken2Wav):
+            self.token2wav.close()
 
 
 def _request_id(request) -> str:

@@ -1,0 +1,263 @@
+"""token2wav on other Triton servers: the split deployment's `Token2WavBackend`, over Triton gRPC.
+
+A frontend server (cosyvoice2, llm, prompt encoder) is given the addresses of one or more backend servers
+(token2wav). `RemoteToken2Wav` is what the orchestrator calls instead of the in-server BLS client:
+
+- A stream's state (prompt, tokens so far, vocoder caches) lives on the backend that served its first
+  chunk, so the stream is pinned there until its final chunk, its cancel, or a failure of that backend.
+- A new stream goes to the healthy backend with the least outstanding work: the streams this frontend
+  has open there plus the streams other frontends have open there (the backend's
+  `cosyvoice_token2wav_active_streams` gauge, scraped every few seconds, less our own). Ties go to the
+  backend picked least recently.
+- A backend that does not answer (connection refused, reset, timeout) leaves the pool at once; the
+  watcher thread probes it (ServerReady + ModelReady) and returns it when it answers. A first chunk that
+  fails this way, or because the backend is full, is tried on the next backend (no audio has been made
+  yet, so nothing is lost). A stream whose backend dies mid-way ends with UNAVAILABLE: its state died
+  with the backend.
+- A chunk call never waits longer than `call_timeout_s`, so a hung backend cannot hang a client.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cosyvoice_triton.errors import Unavailable
+from cosyvoice_triton.prometheus_text import metric_sum
+from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
+from cosyvoice_triton.targets import TritonTarget
+from cosyvoice_triton.triton import contracts
+from cosyvoice_triton.triton.tensors import RemoteError
+
+log = logging.getLogger(__name__)
+
+ACTIVE_STREAMS_METRIC = "cosyvoice_token2wav_active_streams"
+# gRPC status -> python_backend TritonError number (as tensors._CODE_NAMES), for errors the backend sent.
+_GRPC_CODES = {"INVALID_ARGUMENT": 3, "NOT_FOUND": 2, "UNAVAILABLE": 4, "CANCELLED": 7, "INTERNAL": 1,
+               "UNIMPLEMENTED": 5, "ALREADY_EXISTS": 6}
+
+
+class Unreachable(Exception):
+    """The backend did not answer: the call failed in transport, or timed out."""
+
+
+class Transport:
+    """gRPC calls to one backend, on raw protobuf messages (no tritonclient callback threads)."""
+
+    def __init__(self, target: TritonTarget, timeout_s: float):
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
+
+        self.target = target
+        self.timeout_s = timeout_s
+        self._grpc = grpc
+        self._channel = grpc.insecure_channel(target.grpc, options=[
+            ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)])
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray], request_id: str) -> dict[str, np.ndarray]:
+        from cosyvoice_triton.client.triton_client import infer_request, response_outputs
+
+        try:
+            response = self._stub.ModelInfer(infer_request(model, inputs, request_id), timeout=self.timeout_s)
+        except self._grpc.RpcError as exc:
+            raise self._error(exc, model) from None
+        return response_outputs(response)
+
+    def _error(self, exc, model: str) -> Exception:
+        code = exc.code()
+        details = exc.details() or code.name
+        if code == self._grpc.StatusCode.DEADLINE_EXCEEDED:
+            return Unreachable(f"no answer within {self.timeout_s:g} s")
+        if code == self._grpc.StatusCode.UNAVAILABLE and not self.ready(model, timeout_s=2.0):
+            return Unreachable(details)  # the server is gone (a busy model answers UNAVAILABLE too)
+        return RemoteError(model, details, _GRPC_CODES.get(code.name, 1))
+
+    def ready(self, model: str, timeout_s: float) -> bool:
+        from tritonclient.grpc import service_pb2
+
+        try:
+            return (self._stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=timeout_s).ready and
+                    self._stub.ModelReady(service_pb2.ModelReadyRequest(name=model), timeout=timeout_s).ready)
+        except self._grpc.RpcError:
+            return False
+
+    def active_streams(self, model: str, timeout_s: float) -> float | None:
+        """The backend's active-streams gauge of `model`, or None when its metrics cannot be read."""
+        try:
+            with urllib.request.urlopen(self.target.metrics_url, timeout=timeout_s) as response:
+                text = response.read().decode("utf-8", "replace")
+        except OSError:
+            return None
+        return metric_sum(text, ACTIVE_STREAMS_METRIC, model)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+@dataclass(eq=False)
+class Backend:
+    transport: Transport
+    healthy: bool = True  # until a call or a probe says otherwise
+    open_streams: int = 0  # this frontend's streams pinned here
+    external: float = 0.0  # other frontends' streams here (last scrape)
+    last_pick: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.transport.target.name
+
+    @property
+    def load(self) -> float:
+        return self.open_streams + self.external
+
+
+class RemoteToken2Wav:
+    """`Token2WavBackend` over the token2wav model of backend servers (see the module docstring)."""
+
+    def __init__(self, targets: Sequence[TritonTarget], model: str = contracts.TOKEN2WAV, *,
+                 call_timeout_s: float = 60.0, watch_interval_s: float = 2.0,
+                 transport_factory: Callable[[TritonTarget, float], Transport] = Transport):
+        if not targets:
+            raise ValueError("no token2wav backends given")
+        self.model = model
+        self.backends = [Backend(transport_factory(target, call_timeout_s)) for target in targets]
+        self._pins: dict[str, Backend] = {}  # stream id -> the backend holding its state
+        self._lock = threading.Lock()
+        self._picks = itertools.count(1)
+        self._watch_interval_s = watch_interval_s
+        self._stop = threading.Event()
+        self._watcher = None
+        if watch_interval_s > 0:
+            self._watcher = threading.Thread(target=self._watch, name="token2wav-backends", daemon=True)
+            self._watcher.start()
+
+    @classmethod
+    def from_specs(cls, specs: str, model: str = contracts.TOKEN2WAV, call_timeout_s: float = 60.0):
+        """From comma-separated `grpc://host:port[?metrics=URL]` (a model's `token2wav_backends`)."""
+        targets = [TritonTarget.parse(spec, "token2wav_backends") for spec in specs.split(",") if spec.strip()]
+        log.info("token2wav on %s (split deployment)", ", ".join(t.name for t in targets))
+        return cls(targets, model, call_timeout_s=call_timeout_s)
+
+    # ---- the Token2WavBackend interface --------------------------------------------------------------
+    def chunk(self, chunk: ChunkRequest) -> np.ndarray:
+        inputs = contracts.chunk_inputs(chunk)
+        with self._lock:
+            pinned = self._pins.get(chunk.stream_id)
+        if pinned is None:
+            if chunk.prompt is None:
+                raise Unavailable(f"token2wav stream {chunk.stream_id} has no backend (it was lost)")
+            return self._first_chunk(chunk, inputs)
+        return self._next_chunk(chunk, inputs, pinned)
+
+    def cancel(self, stream_id: str) -> None:
+        """Free the stream's state on its backend (best effort: a dead backend took it with it)."""
+        backend = self._unpin(stream_id)
+        if backend is None:
+            return
+        try:
+            backend.transport.infer(self.model, contracts.token2wav_cancel_inputs(stream_id), stream_id)
+        except Unreachable as exc:
+            self._set_health(backend, False, str(exc))
+        except RemoteError as exc:
+            log.warning("token2wav %s: cancel of %s failed: %s", backend.name, stream_id, exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        for backend in self.backends:
+            backend.transport.close()
+
+    # ---- calls ------------------------------------------------------------------------------------------
+    def _first_chunk(self, chunk: ChunkRequest, inputs) -> np.ndarray:
+        tried: list[Backend] = []
+        last_error: Exception | None = None
+        while True:
+            backend = self._pick_and_pin(chunk.stream_id, exclude=tried)
+            if backend is None:
+                if last_error is not None and not isinstance(last_error, (Unreachable, RemoteError)):
+                    raise last_error
+                reason = f": last error {last_error}" if last_error else ""
+                raise Unavailable(f"no token2wav backend can take a new stream "
+                                  f"({len(tried)} of {len(self.backends)} tried){reason}")
+            tried.append(backend)
+            try:
+                return self._call(backend, chunk, inputs)
+            except Unreachable as exc:
+                self._unpin(chunk.stream_id)
+                self._set_health(backend, False, str(exc))
+                last_error = exc
+            except RemoteError as exc:
+                if exc.code != _GRPC_CODES["UNAVAILABLE"]:
+                    raise  # a bad request fails the same way everywhere; the caller cancels the pin
+                self._unpin(chunk.stream_id)  # full (stream limit): another backend may have room
+                last_error = exc
+
+    def _next_chunk(self, chunk: ChunkRequest, inputs, backend: Backend) -> np.ndarray:
+        try:
+            return self._call(backend, chunk, inputs)
+        except Unreachable as exc:
+            self._unpin(chunk.stream_id)
+            self._set_health(backend, False, str(exc))
+            raise Unavailable(f"token2wav backend {backend.name} went away mid-stream ({exc}); "
+                              "the stream's state was there") from None
+
+    def _call(self, backend: Backend, chunk: ChunkRequest, inputs) -> np.ndarray:
+        outputs = backend.transport.infer(self.model, inputs, chunk.stream_id)
+        if chunk.finalize:
+            self._unpin(chunk.stream_id)  # the backend freed the state with the final chunk
+        return outputs["waveform"].reshape(-1)
+
+    # ---- the pool ----------------------------------------------------------------------------------------
+    def _pick_and_pin(self, stream_id: str, exclude: Sequence[Backend]) -> Backend | None:
+        with self._lock:
+            candidates = [b for b in self.backends if b.healthy and b not in exclude]
+            if not candidates:
+                return None
+            chosen = min(candidates, key=lambda b: (b.load, b.last_pick))
+            chosen.last_pick = next(self._picks)
+            chosen.open_streams += 1
+            self._pins[stream_id] = chosen
+            return chosen
+
+    def _unpin(self, stream_id: str) -> Backend | None:
+        with self._lock:
+            backend = self._pins.pop(stream_id, None)
+            if backend is not None:
+                backend.open_streams -= 1
+            return backend
+
+    def pinned(self) -> dict[str, str]:
+        """Stream id -> backend name, for the streams open now."""
+        with self._lock:
+            return {stream_id: backend.name for stream_id, backend in self._pins.items()}
+
+    def _set_health(self, backend: Backend, healthy: bool, reason: str = "") -> None:
+        with self._lock:
+            if backend.healthy == healthy:
+                return
+            backend.healthy = healthy
+            backend.external = 0.0  # counted on a server that was down: stale either way
+        if healthy:
+            log.warning("token2wav backend %s is ready: back in the pool", backend.name)
+        else:
+            log.warning("token2wav backend %s left the pool: %s", backend.name, reason)
+
+    def _watch(self) -> None:
+        """Probe the backends that left the pool; refresh every backend's count of other frontends' streams."""
+        while not self._stop.wait(self._watch_interval_s):
+            for backend in self.backends:
+                if not backend.healthy:
+                    if backend.transport.ready(self.model, timeout_s=self._watch_interval_s):
+                        self._set_health(backend, True)
+                    continue
+                active = backend.transport.active_streams(self.model, timeout_s=self._watch_interval_s)
+                if active is not None:
+                    with self._lock:
+                        backend.external = max(0.0, active - backend.open_streams)

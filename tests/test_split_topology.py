@@ -1,0 +1,204 @@
+"""The split deployment as a user starts it: `cosyvoice-triton up --frontends 2 --backends 1` (three
+tritonservers, a redis-server and the gateway from one command, tiny random folder).
+
+Its audio must equal the single-server pipeline for the same seeds (the library's own orchestrator, which
+tests/test_triton_serving.py holds the single server to), and it must survive losing a frontend: streams
+there end with an error instead of hanging, new requests go to the other frontend, and the backend frees
+the dead frontend's stream state by its idle timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cosyvoice_triton.client import GatewayTTS
+from cosyvoice_triton.server import free_port
+from test_triton_serving import ATOL, PROMPT_TEXT, RATE, RATIO, Reference, prompt_wav
+from triton_harness import metric_value, scrape, tritonserver_or_skip, wait_for_metric
+
+pytestmark = pytest.mark.timeout(600)
+
+IDLE_TIMEOUT_S = 4.0  # the backend frees a stream that gets no chunk for this long
+TEXTS = [f"Request number {i} asks the split deployment for a few words of speech." for i in range(8)]
+LONG = ("This stream is long enough to still be running when its frontend is killed, so that the client sees "
+        "the stream end. A second sentence keeps it going for a while longer, and then a third one follows.")
+
+
+@dataclass
+class Split:
+    url: str
+    layout: dict
+    process: subprocess.Popen
+    output: queue.Queue
+
+    def log(self) -> str:
+        return "".join(self.output.queue)
+
+
+def _read_lines(stream, out: queue.Queue) -> None:
+    for line in stream:
+        out.put(line)
+
+
+@pytest.fixture(scope="module")
+def split(tiny_model_dir, tmp_path_factory):
+    tritonserver_or_skip()
+    from redis_harness import redis_binary_or_skip
+
+    redis_binary_or_skip()
+    run_dir = tmp_path_factory.mktemp("split")
+    port = free_port()
+    command = [sys.executable, "-m", "cosyvoice_triton.cli", "up", "--frontends", "2", "--backends", "1",
+               "--model-dir", str(tiny_model_dir), "--run-dir", str(run_dir / "run"), "--host", "127.0.0.1",
+               "--port", str(port), "--workers", "8", "--torch-threads", "1", "--max-token-text-ratio", str(RATIO),
+               "--t2w-idle-timeout", str(IDLE_TIMEOUT_S)]
+    env = {**os.environ, "COSYVOICE_HOME": str(run_dir / "home")}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_read_lines, args=(process.stdout, output), daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while not _ready(url):
+            assert process.poll() is None, "up exited:\n" + "".join(output.queue)
+            assert time.monotonic() < deadline, "not ready in time:\n" + "".join(output.queue)
+            time.sleep(0.5)
+        layout = json.loads((run_dir / "run" / "topology.json").read_text())
+        yield Split(url, layout, process, output)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=90) == 0, "".join(output.queue)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return GatewayTTS(url, timeout_s=5)._json("GET", "/readyz").get("default_voice") == "ready"
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> Reference:
+    return Reference(tiny_model_dir)
+
+
+def metric(metrics_url: str, name: str, **labels) -> float:
+    return metric_value(scrape(metrics_url), name, **labels) or 0.0
+
+
+def ok_requests(frontend: dict) -> float:
+    return metric(frontend["metrics"], "cosyvoice_requests_total", model="cosyvoice2", outcome="ok")
+
+
+def stream_all(url: str, text: str, voice_id: str, seed: int) -> np.ndarray:
+    with GatewayTTS(url, timeout_s=120).stream(text, voice_id=voice_id, seed=seed) as chunks:
+        return np.concatenate([chunk for chunk in chunks if chunk.size])
+
+
+def run_threads(jobs: dict, timeout_s: float) -> dict:
+    """Run each job in a thread; job name -> its result or the exception it raised. Fails on a hang."""
+    results: dict = {}
+
+    def run(name, job):
+        try:
+            results[name] = job()
+        except Exception as exc:  # noqa: BLE001 - the caller looks at it
+            results[name] = exc
+
+    threads = [threading.Thread(target=run, args=item, daemon=True) for item in jobs.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=max(0.0, timeout_s))
+    hung = [name for name, thread in zip(jobs, threads) if thread.is_alive()]
+    assert not hung, f"clients still waiting after {timeout_s} s: {hung}"
+    return results
+
+
+def test_the_layout_has_two_frontends_one_backend_and_redis(split):
+    frontends, backends = split.layout["frontends"], split.layout["backends"]
+    assert len(frontends) == 2 and len(backends) == 1 and split.layout["voice_store"].startswith("redis://")
+    backend_metrics = scrape(backends[0]["metrics"])
+    assert 'model="token2wav"' in backend_metrics and 'model="cosyvoice2"' not in backend_metrics
+    for frontend in frontends:
+        text = scrape(frontend["metrics"])
+        assert 'model="cosyvoice2"' in text and 'model="token2wav"' not in text
+
+
+def test_eight_concurrent_streams_equal_the_single_server_audio(split, reference):
+    wav = prompt_wav(3)
+    voice = GatewayTTS(split.url).add_voice(wav, PROMPT_TEXT, sample_rate=RATE)
+    frontends, backend = split.layout["frontends"], split.layout["backends"][0]
+    served_before = [ok_requests(f) for f in frontends]
+    finalized_before = metric(backend["metrics"], "cosyvoice_token2wav_streams_freed_total", reason="finalize")
+
+    got = run_threads({i: (lambda i=i: stream_all(split.url, TEXTS[i], voice.voice_id, 100 + i))
+                       for i in range(8)}, timeout_s=300)
+
+    errors = {i: r for i, r in got.items() if isinstance(r, Exception)}
+    assert not errors, errors
+    voice_features = reference.voice(wav)
+    for i, audio in got.items():
+        want = np.concatenate(reference.chunks(TEXTS[i], voice_features, seed=100 + i))
+        assert audio.size == want.size, f"stream {i}"
+        np.testing.assert_allclose(audio, want, rtol=0, atol=ATOL, err_msg=f"stream {i}")
+    # Both frontends took streams, and all token2wav work went to the one backend.
+    served = [ok_requests(f) - before for f, before in zip(frontends, served_before)]
+    assert sum(served) == 8 and min(served) >= 1, served
+    finalized = metric(backend["metrics"], "cosyvoice_token2wav_streams_freed_total", reason="finalize")
+    assert finalized - finalized_before >= 8  # one token2wav stream per sentence, each ended by its final chunk
+
+
+def test_killing_a_frontend_mid_run_moves_new_requests_to_the_other(split):
+    """Runs last in this module: it leaves the topology with one frontend."""
+    voice = GatewayTTS(split.url).add_voice(prompt_wav(5), PROMPT_TEXT, sample_rate=RATE)
+    dead, alive = split.layout["frontends"]
+    backend = split.layout["backends"][0]
+    started = [threading.Event() for _ in range(4)]
+
+    def long_stream(i: int) -> int:
+        samples = 0
+        with GatewayTTS(split.url, timeout_s=120).stream(LONG, voice_id=voice.voice_id, seed=40 + i) as chunks:
+            for chunk in chunks:
+                samples += chunk.size
+                started[i].set()
+        return samples
+
+    results: dict = {}
+    runner = threading.Thread(target=lambda: results.update(
+        run_threads({i: (lambda i=i: long_stream(i)) for i in range(4)}, timeout_s=240)), daemon=True)
+    runner.start()
+    for event in started:
+        assert event.wait(120), "a stream gave no audio:\n" + split.log()
+    assert metric(dead["metrics"], "cosyvoice_active_streams", model="cosyvoice2") >= 1  # streams on both
+    os.killpg(dead["pid"], signal.SIGKILL)
+    runner.join(timeout=250)
+    assert not runner.is_alive() and len(results) == 4, "a client hangs"
+    failed = [r for r in results.values() if isinstance(r, Exception)]
+    assert 1 <= len(failed) < 4, results  # the dead frontend's streams end with an error; the others finish
+
+    ok_before = ok_requests(alive)
+    audio = run_threads({i: (lambda i=i: GatewayTTS(split.url, timeout_s=120).synthesize(
+        TEXTS[i], voice_id=voice.voice_id, seed=i)) for i in range(3)}, timeout_s=240)
+    assert all(isinstance(a, np.ndarray) and a.size > 0 for a in audio.values()), audio
+    assert ok_requests(alive) - ok_before == 3  # every new request went to the live frontend
+    ready = GatewayTTS(split.url)._json("GET", "/readyz")
+    assert ready["servers"] == {dead["grpc"]: False, alive["grpc"]: True}
+    # The backend frees the state of the streams whose frontend died (idle timeout).
+    assert wait_for_metric(backend["metrics"], "cosyvoice_token2wav_active_streams", lambda v: v == 0,
+                           timeout_s=IDLE_TIMEOUT_S * 10) == 0
+    assert split.process.poll() is None  # the service carries on with one frontend
