@@ -108,9 +108,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--role", choices=ROLES, default="all",
                    help="all: every model in this server; split deployment: frontend (cosyvoice2, llm, prompt "
                         "encoder, register_voice; token2wav on --backend) or backend (token2wav only)")
-    p.add_argument("--backend", action="append", default=[], metavar="grpc://HOST:PORT[?metrics=URL]",
-                   help="with --role frontend: a token2wav server (repeatable); each stream stays on one, new "
-                        "streams go to the one with the least outstanding work")
+    p.add_argument("--backend", action="append", default=[], metavar="SPEC",
+                   help="with --role frontend: token2wav servers, grpc://HOST:PORT[?metrics=URL] (repeatable), or "
+                        "dns://NAME:PORT for every address NAME resolves to (a Kubernetes headless Service, "
+                        "re-resolved as pods come and go); each stream stays on one, new streams go to the one "
+                        "with the least outstanding work")
     p.add_argument("--t2w-idle-timeout", type=float, default=120.0,
                    help="seconds after which a token2wav stream with no new chunk is freed")
     p.set_defaults(func=_run_serve)

@@ -19,7 +19,6 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
-PENDING_SPLIT_FLAGS = ("--role", "--backend")  # issue 7's split mode: not in `serve` yet
 IMAGE = "cosyvoice-triton:0.1.0"
 
 # Triton 2.51's own metric families (inference, GPU, CPU, pinned memory, response cache).
@@ -265,32 +264,12 @@ def _gateway_parser():
     return p
 
 
-def _strip_pending(args: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a in PENDING_SPLIT_FLAGS:
-            skip = True
-        else:
-            out.append(a)
-    return out
-
-
-def _check_command(args: list[str], entrypoint: list[str] | None, where: str, split_mode: bool):
+def _check_command(args: list[str], entrypoint: list[str] | None, where: str):
     if entrypoint == ["python3", "-m", "cosyvoice_triton.gateway"]:
         parser = _gateway_parser()
     else:
         assert entrypoint in (None, ["cosyvoice-triton"]), f"{where}: unknown entrypoint {entrypoint}"
         parser = _cli_parser()
-    pending = [a for a in args if a in PENDING_SPLIT_FLAGS]
-    if pending:
-        assert split_mode, f"{where} uses {pending} but is not marked as requiring split mode"
-        try:  # once split mode lands the full command must parse
-            parser.parse_args(args)
-            return
-        except SystemExit:
-            args = _strip_pending(args)
     try:
         parser.parse_args(args)
     except SystemExit:
@@ -307,8 +286,7 @@ def test_compose_structure_and_commands(name, capsys):
         image = svc.get("image", "")
         assert image == IMAGE or re.fullmatch(r"redis:\d+\.\d+\.\d+", image), f"{sname}: unpinned image {image}"
         if image == IMAGE:
-            split = svc.get("x-cosyvoice", {}).get("requires") == "split-mode"
-            _check_command(svc["command"], svc.get("entrypoint"), f"{name}:{sname}", split)
+            _check_command(svc["command"], svc.get("entrypoint"), f"{name}:{sname}")
             if svc.get("entrypoint") is None:
                 assert svc.get("shm_size") == "1g", f"{sname}: tritonserver needs shm_size 1g"
         for port in svc.get("ports", []):
@@ -318,8 +296,6 @@ def test_compose_structure_and_commands(name, capsys):
         for url_host in re.findall(r"(?:grpc|redis)://([\w.-]+):", " ".join(svc.get("command", []))):
             assert url_host in services, f"{sname}: {url_host} is not a service"
     assert len(host_ports) == len(set(host_ports)), f"host ports clash: {host_ports}"
-    if any(a in PENDING_SPLIT_FLAGS for s in services.values() for a in s.get("command", [])):
-        assert "REQUIRES SPLIT MODE" in (DEPLOY / "compose" / name).read_text()
     capsys.readouterr()
 
 
@@ -339,7 +315,7 @@ def test_dockerfile_structure():
     assert 'ENTRYPOINT ["cosyvoice-triton"]' in lines
     cmd = json.loads(next(ln for ln in lines if ln.startswith("CMD "))[4:])
     assert cmd[:5] == ["up", "--port", "8080", "--device", "cuda"]
-    _check_command(cmd, None, "Dockerfile CMD", split_mode=False)
+    _check_command(cmd, None, "Dockerfile CMD")
     expose = next(ln for ln in lines if ln.startswith("EXPOSE ")).split()[1:]
     assert {"8000", "8001", "8002", "8080"} <= set(expose)
     assert "--shm-size=1g" in text
@@ -366,8 +342,7 @@ def test_k8s_commands_parse():
     for name, doc in _k8s_docs():
         if doc["kind"] != "Deployment":
             continue
-        split = doc["metadata"].get("annotations", {}).get("cosyvoice.io/requires") == "split-mode"
         for c in doc["spec"]["template"]["spec"]["containers"]:
             if c["image"] != IMAGE:
                 continue
-            _check_command(c.get("args", []), c.get("command"), f"{name}:{doc['metadata']['name']}", split)
+            _check_command(c.get("args", []), c.get("command"), f"{name}:{doc['metadata']['name']}")

@@ -89,8 +89,8 @@ class ScriptedTransport:
 
 
 def pool(n: int = 2, watch_interval_s: float = 0.0) -> tuple[RemoteToken2Wav, list[ScriptedTransport]]:
-    targets = [TritonTarget.parse(f"grpc://b{i}:8001") for i in range(n)]
-    remote = RemoteToken2Wav(targets, watch_interval_s=watch_interval_s, transport_factory=ScriptedTransport)
+    specs = [f"grpc://b{i}:8001" for i in range(n)]
+    remote = RemoteToken2Wav(specs, watch_interval_s=watch_interval_s, transport_factory=ScriptedTransport)
     return remote, [b.transport for b in remote.backends]
 
 
@@ -192,3 +192,38 @@ def test_concurrent_streams_keep_exact_counts():
     for thread in threads:
         thread.join()
     assert remote.pinned() == {} and [b.open_streams for b in remote.backends] == [0, 0, 0]
+
+
+def test_backends_found_in_dns_join_and_leave_the_pool():
+    answers = {"ips": ["10.0.0.1"]}
+    remote = RemoteToken2Wav(["dns://t2w-headless:8001"], watch_interval_s=0.0, transport_factory=ScriptedTransport,
+                             resolve=lambda host, port: list(answers["ips"]))
+    assert [b.name for b in remote.backends] == ["10.0.0.1:8001"]
+    assert remote.backends[0].transport.target.metrics_url == "http://10.0.0.1:8002/metrics"
+    remote.chunk(first("s1"))
+    answers["ips"] = ["10.0.0.2", "10.0.0.3"]  # the autoscaler replaced the pod and added one
+    remote._refresh_members()
+    old = remote.backends[0]
+    assert old.retired and not old.healthy  # no new streams there, but s1 finishes where its state is
+    remote.chunk(first("s2"))
+    assert remote.pinned()["s2"] in ("10.0.0.2:8001", "10.0.0.3:8001")
+    remote.chunk(later("s1", finalize=True))
+    assert old.transport.calls[-1] == ("s1", False, False)
+    answers["ips"] = []  # a DNS hiccup keeps what is known
+    remote._refresh_members()
+    assert sorted(b.name for b in remote.backends) == ["10.0.0.2:8001", "10.0.0.3:8001"]
+
+
+def test_a_dns_name_that_resolves_to_nothing_yet_gives_unavailable():
+    remote = RemoteToken2Wav(["dns://t2w-headless:8001"], watch_interval_s=0.0, transport_factory=ScriptedTransport,
+                             resolve=lambda host, port: [])
+    with pytest.raises(Unavailable, match="no token2wav backend"):
+        remote.chunk(first("s1"))
+    with pytest.raises(ValueError, match="expected dns://name:port"):
+        RemoteToken2Wav(["dns://no-port"], watch_interval_s=0.0, transport_factory=ScriptedTransport)
+
+
+def test_a_frontend_may_find_its_backends_in_dns(tmp_path):
+    options = ServeOptions(role="frontend", backends=("dns://cosyvoice-backend-pods:8001",))
+    repo = render_run_repository(options, tmp_path / "model", "redis://r:6379/0", tmp_path / "repo")
+    assert '"dns://cosyvoice-backend-pods:8001"' in (repo / "cosyvoice2" / "config.pbtxt").read_text()

@@ -33,7 +33,7 @@ from typing import TextIO
 
 from cosyvoice_triton.server.process import TritonProcess
 from cosyvoice_triton.server.templates import model_names, render_repository
-from cosyvoice_triton.targets import TritonTarget
+from cosyvoice_triton.targets import TritonTarget, check_spec, is_discovery
 from cosyvoice_triton.triton.params import Engine, Precision
 
 ENGINES = typing.get_args(Engine)  # torch | onnxruntime | tensorrt
@@ -128,12 +128,17 @@ def role_models(options: ServeOptions, available: list[str]) -> list[str]:
     if options.role != "frontend" and options.backends:
         raise ValueError(f"--backend is for --role frontend (this server's role is {options.role})")
     for spec in options.backends:
-        TritonTarget.parse(spec, "--backend")  # a bad address fails here, not inside tritonserver
+        check_spec(spec, "--backend")  # a bad address fails here, not inside tritonserver
     if options.role == "backend":
         return [name for name in available if name in BACKEND_MODELS]
     if options.role == "frontend":
         return [name for name in available if name not in BACKEND_MODELS]
     return list(available)
+
+
+def backend_spec(spec: str) -> str:
+    """A `--backend` as the frontend's config holds it: DNS specs as given, addresses with their metrics URL."""
+    return spec.strip() if is_discovery(spec) else TritonTarget.parse(spec, "--backend").spec
 
 
 def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) -> dict[str, dict[str, object]]:
@@ -155,7 +160,7 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
     synthesis = {"model_dir": model_dir, "voice_store": voice_store, "instances": options.instances,
                  "max_workers": options.workers, "max_pending": options.max_pending,
                  "max_text_chars": options.max_text_chars,
-                 "token2wav_backends": ",".join(TritonTarget.parse(b, "--backend").spec for b in options.backends),
+                 "token2wav_backends": ",".join(backend_spec(b) for b in options.backends),
                  "token2wav_timeout_s": options.token2wav_timeout_s}
     prompt_step = {"model_dir": model_dir, "instances": options.instances, "max_batch": options.prompt_max_batch,
                    "queue_delay_us": options.prompt_queue_delay_us}

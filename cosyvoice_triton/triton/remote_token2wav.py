@@ -15,6 +15,9 @@ A frontend server (cosyvoice2, llm, prompt encoder) is given the addresses of on
   yet, so nothing is lost). A stream whose backend dies mid-way ends with UNAVAILABLE: its state died
   with the backend.
 - A chunk call never waits longer than `call_timeout_s`, so a hung backend cannot hang a client.
+- Backends are fixed addresses or a `dns://name:port` set (a Kubernetes headless Service): the watcher
+  re-resolves it, so backend pods that an autoscaler adds take new streams, and pods that go away take
+  no new ones (their open streams finish first).
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import numpy as np
 from cosyvoice_triton.errors import Unavailable
 from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
-from cosyvoice_triton.targets import TritonTarget
+from cosyvoice_triton.targets import Resolver, TritonTarget, check_spec, discover, is_discovery, resolve_ips
 from cosyvoice_triton.triton import contracts
 from cosyvoice_triton.triton.tensors import RemoteError
 
@@ -104,6 +107,8 @@ class Transport:
 class Backend:
     transport: Transport
     healthy: bool = True  # until a call or a probe says otherwise
+    source: str = ""  # the spec that named it
+    retired: bool = False  # gone from DNS: takes no new stream, dropped once its streams are done
     open_streams: int = 0  # this frontend's streams pinned here
     external: float = 0.0  # other frontends' streams here (last scrape)
     last_pick: int = 0
@@ -120,16 +125,24 @@ class Backend:
 class RemoteToken2Wav:
     """`Token2WavBackend` over the token2wav model of backend servers (see the module docstring)."""
 
-    def __init__(self, targets: Sequence[TritonTarget], model: str = contracts.TOKEN2WAV, *,
-                 call_timeout_s: float = 60.0, watch_interval_s: float = 2.0,
-                 transport_factory: Callable[[TritonTarget, float], Transport] = Transport):
-        if not targets:
+    def __init__(self, specs: Sequence[str], model: str = contracts.TOKEN2WAV, *, call_timeout_s: float = 60.0,
+                 watch_interval_s: float = 2.0,
+                 transport_factory: Callable[[TritonTarget, float], Transport] = Transport,
+                 resolve: Resolver = resolve_ips):
+        specs = [spec.strip() for spec in specs if spec.strip()]
+        if not specs:
             raise ValueError("no token2wav backends given")
+        for spec in specs:
+            check_spec(spec, "token2wav_backends")
         self.model = model
-        self.backends = [Backend(transport_factory(target, call_timeout_s)) for target in targets]
+        self.specs = specs
+        self.backends: list[Backend] = []
         self._pins: dict[str, Backend] = {}  # stream id -> the backend holding its state
         self._lock = threading.Lock()
         self._picks = itertools.count(1)
+        self._new_transport = lambda target: transport_factory(target, call_timeout_s)
+        self._resolve = resolve
+        self._refresh_members()
         self._watch_interval_s = watch_interval_s
         self._stop = threading.Event()
         self._watcher = None
@@ -139,10 +152,10 @@ class RemoteToken2Wav:
 
     @classmethod
     def from_specs(cls, specs: str, model: str = contracts.TOKEN2WAV, call_timeout_s: float = 60.0):
-        """From comma-separated `grpc://host:port[?metrics=URL]` (a model's `token2wav_backends`)."""
-        targets = [TritonTarget.parse(spec, "token2wav_backends") for spec in specs.split(",") if spec.strip()]
-        log.info("token2wav on %s (split deployment)", ", ".join(t.name for t in targets))
-        return cls(targets, model, call_timeout_s=call_timeout_s)
+        """From a model's `token2wav_backends`: comma-separated `grpc://host:port[?metrics=URL]` or
+        `dns://name:port[?metrics_port=N]` (see cosyvoice_triton/targets.py)."""
+        log.info("token2wav on %s (split deployment)", specs)
+        return cls(specs.split(","), model, call_timeout_s=call_timeout_s)
 
     # ---- the Token2WavBackend interface --------------------------------------------------------------
     def chunk(self, chunk: ChunkRequest) -> np.ndarray:
@@ -171,7 +184,9 @@ class RemoteToken2Wav:
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join(timeout=5)
-        for backend in self.backends:
+        with self._lock:
+            backends, self.backends = self.backends, []
+        for backend in backends:
             backend.transport.close()
 
     # ---- calls ------------------------------------------------------------------------------------------
@@ -233,6 +248,36 @@ class RemoteToken2Wav:
                 backend.open_streams -= 1
             return backend
 
+    def _refresh_members(self) -> None:
+        """Follow DNS: new addresses join the pool; vanished ones take no new stream and leave once their
+        streams are done. A `dns://` spec that resolves to nothing keeps what it had (a DNS hiccup must not
+        empty the pool)."""
+        wanted: dict[TritonTarget, str] = {}  # target -> the spec it came from
+        for spec in self.specs:
+            found = discover([spec], "token2wav_backends", self._resolve)
+            if not found:
+                found = [b.transport.target for b in self.backends if b.source == spec and not b.retired]
+                log.warning("token2wav backends: %s resolved to nothing; keeping %d known", spec, len(found))
+            wanted.update((target, spec) for target in found if target not in wanted)
+        closing = []
+        with self._lock:
+            known = {b.transport.target: b for b in self.backends}
+            for target, spec in wanted.items():
+                if target not in known:
+                    self.backends.append(Backend(self._new_transport(target), source=spec))
+                    log.warning("token2wav backend %s joined the pool", target.name)
+                elif known[target].retired:  # back in DNS before it was dropped
+                    known[target].retired, known[target].healthy = False, True
+            for target, backend in known.items():
+                if target not in wanted and not backend.retired:
+                    backend.retired, backend.healthy = True, False
+                    log.warning("token2wav backend %s left DNS: no new streams there", target.name)
+            for backend in [b for b in self.backends if b.retired and b.open_streams == 0]:
+                self.backends.remove(backend)
+                closing.append(backend)
+        for backend in closing:
+            backend.transport.close()
+
     def pinned(self) -> dict[str, str]:
         """Stream id -> backend name, for the streams open now."""
         with self._lock:
@@ -240,7 +285,7 @@ class RemoteToken2Wav:
 
     def _set_health(self, backend: Backend, healthy: bool, reason: str = "") -> None:
         with self._lock:
-            if backend.healthy == healthy:
+            if backend.healthy == healthy or backend.retired:
                 return
             backend.healthy = healthy
             backend.external = 0.0  # counted on a server that was down: stale either way
@@ -250,9 +295,15 @@ class RemoteToken2Wav:
             log.warning("token2wav backend %s left the pool: %s", backend.name, reason)
 
     def _watch(self) -> None:
-        """Probe the backends that left the pool; refresh every backend's count of other frontends' streams."""
+        """Follow DNS; probe the backends that left the pool; refresh every backend's count of other
+        frontends' streams."""
+        follow_dns = any(is_discovery(spec) for spec in self.specs)
         while not self._stop.wait(self._watch_interval_s):
-            for backend in self.backends:
+            if follow_dns:
+                self._refresh_members()
+            with self._lock:
+                backends = [b for b in self.backends if not b.retired]
+            for backend in backends:
                 if not backend.healthy:
                     if backend.transport.ready(self.model, timeout_s=self._watch_interval_s):
                         self._set_health(backend, True)
