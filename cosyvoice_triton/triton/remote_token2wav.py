@@ -265,7 +265,8 @@ class RemoteToken2Wav:
             for target, spec in wanted.items():
                 if target not in known:
                     self.backends.append(Backend(self._new_transport(target), source=spec))
-                    log.warning("token2wav backend %s joined the pool", target.name)
+                    log.log(logging.WARNING if known else logging.INFO, "token2wav backend %s joined the pool",
+                            target.name)
                 elif known[target].retired:  # back in DNS before it was dropped
                     known[target].retired, known[target].healthy = False, True
             for target, backend in known.items():
