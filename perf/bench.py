@@ -3,28 +3,40 @@
 ```
 cosyvoice-triton bench --scenario fast_clone --concurrency 1 2 4 --requests 16 --triton localhost:8001
 cosyvoice-triton bench --scenario long_text --gateway http://localhost:8080 --voice-mode audio
+cosyvoice-triton bench --gateway http://localhost:8080 --path ws     # the WebSocket /v1/tts/ws
 cosyvoice-triton bench --start --quick                 # its own tritonserver on the tiny random model
+cosyvoice-triton bench --start --quick --path ws       # ... behind a gateway started in this process
+cosyvoice-triton bench --start --compare chunk_policy  # variants side by side in one report
 ```
 Exactly one target: `--triton host:port` (gRPC), `--gateway URL`, or `--start` (a tritonserver started
 here through the launcher on `--model-dir`, default the tiny random folder, on free ports, stopped at the
-end). `--quick`: concurrency 1 and 2, 2 requests each, short texts, and (with `--start`) a token/text
-ratio of 3 so the random LLM stops early. One progress line per level; the report goes to `--out`
-(default `perf/results/<timestamp>/`): report.md, results.json, first_chunk.png, rtf_throughput.png.
+end). `--path` picks how requests travel: `grpc` (Triton directly: `--triton`, and `--start`'s default),
+`http` (the gateway's streamed POST /v1/tts: `--gateway`'s default) or `ws` (the gateway's WebSocket);
+with `--start`, `http` and `ws` go through a gateway served from a thread of this process, in front of
+the started server (it shares this process's CPU with the load generator).
+
+`--compare AXIS` runs the same scenario, levels and seeds for each variant of one axis and writes one
+report: `voice_cache` (voice id vs prompt audio with every request), `chunk_policy` (per-request chunk
+overrides; grpc path only), `llm_batching` (llm_max_batch 8 vs 1) and `engine` (torch vs onnxruntime,
++ tensorrt with `--device cuda`); the last two start one server per variant, in turn, and need
+`--start`. See compare.py.
+
+`--quick`: concurrency 1 and 2, 2 requests each, short texts, and (with `--start`) a token/text ratio of
+3 so the random LLM stops early. One progress line per level; the report goes to `--out` (default
+`perf/results/<timestamp>/`): report.md, results.json, first_chunk.png and rtf_throughput.png
+(a comparison: throughput.png).
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
-from . import loadgen, report, scenarios
+from . import compare, loadgen, report, scenarios, serving
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-QUICK_RATIO = 3.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,8 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=None, help="requests per level (default 16)")
     target = p.add_mutually_exclusive_group()
     target.add_argument("--triton", metavar="HOST:PORT", help="Triton gRPC endpoint (model cosyvoice2)")
-    target.add_argument("--gateway", metavar="URL", help="gateway base URL (streamed POST /v1/tts)")
+    target.add_argument("--gateway", metavar="URL", help="gateway base URL (--path http or ws)")
     target.add_argument("--start", action="store_true", help="start a tritonserver here for the run")
+    p.add_argument("--path", choices=loadgen.PATHS, default=None,
+                   help="grpc: Triton directly (default with --triton, --start); http: the gateway's streamed "
+                        "POST /v1/tts (default with --gateway); ws: the gateway's WS /v1/tts/ws. With --start, "
+                        "http and ws go through a gateway started in this process")
+    p.add_argument("--compare", choices=compare.AXES, default=None,
+                   help="run every variant of this axis (same scenario, levels, seeds) into one report")
     p.add_argument("--model-dir", default=None, help="with --start: model folder (default: the tiny random one)")
     p.add_argument("--model", default=None, help="model name for the report (default: from --model-dir)")
     p.add_argument("--device", default="cpu", help="with --start: device of llm and token2wav")
@@ -43,76 +61,72 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--voice-mode", choices=loadgen.VOICE_MODES, default="id",
                    help="id: register each prompt once and send its id; audio: send the prompt every time")
     p.add_argument("--api-key", default=None, help="gateway API key")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured requests before the first level")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured requests before the first level "
+                                                         "(of each variant)")
     p.add_argument("--quick", action="store_true", help="concurrency 1 2, 2 requests each, short texts")
     p.add_argument("--out", type=Path, default=None, help="report folder (default perf/results/<timestamp>/)")
 
 
-def _start_server(args, stack: ExitStack) -> tuple[str, str]:
-    """Start tritonserver via the launcher; (grpc url, model label). Stopped when `stack` closes."""
-    from ..server.launcher import ServeOptions, prepare
-
-    run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cosyvoice-bench-")))
-    options = ServeOptions(model_dir=args.model_dir, run_dir=run_dir, address="127.0.0.1", http_port=None,
-                           grpc_port=None, metrics_port=None, device=args.device,
-                           voice_store=str(run_dir / "voices.sqlite"),
-                           max_token_text_ratio=QUICK_RATIO if args.quick else None,
-                           torch_threads=args.torch_threads if args.torch_threads is not None else
-                           (1 if args.quick else 0))
-    server = prepare(options, die_with_parent=True)
-    print(f"starting tritonserver (log {server.log_path}) ...", file=sys.stderr, flush=True)
-    stack.callback(server.stop)
-    server.start()
-    return server.grpc_url, args.model or (str(args.model_dir) if args.model_dir else "tiny (random weights)")
+def _path(args) -> str:
+    """The request path of the target, checked against it."""
+    if args.triton:
+        if args.path not in (None, "grpc"):
+            raise ValueError("--triton is a gRPC endpoint: use --gateway URL (or --start) for --path http/ws")
+        return "grpc"
+    if args.gateway:
+        if args.path == "grpc":
+            raise ValueError("--gateway takes --path http or ws; use --triton HOST:PORT for grpc")
+        return args.path or "http"
+    return args.path or "grpc"
 
 
-def _server_version(grpc_url: str) -> str | None:
-    try:
-        import tritonclient.grpc as grpcclient
+def settings_from_args(args, concurrency: list[int]) -> serving.Settings:
+    if not (args.triton or args.gateway or args.start):
+        raise ValueError("give a target: --triton HOST:PORT, --gateway URL or --start")
+    threads = args.torch_threads if args.torch_threads is not None else (1 if args.quick else 0)
+    return serving.Settings(path=_path(args), start=args.start, url=args.triton or args.gateway,
+                            api_key=args.api_key, model_dir=args.model_dir, device=args.device,
+                            torch_threads=threads, quick=args.quick, max_concurrency=max(concurrency))
 
-        with grpcclient.InferenceServerClient(grpc_url) as client:
-            meta = client.get_server_metadata()
-            return f"{meta.name} {meta.version}"
-    except Exception:  # noqa: BLE001 - informative only
-        return None
+
+def _model_label(args) -> str:
+    if args.model:
+        return args.model
+    if args.start:
+        return str(args.model_dir) if args.model_dir else "tiny (random weights)"
+    return "unknown (set --model)"
 
 
 def run(args) -> int:
-    if not (args.triton or args.gateway or args.start):
-        print("error: give a target: --triton HOST:PORT, --gateway URL or --start", file=sys.stderr)
-        return 2
     concurrency = args.concurrency or ([1, 2] if args.quick else [1, 2, 4, 8, 16])
+    try:
+        settings = settings_from_args(args, concurrency)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     requests = args.requests or (2 if args.quick else 16)
     out = args.out or RESULTS_DIR / time.strftime("%Y%m%d-%H%M%S")
     scenario = scenarios.build(args.scenario, quick=args.quick)
-    with ExitStack() as stack:
-        if args.gateway:
-            target, where, model = loadgen.GatewayTarget(args.gateway, api_key=args.api_key), args.gateway, \
-                args.model or "unknown (set --model)"
-            server_version = None
-        else:
-            if args.start:
-                url, model = _start_server(args, stack)
-            else:
-                url, model = args.triton, args.model or "unknown (set --model)"
-            target, where, server_version = loadgen.TritonTarget(url), url, _server_version(url)
-        print(f"bench {scenario.name} on {target.kind} {where}: concurrency {concurrency}, {requests} requests "
+    if args.compare:
+        load = compare.Load(scenario, concurrency, requests, args.warmup)
+        return compare.run(args.compare, settings, load, voice_mode=args.voice_mode, model=_model_label(args),
+                           out=out)
+    return run_single(args, settings, scenario, concurrency, requests, out)
+
+
+def run_single(args, settings: serving.Settings, scenario: scenarios.Scenario, concurrency: list[int],
+               requests: int, out: Path) -> int:
+    with tempfile.TemporaryDirectory(prefix="cosyvoice-bench-") as tmp, \
+            serving.deployment(settings, Path(tmp)) as endpoint:
+        print(f"bench {scenario.name} on {endpoint.describe()}: concurrency {concurrency}, {requests} requests "
               f"per level, voice by {args.voice_mode}, prompt by {scenario.cases[0].prompt_source}",
               file=sys.stderr, flush=True)
-
-        async def go():
-            try:
-                return await loadgen.run_load(target, list(scenario.cases), concurrency, requests,
-                                              voice_mode=args.voice_mode, warmup=args.warmup,
-                                              on_level=lambda level: print(loadgen.progress_line(level),
-                                                                           flush=True))
-            finally:
-                await target.close()
-
-        levels = asyncio.run(go())
+        levels = loadgen.measure(endpoint.target, list(scenario.cases), concurrency, requests,
+                                 voice_mode=args.voice_mode, warmup=args.warmup,
+                                 on_level=lambda level: print(loadgen.progress_line(level), flush=True))
     env = report.environment(scenario=scenario.name, scenario_description=scenario.description,
-                             target=f"{target.kind} {where}", voice_mode=args.voice_mode, model=model,
-                             server_version=server_version, requests_per_level=requests,
+                             target=endpoint.describe(), voice_mode=args.voice_mode, model=_model_label(args),
+                             server_version=endpoint.server_version, requests_per_level=requests,
                              prompt_source=scenario.cases[0].prompt_source)
     paths = report.write([level.summary() for level in levels], env, out)
     print(f"report: {paths['markdown']}", flush=True)

@@ -5,14 +5,18 @@ send the next, until `requests` requests of that level are done. Each request re
 first and second audio chunk (from sending it), its total time and its audio seconds; a level reports
 their p50/p90/p99, RTF (level wall time / audio seconds made) and throughput (audio seconds per second).
 
-Targets:
-- `TritonTarget("host:8001")`: the `cosyvoice2` decoupled model through `AsyncTritonTTS` (one
+Targets, one per path (`make_target`):
+- `grpc`, `TritonTarget("host:8001")`: the `cosyvoice2` decoupled model through `AsyncTritonTTS` (one
   `ModelStreamInfer` call per request).
-- `GatewayTarget("http://host:8080")`: `POST /v1/tts` with `stream: true` through `AsyncGatewayTTS`.
+- `http`, `GatewayTarget("http://host:8080")`: `POST /v1/tts` with `stream: true` through `AsyncGatewayTTS`.
+- `ws`, `GatewayWsTarget("http://host:8080")`: a `WS /v1/tts/ws` session per request through
+  `AsyncGatewayTTS.stream_ws` (start message with the text, then end; binary PCM frames back; the
+  gateway ends with its stats and closes). The first chunk is the first binary frame.
 
 Voice mode `id` registers each distinct prompt once before the run and sends its id; `audio` sends the
 prompt recording with every request (the prompt is then encoded, or fetched from the server's cache,
-per request).
+per request). Per-request options (the chunk policy overrides `chunk_first_hop`, `chunk_hop_scale`,
+`chunk_max_hop`) reach the model on the gRPC path only: the gateway does not pass them on.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from ..client.triton_client import AsyncTritonTTS
 from .scenarios import Case
 
 VOICE_MODES = ("id", "audio")
+PATHS = ("grpc", "http", "ws")  # direct Triton gRPC; the gateway's streamed POST /v1/tts; its WebSocket
 
 
 @dataclass
@@ -86,8 +91,6 @@ class LevelResult:
 class TritonTarget:
     """Direct gRPC to the `cosyvoice2` model."""
 
-    kind = "triton"
-
     def __init__(self, url: str, timeout_s: float = 600.0):
         self.url = url
         self.client = AsyncTritonTTS(url, timeout_s=timeout_s)
@@ -97,12 +100,12 @@ class TritonTarget:
                                                  prompt_text=case.prompt_text or None)
         return voice.voice_id
 
-    async def stream(self, case: Case, voice_id: str | None, seed: int):
+    async def stream(self, case: Case, voice_id: str | None, seed: int, options: dict):
         if voice_id is not None:
-            return self.client.stream(case.text, voice_id=voice_id, mode=case.mode, seed=seed)
+            return self.client.stream(case.text, voice_id=voice_id, mode=case.mode, seed=seed, **options)
         return self.client.stream(case.text, prompt_audio=case.prompt_audio, prompt_sample_rate=case.prompt_rate,
                                   prompt_text=case.prompt_text if case.mode == "zero_shot" else None,
-                                  mode=case.mode, seed=seed)
+                                  mode=case.mode, seed=seed, **options)
 
     async def close(self) -> None:
         await self.client.close()
@@ -110,8 +113,6 @@ class TritonTarget:
 
 class GatewayTarget:
     """The HTTP gateway's streamed `/v1/tts`."""
-
-    kind = "gateway"
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0):
         self.url = url
@@ -121,22 +122,50 @@ class GatewayTarget:
         voice = await self.client.add_voice(wav_bytes(case.prompt_audio, case.prompt_rate), case.prompt_text)
         return voice.voice_id
 
-    async def stream(self, case: Case, voice_id: str | None, seed: int):
+    def _voice(self, case: Case, voice_id: str | None) -> dict:
         if voice_id is not None:
-            return await self.client.stream(case.text, voice_id=voice_id, mode=case.mode, seed=seed)
-        return await self.client.stream(case.text, prompt_audio=wav_bytes(case.prompt_audio, case.prompt_rate),
-                                        prompt_text=case.prompt_text if case.mode == "zero_shot" else None,
-                                        mode=case.mode, seed=seed)
+            return {"voice_id": voice_id}
+        return {"prompt_audio": wav_bytes(case.prompt_audio, case.prompt_rate),
+                "prompt_text": case.prompt_text if case.mode == "zero_shot" else None}
+
+    async def stream(self, case: Case, voice_id: str | None, seed: int, options: dict):
+        _no_options(options)
+        return await self.client.stream(case.text, mode=case.mode, seed=seed, **self._voice(case, voice_id))
 
     async def close(self) -> None:
         await self.client.close()
 
 
-async def one_request(target, case: Case, voice_id: str | None, seed: int) -> RequestResult:
+class GatewayWsTarget(GatewayTarget):
+    """The gateway's `WS /v1/tts/ws`: one session per request, the whole text in its start message."""
+
+    async def stream(self, case: Case, voice_id: str | None, seed: int, options: dict):
+        _no_options(options)
+        return await self.client.stream_ws(case.text, mode=case.mode, seed=seed, **self._voice(case, voice_id))
+
+
+def _no_options(options: dict) -> None:
+    if options:
+        raise ValueError(f"the gateway does not take {', '.join(sorted(options))}: use the grpc path")
+
+
+def make_target(path: str, url: str, api_key: str | None = None):
+    """The target of `path` (one of `PATHS`) at `url` (host:port for grpc, the gateway's base URL otherwise)."""
+    if path == "grpc":
+        return TritonTarget(url)
+    if path == "http":
+        return GatewayTarget(url, api_key=api_key)
+    if path == "ws":
+        return GatewayWsTarget(url, api_key=api_key)
+    raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
+
+
+async def one_request(target, case: Case, voice_id: str | None, seed: int, options: dict | None = None
+                      ) -> RequestResult:
     result = RequestResult()
     started = time.monotonic()
     try:
-        stream = await target.stream(case, voice_id, seed)
+        stream = await target.stream(case, voice_id, seed, options or {})
         async with stream:
             async for chunk in stream:
                 now = time.monotonic() - started
@@ -153,14 +182,15 @@ async def one_request(target, case: Case, voice_id: str | None, seed: int) -> Re
 
 
 async def run_level(target, cases: list[Case], voice_ids: list[str | None], concurrency: int,
-                    requests: int, seed: int = 0) -> LevelResult:
+                    requests: int, seed: int = 0, options: dict | None = None) -> LevelResult:
     """`requests` requests by `concurrency` closed-loop clients; cases are taken round-robin."""
     counter = iter(range(requests))
     results: list[RequestResult] = []
 
     async def client() -> None:
         for k in counter:  # a shared iterator: each request index is taken once
-            results.append(await one_request(target, cases[k % len(cases)], voice_ids[k % len(cases)], seed + k))
+            case, voice_id = cases[k % len(cases)], voice_ids[k % len(cases)]
+            results.append(await one_request(target, case, voice_id, seed + k, options))
 
     started = time.monotonic()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -180,8 +210,10 @@ def progress_line(level: LevelResult) -> str:
 
 
 async def run_load(target, cases: list[Case], concurrencies: list[int], requests: int, *, voice_mode: str = "id",
-                   warmup: int = 1, on_level: Callable[[LevelResult], None] | None = None) -> list[LevelResult]:
-    """Every level in turn (after `warmup` unmeasured requests); `on_level` sees each as it finishes."""
+                   warmup: int = 1, options: dict | None = None,
+                   on_level: Callable[[LevelResult], None] | None = None) -> list[LevelResult]:
+    """Every level in turn (after `warmup` unmeasured requests); `on_level` sees each as it finishes.
+    Level n uses seeds 100000 * (n + 1) + k, so runs with the same levels send the same seeds."""
     if voice_mode not in VOICE_MODES:
         raise ValueError(f"voice_mode must be one of {', '.join(VOICE_MODES)}, got {voice_mode!r}")
     voice_ids: list[str | None] = [None] * len(cases)
@@ -193,11 +225,28 @@ async def run_load(target, cases: list[Case], concurrencies: list[int], requests
                 registered[key] = await target.register(case)
             voice_ids[i] = registered[key]
     for k in range(warmup):
-        await one_request(target, cases[k % len(cases)], voice_ids[k % len(cases)], 10_000 + k)
+        await one_request(target, cases[k % len(cases)], voice_ids[k % len(cases)], 10_000 + k, options)
     levels = []
     for n, concurrency in enumerate(concurrencies):
-        level = await run_level(target, cases, voice_ids, concurrency, requests, seed=100_000 * (n + 1))
+        level = await run_level(target, cases, voice_ids, concurrency, requests, seed=100_000 * (n + 1),
+                                options=options)
         levels.append(level)
         if on_level is not None:
             on_level(level)
     return levels
+
+
+def measure(make: Callable[[], object], cases: list[Case], concurrencies: list[int], requests: int, *,
+            voice_mode: str = "id", warmup: int = 1, options: dict | None = None,
+            on_level: Callable[[LevelResult], None] | None = None) -> list[LevelResult]:
+    """`run_load` in an event loop of its own, on a target that `make()` builds inside that loop (gRPC
+    and aiohttp clients belong to the loop that made them) and that is closed at the end."""
+    async def go() -> list[LevelResult]:
+        target = make()
+        try:
+            return await run_load(target, cases, concurrencies, requests, voice_mode=voice_mode, warmup=warmup,
+                                  options=options, on_level=on_level)
+        finally:
+            await target.close()
+
+    return asyncio.run(go())

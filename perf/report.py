@@ -1,6 +1,10 @@
 """Benchmark reports: `report.md` (environment + one table row per concurrency), `results.json`, and PNG
 plots (`first_chunk.png`: first-chunk p50/p99 vs concurrency; `rtf_throughput.png`: RTF and audio
 seconds per second vs concurrency), all in one folder per run.
+
+A comparison (`write_comparison`) has the same layout: one table row per variant x concurrency,
+results.json with the levels of each variant, and one line per variant in `first_chunk.png`
+(first-chunk p50) and `throughput.png`.
 """
 from __future__ import annotations
 
@@ -59,15 +63,24 @@ def _num(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def markdown(summaries: list[dict], env: dict) -> str:
-    lines = [f"# CosyVoice2 benchmark: {env.get('scenario', '')}", ""]
-    for key in ("date", "scenario", "scenario_description", "target", "voice_mode", "model", "server_version",
-                "requests_per_level", "cpu", "cpu_count", "gpu", "python", "platform"):
+TIMES_NOTE = ("Times in ms from sending the request; RTF = level wall time / audio seconds made; "
+              "throughput = audio seconds per second.")
+
+
+def _environment_lines(env: dict) -> list[str]:
+    lines = []
+    for key in ("date", "scenario", "scenario_description", "compare", "target", "voice_mode", "model",
+                "server_version", "requests_per_level", "prompt_source", "cpu", "cpu_count", "gpu", "python",
+                "platform"):
         if env.get(key) not in (None, ""):
             lines.append(f"- **{key}**: {env[key]}")
     lines.append(f"- **versions**: {', '.join(f'{k} {v}' for k, v in env.get('versions', {}).items())}")
-    lines += ["", ("Times in ms from sending the request; RTF = level wall time / audio seconds made; "
-                   "throughput = audio seconds per second."), "",
+    return lines
+
+
+def markdown(summaries: list[dict], env: dict) -> str:
+    lines = [f"# CosyVoice2 benchmark: {env.get('scenario', '')}", ""] + _environment_lines(env)
+    lines += ["", TIMES_NOTE, "",
               ("| concurrency | requests | errors | first chunk p50 / p90 / p99 | second chunk p50 / p99 "
                "| total p50 / p99 | audio (s) | RTF | throughput |"),
               "|---:|---:|---:|---|---|---|---:|---:|---:|"]
@@ -83,12 +96,17 @@ def markdown(summaries: list[dict], env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(summaries: list[dict], out: Path, title: str) -> list[Path]:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plots(summaries: list[dict], out: Path, title: str) -> list[Path]:
+    plt = _pyplot()
     x = [s["concurrency"] for s in summaries]
 
     def series(key: str, scale: float = 1.0) -> list[float]:
@@ -133,4 +151,72 @@ def write(summaries: list[dict], env: dict, out: Path) -> dict[str, Path]:
                              encoding="utf-8")
     first, rtf = plots(summaries, out, env.get("scenario", "benchmark"))
     paths.update(first_chunk_png=first, rtf_png=rtf)
+    return paths
+
+
+# ---- comparisons -----------------------------------------------------------------------------------------
+
+def _variant_line(variant: dict) -> str:
+    settings = [f"voice by {variant['voice_mode']}"]
+    settings += [f"`{k}={v}`" for k, v in {**variant["options"], **variant["server"]}.items()]
+    line = f"- **{variant['name']}**: {variant['description']} ({', '.join(settings)}); {variant['target']}"
+    if variant.get("error"):
+        line += f"; **did not run**: {variant['error']}"
+    return line + "".join(f"\n  - server log: {note}" for note in variant.get("notes", []))
+
+
+def comparison_markdown(variants: list[dict], env: dict) -> str:
+    """Environment, the variants, and one row per concurrency x variant (variants side by side per level)."""
+    lines = [f"# CosyVoice2 comparison: {env.get('compare', '')} ({env.get('scenario', '')})", ""]
+    lines += _environment_lines(env) + ["", "## Variants", ""] + [_variant_line(v) for v in variants]
+    lines += ["", "## Results", "", TIMES_NOTE, "",
+              ("| variant | concurrency | requests | errors | first chunk p50 / p90 / p99 | second chunk p50 "
+               "| total p50 | RTF | throughput |"),
+              "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    rows = sorted(((s["concurrency"], n, v["name"], s) for n, v in enumerate(variants) for s in v["levels"]),
+                  key=lambda row: row[:2])
+    for _, _, name, s in rows:
+        lines.append(
+            f"| {name} | {s['concurrency']} | {s['requests']} | {s['errors']} | {_ms(s['first_chunk_p50_s'])} / "
+            f"{_ms(s['first_chunk_p90_s'])} / {_ms(s['first_chunk_p99_s'])} | {_ms(s['second_chunk_p50_s'])} | "
+            f"{_ms(s['total_p50_s'])} | {_num(s['rtf'])} | {_num(s['throughput'], 2)} |")
+    errors = [(name, s["concurrency"], s["first_error"]) for _, _, name, s in rows if s.get("first_error")]
+    if errors:
+        lines += ["", "First error per variant and level:", ""]
+        lines += [f"- {name}, concurrency {c}: {e}" for name, c, e in errors]
+    return "\n".join(lines) + "\n"
+
+
+def _per_variant_plot(variants: list[dict], key: str, scale: float, ylabel: str, title: str, path: Path) -> Path:
+    """`key` vs concurrency, one line per variant that ran."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    levels = sorted({s["concurrency"] for v in variants for s in v["levels"]})
+    for variant in variants:
+        if variant["levels"]:
+            x = [s["concurrency"] for s in variant["levels"]]
+            y = [float("nan") if s[key] is None else scale * s[key] for s in variant["levels"]]
+            ax.plot(x, y, "o-", label=variant["name"])
+    ax.set(xlabel="concurrency", ylabel=ylabel, title=title)
+    ax.set_xticks(levels)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_comparison(variants: list[dict], env: dict, out: Path) -> dict[str, Path]:
+    """report.md, results.json, first_chunk.png and throughput.png of a comparison in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": out / "report.md", "json": out / "results.json"}
+    paths["markdown"].write_text(comparison_markdown(variants, env), encoding="utf-8")
+    paths["json"].write_text(json.dumps({"environment": env, "variants": variants}, indent=2, ensure_ascii=False),
+                             encoding="utf-8")
+    title = f"{env.get('compare', '')} ({env.get('scenario', '')})"
+    paths["first_chunk_png"] = _per_variant_plot(variants, "first_chunk_p50_s", 1000, "first chunk p50 (ms)",
+                                                 f"{title}: first chunk", out / "first_chunk.png")
+    paths["throughput_png"] = _per_variant_plot(variants, "throughput", 1.0, "audio seconds per second",
+                                                f"{title}: throughput", out / "throughput.png")
     return paths

@@ -1,12 +1,15 @@
-"""`cosyvoice-triton bench`: the report pieces, and `bench --start --quick` end to end on a real tritonserver
-(tiny random model, free ports). No timing assertions: only that each level ran and the report was written."""
+"""`cosyvoice-triton bench`: the report pieces, comparison planning, and end to end on a real tritonserver
+(tiny random model, free ports): `bench --start --quick` direct over gRPC, `--compare chunk_policy` (one
+server), `--compare llm_batching` (two servers in turn) and the WebSocket path through a gateway started in
+the test process. No timing assertions: only that each level (of each variant) ran and the report was written."""
 from __future__ import annotations
 
 import json
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
-from cosyvoice_triton.perf import loadgen, report, scenarios
+from cosyvoice_triton.perf import compare, loadgen, report, scenarios, serving
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,3 +62,141 @@ def test_bench_start_quick_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert all(level["errors"] == 0 and level["audio_s"] > 0 for level in results["levels"])
     for name in ("first_chunk.png", "rtf_throughput.png"):
         assert (out / name).stat().st_size > 0
+
+
+# ---- comparisons and paths ---------------------------------------------------------------------------------
+
+def _table_rows(report_md: Path) -> list[list[str]]:
+    """The cells of the report's result rows (those whose concurrency cell is a number)."""
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in report_md.read_text().splitlines()
+            if line.startswith("| ")]
+    return [row for row in rows if len(row) > 1 and row[1].isdigit()]
+
+
+def test_variant_planning_gives_each_server_its_options(tmp_path):
+    settings = serving.Settings(path="grpc", start=True, device="cuda", torch_threads=1, quick=True)
+    engines = compare.plan("engine", device="cuda")
+    assert [v.name for v in engines] == ["torch", "onnxruntime", "tensorrt"]
+    assert [v.name for v in compare.plan("engine", device="cpu")] == ["torch", "onnxruntime"]
+    groups = compare.server_groups(engines)
+    assert len(groups) == 3  # one server per engine, started in turn
+    options = [serving.serve_options(settings, tmp_path / str(n), server) for n, (server, _) in enumerate(groups)]
+    assert [o.engine for o in options] == ["torch", "onnxruntime", "tensorrt"]
+    assert all(o.device == "cuda" and o.onnx_dir is None and o.max_token_text_ratio == serving.QUICK_RATIO
+               for o in options)  # onnx_dir None: the launcher picks <run dir>/onnx for a read-only model folder
+    batching = compare.plan("llm_batching")
+    assert [serving.serve_options(settings, tmp_path, s).llm_max_batch
+            for s, _ in compare.server_groups(batching)] == [8, 1]
+    for axis in ("voice_cache", "chunk_policy"):  # request-side axes share one server
+        assert len(compare.server_groups(compare.plan(axis))) == 1
+    assert [v.voice_mode for v in compare.plan("voice_cache")] == ["id", "audio"]
+    assert compare.plan("chunk_policy")[0].options == {}  # the server's own policy first
+    assert compare.unsupported("engine", serving.Settings(path="grpc", start=False, url="h:1"))
+    assert compare.unsupported("chunk_policy", serving.Settings(path="ws", start=True))
+    assert compare.unsupported("voice_cache", serving.Settings(path="ws", start=False, url="http://h")) is None
+
+
+def test_bad_target_and_path_combinations_exit_2(capsys):
+    from cosyvoice_triton.cli import main
+
+    assert main(["bench", "--triton", "localhost:1", "--path", "ws"]) == 2
+    assert main(["bench", "--gateway", "http://localhost:1", "--path", "grpc"]) == 2
+    assert main(["bench", "--triton", "localhost:1", "--compare", "llm_batching"]) == 2
+    assert main(["bench", "--start", "--path", "http", "--compare", "chunk_policy"]) == 2
+    assert main(["bench", "--compare", "engine"]) == 2  # no target
+    assert capsys.readouterr().err.count("error:") == 5
+
+
+def test_comparison_report_from_synthetic_levels(tmp_path):
+    level = loadgen.LevelResult(1, 1.0, [loadgen.RequestResult(0.1, None, 0.5, 2.0, 1)]).summary()
+    common = {"voice_mode": "id", "server": {}, "target": "triton grpc h:1", "notes": []}
+    variants = [{**common, "name": "a", "description": "first", "options": {}, "error": None,
+                 "levels": [level, {**level, "concurrency": 2}]},
+                {**common, "name": "b", "description": "second", "options": {"chunk_first_hop": 10},
+                 "error": "TritonStartError: no", "levels": []}]  # its server did not start
+    paths = report.write_comparison(variants, report.environment(scenario="fast_clone", compare="chunk_policy"),
+                                    tmp_path)
+    text = paths["markdown"].read_text()
+    assert [row[:4] for row in _table_rows(paths["markdown"])] == [["a", "1", "1", "0"], ["a", "2", "1", "0"]]
+    assert "`chunk_first_hop=10`" in text and "did not run**: TritonStartError: no" in text
+    assert json.loads(paths["json"].read_text())["variants"][1]["error"] == "TritonStartError: no"
+    assert paths["first_chunk_png"].stat().st_size > 0 and paths["throughput_png"].stat().st_size > 0
+
+
+def _run_compare(tiny_model_dir: Path, out: Path, capsys, *extra: str, levels: tuple[int, ...] = (1, 2)) -> dict:
+    """`bench --start --quick --compare ...` at `levels` into `out`; its results.json, after checking that
+    every variant ran every level with audio and no errors, and that the report and plots are there."""
+    from triton_harness import tritonserver_or_skip
+
+    from cosyvoice_triton.cli import main
+
+    tritonserver_or_skip()
+    code = main(["bench", "--start", "--quick", "--model-dir", str(tiny_model_dir), "--warmup", "0",
+                 "--concurrency", *map(str, levels), "--out", str(out), *extra])
+    printed = capsys.readouterr()
+    assert code == 0, printed.out + printed.err[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    names = [variant["name"] for variant in results["variants"]]
+    rows = _table_rows(out / "report.md")
+    assert sorted((row[0], row[1]) for row in rows) == sorted((name, str(c)) for name in names for c in levels)
+    assert all(row[3] == "0" for row in rows)  # no errors in any variant x level
+    for variant in results["variants"]:
+        assert variant["error"] is None
+        assert [level["concurrency"] for level in variant["levels"]] == list(levels)
+        assert all(level["errors"] == 0 and level["requests"] == 2 and level["audio_s"] > 0
+                   for level in variant["levels"])
+    for name in ("first_chunk.png", "throughput.png"):
+        assert (out / name).stat().st_size > 0
+    return results
+
+
+def test_compare_chunk_policy_on_one_server(tiny_model_dir, tmp_path, capsys):
+    results = _run_compare(tiny_model_dir, tmp_path / "report", capsys, "--compare", "chunk_policy")
+    assert [v["name"] for v in results["variants"]] == ["default", "small-first", "fixed-50"]
+    assert results["variants"][1]["options"] == {"chunk_first_hop": 10}
+    assert len({v["target"] for v in results["variants"]}) == 1  # one server for all three
+
+
+def test_compare_llm_batching_starts_a_server_per_variant(tiny_model_dir, tmp_path, capsys):
+    # one level: most of this test is starting two servers, one after the other
+    results = _run_compare(tiny_model_dir, tmp_path / "report", capsys, "--compare", "llm_batching", levels=(2,))
+    assert [v["server"] for v in results["variants"]] == [{"llm_max_batch": 8}, {"llm_max_batch": 1}]
+    assert len({v["target"] for v in results["variants"]}) == 2  # two servers, one after the other
+
+
+def test_websocket_path_through_a_gateway_started_here(tiny_model_dir, tmp_path, capsys):
+    """`--path ws`: every request is a WS /v1/tts/ws session on an in-process gateway; with the voice
+    cache comparison, once by voice id and once with the prompt audio in the start message."""
+    results = _run_compare(tiny_model_dir, tmp_path / "report", capsys, "--path", "ws", "--compare", "voice_cache",
+                           levels=(2,))
+    assert [v["voice_mode"] for v in results["variants"]] == ["id", "audio"]
+    assert all(v["target"].startswith("gateway ws http://127.0.0.1:") for v in results["variants"])
+    assert results["environment"]["target"].startswith("ws path")
+
+
+def test_engine_fallbacks_are_read_from_the_server_log(tmp_path):
+    log = tmp_path / "tritonserver.log"
+    fallback = "token2wav: engine 'tensorrt' is not available on cpu (no tensorrt); using 'onnxruntime'"
+    log.write_text(f'W1130 02:19:29.72 1 logs.py:38] "{fallback}"\nW1130 02:19:30.01 2 logs.py:38] "{fallback}"\n'
+                   "I1130 02:19:31.00 1 server.cc:1] model ready\n")
+    assert serving.engine_warnings(log) == [fallback]
+    assert serving.engine_warnings(None) == []
+
+
+def test_a_server_that_does_not_start_fails_its_variants_only(monkeypatch, tmp_path):
+    from cosyvoice_triton.errors import CosyVoiceError
+    @contextmanager
+    def deployment(settings, run_dir, server):
+        if server["engine"] == "torch":
+            raise CosyVoiceError("tritonserver exited\nlog tail ...")
+        yield serving.Endpoint("grpc", "127.0.0.1:1")
+
+    measured = loadgen.LevelResult(1, 1.0, [loadgen.RequestResult(0.1, None, 0.5, 2.0, 1)])
+    monkeypatch.setattr(serving, "deployment", deployment)
+    monkeypatch.setattr(loadgen, "measure", lambda *args, **kwargs: [measured])
+    load = compare.Load(scenarios.build("fast_clone", quick=True), [1], 1, 0)
+    settings = serving.Settings(path="grpc", start=True)
+    results = compare.run_variants(settings, compare.plan("engine"), load, tmp_path)
+    assert [(r.variant.name, r.error) for r in results] == [
+        ("torch", "CosyVoiceError: tritonserver exited"), ("onnxruntime", None)]
+    assert results[1].levels == [measured.summary()]
