@@ -1,0 +1,541 @@
+"""GPU mode of the benchmark: the serving engines driven in this process, with no Triton server.
+
+    bash perf/gpu_bench.sh                                          # on the GPU machine (device tool)
+    python -m cosyvoice_triton.perf.gpu_bench --device cpu --size tiny --quick      # a smoke run on a CPU
+
+What runs is the `cosyvoice2` model's serving path without its transport: the shared `Orchestrator`
+(sentences -> LLM token streams -> token2wav chunks) over `LLMEngine` (in-flight batching of the LLM
+streams in its own thread, as the `llm` model runs it) and `Token2WavEngine` (flow + HiFT batched across
+streams) behind `BatchingToken2Wav`, which gathers waiting chunks into one engine call as Triton's dynamic
+batcher does for the `token2wav` model. Each concurrency level has N client threads; each sends a request,
+reads its chunks to the end and sends the next, until the level's requests are done. Left out: gRPC, BLS
+hops and tensor copies between models, and the cosyvoice2 worker pool (each client runs its own request).
+
+A voice is encoded once per prompt before the levels (as `bench --voice-mode id`). `--time-budget-s`
+counts from the start (model writing included): a level whose estimated time does not fit is not started,
+a level that reaches the deadline starts no more requests, and the report says so. The report (report.md,
+results.json, one PNG per scenario) goes to `--out`, default $OUT/gpu_bench when OUT is set, else
+perf/results/gpu-<timestamp>/; report.md and results.json are rewritten after every level.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..engines.select import build_token2wav, resolve_engine, unavailable_reason
+from ..export.random_model import write_random_model
+from ..models.speech_lm import SpeechLM
+from ..runtime.llm_engine import LLMEngine
+from ..runtime.engine_backends import BatchingToken2Wav, EngineLLM
+from ..runtime.token2wav_engine import Token2WavEngine
+from ..server.launcher import ServeOptions
+from . import scenarios
+
+QUICK_RATIO = 3.0  # --quick: at most 3 speech tokens per text token, so the random LLM stops early
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+TARGETS = (  # (scenario or None for every scenario, concurrency, summary key, bound, label); reported only
+    ("fast_clone", 1, "first_chunk_p50_s", 0.100, "first chunk p50 <= 100 ms"),
+    ("fast_clone", 16, "first_chunk_p99_s", 0.300, "first chunk p99 <= 300 ms"),
+    (None, 32, "rtf", 0.02, "aggregate RTF <= 0.02"),
+)
+
+
+# ---- packages the GPU image lacks -------------------------------------------------------------------
+
+class _UnchangedText:
+    """Stands in for `wetext.Normalizer` where wetext is missing: the text stays as written."""
+
+    def __init__(self, **options: object):
+        self.options = options
+
+    def normalize(self, text: str) -> str:
+        return text
+
+
+def _no_soundfile(*args: object, **kwargs: object):
+    raise RuntimeError("soundfile is not installed here: the benchmark passes prompt samples, not files")
+
+
+def stand_in_missing_packages() -> list[str]:
+    """Register stand-ins for wetext and soundfile where they cannot be imported (the GPU image has
+    neither), so the text frontend and the prompt encoder import; returns one report note per stand-in.
+    frontend/text.py imports wetext at module level and frontend/audio.py soundfile, which only decodes
+    uploaded files. Call before importing those modules; where the packages import, nothing changes."""
+    notes = []
+    try:
+        import wetext  # noqa: F401 - loads its FSTs, which the frontend needs anyway
+    except ImportError:
+        sys.modules["wetext"] = types.SimpleNamespace(Normalizer=_UnchangedText)
+        notes.append("wetext is not installed: text normalization (number and symbol spelling) is skipped; "
+                     "the scenario texts need little of it")
+    try:
+        import soundfile  # noqa: F401
+    except (ImportError, OSError):  # OSError: the wheel is there but libsndfile is not
+        # frontend/audio.py names LibsndfileError in an except clause and calls read() on file bytes only.
+        sys.modules["soundfile"] = types.SimpleNamespace(read=_no_soundfile, LibsndfileError=RuntimeError)
+        notes.append("soundfile is not installed: a stand-in that refuses to decode files (none are decoded)")
+    return notes
+
+
+@dataclass
+class Stack:
+    """Everything one run serves with."""
+
+    orchestrator: object  # runtime.orchestrator.Orchestrator
+    llm_engine: LLMEngine
+    t2w_engine: Token2WavEngine
+    batcher: BatchingToken2Wav
+    prompt_encoder: object  # frontend.prompt.PromptEncoder
+    request_type: type  # runtime.request.SynthesisRequest (imported late, as the frontend)
+    sampling: object  # runtime.sampling.SamplingParams: the model's defaults
+    sample_rate: int
+    settings: dict
+
+    def close(self) -> None:
+        self.llm_engine.stop()
+        self.batcher.close()
+
+
+def open_stack(model_dir: Path, args: argparse.Namespace, device: torch.device, onnx_dir: Path) -> Stack:
+    """The engines and the orchestrator on `device`, set up as the Triton models set them up."""
+    # Imported here, after stand_in_missing_packages(): these modules import wetext and soundfile.
+    from ..frontend.prompt import PromptEncoder
+    from ..frontend.text import TextFrontend
+    from ..runtime.orchestrator import Orchestrator
+    from ..runtime.request import SynthesisRequest
+
+    llm = SpeechLM.from_model_dir(model_dir, device=device, max_batch=args.llm_max_batch,
+                                  max_seq_len=args.llm_max_seq_len)
+    if args.max_token_text_ratio is not None:
+        llm.config.max_token_text_ratio = args.max_token_text_ratio
+    llm_engine = LLMEngine(llm, max_batch=args.llm_max_batch, max_seq_len=args.llm_max_seq_len,
+                           max_queue=args.llm_max_queue)
+    engine = resolve_engine(args.engine, device)  # a fallback is one warning line from engines/select.py
+    flow, hift = build_token2wav(model_dir, engine, device, precision=args.precision, onnx_dir=onnx_dir,
+                                 max_streams=args.t2w_max_batch)
+    t2w_engine = Token2WavEngine(flow, hift, max_streams=args.t2w_max_streams, max_batch=args.t2w_max_batch)
+    engine_line = engine if engine == args.engine else \
+        f"{engine} ({args.engine} unavailable: {unavailable_reason(args.engine, device)})"
+    settings = {
+        "llm": f"LLMEngine on {device}: {args.llm_max_batch} slots, max_seq_len {args.llm_max_seq_len}, "
+               f"queue {args.llm_max_queue}; max speech tokens per text token "
+               f"{llm.config.max_token_text_ratio:g}",
+        "token2wav": f"{engine_line}, precision {args.precision if engine == 'tensorrt' else 'fp32'}; "
+                     f"Token2WavEngine max_batch {args.t2w_max_batch}, max_streams {args.t2w_max_streams}; "
+                     f"batcher delay {args.queue_delay_us} us"}
+    prompt_encoder, frontend = PromptEncoder.from_model_dir(model_dir), TextFrontend.from_model_dir(model_dir)
+    # The two threads start last: nothing after them can fail and leave them running.
+    batcher = BatchingToken2Wav(t2w_engine, args.t2w_max_batch, args.queue_delay_us / 1e6)
+    llm_engine.start()
+    orchestrator = Orchestrator(frontend, EngineLLM(llm_engine), batcher)
+    return Stack(orchestrator=orchestrator, llm_engine=llm_engine, t2w_engine=t2w_engine, batcher=batcher,
+                 prompt_encoder=prompt_encoder, request_type=SynthesisRequest, sampling=llm.config.sampling,
+                 sample_rate=hift.config.sampling_rate, settings=settings)
+
+
+# ---- load generation ------------------------------------------------------------------------------
+
+@dataclass
+class RequestResult:
+    first_chunk_s: float | None = None
+    second_chunk_s: float | None = None
+    total_s: float = 0.0
+    audio_s: float = 0.0
+    error: str | None = None
+
+
+def one_request(stack: Stack, case: scenarios.Case, voice, seed: int) -> RequestResult:
+    """Stream one request through the orchestrator; times from handing it over (s)."""
+    result, chunks, samples = RequestResult(), 0, 0
+    start = time.perf_counter()
+    try:
+        request = stack.request_type(text=case.text, voice=voice, mode=case.mode, seed=seed,
+                                     sampling=stack.sampling)
+        for chunk in stack.orchestrator.run(request, stream=True):
+            if chunk.size == 0:
+                continue
+            chunks, samples = chunks + 1, samples + chunk.size
+            if chunks == 1:
+                result.first_chunk_s = time.perf_counter() - start
+            elif chunks == 2:
+                result.second_chunk_s = time.perf_counter() - start
+    except Exception as exc:  # noqa: BLE001 - counted as this request's error; the level goes on
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.total_s = time.perf_counter() - start
+    result.audio_s = samples / stack.sample_rate
+    return result
+
+
+def run_level(stack: Stack, cases: list, voices: dict, concurrency: int, requests: int, deadline: float,
+              seed: int) -> tuple[list[RequestResult], float]:
+    """`concurrency` client threads share `requests` requests (case i % len(cases), seed + i); none starts
+    after `deadline` (time.monotonic()). Returns the results and the level's wall time."""
+    results: list[RequestResult] = []
+    lock = threading.Lock()
+    taken = 0
+
+    def client() -> None:
+        nonlocal taken
+        while time.monotonic() < deadline:
+            with lock:
+                index, taken = taken, taken + 1
+            if index >= requests:
+                return
+            case = cases[index % len(cases)]
+            result = one_request(stack, case, voices[id(case.prompt_audio)], seed + index)
+            with lock:
+                results.append(result)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, name=f"client-{k}") for k in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None when empty. Same definition as loadgen's."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def summarize(concurrency: int, planned: int, results: list[RequestResult], wall_s: float,
+              flow_batch: float | None) -> dict:
+    """One level's numbers, in seconds (keys as loadgen's summary, plus a few)."""
+    ok = [r for r in results if r.error is None]
+    audio = sum(r.audio_s for r in ok)
+    out = {"concurrency": concurrency, "planned": planned, "requests": len(results),
+           "errors": len(results) - len(ok), "wall_s": wall_s, "audio_s": audio,
+           "audio_per_request_s": audio / len(ok) if ok else None,
+           "rtf": wall_s / audio if audio else None, "throughput": audio / wall_s if wall_s else None,
+           "flow_batch_mean": flow_batch, "first_error": next((r.error for r in results if r.error), None)}
+    for name in ("first_chunk", "second_chunk", "total"):
+        values = [getattr(r, f"{name}_s") for r in ok if getattr(r, f"{name}_s") is not None]
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_s"] = percentile(values, q)
+    return out
+
+
+def flow_rows(engine: Token2WavEngine) -> tuple[int, float]:
+    """(flow calls, rows in them) so far, to get a level's mean flow batch from two readings."""
+    stats = engine.stats
+    return stats.flow_calls, stats.mean_flow_batch * stats.flow_calls
+
+
+def measure(stack: Stack, cases: list, voices: dict, concurrency: int, requests: int, deadline: float,
+            seed: int) -> dict:
+    """Run one level and summarize it, with the mean flow batch of its token2wav calls."""
+    calls0, rows0 = flow_rows(stack.t2w_engine)
+    results, wall = run_level(stack, cases, voices, concurrency, requests, deadline, seed)
+    calls1, rows1 = flow_rows(stack.t2w_engine)
+    return summarize(concurrency, requests, results, wall, (rows1 - rows0) / (calls1 - calls0)
+                     if calls1 > calls0 else None)
+
+
+def estimate_s(previous: dict | None, concurrency: int, requests: int) -> float:
+    """Seconds a level should take: ceil(requests / concurrency) rounds of one request per client, each as
+    long as the previous level's (or the warm-up's) median request. Latency seldom drops as concurrency
+    grows, so this errs on the short side; the deadline then cuts a level that runs longer."""
+    if previous is None or previous["total_p50_s"] is None:
+        return 0.0
+    return math.ceil(requests / concurrency) * previous["total_p50_s"]
+
+
+# ---- report -------------------------------------------------------------------------------------------
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{1000 * value:.0f}"
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def target_rows(results: dict) -> list[dict]:
+    """Each target against the levels that ran: met / not met / not measured."""
+    rows = []
+    for scenario_name, concurrency, key, bound, label in TARGETS:
+        for scenario in results["scenarios"]:
+            if scenario_name not in (None, scenario["name"]):
+                continue
+            level = next((s for s in scenario["levels"] if s["concurrency"] == concurrency), None)
+            value = None if level is None else level[key]
+            status = "not measured" if value is None else ("met" if value <= bound else "not met")
+            shown = "-" if value is None else (f"{value:.4f}" if key == "rtf" else f"{_ms(value)} ms")
+            rows.append({"target": f"{scenario['name']}: {label} at concurrency {concurrency}",
+                         "measured": shown, "status": status})
+    return rows
+
+
+MEASURES_NOTE = (
+    "The serving engines and the orchestrator in one process, no Triton transport (gRPC, BLS and copies "
+    "between models are excluded). Times in ms from handing the request to the orchestrator; RTF = level "
+    "wall time / audio seconds made; throughput = audio seconds per second; flow batch = mean chunks per "
+    "token2wav flow call.")
+TABLE_HEADER = ("| concurrency | requests | errors | first chunk p50 / p90 / p99 | second chunk p50 | total p50 "
+                "| audio / request (s) | RTF | throughput | flow batch |")
+RANDOM_LLM_NOTE = ("random weights: the LLM seldom samples its end token, so each sentence runs to the most "
+                   "speech tokens per text token allowed; audio lengths are not those of real speech")
+
+
+def table_row(s: dict) -> str:
+    cut = "" if s["requests"] == s["planned"] else f" of {s['planned']}"
+    return (f"| {s['concurrency']} | {s['requests']}{cut} | {s['errors']} | {_ms(s['first_chunk_p50_s'])} / "
+            f"{_ms(s['first_chunk_p90_s'])} / {_ms(s['first_chunk_p99_s'])} | {_ms(s['second_chunk_p50_s'])} | "
+            f"{_ms(s['total_p50_s'])} | {_num(s['audio_per_request_s'], 2)} | {_num(s['rtf'], 4)} | "
+            f"{_num(s['throughput'], 1)} | {_num(s['flow_batch_mean'], 1)} |")
+
+
+def markdown(results: dict) -> str:
+    env = results["environment"]
+    lines = ["# CosyVoice2 GPU benchmark: in-process serving path", "",
+             f"- **date**: {env['date']}",
+             f"- **machine**: {env['gpu']}; {env['cpu_count']} CPU cores; Python {env['python']}",
+             f"- **versions**: {env['versions']}",
+             *(f"- **{key}**: {value}" for key, value in results["settings"].items()),
+             *(f"- **note**: {note}" for note in results["notes"]), "", MEASURES_NOTE]
+    for scenario in results["scenarios"]:
+        lines += ["", f"## {scenario['name']}", "", f"{scenario['description']}; prompt {scenario['prompt']}", ""]
+        if scenario["levels"]:
+            lines += [TABLE_HEADER, "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+            lines += [table_row(s) for s in scenario["levels"]] + [""]  # a blank line ends the table
+        if scenario.get("warmup"):
+            lines.append(f"- warm-up, not in the table: {progress_line('', scenario['warmup']).strip()}")
+        lines += [f"- {line}" for line in scenario["skipped"]]
+        lines += [f"- first error at concurrency {s['concurrency']}: {s['first_error']}"
+                  for s in scenario["levels"] if s["first_error"]]
+    lines += ["", "## Targets (reported, not asserted)", "", "| target | measured | status |", "|---|---:|---|"]
+    lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in target_rows(results)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(scenario: dict, path: Path) -> None:
+    """First chunk p50/p90/p99 (left) and RTF with throughput (right) against concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = scenario["levels"]
+    x = [s["concurrency"] for s in levels]
+
+    def series(key: str, scale: float = 1.0) -> list[float]:
+        return [float("nan") if s[key] is None else scale * s[key] for s in levels]
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for q, style in (("p50", "o-"), ("p90", "^:"), ("p99", "s--")):
+        left.plot(x, series(f"first_chunk_{q}_s", 1000), style, label=q)
+    left.set(xlabel="concurrency", ylabel="first chunk (ms)", title=f"{scenario['name']}: first chunk")
+    right.plot(x, series("rtf"), "o-", color="tab:red", label="RTF")
+    right.set(xlabel="concurrency", ylabel="RTF (wall / audio)", title=f"{scenario['name']}: RTF, throughput")
+    twin = right.twinx()
+    twin.plot(x, series("throughput"), "s--", color="tab:blue", label="throughput")
+    twin.set_ylabel("audio seconds per second")
+    for ax in (left, right):
+        ax.set_xticks(x)
+        ax.grid(alpha=0.3)
+    left.legend()
+    right.legend(right.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0],
+                 ["RTF", "throughput"], loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(results: dict, out: Path, plots: bool) -> str:
+    """report.md and results.json (and, when `plots`, one PNG per scenario) in `out`; the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    if plots and importlib.util.find_spec("matplotlib") is None:
+        results["notes"].append("matplotlib is not installed: no plots")
+        plots = False
+    for scenario in results["scenarios"] if plots else []:
+        if scenario["levels"]:
+            plot(scenario, out / f"{scenario['name']}.png")
+    results["targets"] = target_rows(results)
+    text = markdown(results)
+    (out / "report.md").write_text(text, encoding="utf-8")
+    (out / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False), encoding="utf-8")
+    return text
+
+
+def environment(device: torch.device) -> dict:
+    import numpy as np
+    import onnxruntime as ort
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        gpu = f"GPU {props.name} ({props.total_memory / 2**30:.0f} GiB)"
+    else:
+        gpu = f"no GPU used (device {device}; {platform.processor() or platform.machine()})"
+    cuda = f" (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()})" if torch.version.cuda else ""
+    return {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"), "gpu": gpu,
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "host": platform.node(),
+            "versions": f"torch {torch.__version__}{cuda}, onnxruntime {ort.__version__}, numpy {np.__version__}"}
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+
+def prepare_model(args: argparse.Namespace) -> tuple[Path, str]:
+    """The model folder (the random one written now unless --model-dir) and its report line."""
+    if args.model_dir is not None:
+        return args.model_dir, f"{args.model_dir} (given)"
+    model_dir = args.work_dir / args.size
+    if (model_dir / "speech_tokenizer_v2.onnx").exists():  # the last file write_random_model writes
+        return model_dir, f"{args.size} random weights, reused from {model_dir}"
+    start = time.perf_counter()
+    write_random_model(model_dir, size=args.size, backbone_weights=False)  # the LLM reads llm.pt only
+    return model_dir, f"{args.size} random weights, written to {model_dir} in {time.perf_counter() - start:.0f} s"
+
+
+def encode_voices(stack: Stack, cases: tuple) -> dict:
+    """Voice features per prompt recording (keyed by the array's id: cases of a scenario share it)."""
+    voices = {}
+    for case in cases:
+        if id(case.prompt_audio) not in voices:
+            voices[id(case.prompt_audio)] = stack.prompt_encoder.encode(case.prompt_audio, case.prompt_rate,
+                                                                        case.prompt_text)
+    return voices
+
+
+def progress_line(name: str, s: dict) -> str:
+    return (f"{name} concurrency {s['concurrency']:3d}: {s['requests']} requests, {s['errors']} errors, first "
+            f"chunk p50 {_ms(s['first_chunk_p50_s'])} ms p99 {_ms(s['first_chunk_p99_s'])} ms, RTF "
+            f"{_num(s['rtf'], 4)}, {_num(s['throughput'], 1)} audio s/s, {s['wall_s']:.1f} s")
+
+
+def run_scenario(stack: Stack, name: str, args: argparse.Namespace, started: float, record: dict,
+                 save) -> None:
+    """Warm-up, then each level that fits the time budget, into `record` (saved after every level)."""
+    scenario = scenarios.build(name, quick=args.quick)
+    cases = list(scenario.cases)
+    record.update(description=scenario.description,
+                  prompt=f"{cases[0].prompt_source}, {cases[0].prompt_seconds:.1f} s")
+    voices = encode_voices(stack, scenario.cases)
+    deadline = started + args.time_budget_s
+    previous = None
+    if args.warmup:
+        previous = record["warmup"] = measure(stack, cases, voices, 1, args.warmup, deadline, args.seed)
+        print(progress_line(f"{name} warm-up", previous), flush=True)
+    for concurrency in args.concurrency:
+        requests = args.requests or (2 if args.quick else max(16, 2 * concurrency))
+        left = deadline - time.monotonic()
+        needed = estimate_s(previous, concurrency, requests)
+        if left <= 0 or needed > left:
+            why = "spent" if left <= 0 else f"short: about {needed:.1f} s needed, {left:.1f} s left"
+            record["skipped"].append(f"concurrency {concurrency} not started: the {args.time_budget_s:.0f} s "
+                                     f"time budget is {why}")
+            continue
+        level = measure(stack, cases, voices, concurrency, requests, deadline, args.seed)
+        if level["requests"] < requests:
+            record["skipped"].append(f"concurrency {concurrency} cut at the time budget after "
+                                     f"{level['requests']} of {requests} requests")
+        record["levels"].append(level)
+        previous = level
+        print(progress_line(name, level), flush=True)
+        save(plots=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    notes = stand_in_missing_packages()
+    device = torch.device(args.device)
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    out = args.out or (Path(os.environ["OUT"]) / "gpu_bench" if os.environ.get("OUT")
+                       else RESULTS_DIR / time.strftime("gpu-%Y%m%d-%H%M%S"))
+    model_dir, model_line = prepare_model(args)
+    if args.model_dir is None:
+        notes.append(RANDOM_LLM_NOTE)
+    stack = open_stack(model_dir, args, device, args.work_dir / f"onnx_{model_dir.name}")
+    settings = {"model": model_line, "llm": stack.settings["llm"], "token2wav": stack.settings["token2wav"],
+                "voice": "encoded once per prompt before the levels (as bench --voice-mode id)",
+                "warm-up": f"{args.warmup} request(s) at concurrency 1 before each scenario, not measured",
+                "clients": "one thread per concurrent request; each sends its next request when one ends",
+                "time budget": f"{args.time_budget_s:.0f} s from the start, model writing included"}
+    results = {"environment": environment(device), "settings": settings, "notes": notes, "scenarios": []}
+
+    def save(plots: bool) -> str:
+        settings["time used"] = f"{time.monotonic() - started:.0f} s"
+        if device.type == "cuda":
+            settings["peak GPU memory"] = f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated"
+        return write_outputs(results, out, plots)
+
+    print(f"gpu_bench: {model_line}; {settings['token2wav']}; report in {out}", flush=True)
+    try:
+        for name in args.scenario:
+            record = {"name": name, "levels": [], "skipped": []}
+            results["scenarios"].append(record)
+            run_scenario(stack, name, args, started, record, save)
+    finally:
+        stack.close()
+    print(save(plots=True), flush=True)
+    errors = sum(level["errors"] for record in results["scenarios"] for level in record["levels"])
+    return 0 if errors == 0 else 1
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.perf.gpu_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda[:N], or cpu for a smoke run of the same code")
+    p.add_argument("--size", choices=["tiny", "full"], default="full", help="random model folder to write")
+    p.add_argument("--model-dir", type=Path, help="an existing model folder instead of a random one")
+    p.add_argument("--work-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "cosyvoice_gpu_bench",
+                   help="where the random folder and exported graphs go (reused when present)")
+    p.add_argument("--scenario", nargs="+", choices=scenarios.NAMES, default=["fast_clone"])
+    p.add_argument("--concurrency", type=int, nargs="+", help="levels (default 1 4 16 32; --quick: 1 2)")
+    p.add_argument("--requests", type=int, help="requests per level (default max(16, 2 x concurrency); "
+                                                "--quick: 2)")
+    p.add_argument("--engine", choices=["torch", "onnxruntime", "tensorrt"], default=ServeOptions.engine,
+                   help="token2wav engine; one that cannot run here falls back (tensorrt -> onnxruntime -> torch)")
+    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=ServeOptions.precision,
+                   help="of TensorRT engines")
+    p.add_argument("--llm-max-batch", type=int, help="LLM slots (default: the largest level, at least the "
+                                                     f"server's {ServeOptions.llm_max_batch})")
+    p.add_argument("--llm-max-seq-len", type=int, default=ServeOptions.llm_max_seq_len)
+    p.add_argument("--llm-max-queue", type=int, default=ServeOptions.llm_max_queue)
+    p.add_argument("--t2w-max-batch", type=int, default=ServeOptions.t2w_max_batch, help="chunks per flow call")
+    p.add_argument("--t2w-max-streams", type=int, default=ServeOptions.t2w_max_streams)
+    p.add_argument("--queue-delay-us", type=int, default=ServeOptions.t2w_queue_delay_us,
+                   help="token2wav batcher: longest wait for more chunks once one has come")
+    p.add_argument("--max-token-text-ratio", type=float, help="LLM speech tokens per text token at most "
+                                                              f"(default: the model's; --quick: {QUICK_RATIO:g})")
+    p.add_argument("--warmup", type=int, help="unmeasured requests before each scenario (default 2; --quick: 1)")
+    p.add_argument("--torch-threads", type=int, help="torch CPU threads (default: torch's; --quick: 1)")
+    p.add_argument("--seed", type=int, default=1000, help="request i of a level uses seed + i")
+    p.add_argument("--quick", action="store_true", help="levels 1 2, 2 requests each, short texts, ratio 3")
+    p.add_argument("--time-budget-s", type=float, default=480.0,
+                   help="seconds from the start (model writing included) after which no level or request "
+                        "starts; a level estimated to end later is not started")
+    p.add_argument("--out", type=Path, help="report folder (default $OUT/gpu_bench, else perf/results/gpu-<time>)")
+    args = p.parse_args(argv)
+    args.concurrency = args.concurrency or ([1, 2] if args.quick else [1, 4, 16, 32])
+    args.llm_max_batch = args.llm_max_batch or max(ServeOptions.llm_max_batch, *args.concurrency)
+    if args.max_token_text_ratio is None and args.quick:
+        args.max_token_text_ratio = QUICK_RATIO
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    args.torch_threads = args.torch_threads if args.torch_threads is not None else (1 if args.quick else 0)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# GPU benchmark of the in-process serving path (perf/gpu_bench.py): the LLM engine, the token2wav engine
+# and the orchestrator of the cosyvoice2 model in one process, no tritonserver, N client threads per
+# concurrency level. Per level: first / second chunk and total latency percentiles, RTF, throughput,
+# errors; the issue's targets marked met / not met.
+#
+#   bash perf/gpu_bench.sh [options of perf/gpu_bench.py]     e.g. --scenario fast_clone long_text
+#
+# Through the device tool, from the repository root:
+#   run(command="bash perf/gpu_bench.sh", timeout_s=600)          # add carry=["wheels"] when wheels/ exists
+# The report (report.md, results.json, one PNG per scenario) goes to $OUT/gpu_bench when OUT is set, else
+# to perf/results/gpu-<time>/, and report.md to stdout at the end. Without network access it installs
+# nothing from a registry:
+#   - The Python that runs it (`python3`, or $PYTHON) must hold torch (with CUDA), onnx, onnxruntime,
+#     numpy, pyyaml, scipy, safetensors and tokenizers; matplotlib for the plots (the device image has
+#     them all). wetext and soundfile, which the image lacks, get stand-ins (the report says so).
+#   - tensorrt (for --engine tensorrt) and onnxruntime-gpu (--engine onnxruntime on CUDA) must be on the
+#     image or be carried as wheels in `wheels/` (see perf/gpu_check.sh); without them the token2wav
+#     engine falls back to torch with one line.
+#   - This project is installed from the working tree (editable, --no-index) when it is not importable.
+# Time: writing the full-size random folder takes about a minute, then two warm-up requests and the levels
+# 1 4 16 32; --time-budget-s (default 480, from the start) keeps levels that would not fit from starting.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+if compgen -G "wheels/*.whl" > /dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/gpu_bench_site wheels/*.whl
+    export PYTHONPATH=/tmp/gpu_bench_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! "$PYTHON" -c "import cosyvoice_triton.perf.gpu_bench" 2> /dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e .
+fi
+export PYTHONUNBUFFERED=1
+exec "$PYTHON" -m cosyvoice_triton.perf.gpu_bench "$@"

@@ -1,0 +1,171 @@
+"""`perf/gpu_bench.py`, the GPU mode of the benchmark, run on the CPU: the quick run end to end (tiny random
+model, levels 1 and 2), the same run as on the GPU image (no wetext, no soundfile), the token2wav batcher
+against a fake engine, and the report of skipped levels and targets. No timing assertions."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cosyvoice_triton.perf import gpu_bench
+from cosyvoice_triton.runtime.engine_backends import BatchingToken2Wav
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.timeout(120)  # a deadlock fails the test instead of hanging the session
+
+
+def table_rows(report: str) -> list[list[str]]:
+    """The cells of the report's level rows (those whose first cell is a number)."""
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in report.splitlines()
+            if line.startswith("| ")]
+    return [row for row in rows if row[0].isdigit()]
+
+
+def test_quick_cpu_run_writes_a_report_per_level(tmp_path):
+    threads = torch.get_num_threads()  # --quick sets one torch thread for the run
+    try:
+        code = gpu_bench.main(["--device", "cpu", "--size", "tiny", "--quick", "--work-dir", str(tmp_path / "work"),
+                               "--out", str(tmp_path / "out")])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    (scenario,) = results["scenarios"]
+    assert scenario["name"] == "fast_clone" and scenario["skipped"] == []
+    levels = scenario["levels"]
+    assert [(s["concurrency"], s["requests"], s["errors"]) for s in levels] == [(1, 2, 0), (2, 2, 0)]
+    assert all(s["audio_s"] > 0 and s["first_chunk_p50_s"] is not None for s in levels)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert [row[:3] for row in table_rows(report)] == [["1", "2", "0"], ["2", "2", "0"]]
+    assert "## Targets (reported, not asserted)" in report and "max speech tokens per text token 3" in report
+    assert (tmp_path / "out" / "fast_clone.png").stat().st_size > 0
+
+
+GPU_IMAGE = """
+import sys
+for name in ("wetext", "soundfile", "tritonclient"):  # missing on the GPU image: importing them fails
+    sys.modules[name] = None
+from cosyvoice_triton.perf.gpu_bench import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_runs_as_on_the_gpu_image_without_wetext_and_soundfile(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-c", GPU_IMAGE, "--device", "cpu", "--model-dir", str(tiny_model_dir),
+                          "--quick", "--concurrency", "1", "--requests", "1", "--warmup", "0",
+                          "--scenario", "cross_lingual", "--work-dir", str(tmp_path / "work"), "--out", str(out)],
+                         capture_output=True, text=True, timeout=110, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = (out / "report.md").read_text()
+    assert "wetext is not installed" in report and "soundfile is not installed" in report
+    assert [row[:3] for row in table_rows(report)] == [["1", "1", "0"]]
+
+
+class FakeEngine:
+    """Token2WavEngine's run/cancel: answers each chunk with its stream id's number; the first call waits
+    for `release`, so the chunks sent meanwhile queue up in the batcher."""
+
+    def __init__(self):
+        self.batches: list[list[str]] = []
+        self.cancelled: list[str] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def run(self, chunks):
+        self.entered.set()
+        self.release.wait(timeout=30)
+        self.batches.append([chunk.stream_id for chunk in chunks])
+        return [ValueError("bad chunk") if chunk.stream_id == "bad" else np.full(2, float(chunk.stream_id))
+                for chunk in chunks]
+
+    def cancel(self, stream_id):
+        self.cancelled.append(stream_id)
+
+
+def chunk(stream_id: str) -> gpu_bench.ChunkRequest:
+    return gpu_bench.ChunkRequest(stream_id=stream_id, tokens=[1, 2], finalize=False, prompt=None, seed=None)
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("max_batch, batches", [(16, [["0"], ["1", "2", "3"]]), (2, [["0"], ["1", "2"], ["3"]])])
+def test_batcher_gathers_waiting_chunks_into_one_engine_call(max_batch, batches):
+    engine = FakeEngine()
+    batcher = BatchingToken2Wav(engine, max_batch=max_batch, queue_delay_s=0.0)
+    got: dict[str, np.ndarray] = {}
+
+    def send(stream_id: str) -> None:
+        got[stream_id] = batcher.chunk(chunk(stream_id))
+
+    clients = [threading.Thread(target=send, args=("0",))]
+    clients[0].start()
+    assert engine.entered.wait(timeout=10)  # "0" is in the engine, held there
+    for stream_id in ("1", "2", "3"):
+        clients.append(threading.Thread(target=send, args=(stream_id,)))
+        clients[-1].start()
+    wait_until(lambda: batcher._queue.qsize() == 3)
+    engine.release.set()
+    for client in clients:
+        client.join(timeout=10)
+    batcher.close()
+    assert engine.batches == batches
+    assert {k: v.tolist() for k, v in got.items()} == {s: [float(s)] * 2 for s in "0123"}
+
+
+def test_batcher_passes_cancels_and_per_chunk_errors():
+    engine = FakeEngine()
+    engine.release.set()
+    batcher = BatchingToken2Wav(engine, max_batch=4, queue_delay_s=0.0)
+    batcher.cancel("7")
+    with pytest.raises(ValueError, match="bad chunk"):
+        batcher.chunk(chunk("bad"))
+    assert batcher.chunk(chunk("5")).tolist() == [5.0, 5.0]  # the batcher goes on after an error
+    batcher.close()
+    assert engine.cancelled == ["7"]
+
+
+def level(concurrency: int, first_p50: float, first_p99: float, rtf: float) -> dict:
+    results = [gpu_bench.RequestResult(first_p50, None, 1.0, 2.0), gpu_bench.RequestResult(first_p99, None, 1.0, 2.0)]
+    summary = gpu_bench.summarize(concurrency, 2, results, wall_s=4.0 * rtf, flow_batch=1.0)
+    assert summary["rtf"] == pytest.approx(rtf)
+    return summary
+
+
+def test_report_marks_targets_and_skipped_levels(tmp_path):
+    scenario = {"name": "fast_clone", "description": "short", "prompt": "speech_like, 3.0 s",
+                "levels": [level(1, 0.08, 0.09, 0.05), level(16, 0.2, 0.4, 0.03)],
+                "skipped": ["concurrency 32 not started: the 480 s time budget is short: about 90 s needed, 10 s left"]}
+    results = {"environment": {"date": "2026-11-30", "gpu": "GPU test", "cpu_count": 2, "python": "3.12",
+                               "versions": "torch"}, "settings": {"model": "tiny"}, "notes": [],
+               "scenarios": [scenario]}
+    report = gpu_bench.write_outputs(results, tmp_path, plots=True)
+    assert "| fast_clone: first chunk p50 <= 100 ms at concurrency 1 | 80 ms | met |" in report
+    assert "| fast_clone: first chunk p99 <= 300 ms at concurrency 16 | 400 ms | not met |" in report
+    assert "| fast_clone: aggregate RTF <= 0.02 at concurrency 32 | - | not measured |" in report
+    assert "- concurrency 32 not started: the 480 s time budget is short" in report
+    assert json.loads((tmp_path / "results.json").read_text())["targets"][0]["status"] == "met"
+    assert (tmp_path / "fast_clone.png").stat().st_size > 0
+
+
+def test_level_estimate_is_rounds_of_the_previous_median_request():
+    assert gpu_bench.estimate_s(None, 4, 16) == 0.0
+    assert gpu_bench.estimate_s({"total_p50_s": 2.0}, 4, 16) == pytest.approx(8.0)  # 4 rounds of 2 s
+    assert gpu_bench.estimate_s({"total_p50_s": 2.0}, 32, 40) == pytest.approx(4.0)  # 2 rounds, the last partial
+
+
+def test_gpu_bench_script_parses():
+    subprocess.run(["bash", "-n", str(REPO / "perf" / "gpu_bench.sh")], check=True)
