@@ -16,6 +16,7 @@ import torch
 
 from cosyvoice_triton.perf import gpu_bench
 from cosyvoice_triton.runtime.engine_backends import BatchingToken2Wav
+from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,8 +92,8 @@ class FakeEngine:
         self.cancelled.append(stream_id)
 
 
-def chunk(stream_id: str) -> gpu_bench.ChunkRequest:
-    return gpu_bench.ChunkRequest(stream_id=stream_id, tokens=[1, 2], finalize=False, prompt=None, seed=None)
+def chunk(stream_id: str) -> ChunkRequest:
+    return ChunkRequest(stream_id=stream_id, tokens=[1, 2], finalize=False, prompt=None, seed=None)
 
 
 def wait_until(condition, timeout_s: float = 10.0) -> None:
