@@ -43,6 +43,7 @@ from ..runtime.engine_backends import BatchingToken2Wav, EngineLLM
 from ..runtime.token2wav_engine import Token2WavEngine
 from ..server.launcher import ServeOptions
 from . import scenarios
+from .stats import RequestResult, percentile
 
 QUICK_RATIO = 3.0  # --quick: at most 3 speech tokens per text token, so the random LLM stops early
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -148,15 +149,6 @@ def open_stack(model_dir: Path, args: argparse.Namespace, device: torch.device, 
 
 # ---- load generation ------------------------------------------------------------------------------
 
-@dataclass
-class RequestResult:
-    first_chunk_s: float | None = None
-    second_chunk_s: float | None = None
-    total_s: float = 0.0
-    audio_s: float = 0.0
-    error: str | None = None
-
-
 def one_request(stack: Stack, case: scenarios.Case, voice, seed: int) -> RequestResult:
     """Stream one request through the orchestrator; times from handing it over (s)."""
     result, chunks, samples = RequestResult(), 0, 0
@@ -206,14 +198,6 @@ def run_level(stack: Stack, cases: list, voices: dict, concurrency: int, request
     for thread in threads:
         thread.join()
     return results, time.perf_counter() - start
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None when empty. Same definition as loadgen's."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def summarize(concurrency: int, planned: int, results: list[RequestResult], wall_s: float,

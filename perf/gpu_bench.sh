@@ -22,15 +22,5 @@
 # 1 4 16 32; --time-budget-s (default 480, from the start) keeps levels that would not fit from starting.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-
-if compgen -G "wheels/*.whl" > /dev/null; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/gpu_bench_site wheels/*.whl
-    export PYTHONPATH=/tmp/gpu_bench_site${PYTHONPATH:+:$PYTHONPATH}
-fi
-if ! "$PYTHON" -c "import cosyvoice_triton.perf.gpu_bench" 2> /dev/null; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e .
-fi
-export PYTHONUNBUFFERED=1
+source perf/gpu_env.sh
 exec "$PYTHON" -m cosyvoice_triton.perf.gpu_bench "$@"

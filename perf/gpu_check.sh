@@ -26,15 +26,5 @@
 # whole check on a CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-
-if compgen -G "wheels/*.whl" > /dev/null; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/gpu_check_site wheels/*.whl
-    export PYTHONPATH=/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}
-fi
-if ! "$PYTHON" -c "import cosyvoice_triton.export.onnx_export" 2> /dev/null; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e .
-fi
-export PYTHONUNBUFFERED=1
+source perf/gpu_env.sh
 exec "$PYTHON" -m cosyvoice_triton.perf.gpu_check "$@"

@@ -21,7 +21,6 @@ per request). Per-request options (the chunk policy overrides `chunk_first_hop`,
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,27 +29,10 @@ from ..client.common import SAMPLE_RATE, wav_bytes
 from ..client.gateway_aio import AsyncGatewayTTS
 from ..client.triton_client import AsyncTritonTTS
 from .scenarios import Case
+from .stats import RequestResult, percentile  # noqa: F401 - part of this module's interface
 
 VOICE_MODES = ("id", "audio")
 PATHS = ("grpc", "http", "ws")  # direct Triton gRPC; the gateway's streamed POST /v1/tts; its WebSocket
-
-
-@dataclass
-class RequestResult:
-    first_chunk_s: float | None = None
-    second_chunk_s: float | None = None
-    total_s: float = 0.0
-    audio_s: float = 0.0
-    chunks: int = 0
-    error: str | None = None
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100) of `values`; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 @dataclass

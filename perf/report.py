@@ -142,13 +142,18 @@ def plots(summaries: list[dict], out: Path, title: str) -> list[Path]:
     return paths
 
 
-def write(summaries: list[dict], env: dict, out: Path) -> dict[str, Path]:
-    """report.md, results.json and the plots in `out` (made if missing); their paths by name."""
+def _write_texts(out: Path, markdown_text: str, results: dict) -> dict[str, Path]:
+    """report.md and results.json in `out` (made if missing)."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "report.md", "json": out / "results.json"}
-    paths["markdown"].write_text(markdown(summaries, env), encoding="utf-8")
-    paths["json"].write_text(json.dumps({"environment": env, "levels": summaries}, indent=2, ensure_ascii=False),
-                             encoding="utf-8")
+    paths["markdown"].write_text(markdown_text, encoding="utf-8")
+    paths["json"].write_text(json.dumps(results, indent=2, ensure_ascii=False), encoding="utf-8")
+    return paths
+
+
+def write(summaries: list[dict], env: dict, out: Path) -> dict[str, Path]:
+    """report.md, results.json and the plots in `out` (made if missing); their paths by name."""
+    paths = _write_texts(out, markdown(summaries, env), {"environment": env, "levels": summaries})
     first, rtf = plots(summaries, out, env.get("scenario", "benchmark"))
     paths.update(first_chunk_png=first, rtf_png=rtf)
     return paths
@@ -209,11 +214,7 @@ def _per_variant_plot(variants: list[dict], key: str, scale: float, ylabel: str,
 
 def write_comparison(variants: list[dict], env: dict, out: Path) -> dict[str, Path]:
     """report.md, results.json, first_chunk.png and throughput.png of a comparison in `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"markdown": out / "report.md", "json": out / "results.json"}
-    paths["markdown"].write_text(comparison_markdown(variants, env), encoding="utf-8")
-    paths["json"].write_text(json.dumps({"environment": env, "variants": variants}, indent=2, ensure_ascii=False),
-                             encoding="utf-8")
+    paths = _write_texts(out, comparison_markdown(variants, env), {"environment": env, "variants": variants})
     title = f"{env.get('compare', '')} ({env.get('scenario', '')})"
     paths["first_chunk_png"] = _per_variant_plot(variants, "first_chunk_p50_s", 1000, "first chunk p50 (ms)",
                                                  f"{title}: first chunk", out / "first_chunk.png")

@@ -4,13 +4,9 @@ from __future__ import annotations
 import io
 import json
 import os
-import queue
 import re
-import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -19,14 +15,10 @@ import pytest
 import soundfile as sf
 
 from cosyvoice_triton.server import free_port
+from cli_harness import CliProcess
 from triton_harness import tritonserver_or_skip
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _lines(stream, out: queue.Queue) -> None:
-    for line in stream:
-        out.put(line)
 
 
 def _request(url: str, body: dict | None = None, timeout_s: float = 60.0) -> tuple[int, bytes]:
@@ -49,16 +41,14 @@ def test_up_starts_triton_and_the_gateway_with_a_default_voice(tiny_model_dir, t
                "--host", "127.0.0.1", "--port", str(port), "--triton-http-port", "0", "--triton-grpc-port", "0",
                "--triton-metrics-port", "0", "--workers", "4", "--torch-threads", "1", "--max-token-text-ratio", "3"]
     env = {**os.environ, "COSYVOICE_HOME": str(home)}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_lines, args=(process.stdout, lines), daemon=True).start()
+    up = CliProcess(command, env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
         status = 0
         while status != 200:
-            assert process.poll() is None, "".join(lines.queue)
-            assert time.monotonic() < deadline, "not ready in time:\n" + "".join(lines.queue)
+            assert up.running(), up.output()
+            assert time.monotonic() < deadline, "not ready in time:\n" + up.output()
             time.sleep(0.5)
             status, body = _request(url + "/readyz", timeout_s=5)
         assert json.loads(body)["default_voice"] == "ready"
@@ -71,13 +61,10 @@ def test_up_starts_triton_and_the_gateway_with_a_default_voice(tiny_model_dir, t
         assert status == 200 and [v["id"] for v in json.loads(body)["voices"]] == ["default"]
         assert (home / "voices.sqlite").exists() and (home / "default_voice.wav").exists()
 
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) == 0
+        assert up.interrupt(timeout_s=60) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    output = "".join(lines.queue)
+        up.kill()
+    output = up.output()
     assert "gateway  http://127.0.0.1:" in output and "tritonserver stopped (exit code" in output, output
     grpc_port = int(re.search(r"triton   grpc 127\.0\.0\.1:(\d+)", output).group(1))
     for port_in_use in (grpc_port, port):  # both servers are gone

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +22,7 @@ import pytest
 from cosyvoice_triton.client import GatewayTTS
 from cosyvoice_triton.server import free_port
 from test_triton_serving import ATOL, PROMPT_TEXT, RATE, RATIO, Reference, prompt_wav
+from cli_harness import CliProcess
 from triton_harness import metric_value, scrape, tritonserver_or_skip, wait_for_metric
 
 pytestmark = pytest.mark.timeout(600)
@@ -39,16 +37,7 @@ LONG = ("This stream is long enough to still be running when its frontend is kil
 class Split:
     url: str
     layout: dict
-    process: subprocess.Popen
-    output: queue.Queue
-
-    def log(self) -> str:
-        return "".join(self.output.queue)
-
-
-def _read_lines(stream, out: queue.Queue) -> None:
-    for line in stream:
-        out.put(line)
+    up: CliProcess
 
 
 @pytest.fixture(scope="module")
@@ -63,25 +52,19 @@ def split(tiny_model_dir, tmp_path_factory):
                "--model-dir", str(tiny_model_dir), "--run-dir", str(run_dir / "run"), "--host", "127.0.0.1",
                "--port", str(port), "--workers", "8", "--torch-threads", "1", "--max-token-text-ratio", str(RATIO),
                "--t2w-idle-timeout", str(IDLE_TIMEOUT_S)]
-    env = {**os.environ, "COSYVOICE_HOME": str(run_dir / "home")}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_read_lines, args=(process.stdout, output), daemon=True).start()
+    up = CliProcess(command, {**os.environ, "COSYVOICE_HOME": str(run_dir / "home")})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
         while not _ready(url):
-            assert process.poll() is None, "up exited:\n" + "".join(output.queue)
-            assert time.monotonic() < deadline, "not ready in time:\n" + "".join(output.queue)
+            assert up.running(), "up exited:\n" + up.output()
+            assert time.monotonic() < deadline, "not ready in time:\n" + up.output()
             time.sleep(0.5)
         layout = json.loads((run_dir / "run" / "topology.json").read_text())
-        yield Split(url, layout, process, output)
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=90) == 0, "".join(output.queue)
+        yield Split(url, layout, up)
+        assert up.interrupt(timeout_s=90) == 0, up.output()
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        up.kill()
 
 
 def _ready(url: str) -> bool:
@@ -183,7 +166,7 @@ def test_killing_a_frontend_mid_run_moves_new_requests_to_the_other(split):
         run_threads({i: (lambda i=i: long_stream(i)) for i in range(4)}, timeout_s=240)), daemon=True)
     runner.start()
     for event in started:
-        assert event.wait(120), "a stream gave no audio:\n" + split.log()
+        assert event.wait(120), "a stream gave no audio:\n" + split.up.output()
     assert metric(dead["metrics"], "cosyvoice_active_streams", model="cosyvoice2") >= 1  # streams on both
     os.killpg(dead["pid"], signal.SIGKILL)
     runner.join(timeout=250)
@@ -201,4 +184,4 @@ def test_killing_a_frontend_mid_run_moves_new_requests_to_the_other(split):
     # The backend frees the state of the streams whose frontend died (idle timeout).
     assert wait_for_metric(backend["metrics"], "cosyvoice_token2wav_active_streams", lambda v: v == 0,
                            timeout_s=IDLE_TIMEOUT_S * 10) == 0
-    assert split.process.poll() is None  # the service carries on with one frontend
+    assert split.up.running()  # the service carries on with one frontend
