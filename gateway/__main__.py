@@ -1,5 +1,7 @@
 """`python -m cosyvoice_triton.gateway --triton grpc://host:8001 [--triton ...] [--port 8080]`: a gateway in
-front of Triton servers that run elsewhere (`cosyvoice-triton up` runs one server and a gateway together)."""
+front of Triton servers that run elsewhere (`cosyvoice-triton up` runs one server and a gateway together).
+`--triton dns://name:8001` routes over every address `name` resolves to, re-resolved as pods come and go
+(a Kubernetes headless Service)."""
 from __future__ import annotations
 
 import argparse

@@ -10,7 +10,10 @@ Routes: POST /v1/tts, WS /v1/tts/ws, POST /v1/audio/speech, /v1/voices (POST, GE
 GET /healthz, /readyz, /metrics, and the web page at / (gateway/static/index.html, when present).
 
 Resources live in `cleanup_ctx`: the voice store, one gRPC channel per Triton server with the router's
-health and metrics loops, and the default-voice registration. `run` serves with
+health, metrics and DNS discovery loops, and the default-voice registration. With `dns://` servers
+(`config.discovery`) the pool follows DNS; the first lookup runs in the background, so the gateway starts
+even when DNS names nothing yet, and answers 503 on /readyz until a server is found and ready.
+`create_app(config, resolve=...)` replaces the DNS lookup (tests). `run` serves with
 `handler_cancellation=True`, so a client that disconnects cancels its handler and with it its Triton
 stream, and with a bounded shutdown; WebSockets are closed with GOING_AWAY on shutdown.
 """
@@ -23,6 +26,8 @@ from contextlib import suppress
 
 from aiohttp import web
 
+from cosyvoice_triton.targets import Resolver, resolve_ips
+
 from . import routes_openai, routes_tts, routes_voices, routes_ws
 from .auth import StreamLimiter, auth_middleware
 from .config import GatewayConfig
@@ -31,7 +36,17 @@ from .errors import error_middleware
 from .metrics import GatewayMetrics
 from .request_keys import ABORTED, ERROR_CODE
 from .routing import Backend, CostModel, Router
-from .state import CONFIG, COSTS, DEFAULT_VOICE, LIMITER, METRICS, ROUTER, STORE, WEBSOCKETS
+from .state import (
+    CONFIG,
+    COSTS,
+    DEFAULT_VOICE,
+    LIMITER,
+    METRICS,
+    RESOLVE,
+    ROUTER,
+    STORE,
+    WEBSOCKETS,
+)
 from .triton_client import TritonClient
 
 log = logging.getLogger(__name__)
@@ -45,12 +60,13 @@ def body_limit(max_upload_bytes: int) -> int:
     return max_upload_bytes * 4 // 3 + FORM_OVERHEAD_BYTES
 
 
-def create_app(config: GatewayConfig) -> web.Application:
+def create_app(config: GatewayConfig, *, resolve: Resolver = resolve_ips) -> web.Application:
     from cosyvoice_triton.server.launcher import cosyvoice_home
 
     app = web.Application(client_max_size=body_limit(config.limits.max_upload_bytes),
                           middlewares=[metrics_middleware, error_middleware, auth_middleware(config.api_keys)])
     app[CONFIG] = config
+    app[RESOLVE] = resolve
     app[LIMITER] = StreamLimiter(config.limits.max_streams_per_key)
     app[WEBSOCKETS] = weakref.WeakSet()
     app[DEFAULT_VOICE] = DefaultVoice(config.default_voice, config.home or cosyvoice_home())
@@ -85,21 +101,25 @@ async def _voice_store(app: web.Application):
 async def _triton(app: web.Application):
     config = app[CONFIG]
     backends = [Backend(target, TritonClient(target.grpc)) for target in config.triton]
-    router = Router(backends, config.routing, config.synthesis_model)
+    router = Router(backends, config.routing, config.synthesis_model, discovery=config.discovery,
+                    resolve=app[RESOLVE])
     app[ROUTER] = router
     app[METRICS] = GatewayMetrics(router)
+    router.on_leave = app[METRICS].forget_server
     await router.check_all()
-    for backend in backends:
+    for backend in router.backends:
         if not backend.healthy:
             log.warning("Triton %s is not ready yet; it joins the pool when it is", backend.name)
     tasks = [asyncio.create_task(router.run_health()), asyncio.create_task(router.run_scrapes())]
+    if config.discovery:  # first lookup at once, in the loop: a slow or failing DNS must not hold up the start
+        tasks.append(asyncio.create_task(router.run_discovery()))
     yield
     for task in tasks:
         task.cancel()
     for task in tasks:
         with suppress(asyncio.CancelledError):
             await task
-    await asyncio.gather(*(b.client.close() for b in backends), return_exceptions=True)
+    await router.close()
 
 
 async def _default_voice(app: web.Application):
@@ -156,7 +176,8 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready: at least one Triton server in the pool, and the default voice settled."""
+    """Ready: at least one Triton server in the pool, and the default voice settled. `servers`: the pool's
+    members now (with dns:// specs, what DNS names), healthy or not."""
     router, voice = request.app[ROUTER], request.app[DEFAULT_VOICE]
     servers = {b.name: b.healthy for b in router.backends}
     ready = any(servers.values()) and voice.settled

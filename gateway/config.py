@@ -2,7 +2,13 @@
 
 ```
 config = GatewayConfig(triton=(TritonTarget.parse("grpc://127.0.0.1:8001"),), voice_store="redis://r:6379/0")
+config = GatewayConfig(discovery=("dns://cosyvoice-frontend:8001",))   # Kubernetes
 ```
+Servers come two ways (`--triton`, repeatable, either form): fixed ones (`triton`, `grpc://host:port`), which
+stay in the pool for good, and DNS specs (`discovery`, `dns://name:port[?metrics_port=N]`), re-resolved every
+`RoutingConfig.discovery_interval_s`: each address a name resolves to is one server, joining and leaving the
+pool as the name's addresses change (see `routing.Router.rediscover`).
+
 `add_gateway_arguments` / `config_from_args` are shared by `python -m cosyvoice_triton.gateway` (a
 gateway in front of servers that run elsewhere) and `cosyvoice-triton up` (Triton and gateway together).
 """
@@ -13,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cosyvoice_triton.targets import TritonTarget  # noqa: F401 - part of this module's interface
+from cosyvoice_triton.targets import TritonTarget, check_spec, is_discovery
 
 MiB = 1024 * 1024
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -37,11 +43,13 @@ class RoutingConfig:
     chunk_timeout_s: float = 60.0  # longest wait between two chunks once audio flows
     register_timeout_s: float = 60.0
     max_attempts: int = 3  # servers tried for a request that fails before its first byte
+    discovery_interval_s: float = 10.0  # re-resolution of the dns:// specs (GatewayConfig.discovery)
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    triton: tuple[TritonTarget, ...]
+    triton: tuple[TritonTarget, ...] = ()  # fixed servers: members for good (in rotation while healthy)
+    discovery: tuple[str, ...] = ()  # dns://name:port[?metrics_port=N] specs: their addresses come and go
     host: str = "0.0.0.0"
     port: int = 8080
     voice_store: str | None = None  # sqlite path or redis:// url; None: $COSYVOICE_HOME/voices.sqlite
@@ -60,15 +68,22 @@ class GatewayConfig:
     sample_rate: int = 24000
 
     def __post_init__(self):
-        if not self.triton:
-            raise ValueError("at least one Triton server is needed (--triton grpc://host:port)")
+        if not self.triton and not self.discovery:
+            raise ValueError("at least one Triton server is needed (--triton grpc://host:port or dns://name:port)")
+        for spec in self.discovery:
+            if not is_discovery(spec):
+                raise ValueError(f"discovery {spec!r}: expected dns://name:port[?metrics_port=N]")
+            check_spec(spec)
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str | None = None) -> None:
     g = parser.add_argument_group("gateway")
     g.add_argument("--triton", action="append", default=[], metavar="URL",
                    help=triton_help or "a Triton server, grpc://host:port[?metrics=URL] (metrics default: "
-                                       "port + 1); repeat for several (default grpc://127.0.0.1:8001)")
+                                       "port + 1), or every address a DNS name resolves to, "
+                                       "dns://name:port[?metrics_port=N] (re-resolved every --discovery-interval "
+                                       "seconds; a Kubernetes headless Service); repeat for several "
+                                       "(default grpc://127.0.0.1:8001)")
     g.add_argument("--host", default="0.0.0.0", help="address the gateway listens on")
     g.add_argument("--port", type=int, default=8080)
     g.add_argument("--redis-url", default=None, help="share voices through Redis (redis://host:port/db)")
@@ -81,6 +96,8 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str |
     g.add_argument("--max-streams-per-key", type=int, default=Limits.max_streams_per_key)
     g.add_argument("--health-interval", type=float, default=RoutingConfig.health_interval_s, metavar="S")
     g.add_argument("--first-chunk-timeout", type=float, default=RoutingConfig.first_chunk_timeout_s, metavar="S")
+    g.add_argument("--discovery-interval", type=float, default=RoutingConfig.discovery_interval_s, metavar="S",
+                   help="seconds between re-resolutions of dns:// servers")
     g.add_argument("--no-default-voice", action="store_true", help="do not register voice 'default' at start")
 
 
@@ -96,14 +113,31 @@ def api_keys(args: argparse.Namespace) -> frozenset[str]:
     return frozenset(keys)
 
 
+def split_triton_specs(specs: list[str]) -> tuple[tuple[TritonTarget, ...], tuple[str, ...]]:
+    """`--triton` values -> (fixed servers, dns:// specs), each checked (ValueError names the bad one)."""
+    for spec in specs:
+        try:
+            check_spec(spec)
+        except ValueError as exc:  # e.g. a metrics_port that is not a number: say which value
+            raise ValueError(str(exc) if spec in str(exc) else f"--triton {spec!r}: {exc}") from None
+    fixed = tuple(TritonTarget.parse(s) for s in specs if not is_discovery(s))
+    return fixed, tuple(s.strip() for s in specs if is_discovery(s))
+
+
 def config_from_args(args: argparse.Namespace, triton: tuple[TritonTarget, ...] | None = None,
                      model_dir: Path | None = None) -> GatewayConfig:
+    """`triton`: the fixed servers, when the caller chose them (`up`); the dns:// specs of `--triton` still count."""
+    fixed, discovery = split_triton_specs(args.triton or ["grpc://127.0.0.1:8001"])
     if triton is None:
-        triton = tuple(TritonTarget.parse(s) for s in (args.triton or ["grpc://127.0.0.1:8001"]))
-    routing = RoutingConfig(health_interval_s=args.health_interval, first_chunk_timeout_s=args.first_chunk_timeout)
+        triton = fixed
+    if args.discovery_interval <= 0:
+        raise ValueError("--discovery-interval must be positive")
+    routing = RoutingConfig(health_interval_s=args.health_interval, first_chunk_timeout_s=args.first_chunk_timeout,
+                            discovery_interval_s=args.discovery_interval)
     limits = Limits(max_text_chars=args.max_text_chars, max_upload_bytes=int(args.max_upload_mb * MiB),
                     max_streams_per_key=args.max_streams_per_key)
     model_dir = model_dir if model_dir is not None else getattr(args, "model_dir", None)
-    return GatewayConfig(triton=triton, host=args.host, port=args.port, voice_store=voice_store_url(args),
+    return GatewayConfig(triton=triton, discovery=discovery, host=args.host, port=args.port,
+                         voice_store=voice_store_url(args),
                          model_dir=Path(model_dir) if model_dir else None, api_keys=api_keys(args),
                          limits=limits, routing=routing, default_voice=not args.no_default_voice)

@@ -11,6 +11,10 @@
   cosyvoice_gateway_outstanding_cost{server}            this gateway's in-flight cost per server
   cosyvoice_gateway_server_inflight{server}             this gateway's in-flight requests per server
   cosyvoice_gateway_server_pending{server}              Triton's pending-request count (last scrape)
+
+Servers come and go with DNS discovery: the per-server gauges are read from `router.backends` at each
+scrape (a collector), so they list the pool's members now; `routed` drops a server's series when it
+leaves the pool (`forget_server`, called by the router), so departed pods do not pile up.
 """
 from __future__ import annotations
 
@@ -70,6 +74,12 @@ class GatewayMetrics:
         registry.register(_RouterCollector(router))
         for backend in router.backends:
             self.routed.labels(backend.name)
+
+    def forget_server(self, backend) -> None:
+        try:
+            self.routed.remove(backend.name)
+        except KeyError:  # never routed to
+            pass
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.frontend.audio import load_prompt_audio
-from cosyvoice_triton.frontend.prompt import audio_sha256
+from cosyvoice_triton.frontend.voice_features import audio_sha256
 from cosyvoice_triton.runtime.voice_store import check_voice_id, generated_voice_id
 
 from .errors import BadRequest, PayloadTooLarge, VoiceNotFound

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from cosyvoice_triton.runtime.request import SEED_LIMIT
+from cosyvoice_triton.runtime.request_limits import SEED_LIMIT
 
 from .audio_format import pcm_bytes
 from .auth import limit_key

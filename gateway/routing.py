@@ -16,13 +16,21 @@ sent count too. Ties go to the server picked least recently.
 Health: a background loop asks each server ServerReady + ModelReady(cosyvoice2). A failing server
 leaves the pool (also at once when a call to it fails at the transport level) and comes back when it
 answers ready again.
+
+Membership: fixed servers (`--triton grpc://...`) are members for good. `dns://name:port` specs are
+resolved again every `discovery_interval_s` (in a thread; `rediscover`): an address new to the pool joins
+as a Backend with its own channel, out of rotation until its first health check (run at once) passes; an
+address gone from its name leaves the pool at once (not picked, not listed, not scraped) and its channel
+is closed when its last request in flight ends. A name that fails to resolve, or resolves to nothing,
+keeps its current servers: a DNS hiccup must not empty the pool. Channels are closed only while no
+health check runs (`_channels`), so a check never sees its channel closed under it.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +38,7 @@ from pathlib import Path
 import aiohttp
 
 from cosyvoice_triton.prometheus_text import metric_sum
+from cosyvoice_triton.targets import Resolver, discover, resolve_ips
 
 from .config import RoutingConfig, TritonTarget
 from .errors import ServiceUnavailable
@@ -81,6 +90,8 @@ class Backend:
     external: float = 0.0  # requests there that this gateway did not send (from the last scrape)
     pending: float = 0.0  # nv_inference_pending_request_count of the synthesis model (last scrape)
     last_pick: int = 0
+    source: str | None = None  # the dns:// spec that found it; None: a fixed server, which never leaves
+    leaving: bool = False  # gone from DNS: out of the pool; its channel closes once `inflight` is 0
 
     @property
     def name(self) -> str:
@@ -88,15 +99,24 @@ class Backend:
 
 
 class Router:
-    def __init__(self, backends: list[Backend], routing: RoutingConfig, model: str, on_change=None):
-        if not backends:
+    def __init__(self, backends: list[Backend], routing: RoutingConfig, model: str, on_change=None, *,
+                 discovery: Sequence[str] = (), resolve: Resolver = resolve_ips,
+                 new_client: Callable[[str], TritonClient] = TritonClient):
+        if not backends and not discovery:
             raise ValueError("no Triton servers")
-        self.backends = backends
+        self.backends = backends  # the pool: fixed servers, and discovered ones while DNS names them
         self.routing = routing
         self.model = model
+        self.discovery = tuple(discovery)  # dns:// specs
         self.mean_cost = BASE_COST + 10 * SPEECH_PER_TEXT_TOKEN
+        self.draining: list[Backend] = []  # gone from DNS, requests still running there (channel open)
+        self.on_leave: Callable[[Backend], None] | None = None  # called when a discovered server leaves
         self._picks = itertools.count(1)
         self._on_change = on_change  # called with (backend, healthy) when a server leaves or rejoins
+        self._resolve = resolve
+        self._new_client = new_client  # grpc address -> TritonClient, for servers that join
+        self._closing: set[asyncio.Task] = set()
+        self._channels = asyncio.Lock()  # held by health checks and by channel closes
 
     # ---- choosing ------------------------------------------------------------------------------------
     def load(self, backend: Backend) -> float:
@@ -126,6 +146,8 @@ class Router:
         finally:
             backend.outstanding_cost = max(0.0, backend.outstanding_cost - cost)
             backend.inflight -= 1
+            if backend.leaving and backend.inflight == 0:
+                self._close_later(backend)
 
     # ---- health and load --------------------------------------------------------------------------------
     def set_health(self, backend: Backend, healthy: bool, reason: str = "") -> None:
@@ -148,7 +170,8 @@ class Router:
         return ok
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(b) for b in self.backends))
+        async with self._channels:
+            await asyncio.gather(*(self.check(b) for b in self.backends))
 
     async def scrape(self, backend: Backend, session: aiohttp.ClientSession) -> None:
         timeout = aiohttp.ClientTimeout(total=self.routing.health_timeout_s)
@@ -173,3 +196,70 @@ class Router:
                 await asyncio.gather(*(self.scrape(b, session) for b in self.backends if b.healthy))
                 await asyncio.sleep(self.routing.metrics_interval_s)
 
+    # ---- membership (dns:// specs) ------------------------------------------------------------------------
+    async def run_discovery(self) -> None:
+        while True:
+            await self.rediscover()
+            await asyncio.sleep(self.routing.discovery_interval_s)
+
+    async def rediscover(self) -> None:
+        """Resolve every dns:// spec again and apply what it names now; servers that joined get their
+        first health check before this returns."""
+        joined: list[Backend] = []
+        for spec in self.discovery:
+            found = await self._lookup(spec)
+            if found:  # nothing found: keep the spec's servers (see the module docstring)
+                joined += self._update(spec, found)
+        if joined:
+            async with self._channels:
+                await asyncio.gather(*(self.check(b) for b in joined))
+
+    async def _lookup(self, spec: str) -> list[TritonTarget]:
+        try:
+            found = await asyncio.to_thread(discover, [spec], "--triton", self._resolve)
+        except Exception as exc:  # noqa: BLE001 - a resolver that raises is a DNS hiccup like any other
+            log.warning("DNS %s failed (%s: %s): keeping its current servers", spec, type(exc).__name__, exc)
+            return []
+        if not found:
+            log.warning("DNS %s resolved to no address: keeping its current servers", spec)
+        return found
+
+    def _update(self, spec: str, found: list[TritonTarget]) -> list[Backend]:
+        """Make the pool's servers from `spec` the ones in `found`; returns those that joined."""
+        for backend in [b for b in self.backends if b.source == spec and b.target not in found]:
+            self._leave(backend)
+        members = {b.target for b in self.backends}  # an address already there (fixed, another spec) stays one
+        joined = [Backend(t, self._new_client(t.grpc), source=spec) for t in found if t not in members]
+        for backend in joined:
+            log.info("Triton %s found by %s: joins the pool when its health check passes", backend.name, spec)
+        self.backends.extend(joined)
+        return joined
+
+    def _leave(self, backend: Backend) -> None:
+        self.backends.remove(backend)
+        backend.leaving = True
+        self.draining.append(backend)
+        log.info("Triton %s is gone from %s: left the pool (%d requests still running there)",
+                 backend.name, backend.source, backend.inflight)
+        if self.on_leave is not None:
+            self.on_leave(backend)
+        if backend.inflight == 0:
+            self._close_later(backend)
+
+    def _close_later(self, backend: Backend) -> None:
+        task = asyncio.get_running_loop().create_task(self._close(backend))
+        self._closing.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._closing.discard)
+
+    async def _close(self, backend: Backend) -> None:
+        async with self._channels:
+            if backend in self.draining:
+                self.draining.remove(backend)
+                await backend.client.close()
+
+    async def close(self) -> None:
+        """Close every channel: members', and those of servers that left with requests still running."""
+        await asyncio.gather(*self._closing, return_exceptions=True)
+        clients = [b.client for b in (*self.backends, *self.draining)]
+        self.draining.clear()
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)

@@ -6,6 +6,7 @@ with GatewayThread(config) as gateway:       # binds a free port on 127.0.0.1
     requests.post(gateway.url + "/v1/tts", json={...})
     gateway.call(lambda app: app[ROUTER].backends[0].healthy)   # run code on the gateway's loop
 ```
+`GatewayThread(config, resolve=fn)` answers the DNS lookups of `dns://` servers with `fn(host, port)`.
 The gateway runs with `handler_cancellation=True`, as `run` serves it.
 """
 from __future__ import annotations
@@ -21,13 +22,16 @@ from concurrent.futures import Future
 
 from aiohttp import web
 
+from cosyvoice_triton.targets import Resolver, resolve_ips
+
 from .app import create_app
 from .config import GatewayConfig
 
 
 class GatewayThread:
-    def __init__(self, config: GatewayConfig, host: str = "127.0.0.1"):
+    def __init__(self, config: GatewayConfig, host: str = "127.0.0.1", resolve: Resolver = resolve_ips):
         self.config = dataclasses.replace(config, host=host, port=0)
+        self.resolve = resolve
         self.app: web.Application | None = None
         self.port: int | None = None
         self._loop = asyncio.new_event_loop()
@@ -47,7 +51,7 @@ class GatewayThread:
         asyncio.set_event_loop(self._loop)
         runner = None
         try:
-            self.app = create_app(self.config)
+            self.app = create_app(self.config, resolve=self.resolve)
             runner = web.AppRunner(self.app, handler_cancellation=True,
                                    shutdown_timeout=self.config.shutdown_timeout_s)
             self._loop.run_until_complete(runner.setup())

@@ -184,9 +184,11 @@ def test_k8s_objects_fit_together():
     services = by_kind["Service"]
     for name, dep in deployments.items():
         for c in dep["spec"]["template"]["spec"]["containers"]:
-            for host, port in re.findall(r"(?:grpc|redis)://([\w.-]+):(\d+)", " ".join(c.get("args", []))):
+            for scheme, host, port in re.findall(r"(grpc|redis|dns)://([\w.-]+):(\d+)", " ".join(c.get("args", []))):
                 assert host in services, f"{name}: {host} is not a Service"
                 assert int(port) in {p["port"] for p in services[host]["spec"]["ports"]}, f"{name}: {host}:{port}"
+                if scheme == "dns":  # per-pod discovery: the name must resolve to the pods, not to a ClusterIP
+                    assert services[host]["spec"].get("clusterIP") == "None", f"{name}: {host} is not headless"
 
 
 def test_k8s_custom_resources():
@@ -293,7 +295,7 @@ def test_compose_structure_and_commands(name, capsys):
             host_ports.append(str(port).split(":")[0])
         for dep in svc.get("depends_on", {}):
             assert dep in services, f"{sname} depends on unknown {dep}"
-        for url_host in re.findall(r"(?:grpc|redis)://([\w.-]+):", " ".join(svc.get("command", []))):
+        for url_host in re.findall(r"(?:grpc|redis|dns)://([\w.-]+):", " ".join(svc.get("command", []))):
             assert url_host in services, f"{sname}: {url_host} is not a service"
     assert len(host_ports) == len(set(host_ports)), f"host ports clash: {host_ports}"
     capsys.readouterr()

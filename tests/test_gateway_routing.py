@@ -3,7 +3,7 @@
 Unit tests of the router and the cost model first (no servers). Then two real tritonservers (tiny model,
 both on one real redis-server as voice store) and gateways in this process: R routes over both, A uses
 only the first, B only the second, D a dead address and the first. The last test kills the second
-server mid-run.
+server mid-run. After it, a gateway that finds both servers through a scripted DNS sees the second leave.
 """
 from __future__ import annotations
 
@@ -347,3 +347,70 @@ def test_killing_a_server_mid_run_and_bringing_it_back(gateways, servers):
 async def _gather(*coros):
     return await asyncio.gather(*coros)
 
+
+
+# ---- DNS discovery over the two real servers --------------------------------------------------------------
+
+def dns_spec(name: str, server) -> str:
+    """`server` as the only address of DNS name `name` (the servers share one address, so each its own name)."""
+    from urllib.parse import urlsplit
+
+    grpc_port = server.grpc_url.rsplit(":", 1)[1]
+    return f"dns://{name}.test:{grpc_port}?metrics_port={urlsplit(server.metrics_url).port}"
+
+
+def test_a_server_gone_from_dns_finishes_its_streams_and_leaves(servers, tiny_model_dir, tmp_path_factory,
+                                                                 redis_server):  # noqa: F811
+    """t2's name comes to resolve to a replacement pod that is not up: t2 leaves the pool while a stream
+    runs there, that stream still ends normally, and new requests go to t1 only."""
+    t1, t2 = servers
+    addresses = {"t1": ["127.0.0.1"], "t2": ["127.0.0.1"]}
+
+    def resolve(host: str, port: int) -> list[str]:
+        return list(addresses[host.split(".")[0]])
+
+    # Re-resolution on demand (gateway.call) rather than on a timer: test_gateway_discovery runs the loop.
+    routing = RoutingConfig(health_interval_s=1.0, metrics_interval_s=1.0, discovery_interval_s=3600.0)
+    config = GatewayConfig(discovery=(dns_spec("t1", t1), dns_spec("t2", t2)), voice_store=redis_server.url,
+                           model_dir=tiny_model_dir, home=tmp_path_factory.mktemp("home"), routing=routing)
+    replacement = f"127.0.0.3:{t2.grpc_url.rsplit(':', 1)[1]}"
+    # Long enough to be streaming on both servers when t2 leaves; short enough to run to its end.
+    medium = ", ".join(["this clause keeps the one sentence going on and on"] * 6) + "."
+
+    async def stream(session, url: str, seed: int, first_audio: asyncio.Event) -> int:
+        body = {"text": medium, "seed": seed, "stream": True, "format": "pcm_s16le"}
+        async with session.post(url + "/v1/tts", json=body) as response:
+            assert response.status == 200
+            total = len(await response.content.readany())
+            first_audio.set()
+            async for data in response.content.iter_any():
+                total += len(data)
+            return total
+
+    with GatewayThread(config, resolve=resolve) as g:
+        g.wait_ready()
+        wait_until(lambda: g.get_json("/readyz")[1]["servers"] == {t1.grpc_url: True, t2.grpc_url: True})
+        assert g.call(lambda app: [b.target.metrics_url for b in app[ROUTER].backends]) == [t1.metrics_url,
+                                                                                            t2.metrics_url]
+
+        async def scenario():
+            async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+                started = [asyncio.Event(), asyncio.Event()]
+                streams = [asyncio.create_task(stream(session, g.url, 500 + i, started[i])) for i in (0, 1)]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+                inflight = {b.name: b.inflight for b in g.call(lambda app: list(app[ROUTER].backends))}
+                assert inflight == {t1.grpc_url: 1, t2.grpc_url: 1}  # one stream on each server
+                addresses["t2"] = ["127.0.0.3"]
+                await asyncio.to_thread(g.call, lambda app: app[ROUTER].rediscover())
+                status, ready = g.get_json("/readyz")
+                assert status == 200 and ready["servers"] == {t1.grpc_url: True, replacement: False}
+                return await asyncio.gather(*streams)  # neither stream is cut
+
+        totals = run(scenario())
+        assert min(totals) > 0
+        wait_until(lambda: not g.call(lambda app: app[ROUTER].draining))  # t2's channel is closed
+        before = routed(g)
+        statuses = run(_gather(*(tts(g.url, SHORT, seed=40 + i) for i in range(3))))
+        assert [s for s, _ in statuses] == [200] * 3
+        assert routed(g) == {t1.grpc_url: before[t1.grpc_url] + 3, replacement: 0.0}
+        assert f'server="{t2.grpc_url}"' not in scrape(g.url + "/metrics")

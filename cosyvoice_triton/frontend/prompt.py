@@ -9,8 +9,6 @@ n = min(T // token_mel_ratio, N) tokens and token_mel_ratio * n mel frames.
 """
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,27 +19,10 @@ from cosyvoice_triton.engines.base import Runner
 from cosyvoice_triton.engines.onnx_session import Device, input_names, open_session
 from cosyvoice_triton.frontend.audio import resample, validate_prompt_audio
 from cosyvoice_triton.frontend.features import MelConfig, prompt_mel, speaker_fbank, whisper_log_mel
+from cosyvoice_triton.frontend.voice_features import PromptFeatures, audio_sha256  # noqa: F401 - re-exported
 
 SPEAKER_RATE = 16000  # CAM++ and the S3 tokenizer
 WHISPER_MELS = 128
-
-
-@dataclass(frozen=True)
-class PromptFeatures:
-    """Everything a voice needs at synthesis time; computed once per recording."""
-
-    embedding: np.ndarray  # (192,) float32
-    speech_tokens: np.ndarray  # (N,) int32, values in [0, 6561)
-    mel: np.ndarray  # (token_mel_ratio * N, 80) float32
-    text: str  # the prompt transcript as given
-    audio_sha256: str  # `audio_sha256` of the recording
-
-
-def audio_sha256(samples: np.ndarray, sample_rate: int) -> str:
-    """Hex digest of the sample rate (uint32 LE) followed by the float32 LE samples."""
-    digest = hashlib.sha256(np.uint32(sample_rate).astype("<u4").tobytes())
-    digest.update(np.ascontiguousarray(samples, dtype="<f4").tobytes())
-    return digest.hexdigest()
 
 
 class PromptEncoder:

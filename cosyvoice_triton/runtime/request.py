@@ -1,18 +1,16 @@
 """What one synthesis request asks for, and the seeds every path derives from it."""
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
-import torch
-
 from ..errors import InvalidInput
-from ..frontend.prompt import PromptFeatures
+from ..frontend.voice_features import PromptFeatures
 from .chunk_policy import ChunkPolicy
+from .request_limits import MODES, SEED_LIMIT
 from .sampling import SamplingParams
 
-MODES = ("zero_shot", "cross_lingual", "instruct2")
 END_OF_PROMPT = "<|endofprompt|>"
-SEED_LIMIT = 2**63
 
 
 @dataclass
@@ -51,4 +49,5 @@ def sentence_seeds(seed: int, index: int) -> SentenceSeeds:
 
 
 def random_seed() -> int:
-    return int(torch.seed() % SEED_LIMIT)
+    """A fresh seed for a request that gave none (from the OS: independent of any torch RNG state)."""
+    return secrets.randbelow(SEED_LIMIT)

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from cosyvoice_triton.errors import NotFound
-from cosyvoice_triton.frontend.prompt import PromptFeatures
+from cosyvoice_triton.frontend.voice_features import PromptFeatures
 from cosyvoice_triton.runtime.voice_store import (CachedVoiceStore, VoiceInfo, check_same_voice, check_voice_id,
                                                   decode_features, id_taken, prepare_registration)
 

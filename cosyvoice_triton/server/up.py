@@ -27,7 +27,8 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from cosyvoice_triton.gateway.config import TritonTarget, add_gateway_arguments, config_from_args, voice_store_url
+from cosyvoice_triton.gateway.config import (TritonTarget, add_gateway_arguments, config_from_args, split_triton_specs,
+                                             voice_store_url)
 from cosyvoice_triton.server.launcher import (ENGINES, PRECISIONS, ServeOptions, default_model_dir, prepare,
                                               resolve_voice_store)
 
@@ -146,7 +147,7 @@ def run_gateway(args, targets: tuple[TritonTarget, ...], model_dir: Path, voice_
     `servers_gone()` (1)."""
     from cosyvoice_triton.gateway.app import create_app, run
 
-    extra = tuple(TritonTarget.parse(s) for s in args.triton)
+    extra, _ = split_triton_specs(args.triton)  # config_from_args keeps the dns:// ones
     config = config_from_args(args, triton=(*targets, *extra), model_dir=model_dir)
     config = dataclasses.replace(config, voice_store=voice_store)
     app = create_app(config)
