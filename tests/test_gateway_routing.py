@@ -185,6 +185,18 @@ async def tts(url: str, text: str = SHORT, **extra) -> tuple[int, bytes]:
             return response.status, await response.read()
 
 
+async def stream_bytes(session, url: str, text: str, seed: int, first_audio: asyncio.Event) -> int:
+    """Stream `text` from the gateway at `url` to its end; `first_audio` is set at the first bytes."""
+    body = {"text": text, "seed": seed, "stream": True, "format": "pcm_s16le"}
+    async with session.post(url + "/v1/tts", json=body) as response:
+        assert response.status == 200
+        total = len(await response.content.readany())
+        first_audio.set()
+        async for data in response.content.iter_any():
+            total += len(data)
+        return total
+
+
 def routed(gateway: GatewayThread) -> dict[str, float]:
     text = scrape(gateway.url + "/metrics")
     return {b.name: metric_value(text, "cosyvoice_gateway_routed_total", server=b.name) or 0.0
@@ -295,14 +307,7 @@ def test_killing_a_server_mid_run_and_bringing_it_back(gateways, servers):
     t1, t2 = servers
 
     async def stream_until_the_end(session, seed: int, first_audio: asyncio.Event) -> int:
-        body = {"text": LONG, "seed": seed, "stream": True, "format": "pcm_s16le"}
-        async with session.post(r.url + "/v1/tts", json=body) as response:
-            assert response.status == 200
-            total = len(await response.content.readany())
-            first_audio.set()
-            async for data in response.content.iter_any():
-                total += len(data)
-            return total
+        return await stream_bytes(session, r.url, LONG, seed, first_audio)
 
     async def scenario():
         async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
@@ -378,14 +383,7 @@ def test_a_server_gone_from_dns_finishes_its_streams_and_leaves(servers, tiny_mo
     medium = ", ".join(["this clause keeps the one sentence going on and on"] * 6) + "."
 
     async def stream(session, url: str, seed: int, first_audio: asyncio.Event) -> int:
-        body = {"text": medium, "seed": seed, "stream": True, "format": "pcm_s16le"}
-        async with session.post(url + "/v1/tts", json=body) as response:
-            assert response.status == 200
-            total = len(await response.content.readany())
-            first_audio.set()
-            async for data in response.content.iter_any():
-                total += len(data)
-            return total
+        return await stream_bytes(session, url, medium, seed, first_audio)
 
     with GatewayThread(config, resolve=resolve) as g:
         g.wait_ready()
