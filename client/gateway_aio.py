@@ -23,7 +23,8 @@ import aiohttp
 import numpy as np
 
 from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo
-from .gateway_client import DEFAULT_URL, StreamInfo, _PcmDecoder, _voice_form, tts_body, voice_from_json
+from .gateway_client import (DEFAULT_URL, StreamInfo, _PcmDecoder, _voice_form, tts_body, voice_from_json,
+                             ws_message)
 
 
 class AsyncHttpAudioStream(AsyncIterator[np.ndarray]):
@@ -121,17 +122,11 @@ class AsyncWsAudioStream(AsyncIterator[np.ndarray]):
 
     async def __anext__(self) -> np.ndarray:
         while not self._done:
-            message = await self._receive()
-            if isinstance(message, bytes):
-                chunk = self._decoder.feed(message)
-                if chunk.size:
-                    self.stats._add(chunk, self._started)
-                    return chunk
-            elif message.get("type") == "segment":
-                self.stats.segments.append(message)
-            elif message.get("type") == "end":
-                self.stats.end = message
+            chunk, ended = ws_message(self.stats, self._decoder, await self._receive(), self._started)
+            if ended:
                 await self.aclose()
+            elif chunk is not None:
+                return chunk
         raise StopAsyncIteration
 
     async def aclose(self) -> None:

@@ -131,6 +131,23 @@ class StreamInfo:
         self.samples += chunk.size
 
 
+def ws_message(stats: StreamInfo, decoder: _PcmDecoder, message: bytes | dict,
+               started: float) -> tuple[np.ndarray | None, bool]:
+    """One WebSocket message of a stream: (its audio, or None; whether it is the end message). Segment and
+    end messages go into `stats`."""
+    if isinstance(message, bytes):
+        chunk = decoder.feed(message)
+        if chunk.size:
+            stats._add(chunk, started)
+            return chunk, False
+    elif message.get("type") == "segment":
+        stats.segments.append(message)
+    elif message.get("type") == "end":
+        stats.end = message
+        return None, True
+    return None, False
+
+
 # ---- blocking client ---------------------------------------------------------------------------------
 
 class HttpAudioStream(Iterator[np.ndarray]):
@@ -247,17 +264,11 @@ class WsAudioStream(Iterator[np.ndarray]):
 
     def __next__(self) -> np.ndarray:
         while not self._done:
-            message = self._receive()
-            if isinstance(message, bytes):
-                chunk = self._decoder.feed(message)
-                if chunk.size:
-                    self.stats._add(chunk, self._started)
-                    return chunk
-            elif message.get("type") == "segment":
-                self.stats.segments.append(message)
-            elif message.get("type") == "end":
-                self.stats.end = message
+            chunk, ended = ws_message(self.stats, self._decoder, self._receive(), self._started)
+            if ended:
                 self.close()
+            elif chunk is not None:
+                return chunk
         raise StopIteration
 
     def close(self) -> None:

@@ -193,7 +193,45 @@ class StreamStats:
 
 # ---- blocking client ---------------------------------------------------------------------------------
 
-class AudioStream(Iterator[np.ndarray]):
+class _StreamResponses:
+    """What the blocking and asyncio streams share: turning `ModelStreamInfer` responses into chunks."""
+
+    def _begin(self, request: service_pb2.ModelInferRequest, done) -> None:
+        self.request_id = request.id
+        self.stats = StreamStats()
+        self._done = done  # a threading or asyncio Event: set when our side of the call may close
+        self._finished = False
+        self._started = time.monotonic()
+
+    def _chunk_of(self, response) -> np.ndarray | None:
+        """The response's audio (None for a response without any); raises TTSError for an error response."""
+        if response.error_message:
+            self._finish()
+            raise TTSError.from_message(response.error_message)
+        chunk = response_outputs(response.infer_response).get("waveform")
+        if _is_final(response.infer_response):
+            self._finish()
+        if chunk is not None and chunk.size:
+            self.stats.add(chunk, self._started)
+            return chunk.astype(np.float32, copy=False)
+        return None
+
+    def _ended_early(self) -> TTSError:
+        self._finish()
+        return TTSError("the server closed the stream before the final response", status="UNAVAILABLE")
+
+    def _failed(self, exc: grpc.RpcError) -> TTSError:
+        self._finish()
+        return _rpc_error(exc)
+
+    def _finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self.stats.total_s = time.monotonic() - self._started
+            self._done.set()
+
+
+class AudioStream(_StreamResponses, Iterator[np.ndarray]):
     """The chunks of one streaming request: float32 arrays (24 kHz mono), in order.
 
     `close()` (or leaving a `with` block, or dropping the iterator) before the end cancels the request.
@@ -201,11 +239,7 @@ class AudioStream(Iterator[np.ndarray]):
 
     def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub, request: service_pb2.ModelInferRequest,
                  timeout_s: float | None):
-        self.request_id = request.id
-        self.stats = StreamStats()
-        self._done = threading.Event()
-        self._finished = False
-        self._started = time.monotonic()
+        self._begin(request, threading.Event())
 
         def requests():
             yield request
@@ -221,28 +255,13 @@ class AudioStream(Iterator[np.ndarray]):
             try:
                 response = next(self._call)
             except StopIteration:
-                self._finish()
-                raise TTSError("the server closed the stream before the final response",
-                               status="UNAVAILABLE") from None
+                raise self._ended_early() from None
             except grpc.RpcError as exc:
-                self._finish()
-                raise _rpc_error(exc) from None
-            if response.error_message:
-                self._finish()
-                raise TTSError.from_message(response.error_message)
-            chunk = response_outputs(response.infer_response).get("waveform")
-            if _is_final(response.infer_response):
-                self._finish()
-            if chunk is not None and chunk.size:
-                self.stats.add(chunk, self._started)
-                return chunk.astype(np.float32, copy=False)
+                raise self._failed(exc) from None
+            chunk = self._chunk_of(response)
+            if chunk is not None:
+                return chunk
         raise StopIteration
-
-    def _finish(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self.stats.total_s = time.monotonic() - self._started
-            self._done.set()
 
     def close(self) -> None:
         """Cancel the request if it is still running."""
@@ -333,15 +352,11 @@ class TritonTTS:
 
 # ---- asyncio client ----------------------------------------------------------------------------------
 
-class AsyncAudioStream(AsyncIterator[np.ndarray]):
+class AsyncAudioStream(_StreamResponses, AsyncIterator[np.ndarray]):
     """`AudioStream` for asyncio: `async for chunk in stream`; `await stream.aclose()` cancels."""
 
     def __init__(self, stub, request: service_pb2.ModelInferRequest, timeout_s: float | None):
-        self.request_id = request.id
-        self.stats = StreamStats()
-        self._done = asyncio.Event()
-        self._finished = False
-        self._started = time.monotonic()
+        self._begin(request, asyncio.Event())
 
         async def requests():
             yield request
@@ -358,28 +373,13 @@ class AsyncAudioStream(AsyncIterator[np.ndarray]):
             try:
                 response = await self._responses.__anext__()
             except StopAsyncIteration:
-                self._finish()
-                raise TTSError("the server closed the stream before the final response",
-                               status="UNAVAILABLE") from None
+                raise self._ended_early() from None
             except grpc.RpcError as exc:
-                self._finish()
-                raise _rpc_error(exc) from None
-            if response.error_message:
-                self._finish()
-                raise TTSError.from_message(response.error_message)
-            chunk = response_outputs(response.infer_response).get("waveform")
-            if _is_final(response.infer_response):
-                self._finish()
-            if chunk is not None and chunk.size:
-                self.stats.add(chunk, self._started)
-                return chunk.astype(np.float32, copy=False)
+                raise self._failed(exc) from None
+            chunk = self._chunk_of(response)
+            if chunk is not None:
+                return chunk
         raise StopAsyncIteration
-
-    def _finish(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self.stats.total_s = time.monotonic() - self._started
-            self._done.set()
 
     async def aclose(self) -> None:
         """Cancel the request if it is still running."""
