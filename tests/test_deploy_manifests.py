@@ -45,10 +45,10 @@ PROMQL_WORDS = {
 # ---- what the code exports ------------------------------------------------------------------------
 def exported_metrics() -> set[str]:
     from cosyvoice_triton.gateway.metrics import GatewayMetrics
-    from cosyvoice_triton.triton.metrics import LLM_METRICS, SYNTHESIS, TOKEN2WAV_METRICS
+    from cosyvoice_triton.triton.metrics import LLM_METRICS, REMOTE_TOKEN2WAV, SYNTHESIS, TOKEN2WAV_METRICS
 
     names = set(TRITON_METRICS)
-    for specs in (SYNTHESIS, LLM_METRICS, TOKEN2WAV_METRICS):
+    for specs in (SYNTHESIS, LLM_METRICS, TOKEN2WAV_METRICS, REMOTE_TOKEN2WAV):
         for spec in specs.values():  # Triton writes families under the name as given
             suffixes = ("_bucket", "_sum", "_count") if spec.kind == "histogram" else ("",)
             names.update(spec.name + s for s in suffixes)

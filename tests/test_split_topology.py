@@ -120,6 +120,9 @@ def test_the_layout_has_two_frontends_one_backend_and_redis(split):
     for frontend in frontends:
         text = scrape(frontend["metrics"])
         assert 'model="cosyvoice2"' in text and 'model="token2wav"' not in text
+        # The frontend's view of its backends: one, healthy, no stream open yet.
+        for name, want in (("backends", 1), ("healthy", 1), ("streams", 0)):
+            assert metric_value(text, f"cosyvoice_remote_token2wav_{name}", model="cosyvoice2") == want, name
 
 
 def test_eight_concurrent_streams_equal_the_single_server_audio(split, reference):
@@ -144,6 +147,8 @@ def test_eight_concurrent_streams_equal_the_single_server_audio(split, reference
     assert sum(served) == 8 and min(served) >= 1, served
     finalized = metric(backend["metrics"], "cosyvoice_token2wav_streams_freed_total", reason="finalize")
     assert finalized - finalized_before >= 8  # one token2wav stream per sentence, each ended by its final chunk
+    for frontend in frontends:  # every pin was released with its stream's final chunk
+        assert metric(frontend["metrics"], "cosyvoice_remote_token2wav_streams", model="cosyvoice2") == 0
 
 
 def test_killing_a_frontend_mid_run_moves_new_requests_to_the_other(split):

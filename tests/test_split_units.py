@@ -15,7 +15,7 @@ from cosyvoice_triton.runtime.token2wav import FlowPrompt
 from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
 from cosyvoice_triton.server.launcher import ServeOptions, render_run_repository, role_models
 from cosyvoice_triton.targets import TritonTarget
-from cosyvoice_triton.triton.remote_token2wav import RemoteToken2Wav, Unreachable
+from cosyvoice_triton.triton.remote_token2wav import PoolStats, RemoteToken2Wav, Unreachable
 from cosyvoice_triton.triton.tensors import RemoteError
 
 MODELS = ["audio_tokenizer", "cosyvoice2", "cosyvoice2_offline", "llm", "prompt_audio", "prompt_encoder",
@@ -227,3 +227,15 @@ def test_a_frontend_may_find_its_backends_in_dns(tmp_path):
     options = ServeOptions(role="frontend", backends=("dns://cosyvoice-backend-pods:8001",))
     repo = render_run_repository(options, tmp_path / "model", "redis://r:6379/0", tmp_path / "repo")
     assert '"dns://cosyvoice-backend-pods:8001"' in (repo / "cosyvoice2" / "config.pbtxt").read_text()
+
+
+def test_pool_stats_and_change_notices():
+    remote, (b0, _) = pool()
+    changes = []
+    remote.on_change = lambda: changes.append(remote.stats())
+    remote.chunk(first("s1"))
+    assert remote.stats() == PoolStats(backends=2, healthy=2, open_streams=1, failures=0)
+    b0.down = True
+    with pytest.raises(Unavailable):
+        remote.chunk(later("s1"))
+    assert changes == [PoolStats(backends=2, healthy=1, open_streams=0, failures=1)]

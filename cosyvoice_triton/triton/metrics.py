@@ -19,6 +19,10 @@ Every metric carries the labels `model` and `instance`. Names (Prometheus):
   cosyvoice_token2wav_flow_batch          gauge      rows of the latest flow call
   cosyvoice_token2wav_queue_depth         gauge      chunk requests taken in but not yet answered
   cosyvoice_token2wav_streams_freed_total{reason}  counter  finalize | cancel | idle
+  cosyvoice_remote_token2wav_backends     gauge      token2wav backends in a split frontend's pool (cosyvoice2*)
+  cosyvoice_remote_token2wav_healthy      gauge      of those, taking new streams
+  cosyvoice_remote_token2wav_streams      gauge      this frontend's streams pinned to a backend
+  cosyvoice_remote_token2wav_failures_total counter  times a backend left the pool after a failed call
 
 Gauges follow the engines' `stats`, refreshed on every event that changes them (no polling thread).
 
@@ -81,6 +85,16 @@ SYNTHESIS = {
     "voice_misses": Spec("cosyvoice_voice_store_misses_total", "Voice-store gets of unknown voice ids", "counter"),
     "voice_loads": Spec("cosyvoice_voice_store_loads_total", "Voice-store gets read from the backing store",
                         "counter"),
+}
+
+# A split deployment's frontend (cosyvoice2* with token2wav_backends): its view of the backends.
+REMOTE_TOKEN2WAV = {
+    "backends": Spec("cosyvoice_remote_token2wav_backends", "token2wav backends in this frontend's pool", "gauge"),
+    "healthy": Spec("cosyvoice_remote_token2wav_healthy", "token2wav backends taking new streams", "gauge"),
+    "streams": Spec("cosyvoice_remote_token2wav_streams", "This frontend's streams pinned to a token2wav backend",
+                    "gauge"),
+    "failures": Spec("cosyvoice_remote_token2wav_failures_total",
+                     "Times a token2wav backend left the pool after a failed call", "counter"),
 }
 
 LLM_METRICS = {

@@ -122,13 +122,21 @@ class Backend:
         return self.open_streams + self.external
 
 
+@dataclass(frozen=True)
+class PoolStats:
+    backends: int  # in the pool (named, or found in DNS)
+    healthy: int  # of those, taking new streams
+    open_streams: int  # this frontend's streams pinned to a backend now
+    failures: int  # times a backend left the pool after a failed call (running total)
+
+
 class RemoteToken2Wav:
     """`Token2WavBackend` over the token2wav model of backend servers (see the module docstring)."""
 
     def __init__(self, specs: Sequence[str], model: str = contracts.TOKEN2WAV, *, call_timeout_s: float = 60.0,
                  watch_interval_s: float = 2.0,
                  transport_factory: Callable[[TritonTarget, float], Transport] = Transport,
-                 resolve: Resolver = resolve_ips):
+                 resolve: Resolver = resolve_ips, on_change: Callable[[], None] = lambda: None):
         specs = [spec.strip() for spec in specs if spec.strip()]
         if not specs:
             raise ValueError("no token2wav backends given")
@@ -142,6 +150,8 @@ class RemoteToken2Wav:
         self._picks = itertools.count(1)
         self._new_transport = lambda target: transport_factory(target, call_timeout_s)
         self._resolve = resolve
+        self._failures = 0  # times a backend left the pool after a failed call
+        self.on_change = on_change  # called (no lock held) when a backend joins, leaves, fails or recovers
         self._refresh_members()
         self._watch_interval_s = watch_interval_s
         self._stop = threading.Event()
@@ -262,6 +272,7 @@ class RemoteToken2Wav:
         closing = []
         with self._lock:
             known = {b.transport.target: b for b in self.backends}
+            changed = set(wanted) != {t for t, b in known.items() if not b.retired}
             for target, spec in wanted.items():
                 if target not in known:
                     self.backends.append(Backend(self._new_transport(target), source=spec))
@@ -278,6 +289,14 @@ class RemoteToken2Wav:
                 closing.append(backend)
         for backend in closing:
             backend.transport.close()
+        if changed or closing:
+            self.on_change()
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(backends=sum(not b.retired for b in self.backends),
+                             healthy=sum(b.healthy for b in self.backends), open_streams=len(self._pins),
+                             failures=self._failures)
 
     def pinned(self) -> dict[str, str]:
         """Stream id -> backend name, for the streams open now."""
@@ -290,10 +309,12 @@ class RemoteToken2Wav:
                 return
             backend.healthy = healthy
             backend.external = 0.0  # counted on a server that was down: stale either way
+            self._failures += not healthy
         if healthy:
             log.warning("token2wav backend %s is ready: back in the pool", backend.name)
         else:
             log.warning("token2wav backend %s left the pool: %s", backend.name, reason)
+        self.on_change()
 
     def _watch(self) -> None:
         """Follow DNS; probe the backends that left the pool; refresh every backend's count of other

@@ -18,7 +18,7 @@ from cosyvoice_triton.errors import Unavailable
 from cosyvoice_triton.runtime.voice_store import open_voice_store
 from cosyvoice_triton.triton.bls import BlsLLM, BlsPromptEncoder, BlsToken2Wav
 from cosyvoice_triton.triton.contracts import parse_synthesis_inputs
-from cosyvoice_triton.triton.metrics import SYNTHESIS, ModelMetrics, instance_labels
+from cosyvoice_triton.triton.metrics import REMOTE_TOKEN2WAV, SYNTHESIS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import CosyVoice2Params, parse_parameters
 from cosyvoice_triton.triton.remote_token2wav import RemoteToken2Wav
 from cosyvoice_triton.triton.service import SynthesisService, Voices, token_mel_ratio
@@ -44,6 +44,11 @@ class TritonPythonModel:
         self.service = SynthesisService(params.model_dir, voices, BlsLLM(pb_utils, params.llm_model),
                                         self.token2wav, params.max_text_chars)
         self.metrics = ModelMetrics(pb_utils, SYNTHESIS, instance_labels(args))
+        self.remote_metrics = None
+        if isinstance(self.token2wav, RemoteToken2Wav):  # a split frontend: its view of the backends
+            self.remote_metrics = ModelMetrics(pb_utils, REMOTE_TOKEN2WAV, instance_labels(args))
+            self.token2wav.on_change = self._follow_backends
+            self._follow_backends()
         self.pool = RequestPool(params.max_workers, params.max_pending, self.name)
 
     def execute(self, requests):
@@ -72,6 +77,7 @@ class TritonPythonModel:
             send(pb_utils, sender, lambda: self.service.run(inputs, self.decoupled, cancelled, request_id),
                  model=self.name, received_at=received, metrics=self.metrics, is_cancelled=cancelled)
             self._follow_store()
+            self._follow_backends()
 
         if not self.pool.try_submit(job):
             busy = Unavailable(f"{self.name} is busy: {self.params.max_workers} requests running and "
@@ -90,6 +96,14 @@ class TritonPythonModel:
         self.metrics.follow_counter("voice_hits", stats.hits)
         self.metrics.follow_counter("voice_misses", stats.misses)
         self.metrics.follow_counter("voice_loads", stats.loads)
+
+    def _follow_backends(self) -> None:
+        if self.remote_metrics is None:
+            return
+        stats = self.token2wav.stats()
+        self.remote_metrics.set_gauges(lambda: {"backends": stats.backends, "healthy": stats.healthy,
+                                                "streams": stats.open_streams})
+        self.remote_metrics.follow_counter("failures", stats.failures)
 
     def finalize(self):
         self.pool.close()
