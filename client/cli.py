@@ -5,6 +5,7 @@ cosyvoice-client synth --text "Hello there." --voice default --out hello.wav    
 cosyvoice-client synth --text "Hello there." --voice default --out hello.wav --stream   # chunks + times
 cosyvoice-client synth --text - --prompt-wav me.wav --prompt-text "..." --out a.wav      # text from stdin
 cosyvoice-client synth --triton grpc://localhost:8001 --voice v_123 --text "Hi." --out a.wav
+cosyvoice-client synth --text "Hello there." --stream --chunk-first-hop 10 --out a.wav  # earlier first audio
 cosyvoice-client voices add me.wav --prompt-text "what I say in me.wav" [--id me] [--name Me]
 cosyvoice-client voices list | show ID | delete ID
 ```
@@ -48,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default=None)
     p.add_argument("--instruct", default=None, help="the instruction (instruct2 mode)")
     p.add_argument("--seed", type=int, default=None, help="same seed and inputs: same audio")
+    p.add_argument("--chunk-first-hop", type=int, default=None, metavar="TOKENS",
+                   help="speech tokens in the first streamed chunk (>= 4; default: the server's policy)")
+    p.add_argument("--chunk-hop-scale", type=float, default=None, metavar="X",
+                   help="each later chunk is the previous one times X (1 to 16)")
+    p.add_argument("--chunk-max-hop", type=int, default=None, metavar="TOKENS",
+                   help="chunks never grow beyond this many tokens")
     p.add_argument("--out", required=True, type=Path, help="the wav file to write (16-bit, 24 kHz)")
     p.add_argument("--stream", action="store_true", help="stream: print each chunk's arrival time")
     p.add_argument("--ws", action="store_true", help="stream over the gateway's WebSocket (implies --stream)")
@@ -90,7 +97,9 @@ def _triton(args):
 
 def _synth(args) -> int:
     text = sys.stdin.read() if args.text == "-" else args.text
-    options = {"mode": args.mode, "instruct": args.instruct, "seed": args.seed}
+    options = {"mode": args.mode, "instruct": args.instruct, "seed": args.seed,
+               "chunk_first_hop": args.chunk_first_hop, "chunk_hop_scale": args.chunk_hop_scale,
+               "chunk_max_hop": args.chunk_max_hop}  # None: not sent, on either path
     if args.prompt_wav is not None:
         options.update(prompt_audio=args.prompt_wav.read_bytes(), prompt_text=args.prompt_text)
     else:

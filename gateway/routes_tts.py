@@ -7,6 +7,11 @@ Body (JSON):
   mode          zero_shot (default) | cross_lingual | instruct2
   instruct      the instruction (instruct2)
   seed          0 .. 2^63-1: the same seed and inputs give the same audio (default: random, echoed in X-Seed)
+  chunk_first_hop, chunk_hop_scale, chunk_max_hop
+                the streaming chunk policy (runtime/chunk_policy.py; default: the server's): speech tokens in
+                the first chunk (int >= 4; smaller: earlier first audio), the growth of each later chunk
+                (number in [1, 16]) and its cap (int >= the first hop). The chunking changes where the flow
+                model's chunks fall, so the audio may differ slightly from the default's
   format        wav (default, 16-bit) | pcm_f32 | pcm_s16le
   stream        false (default): the whole file with Content-Length; true: chunked transfer, one write
                 per audio chunk as Triton makes it (a wav stream starts with a header of unknown length)
@@ -34,7 +39,7 @@ from .synthesis import TTS_FIELDS, Synthesis, decode_base64, prepare, stream_aud
 log = logging.getLogger(__name__)
 
 TTS_KEYS = frozenset({"text", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
-                      "format", "stream"})
+                      "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "format", "stream"})
 
 
 async def json_body(request: web.Request) -> dict:
@@ -129,7 +134,9 @@ async def tts(request: web.Request) -> web.StreamResponse:
         prompt_audio = decode_base64(prompt_audio, "prompt_audio", app[CONFIG].limits.max_upload_bytes)
     synthesis = await prepare(app, text=body.get("text"), voice_id=body.get("voice_id", body.get("voice")),
                               prompt_audio=prompt_audio, prompt_text=body.get("prompt_text"), mode=body.get("mode"),
-                              instruct=body.get("instruct"), seed=body.get("seed"), fields=TTS_FIELDS)
+                              instruct=body.get("instruct"), seed=body.get("seed"),
+                              chunk_first_hop=body.get("chunk_first_hop"), chunk_hop_scale=body.get("chunk_hop_scale"),
+                              chunk_max_hop=body.get("chunk_max_hop"), fields=TTS_FIELDS)
     with app[LIMITER].slot(limit_key(request)):
         return await send_audio(request, synthesis, fmt, stream, route="tts")
 

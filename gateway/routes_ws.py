@@ -2,6 +2,7 @@
 
 Client -> server (JSON text frames):
   {"type": "start", "voice_id" | "prompt_audio" (+ "prompt_text"), "mode", "instruct", "seed",
+   "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop" (as in POST /v1/tts),
    "format": "pcm_f32" (default) | "pcm_s16le", "text" (optional)}              first, once
   {"type": "text", "text": "Hello there. How"}   any number: text is buffered, and each complete
                                                  sentence (end mark + space, or a CJK end mark, or a
@@ -16,8 +17,9 @@ Server -> client:
   {"type": "error", "status", "code", "param", "message"}  then close (1008 for 4xx, 1011 otherwise)
 
 Segments are separate Triton requests, routed one by one; up to `ws_pipeline_depth` run ahead of the one
-being sent, and their audio is sent strictly in order. Segment i uses seed + 1000 * i. A client that
-goes away (or closes) cancels every running segment, which frees its LLM slot and token2wav state.
+being sent, and their audio is sent strictly in order. Segment i uses seed + 1000 * i; every segment has
+the start message's voice, mode and chunk policy. A client that goes away (or closes) cancels every
+running segment, which frees its LLM slot and token2wav state.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ log = logging.getLogger(__name__)
 WS_FORMATS = ("pcm_f32", "pcm_s16le")
 SEGMENT_SEED_STRIDE = 1000
 START_KEYS = frozenset({"type", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
-                        "format", "text"})
+                        "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "format", "text"})
 # A sentence is complete at an end mark followed by white space, a CJK end mark, or a newline.
 _BOUNDARY = re.compile(r"[.!?;]+[\"'”’)\]]*\s+|[。！？；…]+[\"”’」』）)]*\s*|\n+")
 _DONE = object()
@@ -177,7 +179,10 @@ class Session:
         self.base = await prepare(self.app, text="", check_text=False,
                                   voice_id=message.get("voice_id", message.get("voice")), prompt_audio=prompt_audio,
                                   prompt_text=message.get("prompt_text"), mode=message.get("mode"),
-                                  instruct=message.get("instruct"), seed=message.get("seed"), fields=TTS_FIELDS)
+                                  instruct=message.get("instruct"), seed=message.get("seed"),
+                                  chunk_first_hop=message.get("chunk_first_hop"),
+                                  chunk_hop_scale=message.get("chunk_hop_scale"),
+                                  chunk_max_hop=message.get("chunk_max_hop"), fields=TTS_FIELDS)
         await self.ws.send_json({"type": "started", "request_id": self.request_id,
                                  "sample_rate": self.config.sample_rate, "format": self.fmt, "seed": self.base.seed})
         if message.get("text") is not None:

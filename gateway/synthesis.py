@@ -4,6 +4,10 @@ The checks happen here, before Triton sees the request, so errors name the field
 called (`Fields`: `text` for /v1/tts, `input` for the OpenAI route, ...). Errors Triton still reports
 are mapped back to the same names. A request without a seed gets one here, so a retry on another
 server gives the same audio.
+
+The chunk-policy overrides (`chunk_first_hop`, `chunk_hop_scale`, `chunk_max_hop`; /v1/tts and the
+WebSocket start message) are checked with the library's `ChunkPolicy` against its defaults, and sent to
+the model only when given (the model checks them again against its own policy).
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from aiohttp import web
@@ -22,6 +26,7 @@ from aiohttp import web
 from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.frontend.audio import load_prompt_audio
 from cosyvoice_triton.frontend.text import validate_text
+from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
 from cosyvoice_triton.runtime.request_limits import MODES, SEED_LIMIT
 from cosyvoice_triton.runtime.voice_store import check_voice_id
 
@@ -53,17 +58,24 @@ class Fields:
     mode: str = "mode"
     instruct: str = "instruct"
     seed: str = "seed"
+    chunk_first_hop: str = "chunk_first_hop"
+    chunk_hop_scale: str = "chunk_hop_scale"
+    chunk_max_hop: str = "chunk_max_hop"
 
     def of_model_input(self, name: str | None) -> str | None:
         """The API field behind a cosyvoice2 input named in a Triton error."""
         return {"target_text": self.text, "reference_audio_id": self.voice, "reference_audio": self.prompt_audio,
                 "reference_wav": self.prompt_audio, "reference_sample_rate": self.prompt_audio,
                 "reference_text": self.prompt_text, "instruct_text": self.instruct, "mode": self.mode,
-                "seed": self.seed}.get(name or "", name)
+                "seed": self.seed, "chunk_first_hop": self.chunk_first_hop,
+                "chunk_hop_scale": self.chunk_hop_scale, "chunk_max_hop": self.chunk_max_hop}.get(name or "", name)
 
 
 TTS_FIELDS = Fields()
 OPENAI_FIELDS = Fields(text="input", voice="voice", instruct="instructions")
+# The chunk-policy inputs of cosyvoice2 (contracts.py) and their tensor types.
+CHUNK_INPUTS = {"chunk_first_hop": np.int32, "chunk_hop_scale": np.float32, "chunk_max_hop": np.int32}
+INT32_MAX = 2**31 - 1
 
 
 def string_array(value: str) -> np.ndarray:
@@ -82,6 +94,9 @@ class Synthesis:
     prompt_tokens: int  # of the voice: its cost share
     cost: float
     fields: Fields
+    chunk_first_hop: int | None = None  # chunk-policy overrides; None: the server's policy
+    chunk_hop_scale: float | None = None
+    chunk_max_hop: int | None = None
 
     def inputs(self, seed: int | None = None) -> dict[str, np.ndarray]:
         """The cosyvoice2 request (contracts.py), with `seed` instead of the request's when given."""
@@ -95,13 +110,15 @@ class Synthesis:
             values["reference_text"] = string_array(self.prompt_text)
         if self.instruct:
             values["instruct_text"] = string_array(self.instruct)
+        for name, dtype in CHUNK_INPUTS.items():
+            value = getattr(self, name)
+            if value is not None:
+                values[name] = np.array([value], dtype=dtype)
         return values
 
     def with_text(self, text: str, seed: int, cost: float) -> Synthesis:
-        """The same voice and settings for another text (WebSocket segments)."""
-        return Synthesis(text=text, mode=self.mode, seed=seed, voice_id=self.voice_id, prompt_audio=self.prompt_audio,
-                         prompt_text=self.prompt_text, instruct=self.instruct, prompt_tokens=self.prompt_tokens,
-                         cost=cost, fields=self.fields)
+        """The same voice and settings (chunk policy included) for another text (WebSocket segments)."""
+        return replace(self, text=text, seed=seed, cost=cost)
 
 
 def decode_base64(value: object, field: str, max_bytes: int) -> bytes:
@@ -130,9 +147,42 @@ def optional_string(value: object, field: str) -> str | None:
     return value
 
 
+def optional_int32(value: object, field: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(field, f"must be an integer, got {type(value).__name__}")
+    if value > INT32_MAX:  # the model input is INT32; ChunkPolicy checks the lower bounds
+        raise BadRequest(field, f"must be at most {INT32_MAX}, got {value}")
+    return value
+
+
+def optional_number(value: object, field: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(field, f"must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def check_chunk_policy(first_hop: object, hop_scale: object, max_hop: object,
+                       fields: Fields) -> dict[str, int | float | None]:
+    """The overrides checked as the model will check them: types here, ranges by `ChunkPolicy` (its errors
+    name the model input, chunk_*, mapped to the API's field). Returns them as `Synthesis` fields."""
+    first_hop = optional_int32(first_hop, fields.chunk_first_hop)
+    hop_scale = optional_number(hop_scale, fields.chunk_hop_scale)
+    max_hop = optional_int32(max_hop, fields.chunk_max_hop)
+    try:
+        ChunkPolicy().with_overrides(first_hop=first_hop, hop_scale=hop_scale, max_hop=max_hop)
+    except InvalidInput as exc:
+        raise BadRequest(fields.of_model_input(exc.field), exc.problem) from None
+    return {"chunk_first_hop": first_hop, "chunk_hop_scale": hop_scale, "chunk_max_hop": max_hop}
+
+
 async def prepare(app: web.Application, *, text: object, voice_id: object = None, prompt_audio: bytes | None = None,
                   prompt_text: object = None, mode: object = "zero_shot", instruct: object = None,
-                  seed: object = None, fields: Fields = TTS_FIELDS, check_text: bool = True) -> Synthesis:
+                  seed: object = None, chunk_first_hop: object = None, chunk_hop_scale: object = None,
+                  chunk_max_hop: object = None, fields: Fields = TTS_FIELDS, check_text: bool = True) -> Synthesis:
     """Check a request and resolve its voice (no voice given: "default"). `check_text` False: settings
     for texts that come later (a WebSocket start message)."""
     if not check_text:
@@ -150,6 +200,7 @@ async def prepare(app: web.Application, *, text: object, voice_id: object = None
         raise BadRequest(fields.instruct, "is required in instruct2 mode")
     prompt_text = optional_string(prompt_text, fields.prompt_text)
     seed = check_seed(seed, fields.seed)
+    chunk = check_chunk_policy(chunk_first_hop, chunk_hop_scale, chunk_max_hop, fields)
     if voice_id is not None and prompt_audio is not None:
         raise BadRequest(fields.voice, f"give {fields.voice} or {fields.prompt_audio}, not both")
     if prompt_audio is not None:
@@ -171,7 +222,7 @@ async def prepare(app: web.Application, *, text: object, voice_id: object = None
     cost = app[COSTS].estimate(text, prompt_tokens, prompt_audio is not None)
     return Synthesis(text=text, mode=mode, seed=seed, voice_id=voice_id,
                      prompt_audio=prompt_audio, prompt_text=prompt_text, instruct=instruct,
-                     prompt_tokens=prompt_tokens, cost=cost, fields=fields)
+                     prompt_tokens=prompt_tokens, cost=cost, fields=fields, **chunk)
 
 
 async def voice_info(app: web.Application, voice_id: object, field: str):

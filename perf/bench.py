@@ -7,6 +7,7 @@ cosyvoice-triton bench --gateway http://localhost:8080 --path ws     # the WebSo
 cosyvoice-triton bench --start --quick                 # its own tritonserver on the tiny random model
 cosyvoice-triton bench --start --quick --path ws       # ... behind a gateway started in this process
 cosyvoice-triton bench --start --compare chunk_policy  # variants side by side in one report
+cosyvoice-triton bench --gateway http://localhost:8080 --compare chunk_policy   # ... through the gateway
 ```
 Exactly one target: `--triton host:port` (gRPC), `--gateway URL`, or `--start` (a tritonserver started
 here through the launcher on `--model-dir`, default the tiny random folder, on free ports, stopped at the
@@ -17,7 +18,7 @@ the started server (it shares this process's CPU with the load generator).
 
 `--compare AXIS` runs the same scenario, levels and seeds for each variant of one axis and writes one
 report: `voice_cache` (voice id vs prompt audio with every request), `chunk_policy` (per-request chunk
-overrides; grpc path only), `llm_batching` (llm_max_batch 8 vs 1) and `engine` (torch vs onnxruntime,
+overrides, on any path), `llm_batching` (llm_max_batch 8 vs 1) and `engine` (torch vs onnxruntime,
 + tensorrt with `--device cuda`); the last two start one server per variant, in turn, and need
 `--start`. See compare.py.
 

@@ -4,14 +4,15 @@ in one run and one report.
 - `voice_cache`: the voice by registered id (prompt features cached in the voice store) / the prompt
   recording sent with every request (encoded every time); one server.
 - `chunk_policy`: the server's chunk policy / a small first chunk / large fixed chunks, sent as the
-  per-request overrides `chunk_first_hop`, `chunk_hop_scale`, `chunk_max_hop`; one server.
+  per-request overrides `chunk_first_hop`, `chunk_hop_scale`, `chunk_max_hop` (gRPC inputs, or fields of
+  the gateway's /v1/tts body and WebSocket start message); one server.
 - `llm_batching`: `llm_max_batch` 8 (the default) / 1; one server per variant, in turn.
 - `engine`: token2wav on torch / ONNX Runtime (/ TensorRT with `--device cuda`); one server per variant,
   in turn.
 
 Variants that need a different server each get their own, started after the previous one stopped (two
 servers at once would share the CPU and spoil both measurements). Those axes need `--start`; the others
-also run against `--triton` or `--gateway`. Chunk-policy overrides reach the model on the gRPC path only.
+also run against `--triton` or `--gateway`, on any path.
 """
 from __future__ import annotations
 
@@ -78,9 +79,6 @@ def unsupported(axis: str, settings: serving.Settings) -> str | None:
     """Why `axis` cannot run with `settings`, or None."""
     if axis in SERVER_AXES and not settings.start:
         return f"--compare {axis} starts a server per variant: use --start"
-    if axis == "chunk_policy" and settings.path != "grpc":
-        return "--compare chunk_policy sends per-request chunk overrides, which the gateway does not pass: " \
-               "use the grpc path"
     return None
 
 

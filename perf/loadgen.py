@@ -16,7 +16,8 @@ Targets, one per path (`make_target`):
 Voice mode `id` registers each distinct prompt once before the run and sends its id; `audio` sends the
 prompt recording with every request (the prompt is then encoded, or fetched from the server's cache,
 per request). Per-request options (the chunk policy overrides `chunk_first_hop`, `chunk_hop_scale`,
-`chunk_max_hop`) reach the model on the gRPC path only: the gateway does not pass them on.
+`chunk_max_hop`) go with every request on every path: as gRPC inputs, as fields of the /v1/tts body, or
+in the WebSocket start message.
 """
 from __future__ import annotations
 
@@ -111,8 +112,8 @@ class GatewayTarget:
                 "prompt_text": case.prompt_text if case.mode == "zero_shot" else None}
 
     async def stream(self, case: Case, voice_id: str | None, seed: int, options: dict):
-        _no_options(options)
-        return await self.client.stream(case.text, mode=case.mode, seed=seed, **self._voice(case, voice_id))
+        return await self.client.stream(case.text, mode=case.mode, seed=seed, **self._voice(case, voice_id),
+                                        **options)
 
     async def close(self) -> None:
         await self.client.close()
@@ -122,13 +123,8 @@ class GatewayWsTarget(GatewayTarget):
     """The gateway's `WS /v1/tts/ws`: one session per request, the whole text in its start message."""
 
     async def stream(self, case: Case, voice_id: str | None, seed: int, options: dict):
-        _no_options(options)
-        return await self.client.stream_ws(case.text, mode=case.mode, seed=seed, **self._voice(case, voice_id))
-
-
-def _no_options(options: dict) -> None:
-    if options:
-        raise ValueError(f"the gateway does not take {', '.join(sorted(options))}: use the grpc path")
+        return await self.client.stream_ws(case.text, mode=case.mode, seed=seed, **self._voice(case, voice_id),
+                                           **options)
 
 
 def make_target(path: str, url: str, api_key: str | None = None):

@@ -1,13 +1,17 @@
 """`cosyvoice-triton bench`: the report pieces, comparison planning, and end to end on a real tritonserver
 (tiny random model, free ports): `bench --start --quick` direct over gRPC, `--compare chunk_policy` (one
-server), `--compare llm_batching` (two servers in turn) and the WebSocket path through a gateway started in
-the test process. No timing assertions: only that each level (of each variant) ran and the report was written."""
+server; direct and through a gateway started in the test process), `--compare llm_batching` (two servers in
+turn) and the WebSocket path through such a gateway. No timing assertions: only that each level (of each
+variant) ran and the report was written."""
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 from cosyvoice_triton.perf import compare, loadgen, report, scenarios, serving
 
@@ -92,8 +96,31 @@ def test_variant_planning_gives_each_server_its_options(tmp_path):
     assert [v.voice_mode for v in compare.plan("voice_cache")] == ["id", "audio"]
     assert compare.plan("chunk_policy")[0].options == {}  # the server's own policy first
     assert compare.unsupported("engine", serving.Settings(path="grpc", start=False, url="h:1"))
-    assert compare.unsupported("chunk_policy", serving.Settings(path="ws", start=True))
-    assert compare.unsupported("voice_cache", serving.Settings(path="ws", start=False, url="http://h")) is None
+    for path in ("http", "ws"):  # request-side axes run on every path
+        assert compare.unsupported("chunk_policy", serving.Settings(path=path, start=True)) is None
+        assert compare.unsupported("voice_cache", serving.Settings(path=path, start=False, url="http://h")) is None
+
+
+def test_gateway_targets_send_the_variants_options():
+    """The chunk-policy overrides of a variant go with every gateway request (as /v1/tts fields or in the
+    WebSocket start message, through the SDK's keyword options)."""
+    calls = []
+
+    class Client:
+        async def stream(self, text, **options):
+            calls.append(("http", options))
+
+        async def stream_ws(self, text, **options):
+            calls.append(("ws", options))
+
+    case = scenarios.build("fast_clone", quick=True).cases[0]
+    overrides = dict(compare.CHUNK_POLICIES[2][2])  # fixed-50: all three fields
+    for path in ("http", "ws"):
+        target = loadgen.make_target(path, "http://127.0.0.1:1")
+        target.client = Client()
+        asyncio.run(target.stream(case, "v_1", 5, overrides))
+    want = {"mode": case.mode, "seed": 5, "voice_id": "v_1", **overrides}
+    assert calls == [("http", want), ("ws", want)]
 
 
 def test_bad_target_and_path_combinations_exit_2(capsys):
@@ -102,9 +129,8 @@ def test_bad_target_and_path_combinations_exit_2(capsys):
     assert main(["bench", "--triton", "localhost:1", "--path", "ws"]) == 2
     assert main(["bench", "--gateway", "http://localhost:1", "--path", "grpc"]) == 2
     assert main(["bench", "--triton", "localhost:1", "--compare", "llm_batching"]) == 2
-    assert main(["bench", "--start", "--path", "http", "--compare", "chunk_policy"]) == 2
     assert main(["bench", "--compare", "engine"]) == 2  # no target
-    assert capsys.readouterr().err.count("error:") == 5
+    assert capsys.readouterr().err.count("error:") == 4
 
 
 def test_comparison_report_from_synthetic_levels(tmp_path):
@@ -150,11 +176,15 @@ def _run_compare(tiny_model_dir: Path, out: Path, capsys, *extra: str, levels: t
     return results
 
 
-def test_compare_chunk_policy_on_one_server(tiny_model_dir, tmp_path, capsys):
-    results = _run_compare(tiny_model_dir, tmp_path / "report", capsys, "--compare", "chunk_policy")
+@pytest.mark.parametrize("path", ["grpc", "http"])
+def test_compare_chunk_policy_on_one_server(tiny_model_dir, tmp_path, capsys, path):
+    """Direct, and through a gateway started here (which would answer 400, counted as errors, to any
+    override it did not take)."""
+    results = _run_compare(tiny_model_dir, tmp_path / "report", capsys, "--path", path, "--compare", "chunk_policy")
     assert [v["name"] for v in results["variants"]] == ["default", "small-first", "fixed-50"]
     assert results["variants"][1]["options"] == {"chunk_first_hop": 10}
     assert len({v["target"] for v in results["variants"]}) == 1  # one server for all three
+    assert results["environment"]["target"].startswith(f"{path} path")
 
 
 def test_compare_llm_batching_starts_a_server_per_variant(tiny_model_dir, tmp_path, capsys):

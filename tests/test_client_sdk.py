@@ -5,8 +5,8 @@ Direct Triton: streaming gives several chunks, the same seed gives the same chun
 not: a streamed request's flow and vocoder run chunk by chunk, so its audio differs from the offline
 one's), the blocking and asyncio clients agree, closing a stream cancels it on the server (its LLM
 stream and vocoder state are freed), and errors name the field. Gateway: every API gives the audio that
-Triton gives for the same voice and seed; voices can be added, listed, shown and deleted; errors carry
-the gateway's field and status. The CLI writes wav files through either.
+Triton gives for the same voice and seed (and chunk-policy options); voices can be added, listed, shown
+and deleted; errors carry the gateway's field and status. The CLI writes wav files through either.
 """
 from __future__ import annotations
 
@@ -327,6 +327,37 @@ def test_gateway_errors_carry_field_and_status(gateway_url):
                 call()
             assert (caught.value.status, caught.value.field) == (status, field), str(caught.value)
             assert caught.value.message.startswith(f"{field}:")
+
+
+def test_gateway_takes_the_chunk_policy_options(triton, gateway_url, voice, tmp_path, capsys):
+    """The options reach the model: the gateway gives Triton's chunks for the same options (more than the
+    default's), and bad values come back as errors naming the field, from the SDKs and the CLI."""
+    text = TEXT.split(". ")[0] + "."  # one sentence: one WebSocket segment
+    policy = {"chunk_first_hop": 4, "chunk_hop_scale": 1.5, "chunk_max_hop": 30}
+    with TritonTTS(triton.grpc_url) as direct:
+        want = list(direct.stream(text, voice_id=voice, seed=8, **policy))
+        default = list(direct.stream(text, voice_id=voice, seed=8))
+    with GatewayTTS(gateway_url) as tts:
+        assert_same(tts.synthesize(text, voice_id=voice, seed=8, **policy), np.concatenate(want))
+        with tts.stream_ws(text, voice_id=voice, seed=8, **policy) as stream:
+            chunks = list(stream)  # one WebSocket frame per Triton chunk
+        assert len(chunks) == len(want) > len(default)
+        assert_same(np.concatenate(chunks), np.concatenate(want))
+        with pytest.raises(TTSError) as caught:
+            tts.synthesize(text, voice_id=voice, chunk_first_hop=10, chunk_max_hop=5)
+        assert (caught.value.status, caught.value.field) == (400, "chunk_max_hop")
+
+    async def refused():
+        async with AsyncGatewayTTS(gateway_url) as tts:
+            with pytest.raises(TTSError) as caught:
+                await tts.stream(text, voice_id=voice, chunk_hop_scale=0.5)
+            return caught.value
+
+    error = asyncio.run(refused())
+    assert (error.status, error.field) == (400, "chunk_hop_scale")
+    assert cli_main(["synth", "--url", gateway_url, "--voice", voice, "--text", text, "--chunk-first-hop", "0",
+                     "--out", str(tmp_path / "x.wav")]) == 1
+    assert "chunk_first_hop" in capsys.readouterr().err and not (tmp_path / "x.wav").exists()
 
 
 def test_cli_through_the_gateway(triton, gateway_url, voice, tmp_path, capsys):

@@ -1,5 +1,5 @@
 """The gateway against a real tritonserver: every endpoint, audio equal to Triton's own, the OpenAI client,
-WebSocket text-in streaming, cancellation, keys and limits.
+WebSocket text-in streaming, per-request chunk-policy overrides, cancellation, keys and limits.
 
 One tritonserver for the module (started like `cosyvoice-triton serve`, on free ports, a tiny random model,
 max_token_text_ratio 3 to keep outputs short) and two gateways in this process (`GatewayThread`): an open
@@ -13,6 +13,7 @@ import base64
 import io
 import json
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -24,6 +25,8 @@ from cosyvoice_triton.export.sample_prompt import speech_like
 from cosyvoice_triton.gateway.audio_format import to_s16
 from cosyvoice_triton.gateway.config import GatewayConfig, Limits, RoutingConfig, TritonTarget
 from cosyvoice_triton.gateway.routes_ws import SentenceBuffer
+from cosyvoice_triton.gateway.synthesis import TTS_FIELDS, Synthesis, gateway_error
+from cosyvoice_triton.gateway.triton_client import classify_message
 from cosyvoice_triton.gateway.testing import GatewayThread
 from cosyvoice_triton.triton.contracts import synthesis_inputs
 from triton_harness import GrpcStream, metric_value, scrape, tritonserver_or_skip, wait_for_metric
@@ -244,6 +247,13 @@ GOOD_AUDIO = base64.b64encode(PROMPT_WAV).decode()
     ({"text": "Hi.", "prompt_audio": GOOD_AUDIO}, 400, "prompt_text"),
     ({"text": "Hi.", "voice_id": "default", "prompt_audio": GOOD_AUDIO}, 400, "voice_id"),
     ({"text": "Hi.", "colour": "blue"}, 400, "colour"),
+    ({"text": "Hi.", "chunk_first_hop": 0}, 400, "chunk_first_hop"),
+    ({"text": "Hi.", "chunk_first_hop": "10"}, 400, "chunk_first_hop"),
+    ({"text": "Hi.", "chunk_first_hop": 10.5}, 400, "chunk_first_hop"),
+    ({"text": "Hi.", "chunk_first_hop": 2**31}, 400, "chunk_first_hop"),  # past INT32
+    ({"text": "Hi.", "chunk_hop_scale": 0.5}, 400, "chunk_hop_scale"),
+    ({"text": "Hi.", "chunk_hop_scale": True}, 400, "chunk_hop_scale"),
+    ({"text": "Hi.", "chunk_first_hop": 50, "chunk_max_hop": 20}, 400, "chunk_max_hop"),
     ("{not json", 400, "body"),
     ([1, 2], 400, "body"),
 ])
@@ -251,6 +261,78 @@ def test_bad_inputs_get_a_4xx_naming_the_field(gateway, body, status, param):
     got, headers, raw = run(post_json(gateway.url + "/v1/tts", body, headers={"Content-Type": "application/json"}))
     assert got == status and headers["Content-Type"].startswith("application/json")
     assert error_param(raw)[0] == param, raw
+
+
+# ---- chunk-policy overrides ----------------------------------------------------------------------------
+
+FIRST_HOP = 4  # the smallest first hop (runtime/chunk_policy.py); the default is 25 tokens
+
+
+def chunk_tensors(overrides: dict) -> dict[str, np.ndarray]:
+    """The overrides as cosyvoice2 inputs, for the direct reference."""
+    return {name: np.array([value], np.float32 if name == "chunk_hop_scale" else np.int32)
+            for name, value in overrides.items()}
+
+
+@pytest.mark.parametrize("overrides", [
+    {"chunk_first_hop": FIRST_HOP},
+    {"chunk_first_hop": 8, "chunk_hop_scale": 1, "chunk_max_hop": 8},  # fixed hops of 8 (1: a JSON int)
+], ids=["small-first", "fixed-8"])
+def test_chunk_policy_overrides_reach_the_model(gateway, triton, voice_id, reference, overrides):
+    """The same speech tokens (the LLM does not see the chunking), cut into more and smaller chunks; the audio
+    is Triton's for the same overrides, chunk for chunk (not the default's: the flow's chunks fall elsewhere)."""
+    body = {"text": TEXT, "voice_id": voice_id, "seed": 7, "format": "pcm_f32", "stream": True, **overrides}
+    _, chunks = run(post_stream(gateway.url + "/v1/tts", body))
+    got = [np.frombuffer(chunk, "<f4") for chunk in chunks]
+    want = direct(triton, TEXT, 7, voice_id=voice_id, **chunk_tensors(overrides))
+    assert len(got) == len(want) > len(reference)
+    assert got[0].size < reference[0].size
+    assert sum(c.size for c in got) == sum(c.size for c in reference)
+    for chunk, expected in zip(got, want, strict=True):
+        np.testing.assert_allclose(chunk, expected, rtol=0, atol=ATOL)
+
+
+def test_websocket_segments_keep_the_start_messages_chunk_policy(gateway, triton, voice_id):
+    first, second = "The first sentence arrives on its own. ", "Then a second one follows it"
+
+    async def session():
+        frames, messages, segment = [[], []], [], 0
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+            async with http.ws_connect(gateway.url + "/v1/tts/ws") as ws:
+                await ws.send_json({"type": "start", "voice_id": voice_id, "seed": 11, "format": "pcm_f32",
+                                    "chunk_first_hop": FIRST_HOP, "text": first + second})
+                await ws.send_json({"type": "end"})
+                async for message in ws:
+                    if message.type == aiohttp.WSMsgType.BINARY:  # one frame per Triton chunk
+                        frames[segment].append(np.frombuffer(message.data, "<f4"))
+                    else:
+                        messages.append(json.loads(message.data))
+                        if messages[-1]["type"] == "segment":
+                            segment += 1
+        return frames, messages
+
+    frames, messages = run(session())
+    assert [m["type"] for m in messages] == ["started", "segment", "segment", "end"]
+    for index, (text, seed) in enumerate([(first, 11), (second, 11 + 1000)]):
+        want = direct(triton, text, seed, voice_id=voice_id, **chunk_tensors({"chunk_first_hop": FIRST_HOP}))
+        default = direct(triton, text, seed, voice_id=voice_id)
+        assert len(frames[index]) == len(want) > len(default)
+        for chunk, expected in zip(frames[index], want, strict=True):
+            np.testing.assert_allclose(chunk, expected, rtol=0, atol=ATOL)
+
+
+def test_chunk_overrides_are_sent_only_when_given_and_triton_errors_on_them_name_the_field():
+    synthesis = Synthesis(text="", mode="zero_shot", seed=1, voice_id="default", prompt_audio=None,
+                          prompt_text=None, instruct="", prompt_tokens=50, cost=1.0, fields=TTS_FIELDS,
+                          chunk_hop_scale=1.5)
+    inputs = synthesis.with_text("Hi.", seed=2, cost=2.0).inputs()  # a WebSocket segment
+    assert inputs["chunk_hop_scale"].dtype == np.float32 and inputs["chunk_hop_scale"].tolist() == [1.5]
+    assert "chunk_first_hop" not in inputs and "chunk_max_hop" not in inputs
+    assert "chunk_hop_scale" not in replace(synthesis, chunk_hop_scale=None).inputs()
+    # a server with another default policy may refuse what the gateway let through: its error names the field
+    error = gateway_error(classify_message("chunk_max_hop: must be >= first hop 60, got 50"), TTS_FIELDS)
+    assert (error.status, error.field, error.message) == (400, "chunk_max_hop",
+                                                         "chunk_max_hop: must be >= first hop 60, got 50")
 
 
 # ---- OpenAI-compatible --------------------------------------------------------------------------------
@@ -405,6 +487,8 @@ def test_websocket_errors_are_messages_with_codes(gateway):
     cases = [([{"type": "text", "text": "no start"}], "type", 400),
              ([{"type": "start", "format": "wav"}], "format", 400),
              ([{"type": "start", "voice_id": "nobody"}], "voice_id", 404),
+             ([{"type": "start", "chunk_hop_scale": "fast"}], "chunk_hop_scale", 400),
+             ([{"type": "start", "chunk_first_hop": 1}], "chunk_first_hop", 400),
              ([{"type": "start"}, {"type": "text", "text": 5}], "text", 400),
              ([{"type": "start"}, {"type": "sing"}], "type", 400)]
     for messages, param, status in cases:
