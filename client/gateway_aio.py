@@ -25,8 +25,8 @@ import aiohttp
 import numpy as np
 
 from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo
-from .gateway_client import (DEFAULT_URL, StreamInfo, _PcmDecoder, _voice_form, tts_body, voice_from_json,
-                             ws_message)
+from .gateway_client import (DEFAULT_URL, StreamInfo, _PcmDecoder, _voice_form, error_from_body, tts_body,
+                             voice_from_json, ws_message)
 
 
 class AsyncHttpAudioStream(AsyncIterator[np.ndarray]):
@@ -170,11 +170,7 @@ class AsyncGatewayTTS:
         if response.status >= 400:
             data = await response.read()
             response.release()
-            try:
-                body = json.loads(data)
-            except ValueError:
-                body = data.decode("utf-8", "replace")
-            raise TTSError.from_body(body, response.status)
+            raise error_from_body(data, response.status)
         return response
 
     async def _request(self, method: str, path: str, **kwargs) -> bytes:

@@ -138,6 +138,15 @@ class StreamInfo:
         self.samples += chunk.size
 
 
+def error_from_body(data: bytes, status: int) -> TTSError:
+    """The gateway's error answer (JSON, or plain text from something in front of it) as a TTSError."""
+    try:
+        body = json.loads(data)
+    except ValueError:
+        body = data.decode("utf-8", "replace")
+    return TTSError.from_body(body, status)
+
+
 def ws_message(stats: StreamInfo, decoder: _PcmDecoder, message: bytes | dict,
                started: float) -> tuple[np.ndarray | None, bool]:
     """One WebSocket message of a stream: (its audio, or None; whether it is the end message). Segment and
@@ -327,11 +336,7 @@ class GatewayTTS:
         if response.status >= 400:
             data = response.read()
             connection.close()
-            try:
-                body_json = json.loads(data)
-            except ValueError:
-                body_json = data.decode("utf-8", "replace")
-            raise TTSError.from_body(body_json, response.status)
+            raise error_from_body(data, response.status)
         return connection, response
 
     def _request(self, method: str, path: str, body: bytes | None = None, content_type: str | None = None) -> bytes:

@@ -45,9 +45,9 @@ MODES = ("zero_shot", "cross_lingual", "instruct2")
 OVERRIDES: dict[str, type] = {"top_p": np.float32, "top_k": np.int32, "win_size": np.int32, "tau_r": np.float32,
                               "chunk_first_hop": np.int32, "chunk_hop_scale": np.float32,
                               "chunk_max_hop": np.int32}
-_MAX_MESSAGE = 256 * 1024 * 1024
-_CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE),
-                    ("grpc.max_receive_message_length", _MAX_MESSAGE)]
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 _DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64",
            np.dtype(np.uint64): "UINT64", np.dtype(np.bool_): "BOOL"}
 
@@ -122,6 +122,13 @@ def infer_request(model: str, values: Mapping[str, np.ndarray], request_id: str 
     if empty_final:
         request.parameters["triton_enable_empty_final_response"].bool_param = True
     return request
+
+
+def stream_request(model: str, text: str, request_id: str | None, **options) -> service_pb2.ModelInferRequest:
+    """The `ModelStreamInfer` request of one synthesis (`options` as for `synthesis_inputs`); a fresh id
+    when none is given."""
+    return infer_request(model, synthesis_inputs(text, **options), request_id or uuid.uuid4().hex,
+                         empty_final=True)
 
 
 def response_outputs(response: service_pb2.ModelInferResponse) -> dict[str, np.ndarray]:
@@ -295,7 +302,7 @@ class TritonTTS:
         self.url = url.removeprefix("grpc://")
         self.model, self.offline_model, self.register_model = model, offline_model, register_model
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(self.url, options=_CHANNEL_OPTIONS)
+        self._channel = grpc.insecure_channel(self.url, options=CHANNEL_OPTIONS)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     def stream(self, text: str, *, voice_id: str | None = None, prompt_audio: PromptAudio | None = None,
@@ -303,10 +310,9 @@ class TritonTTS:
                instruct: str | None = None, seed: int | None = None, request_id: str | None = None,
                **overrides: float) -> AudioStream:
         """Start synthesizing `text`; iterate the result for its chunks as they are made."""
-        values = synthesis_inputs(text, voice_id=voice_id, prompt_audio=prompt_audio,
-                                  prompt_sample_rate=prompt_sample_rate, prompt_text=prompt_text, mode=mode,
-                                  instruct=instruct, seed=seed, **overrides)
-        request = infer_request(self.model, values, request_id or uuid.uuid4().hex, empty_final=True)
+        request = stream_request(self.model, text, request_id, voice_id=voice_id, prompt_audio=prompt_audio,
+                                 prompt_sample_rate=prompt_sample_rate, prompt_text=prompt_text, mode=mode,
+                                 instruct=instruct, seed=seed, **overrides)
         return AudioStream(self._stub, request, self.timeout_s)
 
     def synthesize(self, text: str, *, offline: bool = False, **kwargs) -> np.ndarray:
@@ -410,7 +416,7 @@ class AsyncTritonTTS:
     @property
     def stub(self):
         if self._stub is None:  # the channel belongs to the running event loop: made on first use
-            self._channel = grpc.aio.insecure_channel(self.url, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(self.url, options=CHANNEL_OPTIONS)
             self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         return self._stub
 
@@ -418,10 +424,9 @@ class AsyncTritonTTS:
                prompt_sample_rate: int | None = None, prompt_text: str | None = None, mode: str | None = None,
                instruct: str | None = None, seed: int | None = None, request_id: str | None = None,
                **overrides: float) -> AsyncAudioStream:
-        values = synthesis_inputs(text, voice_id=voice_id, prompt_audio=prompt_audio,
-                                  prompt_sample_rate=prompt_sample_rate, prompt_text=prompt_text, mode=mode,
-                                  instruct=instruct, seed=seed, **overrides)
-        request = infer_request(self.model, values, request_id or uuid.uuid4().hex, empty_final=True)
+        request = stream_request(self.model, text, request_id, voice_id=voice_id, prompt_audio=prompt_audio,
+                                 prompt_sample_rate=prompt_sample_rate, prompt_text=prompt_text, mode=mode,
+                                 instruct=instruct, seed=seed, **overrides)
         return AsyncAudioStream(self.stub, request, self.timeout_s)
 
     async def synthesize(self, text: str, *, offline: bool = False, **kwargs) -> np.ndarray:

@@ -68,6 +68,14 @@ def is_discovery(spec: str) -> bool:
     return spec.strip().startswith("dns://")
 
 
+def _dns_name(spec: str, flag: str) -> tuple[str, int, int]:
+    """`dns://name:port[?metrics_port=N]` -> (name, port, metrics port)."""
+    parts = urlsplit(spec.strip())
+    if not parts.hostname or parts.port is None:
+        raise ValueError(f"{flag} {spec!r}: expected dns://name:port[?metrics_port=N]")
+    return parts.hostname, parts.port, int(parse_qs(parts.query).get("metrics_port", [parts.port + 1])[0])
+
+
 def discover(specs: Sequence[str], flag: str = "--triton", resolve: Resolver = resolve_ips) -> list[TritonTarget]:
     """The servers `specs` name now: fixed ones as given, `dns://` ones as resolved (in spec order)."""
     targets: list[TritonTarget] = []
@@ -75,22 +83,16 @@ def discover(specs: Sequence[str], flag: str = "--triton", resolve: Resolver = r
         if not is_discovery(spec):
             targets.append(TritonTarget.parse(spec, flag))
             continue
-        parts = urlsplit(spec.strip())
-        if not parts.hostname or parts.port is None:
-            raise ValueError(f"{flag} {spec!r}: expected dns://name:port[?metrics_port=N]")
-        metrics_port = int(parse_qs(parts.query).get("metrics_port", [parts.port + 1])[0])
-        for ip in resolve(parts.hostname, parts.port):
+        name, port, metrics_port = _dns_name(spec, flag)
+        for ip in resolve(name, port):
             host = f"[{ip}]" if ":" in ip else ip
-            targets.append(TritonTarget(grpc=f"{host}:{parts.port}", metrics_url=f"http://{host}:{metrics_port}/metrics"))
+            targets.append(TritonTarget(grpc=f"{host}:{port}", metrics_url=f"http://{host}:{metrics_port}/metrics"))
     return list(dict.fromkeys(targets))
 
 
 def check_spec(spec: str, flag: str = "--triton") -> None:
     """Raise ValueError for a spec that can never name a server (resolution is not attempted)."""
     if is_discovery(spec):
-        parts = urlsplit(spec.strip())
-        if not parts.hostname or parts.port is None:
-            raise ValueError(f"{flag} {spec!r}: expected dns://name:port[?metrics_port=N]")
-        int(parse_qs(parts.query).get("metrics_port", ["0"])[0])
+        _dns_name(spec, flag)
     else:
         TritonTarget.parse(spec, flag)

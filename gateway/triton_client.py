@@ -21,12 +21,11 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from cosyvoice_triton.client import triton_client as sdk
 from cosyvoice_triton.client.triton_client import infer_request, response_outputs
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *sdk.CHANNEL_OPTIONS,
     ("grpc.keepalive_time_ms", 20_000),  # notice a silently dead server during long streams
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 0),

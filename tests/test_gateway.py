@@ -23,7 +23,7 @@ import soundfile as sf
 
 from cosyvoice_triton.export.sample_prompt import speech_like
 from cosyvoice_triton.gateway.audio_format import to_s16
-from cosyvoice_triton.gateway.config import GatewayConfig, Limits, RoutingConfig, TritonTarget
+from cosyvoice_triton.gateway.config import GatewayConfig, Limits, RoutingConfig
 from cosyvoice_triton.gateway.routes_ws import SentenceBuffer
 from cosyvoice_triton.gateway.synthesis import TTS_FIELDS, Synthesis, gateway_error
 from cosyvoice_triton.gateway.triton_client import classify_message
@@ -61,7 +61,7 @@ def triton(tiny_model_dir, tmp_path_factory):
 
 
 def gateway_config(triton, tiny_model_dir: Path, home: Path, **overrides) -> GatewayConfig:
-    return GatewayConfig(triton=(TritonTarget(triton.grpc_url, triton.metrics_url),),
+    return GatewayConfig(triton=(triton.target,),
                          voice_store=str(triton.workdir / "voices.sqlite"), model_dir=tiny_model_dir, home=home,
                          routing=RoutingConfig(health_interval_s=1.0, metrics_interval_s=1.0), **overrides)
 

@@ -148,7 +148,7 @@ def servers(tiny_model_dir, tmp_path_factory, redis_server):  # noqa: F811
 
 
 def target(server) -> TritonTarget:
-    return TritonTarget(server.grpc_url, server.metrics_url)
+    return server.target
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,7 @@ from pathlib import Path
 from cosyvoice_triton.errors import CosyVoiceError
 from cosyvoice_triton.server.binary import (TritonBinary, TritonNotFound, find_tritonserver,
                                             stage_backend_directory)
+from cosyvoice_triton.targets import TritonTarget
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +271,11 @@ class TritonProcess:
     @property
     def grpc_url(self) -> str:
         return f"{self.client_host}:{self.grpc_port}"
+
+    @property
+    def target(self) -> TritonTarget:
+        """This server as gateways and split frontends address it."""
+        return TritonTarget(grpc=self.grpc_url, metrics_url=self.metrics_url)
 
     @property
     def metrics_url(self) -> str:

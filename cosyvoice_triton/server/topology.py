@@ -55,8 +55,7 @@ class SplitTopology:
             # that started it. Backends first, so the frontends can be told their addresses.
             for i in range(backends):
                 self.backends.append(self._start(replace(common, role="backend"), f"backend-{i}"))
-            addresses = tuple(f"grpc://{b.client_host}:{b.grpc_port}?metrics={b.metrics_url}"
-                              for b in self.backends)
+            addresses = tuple(b.target.spec for b in self.backends)
             for i in range(frontends):
                 self.frontends.append(self._start(replace(common, role="frontend", backends=addresses),
                                                   f"frontend-{i}"))

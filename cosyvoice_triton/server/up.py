@@ -70,21 +70,18 @@ def _port(value: int) -> int | None:
 
 
 def up(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    from cosyvoice_triton.model_hub import resolve_model_dir
-
     if args.frontends or args.backends:
         return up_split(args, out)
-    model_dir = Path(resolve_model_dir(args.model_dir)) if args.model_dir else default_model_dir()
+    model_dir = resolve_model_dir(args)
     voice_store = resolve_voice_store(voice_store_url(args))
     options = serve_options(args, model_dir, voice_store)
     server = prepare(options, die_with_parent=True)  # one service: tritonserver never outlives the gateway
     print(f"starting tritonserver (log: {server.workdir / 'tritonserver.log'}) ...", file=out, flush=True)
     try:
         server.start()
-        local = TritonTarget(grpc=server.grpc_url, metrics_url=server.metrics_url)
         lines = [f"  triton   grpc {server.grpc_url}, metrics {server.metrics_url}",
                  f"  voices   {voice_store}", f"  log      {server.log_path}"]
-        code = run_gateway(args, (local,), model_dir, voice_store, lines, lambda: not server.is_running(), out)
+        code = run_gateway(args, (server.target,), model_dir, voice_store, lines, lambda: not server.is_running(), out)
         if code:
             print(f"tritonserver exited; log {server.log_path}:\n{server.log_tail(20)}", file=sys.stderr)
         return code
@@ -95,7 +92,6 @@ def up(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
 def up_split(args: argparse.Namespace, out: TextIO) -> int:
     """`--frontends N --backends M`: the split topology behind the gateway."""
-    from cosyvoice_triton.model_hub import resolve_model_dir
     from cosyvoice_triton.server.launcher import new_run_dir
     from cosyvoice_triton.server.topology import SplitTopology
 
@@ -104,7 +100,7 @@ def up_split(args: argparse.Namespace, out: TextIO) -> int:
     if args.voice_store:
         raise ValueError("split mode shares voices through Redis: give --redis-url (or nothing: a local "
                          "redis-server is started), not --voice-store")
-    model_dir = Path(resolve_model_dir(args.model_dir)) if args.model_dir else default_model_dir()
+    model_dir = resolve_model_dir(args)
     run_dir = Path(args.run_dir) if args.run_dir else new_run_dir()
     options = serve_options(args, model_dir, args.redis_url)
     topology = SplitTopology(options, args.frontends, args.backends, run_dir, die_with_parent=True)
@@ -112,7 +108,7 @@ def up_split(args: argparse.Namespace, out: TextIO) -> int:
           file=out, flush=True)
     try:
         topology.start()
-        targets = tuple(TritonTarget(grpc=f.grpc_url, metrics_url=f.metrics_url) for f in topology.frontends)
+        targets = tuple(f.target for f in topology.frontends)
         lines = [*(f"  frontend grpc {f.grpc_url}, metrics {f.metrics_url} (pid {f.pid})" for f in topology.frontends),
                  *(f"  backend  grpc {b.grpc_url}, metrics {b.metrics_url} (pid {b.pid})" for b in topology.backends),
                  f"  voices   {topology.voice_store}", f"  layout   {run_dir / 'topology.json'}"]
@@ -128,6 +124,13 @@ def up_split(args: argparse.Namespace, out: TextIO) -> int:
     finally:
         topology.stop()
         print("tritonservers stopped", file=out, flush=True)
+
+
+def resolve_model_dir(args: argparse.Namespace) -> Path:
+    """`--model-dir` (a folder or a hub id), or the tiny random folder made on first use."""
+    from cosyvoice_triton.model_hub import resolve_model_dir as resolve_hub_id
+
+    return Path(resolve_hub_id(args.model_dir)) if args.model_dir else default_model_dir()
 
 
 def serve_options(args: argparse.Namespace, model_dir: Path, voice_store: str | None) -> ServeOptions:

@@ -56,11 +56,12 @@ class Transport:
         import grpc
         from tritonclient.grpc import service_pb2_grpc
 
+        from cosyvoice_triton.client.triton_client import CHANNEL_OPTIONS
+
         self.target = target
         self.timeout_s = timeout_s
         self._grpc = grpc
-        self._channel = grpc.insecure_channel(target.grpc, options=[
-            ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)])
+        self._channel = grpc.insecure_channel(target.grpc, options=CHANNEL_OPTIONS)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], request_id: str) -> dict[str, np.ndarray]:
@@ -206,8 +207,6 @@ class RemoteToken2Wav:
         while True:
             backend = self._pick_and_pin(chunk.stream_id, exclude=tried)
             if backend is None:
-                if last_error is not None and not isinstance(last_error, (Unreachable, RemoteError)):
-                    raise last_error
                 reason = f": last error {last_error}" if last_error else ""
                 raise Unavailable(f"no token2wav backend can take a new stream "
                                   f"({len(tried)} of {len(self.backends)} tried){reason}")

@@ -72,10 +72,10 @@ def wait_ready(url: str, timeout_s: float = 120.0) -> dict:
 def gateway(triton, root: Path, model_dir: Path, voice_store: str) -> Iterator[str]:
     """The gateway (`cosyvoice_triton.gateway.testing.GatewayThread`) on a free port; yields its URL once
     it is ready with voice "default" registered."""
-    from cosyvoice_triton.gateway.config import GatewayConfig, TritonTarget
+    from cosyvoice_triton.gateway.config import GatewayConfig
     from cosyvoice_triton.gateway.testing import GatewayThread
 
-    config = GatewayConfig(triton=(TritonTarget(grpc=triton.grpc_url, metrics_url=triton.metrics_url),),
+    config = GatewayConfig(triton=(triton.target,),
                            voice_store=voice_store, model_dir=model_dir, home=root, shutdown_timeout_s=5.0)
     with GatewayThread(config) as thread:
         wait_ready(thread.url)
