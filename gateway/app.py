@@ -69,7 +69,7 @@ def create_app(config: GatewayConfig, *, resolve: Resolver = resolve_ips) -> web
     app[RESOLVE] = resolve
     app[LIMITER] = StreamLimiter(config.limits.max_streams_per_key)
     app[WEBSOCKETS] = weakref.WeakSet()
-    app[DEFAULT_VOICE] = DefaultVoice(config.default_voice, config.home or cosyvoice_home())
+    app[DEFAULT_VOICE] = DefaultVoice(config.default_voice)
     app.cleanup_ctx.extend([_voice_store, _triton, _default_voice])
     routes_tts.add_routes(app)
     routes_ws.add_routes(app)

@@ -1,50 +1,36 @@
 """Voice `default`: there out of the box, so `voice: "default"` works on a fresh install.
 
-At start the gateway looks for it in the voice store; when it is missing, it writes a speech-like prompt
-recording made locally (`export/sample_prompt.speech_like`, 3 s, 16 kHz) to
-`$COSYVOICE_HOME/default_voice.wav` and registers it through Triton's `register_voice` (so the
-server computes its features once) under the id `default` with a fixed transcript. It waits for a
-healthy server and retries transient failures; `/readyz` reports the state.
+At start the gateway looks for it in the voice store; when it is missing, it registers the prompt
+recording that ships with the project (`gateway/assets/default_voice.wav`: TRANSCRIPT spoken by
+espeak-ng, made locally, 16 kHz mono, 4.1 s) through Triton's `register_voice` (so the server computes its
+features once) under the id `default`. It waits for a healthy server and retries transient failures;
+`/readyz` reports the state.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
-
-import numpy as np
 
 log = logging.getLogger(__name__)
 
 VOICE_ID = "default"
 TRANSCRIPT = "Hello, this is the default voice of the CosyVoice two service."
-PROMPT_SECONDS = 3.0
-PROMPT_RATE = 16000
+RECORDING = Path(__file__).parent / "assets" / "default_voice.wav"
 RETRY_S = 1.0
 
 
-def prompt_wav(home: Path) -> bytes:
-    """The default voice's prompt recording (written once, atomically)."""
-    path = home / "default_voice.wav"
-    if not path.exists():
-        import soundfile as sf
-        from cosyvoice_triton.export.sample_prompt import speech_like
-
-        home.mkdir(parents=True, exist_ok=True)
-        staging = path.with_name(f".default_voice-{os.getpid()}.wav")
-        sf.write(staging, np.asarray(speech_like(PROMPT_SECONDS, PROMPT_RATE, seed=0)), PROMPT_RATE, subtype="PCM_16")
-        os.replace(staging, path)
-    return path.read_bytes()
+def prompt_wav() -> bytes:
+    """The default voice's prompt recording: TRANSCRIPT, spoken."""
+    return RECORDING.read_bytes()
 
 
 class DefaultVoice:
     """State of the default voice: pending (being registered), ready, failed or disabled."""
 
-    def __init__(self, enabled: bool, home: Path):
+    def __init__(self, enabled: bool):
         self.state = "pending" if enabled else "disabled"
         self.error: str | None = None
-        self.home = home
 
     @property
     def pending(self) -> bool:
@@ -69,7 +55,7 @@ class DefaultVoice:
                     return
                 if healthy():
                     if audio is None:
-                        audio = await asyncio.to_thread(prompt_wav, self.home)
+                        audio = await asyncio.to_thread(prompt_wav)
                     await register(audio, TRANSCRIPT, VOICE_ID)
                     log.info("registered voice %r", VOICE_ID)
                     self.state = "ready"

@@ -157,6 +157,18 @@ def error_param(body: bytes | dict) -> tuple[str, str]:
     return data["error"]["param"], data["error"]["code"]
 
 
+def shipped_default_voice(voice: dict) -> dict:
+    """`voice` if it was registered from the recording that ships in gateway/assets (else an assertion)."""
+    from cosyvoice_triton.frontend.audio import load_prompt_audio
+    from cosyvoice_triton.frontend.voice_features import audio_sha256
+    from cosyvoice_triton.gateway.default_voice import RECORDING, TRANSCRIPT
+
+    samples, rate = load_prompt_audio(RECORDING.read_bytes(), "audio")
+    assert voice["text"] == TRANSCRIPT and voice["audio_sha256"] == audio_sha256(samples, rate)
+    assert voice["prompt_seconds"] == pytest.approx(samples.size / rate, abs=0.1)  # 25 speech tokens a second
+    return voice
+
+
 def metric(url: str, name: str, **labels) -> float:
     return metric_value(scrape(url), name, **labels) or 0.0
 
@@ -169,12 +181,32 @@ def test_health_readiness_and_the_default_voice(gateway):
     assert status == 200 and ready["default_voice"] == "ready" and all(ready["servers"].values())
     status, voices = gateway.get_json("/v1/voices")
     default = [v for v in voices["voices"] if v["id"] == "default"]
-    assert status == 200 and default and default[0]["text"] and default[0]["prompt_tokens"] > 0
-    assert (gateway.config.home / "default_voice.wav").exists()
+    assert status == 200 and default == [shipped_default_voice(default[0])]
     status, _, body = run(post_json(gateway.url + "/v1/tts", {"text": "The default voice speaks.", "seed": 1}))
     assert status == 200
     audio, rate = sf.read(io.BytesIO(body), dtype="float32")
     assert rate == 24000 and audio.size > 0
+
+
+async def get(url: str) -> tuple[int, str, bytes]:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+        async with session.get(url) as response:
+            return response.status, response.content_type, await response.read()
+
+
+def test_the_page_and_its_assets_are_served(gateway):
+    """GET / without a browser (tests/test_web_page.py plays it in Chromium): the page, its script and its
+    style sheet, with the controls the script drives."""
+    status, content_type, page = run(get(gateway.url + "/"))
+    assert status == 200 and content_type == "text/html"
+    html = page.decode()
+    for control in ('id="voice"', 'id="text"', 'id="speak"', 'id="first-chunk"', 'id="voice-file"', 'id="record"'):
+        assert control in html, control
+    for asset, kind in (("/static/app.js", "javascript"), ("/static/style.css", "text/css")):
+        status, content_type, body = run(get(gateway.url + asset))
+        assert status == 200 and kind in content_type and body, asset
+    status, _, script = run(get(gateway.url + "/static/app.js"))
+    assert b"/v1/tts/ws" in script and b"/v1/voices" in script  # the page calls the gateway's own API
 
 
 # ---- /v1/tts ------------------------------------------------------------------------------------------

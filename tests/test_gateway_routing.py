@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import signal
+import sys
+import time
+import urllib.error
+import urllib.request
 
 import aiohttp
 import pytest
@@ -25,6 +30,7 @@ from cosyvoice_triton.gateway.state import ROUTER
 from cosyvoice_triton.gateway.testing import GatewayThread
 from cosyvoice_triton.gateway.triton_client import classify_message
 from cosyvoice_triton.server import free_port
+from cli_harness import CliProcess
 from redis_harness import redis_server  # noqa: F401  (a fixture)
 from triton_harness import metric_value, scrape, tritonserver_or_skip, wait_for_metric
 
@@ -159,7 +165,7 @@ def gateways(servers, tiny_model_dir, tmp_path_factory, redis_server):  # noqa: 
                          chunk_timeout_s=30.0)
     slow_health = RoutingConfig(health_interval_s=600.0, metrics_interval_s=1.0)
     dead = TritonTarget(f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}/metrics")
-    configs = {"R": ((target(t1), target(t2)), fast), "A": ((target(t1),), fast), "B": ((target(t2),), fast),
+    configs = {"R": ((target(t1), target(t2)), fast), "A": ((target(t1),), fast),
                "D": ((dead, target(t1)), slow_health)}
     running = {}
     try:
@@ -208,8 +214,45 @@ def ok_count(server) -> float:
                         outcome="ok") or 0.0
 
 
-def test_a_voice_registered_through_one_gateway_serves_on_another(gateways):
-    a, b = gateways["A"], gateways["B"]
+@pytest.fixture
+def gateway_b(servers, redis_server, tmp_path):  # noqa: F811
+    """A gateway as users start it, `python -m cosyvoice_triton.gateway --redis-url ...`, in front of t2 only."""
+    port = free_port()
+    t2 = servers[1].target
+    command = [sys.executable, "-m", "cosyvoice_triton.gateway", "--redis-url", redis_server.url,
+               "--triton", f"grpc://{t2.grpc}?metrics={t2.metrics_url}", "--host", "127.0.0.1", "--port", str(port)]
+    process = CliProcess(command, {**os.environ, "COSYVOICE_HOME": str(tmp_path)})
+    gateway = GatewayProcess(process, f"http://127.0.0.1:{port}")
+    try:
+        gateway.wait_ready()
+        yield gateway
+    finally:
+        process.kill()
+    assert not (tmp_path / "voices.sqlite").exists(), "--redis-url must keep voices in Redis, not in SQLite"
+
+
+class GatewayProcess:
+    def __init__(self, process: CliProcess, url: str):
+        self.process, self.url = process, url
+
+    def get_json(self, path: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read() or b"{}")
+        except OSError:
+            return 0, {}
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.get_json("/readyz")[0] != 200:
+            assert self.process.running() and time.monotonic() < deadline, self.process.output()
+            time.sleep(0.2)
+
+
+def test_a_voice_registered_through_one_gateway_serves_on_another(gateways, gateway_b):
+    a, b = gateways["A"], gateway_b
     audio = io.BytesIO()
     sf.write(audio, speech_like(2.0, 16000, seed=5), 16000, format="WAV", subtype="PCM_16")
 

@@ -16,6 +16,7 @@ import soundfile as sf
 
 from cosyvoice_triton.server import free_port
 from cli_harness import CliProcess
+from test_gateway import shipped_default_voice
 from triton_harness import tritonserver_or_skip
 
 pytestmark = pytest.mark.timeout(300)
@@ -58,8 +59,9 @@ def test_up_starts_triton_and_the_gateway_with_a_default_voice(tiny_model_dir, t
         audio, rate = sf.read(io.BytesIO(body))
         assert rate == 24000 and audio.size > 0
         status, body = _request(url + "/v1/voices")
-        assert status == 200 and [v["id"] for v in json.loads(body)["voices"]] == ["default"]
-        assert (home / "voices.sqlite").exists() and (home / "default_voice.wav").exists()
+        voices = json.loads(body)["voices"]
+        assert status == 200 and [v["id"] for v in voices] == ["default"] and shipped_default_voice(voices[0])
+        assert (home / "voices.sqlite").exists()
 
         assert up.interrupt(timeout_s=60) == 0
     finally:
