@@ -29,7 +29,7 @@ fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -e ".[test,server]"
+"$VENV/bin/python" -m pip install -q -e ".[cpu,test,server]"
 # perf_analyzer (tritonclient 2.41.0's binary and libcudart) goes into build/, not into the venv.
 bash perf/install_perf_analyzer.sh --python "$VENV/bin/python" >/dev/null
 echo "$WANT" > "$STAMP"

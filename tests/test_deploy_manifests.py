@@ -124,8 +124,11 @@ def test_dashboard_metrics_are_exported():
     # what the brief asks the dashboard to show
     for needed in ("nv_inference_request_success", "cosyvoice_first_chunk_latency_seconds_bucket",
                    "cosyvoice_gateway_first_chunk_seconds_bucket", "cosyvoice_llm_queued",
-                   "cosyvoice_token2wav_queue_depth", "cosyvoice_active_streams", "nv_gpu_utilization"):
+                   "nv_inference_pending_request_count", "cosyvoice_active_streams", "nv_gpu_utilization"):
         assert needed in used, needed
+    # token2wav's queue is Triton's pending count of token2wav (see cosyvoice_triton/triton/metrics.py)
+    exprs = [t["expr"] for p in _dashboard()["panels"] for t in p.get("targets", [])]
+    assert any('nv_inference_pending_request_count{model="token2wav"}' in e for e in exprs)
 
 
 def test_dashboard_quantiles_use_histogram_buckets():
@@ -232,7 +235,7 @@ def test_autoscaling_uses_exported_metrics():
             assert not unknown, f"adapter rule uses unexported metrics {unknown}"
         series = promql_metric_names(rule["seriesQuery"]).pop()
         assert re.fullmatch(rule["name"]["matches"], series), rule["name"]
-        served[rule["name"]["as"]] = series
+        served[rule["name"]["as"]] = rule["seriesQuery"]
     hpas = {d["spec"]["scaleTargetRef"]["name"]: d for _, d in _k8s_docs() if d["kind"] == "HorizontalPodAutoscaler"}
     assert {"cosyvoice-frontend", "cosyvoice-backend"} <= hpas.keys(), "frontend and backend scale separately"
     deployments = {d["metadata"]["name"] for _, d in _k8s_docs() if d["kind"] == "Deployment"}
@@ -241,6 +244,9 @@ def test_autoscaling_uses_exported_metrics():
         for metric in hpa["spec"]["metrics"]:
             assert metric["type"] == "Pods"
             assert metric["pods"]["metric"]["name"] in served, f"{target}: no adapter rule serves it"
+    # The backend scales on its queue: Triton's pending requests of token2wav.
+    backend = [served[m["pods"]["metric"]["name"]] for m in hpas["cosyvoice-backend"]["spec"]["metrics"]]
+    assert any('nv_inference_pending_request_count{' in q and 'model="token2wav"' in q for q in backend), backend
 
 
 # ---- compose --------------------------------------------------------------------------------------

@@ -38,7 +38,9 @@ pytestmark = pytest.mark.timeout(420)
 
 RATIO = 3.0
 SHORT = "A short request."
-LONG = ", ".join(["this clause keeps the one sentence going on and on"] * 25) + "."
+# Many sentences: the random LLM may draw a stop token early in any one of them, but the stream runs on
+# through all 25 (one long sentence could end after a few tokens and leave nothing running).
+LONG = " ".join(["This sentence keeps the stream going on and on."] * 25)
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=90)  # no client may wait longer than this
 
 
@@ -165,7 +167,7 @@ def gateways(servers, tiny_model_dir, tmp_path_factory, redis_server):  # noqa: 
                          chunk_timeout_s=30.0)
     slow_health = RoutingConfig(health_interval_s=600.0, metrics_interval_s=1.0)
     dead = TritonTarget(f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}/metrics")
-    configs = {"R": ((target(t1), target(t2)), fast), "A": ((target(t1),), fast),
+    configs = {"R": ((target(t1), target(t2)), fast), "A": ((target(t1),), fast), "B": ((target(t2),), fast),
                "D": ((dead, target(t1)), slow_health)}
     running = {}
     try:
@@ -215,7 +217,7 @@ def ok_count(server) -> float:
 
 
 @pytest.fixture
-def gateway_b(servers, redis_server, tmp_path):  # noqa: F811
+def gateway_process(servers, redis_server, tmp_path):  # noqa: F811
     """A gateway as users start it, `python -m cosyvoice_triton.gateway --redis-url ...`, in front of t2 only."""
     port = free_port()
     t2 = servers[1].target
@@ -251,8 +253,8 @@ class GatewayProcess:
             time.sleep(0.2)
 
 
-def test_a_voice_registered_through_one_gateway_serves_on_another(gateways, gateway_b):
-    a, b = gateways["A"], gateway_b
+def test_a_voice_registered_through_one_gateway_serves_on_another(gateways, gateway_process):
+    a, b = gateways["A"], gateway_process
     audio = io.BytesIO()
     sf.write(audio, speech_like(2.0, 16000, seed=5), 16000, format="WAV", subtype="PCM_16")
 
@@ -283,6 +285,43 @@ def test_a_voice_registered_through_one_gateway_serves_on_another(gateways, gate
 
     assert run(delete()) == 200
     assert a.get_json("/v1/voices/shared")[0] == 404
+
+
+def test_streams_another_gateway_runs_steer_requests_away(gateways, servers):
+    """R's own accounting is empty; what it knows of t1's load comes only from scraping t1's metrics while
+    gateway A (which routes to t1 alone) streams there: R's next pick is t2."""
+    r, a = gateways["R"], gateways["A"]
+    t1, t2 = servers
+
+    def scraped_view() -> tuple[float, float, set[str]]:
+        def view(app):  # on R's loop: no scrape between reading the load and picking
+            router = app[ROUTER]
+            by_name = {b.name: b for b in router.backends}
+            picks = {router.pick().name for _ in range(3)}  # equal loads would alternate between the two
+            return by_name[t1.grpc_url].external, by_name[t2.grpc_url].external, picks
+        return r.call(view)
+
+    async def scenario():
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+            started = [asyncio.Event(), asyncio.Event()]
+            streams = [asyncio.create_task(stream_bytes(session, a.url, LONG, 500 + i, started[i])) for i in (0, 1)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            views = []
+            for _ in range(100):  # the next scrapes (every second) see A's streams on t1
+                views.append(await asyncio.to_thread(scraped_view))
+                if views[-1][0] > 0 or all(s.done() for s in streams):
+                    break
+                await asyncio.sleep(0.1)
+            for task in streams:
+                task.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+            return views
+
+    external_t1, external_t2, picks = run(scenario())[-1]
+    assert external_t1 > 0 and external_t2 == 0, "R never scraped A's streams on t1"
+    assert picks == {t2.grpc_url}
+    # The cancelled streams end on t1 and R's next scrapes see it idle again (the next tests count on it).
+    wait_until(lambda: r.call(lambda app: [b.external for b in app[ROUTER].backends]) == [0, 0])
 
 
 def test_requests_spread_over_both_servers_by_cost(gateways, servers):
@@ -337,8 +376,6 @@ def test_a_request_failing_before_its_first_byte_is_retried_on_another_server(ga
 
 
 def wait_until(predicate, timeout_s: float = 60.0) -> None:
-    import time
-
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"

@@ -12,7 +12,7 @@ import pytest
 from cosyvoice_triton.server import (PythonEnv, TemplateError, TritonNotFound, TritonProcess, TritonStartError,
                                      find_tritonserver, free_port, model_names, render_repository,
                                      render_template, server_environment)
-from cosyvoice_triton.server.binary import TritonBinary, stub_python_version
+from cosyvoice_triton.server.binary import TritonBinary, stage_backend_directory, stub_python_version
 from triton_harness import (ECHO_VALUES, TEST_MODELS, GrpcStream, metric_samples, metric_value, scrape,
                             server_fixture, tritonserver_or_skip, wait_for_metric)
 
@@ -81,6 +81,65 @@ def test_tritonserver_env_var_must_be_executable(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITONSERVER", str(tmp_path / "missing"))
     with pytest.raises(TritonNotFound, match="not an executable"):
         find_tritonserver()
+
+
+def _fake_install(root: Path, python_version: str = "3.11") -> Path:
+    """An NGC-style install at `root`: bin/tritonserver (an executable script), lib/, and a Python
+    backend whose stub names libpython`python_version`."""
+    (root / "bin").mkdir(parents=True)
+    (root / "lib").mkdir()
+    (root / "backends" / "python").mkdir(parents=True)
+    (root / "backends" / "python" / "triton_python_backend_stub").write_bytes(
+        b"\x7fELF...libpython" + python_version.encode() + b".so.1.0...")
+    executable = root / "bin" / "tritonserver"
+    executable.write_text("#!/bin/sh\nexit 0\n")
+    executable.chmod(0o755)
+    return executable
+
+
+@pytest.fixture
+def no_wheel_binary(monkeypatch, tmp_path):
+    """find_tritonserver as in a container without the nvidia-pytriton wheel: no $TRITONSERVER, and
+    neither PATH nor the NGC location holds a tritonserver unless a test puts one there."""
+    from cosyvoice_triton.server import binary as binary_module
+
+    monkeypatch.delenv("TRITONSERVER", raising=False)
+    monkeypatch.setattr(binary_module, "_pytriton_binary", lambda: None)
+    monkeypatch.setattr(binary_module, "NGC_EXECUTABLE", tmp_path / "opt" / "tritonserver" / "bin" / "tritonserver")
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    return binary_module
+
+
+def test_tritonserver_on_path_is_found(no_wheel_binary, monkeypatch, tmp_path):
+    executable = _fake_install(tmp_path / "install")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'empty-bin'}:{executable.parent}")
+    found = find_tritonserver()
+    assert found.source == "path" and found.executable == executable.resolve()
+    assert found.backend_dir == tmp_path / "install" / "backends"
+    assert found.library_dirs == (tmp_path / "install" / "lib",) and found.stubs_dir is None
+    assert found.stub_path("3.11") == found.backend_dir / "python" / "triton_python_backend_stub"
+    with pytest.raises(TritonNotFound, match="built for Python 3.11"):
+        found.stub_path("3.12")  # the container's stub serves its own Python only
+    assert stage_backend_directory(found, tmp_path / "staged", "3.11") == found.backend_dir
+
+
+def test_tritonserver_at_the_ngc_location_is_found(no_wheel_binary, monkeypatch, tmp_path):
+    with pytest.raises(TritonNotFound, match="tritonserver on PATH and .*opt/tritonserver/bin/tritonserver"):
+        find_tritonserver()
+    executable = _fake_install(tmp_path / "opt" / "tritonserver")
+    assert executable == no_wheel_binary.NGC_EXECUTABLE
+    found = find_tritonserver()
+    assert found.source == "path" and found.executable == executable.resolve()
+    assert found.backend_dir == tmp_path / "opt" / "tritonserver" / "backends"
+    # PATH comes first; a file that is not executable does not count.
+    other = _fake_install(tmp_path / "other")
+    other.chmod(0o644)
+    monkeypatch.setenv("PATH", f"{other.parent}:{tmp_path / 'empty-bin'}")
+    assert find_tritonserver().executable == executable.resolve()
+    other.chmod(0o755)
+    assert find_tritonserver().executable == other.resolve()
 
 
 def test_stub_for_this_python():

@@ -3,7 +3,9 @@
 One server per session (started like `cosyvoice-triton serve`, on free ports); its audio is compared with
 the library's own in-process pipeline (`Orchestrator` over the reference LLM and token2wav) for the same
 inputs and seed. The server runs with max_token_text_ratio 3 (the official 20 lets the random LLM speak
-~7 times longer than needed here); everything else is as served by default.
+~7 times longer than needed here); everything else is as served by default. No test depends on another
+having run: the restart test restarts the session's server and leaves it warm, and the idle-timeout
+test starts a token2wav-only server of its own.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import pytest
 
 from cosyvoice_triton.export.sample_prompt import speech_like
 from cosyvoice_triton.triton.contracts import synthesis_inputs
-from triton_harness import GrpcStream, grpc_inputs, metric_value, scrape, tritonserver_or_skip, wait_for_metric
+from triton_harness import (GrpcStream, grpc_inputs, metric_samples, metric_value, scrape, tritonserver_or_skip,
+                            wait_for_metric)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RATIO = 3.0
@@ -52,11 +55,16 @@ def cv_server(tiny_model, tmp_path_factory):
                            max_token_text_ratio=RATIO, torch_threads=1, workers=12)
     server = prepare(options, binary=binary, die_with_parent=True)
     server.start()
-    with GrpcStream(server.grpc_url, timeout_s=120) as stream:  # warm-up: first calls are slow (lazy init)
-        waveforms(stream.infer("cosyvoice2", synthesis_inputs("Warm up.", samples=prompt_wav(9), sample_rate=RATE,
-                                                              reference_text=PROMPT_TEXT, seed=0)))
+    warm_up(server)
     yield server
     server.stop()
+
+
+def warm_up(server) -> None:
+    """One synthesis by recording (the voice store is not read): the first calls are slow (lazy init)."""
+    with GrpcStream(server.grpc_url, timeout_s=120) as stream:
+        waveforms(stream.infer("cosyvoice2", synthesis_inputs("Warm up.", samples=prompt_wav(9), sample_rate=RATE,
+                                                              reference_text=PROMPT_TEXT, seed=0)))
 
 
 class Reference:
@@ -79,12 +87,12 @@ class Reference:
         return self.tts.encode_voice(wav, RATE, text)
 
     def chunks(self, text: str, voice, seed: int, stream: bool = True, mode: str = "zero_shot",
-               limit: int | None = None, **policy) -> list[np.ndarray]:
+               limit: int | None = None, instruct_text: str = "", **policy) -> list[np.ndarray]:
         """The request's chunks (the first `limit` only, when given: the rest is not computed)."""
         from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
         from cosyvoice_triton.runtime.request import SynthesisRequest
 
-        request = SynthesisRequest(text=text, voice=voice, mode=mode, seed=seed,
+        request = SynthesisRequest(text=text, voice=voice, mode=mode, instruct_text=instruct_text, seed=seed,
                                    sampling=self.tts.llm.config.sampling,
                                    chunk_policy=ChunkPolicy().with_overrides(**policy))
         out = []
@@ -123,23 +131,47 @@ def metric(server, name: str, **labels) -> float:
     return metric_value(scrape(server.metrics_url), name, **labels) or 0.0
 
 
+def value(text: str, name: str, **labels) -> float:
+    """`name` summed over its samples with `labels` in scraped `text`; 0 when there is none."""
+    return metric_value(text, name, **labels) or 0.0
+
+
 # ---- streaming --------------------------------------------------------------------------------------
+
+# Work counters of the server: chunk requests that token2wav took in, and LLM streams (one per sentence) that ended.
+T2W_CHUNKS = ("cosyvoice_token2wav_batch_size_sum", {"model": "token2wav"})
+LLM_ENDED = ("cosyvoice_llm_streams_total", {"model": "llm"})
+
+
+def work_done(text: str) -> tuple[float, float]:
+    return value(text, T2W_CHUNKS[0], **T2W_CHUNKS[1]), value(text, LLM_ENDED[0], **LLM_ENDED[1])
+
 
 def test_streams_a_long_text_in_chunks_equal_to_the_library(cv_server, reference):
     wav = prompt_wav(0)
     values = synthesis_inputs(LONG_TEXT, samples=wav, sample_rate=RATE, reference_text=PROMPT_TEXT, seed=11)
+    sentences = len(reference.tts.frontend.split(LONG_TEXT))
+    assert sentences >= 2
+    chunks0, ended0 = work_done(scrape(cv_server.metrics_url))
     with GrpcStream(cv_server.grpc_url, timeout_s=120) as stream:
         request_id = stream.send("cosyvoice2", values)
         first = stream.next(request_id)
         assert first.error is None and first.outputs["waveform"].size > 0
-        # The first chunk has left while the request is still being synthesized.
-        assert metric(cv_server, "cosyvoice_active_streams", model="cosyvoice2") >= 1
+        at_first = work_done(scrape(cv_server.metrics_url))  # what the server had made when the first chunk came
         responses = [first] + stream.collect(request_id)
     assert responses[-1].final and not responses[-1].outputs  # enable_empty_final_response
     got = waveforms(responses)
-    assert len(reference.tts.frontend.split(LONG_TEXT)) >= 2
     assert len(got) >= 4
     assert_same_audio(got, reference.chunks(LONG_TEXT, reference.voice(wav), seed=11))
+
+    # The first chunk left before the rest was made: when it arrived, token2wav had taken in fewer chunk
+    # requests than the stream needed in all, and the LLM had not finished every sentence.
+    ended_all = wait_for_metric(cv_server.metrics_url, LLM_ENDED[0], lambda v: v is not None and v >= ended0 + sentences,
+                                **LLM_ENDED[1])
+    chunks_all = value(scrape(cv_server.metrics_url), T2W_CHUNKS[0], **T2W_CHUNKS[1])
+    assert chunks_all - chunks0 >= len(got) and ended_all == ended0 + sentences
+    assert 1 <= at_first[0] - chunks0 < chunks_all - chunks0, (chunks0, at_first, chunks_all)
+    assert at_first[1] - ended0 < sentences, (ended0, at_first, ended_all)
 
 
 def _run_stream(url: str, values: dict, cancel_after: int | None, out: dict, key: int) -> None:
@@ -231,6 +263,79 @@ def test_concurrent_streams_equal_their_solo_runs_and_cancelled_ones_free_their_
             > metric_value(batched, "cosyvoice_token2wav_batch_size_count", model="token2wav"))  # some batch > 1
 
 
+# ---- custom metrics ---------------------------------------------------------------------------------
+
+def test_custom_metrics_move_with_requests(cv_server):
+    """Every custom metric the issue names, on the metrics port: a voice registered, two syntheses by its
+    id (the first loads it from the store, the second is an LRU hit) and one by an unknown id (a miss)."""
+    voice_id = register(cv_server, prompt_wav(7), PROMPT_TEXT)  # a voice no test has synthesized with
+    labels = {"model": "cosyvoice2"}
+    before = scrape(cv_server.metrics_url)
+    text = "Two syntheses by one voice id, and then one by an id that nobody registered."
+    with GrpcStream(cv_server.grpc_url, timeout_s=120) as stream:
+        chunks = [waveforms(stream.infer("cosyvoice2", synthesis_inputs(text, voice_id=voice_id, seed=s)))
+                  for s in (31, 32)]
+    assert all(chunks)
+    assert "reference_audio_id" in _error_of(cv_server, synthesis_inputs("Hi.", voice_id="nobody-has-this-id"))
+
+    # Counted as each request ends (just after its final response): one load, one hit, one miss; 2 ok, 1 error.
+    counters = [("cosyvoice_voice_store_loads_total", {}, 1), ("cosyvoice_voice_store_hits_total", {}, 1),
+                ("cosyvoice_voice_store_misses_total", {}, 1), ("cosyvoice_requests_total", {"outcome": "ok"}, 2),
+                ("cosyvoice_requests_total", {"outcome": "error"}, 1)]
+    for name, extra, delta in counters:
+        want = value(before, name, **extra, **labels) + delta
+        wait_for_metric(cv_server.metrics_url, name, lambda v, want=want: v is not None and v >= want,
+                        **extra, **labels)
+    after = scrape(cv_server.metrics_url)
+    for name, extra, delta in counters:
+        assert value(after, name, **extra, **labels) == value(before, name, **extra, **labels) + delta, (name, extra)
+
+    # First-chunk latency: one observation per stream that sent audio (not the failed one).
+    first = "cosyvoice_first_chunk_latency_seconds"
+    assert value(after, first + "_count", **labels) == value(before, first + "_count", **labels) + 2
+    assert value(after, first + "_sum", **labels) > value(before, first + "_sum", **labels)
+    inf_bucket = value(after, first + "_bucket", le="+Inf", **labels)
+    assert inf_bucket == value(after, first + "_count", **labels)
+
+    # LLM: the latest decode step had rows, and tokens were sent in the last seconds.
+    assert value(after, "cosyvoice_llm_batch_size", model="llm") >= 1
+    assert value(after, "cosyvoice_llm_tokens_per_second", model="llm") > 0
+    assert value(after, "cosyvoice_llm_active_streams", model="llm") == 0
+
+    # token2wav: batches observed, at least one chunk request per audio chunk; nothing queued or held.
+    batch = "cosyvoice_token2wav_batch_size"
+    assert value(after, batch + "_count", model="token2wav") > value(before, batch + "_count", model="token2wav")
+    assert value(after, batch + "_sum", model="token2wav") - value(before, batch + "_sum", model="token2wav") >= \
+        sum(len(c) for c in chunks)
+    assert value(after, "cosyvoice_token2wav_flow_batch", model="token2wav") >= 1
+    assert value(after, "cosyvoice_token2wav_active_streams", model="token2wav") == 0
+    # token2wav's queue is Triton's own pending count (see cosyvoice_triton/triton/metrics.py).
+    pending = metric_samples(after, "nv_inference_pending_request_count")
+    assert [v for lab, v in pending if lab.get("model") == "token2wav"] == [0.0], pending
+
+
+# ---- modes other than zero_shot ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode, instruct_text, seed", [
+    ("cross_lingual", "", 41),
+    ("instruct2", "Speak slowly, in a calm and friendly voice.", 42),
+])
+def test_other_modes_equal_the_library(cv_server, reference, mode, instruct_text, seed):
+    wav = prompt_wav(4)
+    text = "This request runs in another mode. It has two sentences."
+    extra = {"instruct_text": instruct_text} if instruct_text else {}
+    # No reference_text: neither mode puts the prompt's transcript in the LLM prompt.
+    values = synthesis_inputs(text, samples=wav, sample_rate=RATE, mode=mode, seed=seed, **extra)
+    with GrpcStream(cv_server.grpc_url, timeout_s=120) as stream:
+        got = waveforms(stream.infer("cosyvoice2", values))
+    assert got
+    want = reference.chunks(text, reference.voice(wav), seed=seed, mode=mode, instruct_text=instruct_text)
+    assert_same_audio(got, want)
+    zero_shot = reference.chunks(text, reference.voice(wav), seed=seed)
+    assert [c.size for c in zero_shot] != [c.size for c in want] or not all(
+        np.allclose(a, b, atol=ATOL) for a, b in zip(zero_shot, want))  # the mode changed the audio
+
+
 # ---- voices, HTTP, errors ---------------------------------------------------------------------------
 
 def register(server, wav: np.ndarray, text: str, **extra) -> str:
@@ -274,11 +379,19 @@ def test_http_infer_on_the_twin_returns_the_whole_waveform(cv_server, reference)
     np.testing.assert_allclose(waveform, want, rtol=0, atol=ATOL)
 
 
+ENCODER_RUNS = ("nv_inference_request_success", {"model": "prompt_encoder"})
+
+
 def test_register_voice_is_idempotent_and_serves_by_id(cv_server, reference):
     wav = prompt_wav(5)
+    runs = metric(cv_server, ENCODER_RUNS[0], **ENCODER_RUNS[1])
     voice_id = register(cv_server, wav, PROMPT_TEXT)
-    assert register(cv_server, wav, PROMPT_TEXT) == voice_id
+    wait_for_metric(cv_server.metrics_url, ENCODER_RUNS[0], lambda v: v == runs + 1, **ENCODER_RUNS[1])
+    assert register(cv_server, wav, PROMPT_TEXT) == voice_id  # found in the store: no encoder run
+    # The key is audio hash + transcript: the same recording with another transcript is another voice.
     assert register(cv_server, wav, "another transcript") != voice_id
+    wait_for_metric(cv_server.metrics_url, ENCODER_RUNS[0], lambda v: v >= runs + 2, **ENCODER_RUNS[1])
+    assert metric(cv_server, ENCODER_RUNS[0], **ENCODER_RUNS[1]) == runs + 2
     hits = metric(cv_server, "cosyvoice_voice_store_hits_total", model="cosyvoice2") + \
         metric(cv_server, "cosyvoice_voice_store_loads_total", model="cosyvoice2")
     text = "Synthesis by a registered voice id."
@@ -307,7 +420,7 @@ def _good(index: int = 0, **override) -> dict:
     return values
 
 
-@pytest.mark.parametrize("case, values, field", [
+BAD_INPUTS = [
     ("empty text", lambda: _good(target_text=np.array([b"  "], dtype=object)), "target_text"),
     ("unknown voice", lambda: synthesis_inputs("Hi.", voice_id="no-such-voice"), "reference_audio_id"),
     ("corrupt audio file", lambda: synthesis_inputs("Hi.", reference_text=PROMPT_TEXT,
@@ -323,8 +436,11 @@ def _good(index: int = 0, **override) -> dict:
     ("zero-shot without transcript", lambda: {k: v for k, v in _good().items() if k != "reference_text"},
      "reference_text"),
     ("bad chunk policy", lambda: _good(chunk_first_hop=np.array([1], np.int32)), "chunk_first_hop"),
-])
-def test_bad_inputs_name_the_field_and_the_server_carries_on(cv_server, case, values, field):
+]
+
+
+@pytest.mark.parametrize("case, values, field", BAD_INPUTS)
+def test_bad_inputs_name_the_field(cv_server, case, values, field):
     message = _error_of(cv_server, values())
     assert field in message, f"{case}: {message}"
 
@@ -335,7 +451,10 @@ def test_register_voice_rejects_bad_audio(cv_server):
     assert "reference_wav" in message and "silent" in message
 
 
-def test_a_good_request_after_the_bad_ones(cv_server, reference):
+def test_the_server_carries_on_after_bad_inputs(cv_server, reference):
+    """Every bad input of BAD_INPUTS, then a good request: its audio is the library's."""
+    for case, values, field in BAD_INPUTS:
+        assert field in _error_of(cv_server, values()), case
     with GrpcStream(cv_server.grpc_url, timeout_s=120) as stream:
         got = waveforms(stream.infer("cosyvoice2", _good(2)))
     assert_same_audio(got, reference.chunks("Good input.", reference.voice(prompt_wav(2)), seed=1))
@@ -357,17 +476,66 @@ def test_perf_analyzer_streams_from_cosyvoice2(cv_server, tmp_path):
     assert (tmp_path / "pa.csv").read_text().startswith("Concurrency,")
 
 
-# ---- restart: last, it restarts the session's server ---------------------------------------------------
+# ---- restart and idle timeout ---------------------------------------------------------------------------
 
 def test_a_registered_voice_survives_a_restart(cv_server):
+    """Restarts the session's server (its voice store is a file of the session) and leaves it serving,
+    warm, on new ports: tests read the server's URLs each time, so any test may come after this one."""
     wav = prompt_wav(6)
     voice_id = register(cv_server, wav, PROMPT_TEXT)
     values = synthesis_inputs("Still the same voice after a restart.", voice_id=voice_id, seed=9)
     with GrpcStream(cv_server.grpc_url, timeout_s=120) as stream:
         before = waveforms(stream.infer("cosyvoice2", values))
-    assert cv_server.stop() == 0
-    cv_server.start()
+    try:
+        assert cv_server.stop() == 0
+    finally:
+        cv_server.start()
+        warm_up(cv_server)  # by recording: the voice store is not read
+    assert metric(cv_server, "cosyvoice_voice_store_loads_total", model="cosyvoice2") == 0  # a new process
     with GrpcStream(cv_server.grpc_url, timeout_s=120) as stream:
         after = waveforms(stream.infer("cosyvoice2", values))
     assert_same_audio(after, before)
     assert metric(cv_server, "cosyvoice_voice_store_loads_total", model="cosyvoice2") == 1  # read from the file
+
+
+IDLE_TIMEOUT_S = 1.0
+
+
+@pytest.fixture
+def t2w_server(tiny_model, tmp_path):
+    """A server of token2wav alone (a split deployment's backend) that frees streams idle for 1 s."""
+    from cosyvoice_triton.server.launcher import ServeOptions, prepare
+
+    options = ServeOptions(model_dir=tiny_model, run_dir=tmp_path / "run", address="127.0.0.1", http_port=None,
+                           grpc_port=None, metrics_port=None, voice_store=str(tmp_path / "voices.sqlite"),
+                           role="backend", t2w_idle_timeout_s=IDLE_TIMEOUT_S, torch_threads=1)
+    with prepare(options, binary=tritonserver_or_skip(), die_with_parent=True) as server:
+        yield server
+
+
+def test_token2wav_frees_a_stream_left_idle(t2w_server):
+    """A first chunk sent straight to token2wav and never finalized: the server frees the stream after its
+    idle timeout, and the metrics show it without any further request."""
+    import torch
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from cosyvoice_triton.runtime.token2wav import FlowPrompt
+    from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
+    from cosyvoice_triton.triton.contracts import chunk_inputs
+
+    generator = torch.Generator().manual_seed(0)
+    prompt = FlowPrompt(torch.randint(0, 6561, (1, 20), dtype=torch.int32, generator=generator),
+                        torch.randn(1, 40, 80, generator=generator), torch.randn(1, 192, generator=generator))
+    url, labels = t2w_server.metrics_url, {"model": "token2wav"}
+    assert metric(t2w_server, "cosyvoice_token2wav_streams_freed_total", **labels) == 0  # a fresh server
+    with grpcclient.InferenceServerClient(t2w_server.grpc_url) as client:
+        result = client.infer("token2wav", grpc_inputs(chunk_inputs(
+            ChunkRequest("left-open", list(range(10, 40)), False, prompt, seed=0))))
+        assert result.as_numpy("waveform").size > 0
+        wait_for_metric(url, "cosyvoice_token2wav_streams_freed_total", lambda v: v == 1, reason="idle", **labels)
+        assert metric(t2w_server, "cosyvoice_token2wav_active_streams", **labels) == 0
+        # The state is gone: the stream's next chunk is refused, naming the field.
+        with pytest.raises(InferenceServerException, match="stream_id"):
+            client.infer("token2wav", grpc_inputs(chunk_inputs(
+                ChunkRequest("left-open", list(range(40, 50)), False, None, None))))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -354,6 +356,7 @@ class FakeServer:
     def __init__(self, pb, tiny: Path, store: str):
         self.pb = pb
         self.models = {}
+        self.calls: Counter[str] = Counter()  # BLS calls by model name
         for name in ("llm", "token2wav", "prompt_audio", "speaker_embedding", "audio_tokenizer", "cosyvoice2",
                      "cosyvoice2_offline", "register_voice"):
             module = pb_fake.load_model(REPO / name / "1" / "model.py")
@@ -369,6 +372,7 @@ class FakeServer:
 
     def handle(self, request, decoupled: bool):
         name = request.model_name()
+        self.calls[name] += 1
         inner = self.pb.InferenceRequest(model_name=name, inputs=request.inputs())
         if name == "prompt_encoder":  # the ensemble: prompt_audio, then both steps on its wav16k
             step1 = self.call("prompt_audio", {t.name(): t.as_numpy() for t in request.inputs()})
@@ -443,9 +447,15 @@ def test_offline_twin_and_registered_voices(fake, reference):
     answer = fake.call("register_voice", {"reference_wav": wav, "reference_sample_rate": np.array([RATE], np.int32),
                                           "reference_text": string_array("a prompt")})
     voice_id = answer.outputs()["voice_id"][0].decode()
+    encoded = fake.calls["prompt_encoder"]
     again = fake.call("register_voice", {"reference_wav": wav, "reference_sample_rate": np.array([RATE], np.int32),
                                          "reference_text": string_array("a prompt")})
     assert again.outputs()["voice_id"][0].decode() == voice_id
+    assert fake.calls["prompt_encoder"] == encoded  # found by content key: the encoder did not run again
+    other = fake.call("register_voice", {"reference_wav": wav, "reference_sample_rate": np.array([RATE], np.int32),
+                                         "reference_text": string_array("another transcript")})
+    assert other.outputs()["voice_id"][0].decode() != voice_id  # same audio, new transcript: a new voice
+    assert fake.calls["prompt_encoder"] == encoded + 1
     text = "Offline, by voice id."
     response = fake.call("cosyvoice2_offline", contracts.synthesis_inputs(text, voice_id=voice_id, seed=3))
     want = np.concatenate(_reference_chunks(reference, text, wav, 3, stream=False))
@@ -526,3 +536,67 @@ def test_token2wav_model_batches_streams_and_frees_them(fake, reference):
     assert model.metrics.labelled("freed", "cancel").value() >= 1
     unknown = run([ChunkRequest("t9", [1, 2, 3, 4, 5, 6, 7, 8], False, None, None)])[0]
     assert unknown.code() == pb_fake.TritonError.NOT_FOUND and "stream_id" in unknown.message()
+
+
+class _MetricCalls:
+    """Stands in for metrics._METRIC_LOCK (every metric operation takes it): records the threads that
+    touch metrics outside an execute."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self.in_execute = threading.local()
+        self.outside: list[str] = []
+
+    def __enter__(self):
+        self._lock.acquire()
+        if not getattr(self.in_execute, "flag", False):
+            self.outside.append(threading.current_thread().name)
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+
+def test_token2wav_idle_frees_reach_the_metrics_through_execute_only(tiny, monkeypatch):
+    from cosyvoice_triton.triton import metrics as metrics_module
+
+    with pb_fake.installed() as pb:
+        module = pb_fake.load_model(REPO / "token2wav" / "1" / "model.py")
+        model = module.TritonPythonModel()
+        model.initialize(pb_fake.initialize_args(model_config("token2wav", tiny, t2w_idle_timeout_s=0.2)))
+        calls = _MetricCalls()
+        monkeypatch.setattr(metrics_module, "_METRIC_LOCK", calls)
+        executed = []
+
+        def execute(requests):  # as Triton runs it: the requests of one batch, metrics allowed
+            calls.in_execute.flag = True
+            try:
+                executed.append(len(requests))
+                return model.execute(requests)
+            finally:
+                calls.in_execute.flag = False
+
+        def bls(request, decoupled):
+            assert request.model_name() == "token2wav" and not decoupled
+            return execute([pb.InferenceRequest(model_name="token2wav", inputs=request.inputs())])[0]
+
+        pb.set_bls_handler(bls)
+        try:
+            prompt = FlowPrompt(torch.randint(0, 6561, (1, 20), dtype=torch.int32), torch.randn(1, 40, 80),
+                                torch.randn(1, 192))
+            chunk = ChunkRequest("left-open", list(range(10, 40)), False, prompt, seed=0)
+            (response,) = execute([pb.InferenceRequest(inputs=[pb.Tensor(k, v) for k, v in
+                                                               contracts.chunk_inputs(chunk).items()])])
+            assert response.outputs()["waveform"].size > 0
+            assert model.metrics["active"].value() == 1
+            deadline = time.monotonic() + 30
+            while model.metrics.labelled("freed", "idle").value() < 1:  # the timer frees it, nobody calls
+                assert time.monotonic() < deadline, "idle stream not freed in the metrics"
+                time.sleep(0.05)
+            assert model.engine.stats.freed["idle"] == 1 and model.metrics["active"].value() == 0
+            assert executed == [1, 1]  # the chunk, then the timer's no-op request
+            batch = pb.MetricFamily.registry["cosyvoice_token2wav_batch_size"].metrics[0]
+            assert batch.observations == [1.0]  # the no-op request is not counted as traffic
+            # No metric was touched outside execute but by this test's own reads.
+            assert set(calls.outside) <= {threading.current_thread().name}, calls.outside
+        finally:
+            model.finalize()

@@ -15,7 +15,7 @@ import redis
 from cosyvoice_triton.errors import InvalidInput, NotFound, Unavailable
 from cosyvoice_triton.frontend.prompt import PromptFeatures, audio_sha256
 from cosyvoice_triton.runtime.voice_store import (CorruptVoice, VoiceStore, decode_features, encode_features,
-                                                  generated_voice_id, open_voice_store)
+                                                  generated_voice_id, open_voice_store, register_once)
 from cosyvoice_triton.runtime.voice_store_redis import voice_key
 from redis_harness import redis_binary_or_skip, redis_server, start_redis  # noqa: F401  (a fixture)
 
@@ -327,3 +327,35 @@ def test_lost_redis_is_unavailable(tmp_path):
         with pytest.raises(Unavailable, match="unreachable"):
             call()
     store.close()
+
+
+def test_register_once_encodes_only_new_content(open_store):
+    """A repeat registration (same recording, same transcript) is a lookup: the encoder does not run."""
+    store = open_store()
+    features = make_features(text="a prompt")
+    sha = features.audio_sha256
+    encoded = []
+
+    def encode(features=features):
+        encoded.append(features.text)
+        return features
+
+    def must_not_encode():
+        raise AssertionError("the encoder ran for content the store holds")
+
+    info = register_once(store, sha, "a prompt", encode, name="Alice")
+    assert encoded == ["a prompt"]
+    assert register_once(store, sha, "a prompt", must_not_encode) == info
+    assert open_store().find(sha, "a prompt") == info  # another process finds it too
+    # The key is audio hash + transcript: the same recording with another transcript is another voice.
+    other = dataclasses.replace(make_features(seed=1, text="another transcript"), audio_sha256=sha)
+    bob = register_once(store, sha, "another transcript", lambda: encode(other), voice_id="bob")
+    assert bob.voice_id == "bob" != info.voice_id and encoded == ["a prompt", "another transcript"]
+    # Found by content key under an explicit id too; asking for another id is refused, as register does.
+    assert register_once(store, sha, "another transcript", must_not_encode) == bob
+    with pytest.raises(InvalidInput, match="voice_id.*already registered as voice 'bob'"):
+        register_once(store, sha, "another transcript", must_not_encode, voice_id="robert")
+    with pytest.raises(InvalidInput, match="voice_id"):
+        register_once(store, sha, "a prompt", must_not_encode, voice_id="not an id!")
+    assert store.find(sha, "a third transcript") is None
+    assert store.delete("bob") and store.find(sha, "another transcript") is None

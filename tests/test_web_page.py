@@ -122,17 +122,18 @@ def test_stop_cancels_the_stream_on_the_server(page, stack, tmp_path):
     from triton_harness import metric_value, scrape, wait_for_metric
 
     metrics_url = stack.triton.metrics_url
-    before = metric_value(scrape(metrics_url), "cosyvoice_llm_streams_total", model="llm", reason="cancelled") or 0
-    endless = ", ".join(["this clause keeps the one sentence going on and on"] * 25) + "."
+    before = metric_value(scrape(metrics_url), "cosyvoice_requests_total", model="cosyvoice2", outcome="cancelled") or 0
+    endless = " ".join(["This sentence keeps the stream going on and on."] * 25)  # one long sentence could end early
     page.fill("#text", endless)
     page.click("#speak")
     page.wait_for("document.querySelector('#status').dataset.state === 'streaming'", 120)
     page.click("#stop")
     assert page.text("#status") == "Stopped" and float(page.text("#audio-seconds")) > 0
     assert page.evaluate("!document.querySelector('#speak').disabled && document.querySelector('#error').hidden")
-    wait_for_metric(metrics_url, "cosyvoice_llm_streams_total", lambda v: v is not None and v >= before + 1,
-                    model="llm", reason="cancelled")
+    wait_for_metric(metrics_url, "cosyvoice_requests_total", lambda v: v is not None and v >= before + 1,
+                    model="cosyvoice2", outcome="cancelled")
     wait_for_metric(metrics_url, "cosyvoice_active_streams", lambda v: v == 0, model="cosyvoice2")
+    wait_for_metric(metrics_url, "cosyvoice_llm_active_streams", lambda v: v == 0, model="llm")  # slots freed
     shot(page, tmp_path, "stopped")
 
 

@@ -4,7 +4,12 @@
 store = open_voice_store(None)                  # embedded SQLite under $COSYVOICE_HOME
 info = store.register(features, name="Alice")   # idempotent by (audio hash, prompt text)
 features = store.get(info.voice_id)             # NotFound("reference_audio_id", ...) if absent
+info = register_once(store, sha, text, encode)  # encode() runs only if (sha, text) is not stored yet
 ```
+Registration is idempotent by the *content key*: the recording's `audio_sha256` (its samples and
+sample rate) together with the prompt transcript, exactly as given. The same recording with another
+transcript is another prompt (zero_shot conditions the LLM on the transcript), so another voice; the
+same recording and transcript registered again return the stored voice, whatever name is given.
 Backends: `voice_store_sqlite` (default, one file, several processes on one machine) and
 `voice_store_redis` (several servers share voices). Both keep a thread-safe LRU of decoded features
 in front (`CachedVoiceStore`). Every get first asks the backing store for the voice's *revision*
@@ -27,6 +32,7 @@ import time
 import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -94,6 +100,8 @@ class VoiceStore(Protocol):
 
     def info(self, voice_id: str) -> VoiceInfo: ...
 
+    def find(self, audio_sha256: str, text: str) -> VoiceInfo | None: ...
+
     def list(self) -> list[VoiceInfo]: ...
 
     def delete(self, voice_id: str) -> bool: ...
@@ -135,7 +143,9 @@ def _sqlite_path(url: str | None) -> Path:
 # ---- ids ------------------------------------------------------------------------------------------
 
 def content_key(audio_sha256: str, text: str) -> str:
-    """What registration is idempotent by: the recording and its transcript."""
+    """What registration is idempotent by: sha256 of the recording's `audio_sha256` followed by the
+    prompt transcript as given. Not the audio hash alone: one recording with two transcripts is two
+    prompts (see the module docstring)."""
     return hashlib.sha256((audio_sha256 + text).encode("utf-8")).hexdigest()
 
 
@@ -199,6 +209,22 @@ def check_same_voice(requested_id: str | None, existing_id: str) -> None:
 
 def id_taken(voice_id: str) -> InvalidInput:
     return InvalidInput("voice_id", f"{voice_id!r} is taken by a different recording or prompt text")
+
+
+def register_once(store: VoiceStore, audio_sha256: str, text: str, encode: Callable[[], PromptFeatures],
+                  voice_id: str | None = None, name: str | None = None) -> VoiceInfo:
+    """Register the recording with hash `audio_sha256` and transcript `text`, computing its prompt
+    features (`encode()`, the expensive part) only when the store does not hold that content yet: a
+    repeat registration costs a lookup. Returns and raises what `store.register(encode(), voice_id,
+    name)` would (two racing first registrations both encode; the store keeps one voice)."""
+    if voice_id is not None:
+        check_voice_id(voice_id, "voice_id")
+    check_name(name)
+    found = store.find(audio_sha256, text)
+    if found is not None:
+        check_same_voice(voice_id, found.voice_id)
+        return found
+    return store.register(encode(), voice_id=voice_id, name=name)
 
 
 # ---- blob format ----------------------------------------------------------------------------------
@@ -308,6 +334,15 @@ class CachedVoiceStore(ABC):
     @abstractmethod
     def _read(self, voice_id: str) -> tuple[str, bytes] | None:
         """(revision, blob) of `voice_id` read together, None if it does not exist."""
+
+    @abstractmethod
+    def info(self, voice_id: str) -> VoiceInfo:
+        """What `voice_id` is; NotFound("reference_audio_id") if there is no such voice."""
+
+    @abstractmethod
+    def find(self, audio_sha256: str, text: str) -> VoiceInfo | None:
+        """The voice registered for this recording and transcript (its content key), whatever its id;
+        None if there is none."""
 
     def get(self, voice_id: str) -> PromptFeatures:
         """The features of `voice_id`; NotFound("reference_audio_id") if there is no such voice."""

@@ -19,7 +19,7 @@ import redis
 from cosyvoice_triton.errors import NotFound, Unavailable
 from cosyvoice_triton.frontend.voice_features import PromptFeatures
 from cosyvoice_triton.runtime.voice_store import (CachedVoiceStore, VoiceInfo, check_same_voice, check_voice_id,
-                                                  decode_features, id_taken, prepare_registration)
+                                                  content_key, decode_features, id_taken, prepare_registration)
 
 PREFIX = "cosyvoice:"
 IDS_KEY = PREFIX + "voice_ids"
@@ -99,6 +99,13 @@ class RedisVoiceStore(CachedVoiceStore):
         if raw is None:
             raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
         return _info_from_json(raw)
+
+    def find(self, audio_sha256: str, text: str) -> VoiceInfo | None:
+        """The voice with this recording and transcript, whatever its id; None if there is none."""
+        with _unavailable_when_unreachable():
+            voice_id = self._redis.hget(CONTENT_KEY, content_key(audio_sha256, text))
+            raw = self._redis.hget(voice_key(voice_id.decode()), "info") if voice_id is not None else None
+        return _info_from_json(raw) if raw is not None else None  # None too if deleted in between
 
     def list(self) -> list[VoiceInfo]:
         """Every voice, oldest first."""

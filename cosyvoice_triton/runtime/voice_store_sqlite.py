@@ -16,7 +16,7 @@ from pathlib import Path
 from cosyvoice_triton.errors import NotFound
 from cosyvoice_triton.frontend.voice_features import PromptFeatures
 from cosyvoice_triton.runtime.voice_store import (CachedVoiceStore, VoiceInfo, check_same_voice, check_voice_id,
-                                                  decode_features, id_taken, prepare_registration)
+                                                  content_key, decode_features, id_taken, prepare_registration)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS voices (
@@ -76,6 +76,12 @@ class SqliteVoiceStore(CachedVoiceStore):
         if not rows:
             raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
         return VoiceInfo(*rows[0])
+
+    def find(self, audio_sha256: str, text: str) -> VoiceInfo | None:
+        """The voice with this recording and transcript, whatever its id; None if there is none."""
+        rows = self._query(f"SELECT {INFO_COLUMNS} FROM voices WHERE content_key = ?",
+                           (content_key(audio_sha256, text),))
+        return VoiceInfo(*rows[0]) if rows else None
 
     def list(self) -> list[VoiceInfo]:
         """Every voice, oldest first."""

@@ -15,9 +15,8 @@ Every metric carries the labels `model` and `instance`. Names (Prometheus):
   cosyvoice_llm_tokens_per_second         gauge      speech tokens sent per second, last 5 s
   cosyvoice_llm_streams_total{reason}     counter    ended streams: stop_token | max_len | cancelled | error
   cosyvoice_token2wav_active_streams      gauge      streams holding state (token2wav)
-  cosyvoice_token2wav_batch_size          histogram  chunk requests per execute (dynamic batch)
+  cosyvoice_token2wav_batch_size          histogram  requests (chunks, cancels) per execute (dynamic batch)
   cosyvoice_token2wav_flow_batch          gauge      rows of the latest flow call
-  cosyvoice_token2wav_queue_depth         gauge      chunk requests taken in but not yet answered
   cosyvoice_token2wav_streams_freed_total{reason}  counter  finalize | cancel | idle
   cosyvoice_remote_token2wav_backends     gauge      token2wav backends in a split frontend's pool (cosyvoice2*)
   cosyvoice_remote_token2wav_healthy      gauge      of those, taking new streams
@@ -25,6 +24,15 @@ Every metric carries the labels `model` and `instance`. Names (Prometheus):
   cosyvoice_remote_token2wav_failures_total counter  times a backend left the pool after a failed call
 
 Gauges follow the engines' `stats`, refreshed on every event that changes them (no polling thread).
+token2wav refreshes its metrics inside `execute` only (see model_repository/token2wav/1/model.py).
+
+token2wav's queue is Triton's own `nv_inference_pending_request_count{model="token2wav"}` (and
+`nv_inference_queue_duration_us`): token2wav is non-decoupled with dynamic batching and one instance,
+so every chunk request that waits, waits in Triton's scheduler queue, where the model cannot see it.
+Inside an execute there is no backlog worth a gauge: each stream has at most one chunk in flight
+(the orchestrator waits for a chunk's audio before it sends the next) and max_batch equals
+max_batch_size, so a batch is one flow call. (A former `cosyvoice_token2wav_queue_depth` gauge was set
+to the batch size and back to 0 around that call: it only repeated the batch size.)
 
 Thread safety: python_backend 2.51 crashes tritonserver (SIGSEGV in `Metric::LoadFromSharedMemory`,
 from `ProcessMetricRequest`) when several threads of one stub update metrics at the same time; our
@@ -109,11 +117,10 @@ LLM_METRICS = {
 
 TOKEN2WAV_METRICS = {
     "active": Spec("cosyvoice_token2wav_active_streams", "token2wav streams holding state", "gauge"),
-    "batch": Spec("cosyvoice_token2wav_batch_size", "Chunk requests per token2wav execute", "histogram",
-                  BATCH_BUCKETS),
+    "batch": Spec("cosyvoice_token2wav_batch_size", "Requests (chunks and cancels) per token2wav execute "
+                  "(its queue: Triton's nv_inference_pending_request_count of model token2wav)",
+                  "histogram", BATCH_BUCKETS),
     "flow_batch": Spec("cosyvoice_token2wav_flow_batch", "Rows of the latest token2wav flow call", "gauge"),
-    "queue": Spec("cosyvoice_token2wav_queue_depth", "token2wav chunk requests taken in, not yet answered",
-                  "gauge"),
     "freed": Spec("cosyvoice_token2wav_streams_freed_total", "token2wav streams freed by reason", "counter",
                   label_values=tuple(("reason", r) for r in ("finalize", "cancel", "idle"))),
 }

@@ -19,7 +19,7 @@ from cosyvoice_triton.models.speech_lm import SpeechLMConfig
 from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
 from cosyvoice_triton.runtime.orchestrator import LLMBackend, Orchestrator, Token2WavBackend
 from cosyvoice_triton.runtime.request import SynthesisRequest
-from cosyvoice_triton.runtime.voice_store import VoiceInfo, VoiceStore
+from cosyvoice_triton.runtime.voice_store import VoiceInfo, VoiceStore, register_once
 from cosyvoice_triton.triton.contracts import RegisterInputs, SynthesisInputs, VoiceAudio
 
 
@@ -34,12 +34,18 @@ class Voices:
         self.store = store
         self.encoder = encoder
 
-    def from_audio(self, audio: VoiceAudio, text: str) -> PromptFeatures:
+    @staticmethod
+    def samples(audio: VoiceAudio) -> tuple[np.ndarray, int]:
+        """(samples (N,) float32 mono, rate) of a request's recording, checked; errors name its field."""
         if audio.file_bytes is not None:
             samples, rate = decode_audio(audio.file_bytes, field="reference_audio")
         else:
             samples, rate = to_mono(audio.samples), int(audio.sample_rate)
         validate_prompt_audio(samples, rate, audio.field)
+        return samples, rate
+
+    def from_audio(self, audio: VoiceAudio, text: str) -> PromptFeatures:
+        samples, rate = self.samples(audio)
         return self.encoder.encode(samples, rate, text, audio_sha256(samples, rate))
 
     def resolve(self, inputs: SynthesisInputs) -> PromptFeatures:
@@ -52,8 +58,12 @@ class Voices:
         return self.from_audio(inputs.audio, inputs.reference_text or "")
 
     def register(self, inputs: RegisterInputs) -> VoiceInfo:
-        features = self.from_audio(inputs.audio, inputs.text)
-        return self.store.register(features, voice_id=inputs.voice_id, name=inputs.name)
+        """Store the request's voice; the prompt encoder runs only when this recording and transcript are
+        not stored yet (`register_once`)."""
+        samples, rate = self.samples(inputs.audio)
+        sha = audio_sha256(samples, rate)
+        return register_once(self.store, sha, inputs.text, lambda: self.encoder.encode(samples, rate, inputs.text, sha),
+                             voice_id=inputs.voice_id, name=inputs.name)
 
 
 class SynthesisService:

@@ -1,4 +1,9 @@
-"""`register_voice`: reference recording -> prompt features (prompt_encoder, BLS) -> voice store."""
+"""`register_voice`: reference recording -> prompt features (prompt_encoder, BLS) -> voice store.
+
+The store is asked first, by content key (audio hash + transcript, `voice_store.register_once`): a
+recording already registered with the same transcript returns its voice without running the prompt
+encoder again.
+"""
 from __future__ import annotations
 
 import json

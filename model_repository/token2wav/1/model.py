@@ -3,12 +3,20 @@
 on the final chunk, on a `cancel` request and after `idle_timeout_s` without chunks (checked on every
 batch, and by a timer while no chunks come).
 
+Metrics are updated only inside `execute`, on the stub's main thread: metric IPC from a background
+thread of this model is the suspect of a rare tritonserver crash (boost::interprocess::lock_exception in
+the Python backend). So when the idle timer frees streams it only changes the engine, then sends this
+model a no-op request (a cancel of a stream id that no client uses, over BLS, the path that decoupled
+models use from their worker threads all the time) so that an execute publishes the frees at once,
+even on a server that gets no other traffic.
+
 Flow and HiFT come from `build_token2wav` with the `engine`, `precision` and `onnx_dir` parameters
 (ONNX graphs exported on first use; a fallback is one warning line in Triton's log).
 """
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 
 import numpy as np
@@ -18,7 +26,8 @@ import triton_python_backend_utils as pb_utils
 from cosyvoice_triton.engines.select import build_token2wav
 from cosyvoice_triton.runtime.token2wav_engine import Token2WavEngine
 from cosyvoice_triton.triton import instance_device
-from cosyvoice_triton.triton.contracts import StreamCancel, parse_chunk
+from cosyvoice_triton.triton.bls import bls_request
+from cosyvoice_triton.triton.contracts import StreamCancel, parse_chunk, token2wav_cancel_inputs
 from cosyvoice_triton.triton.logs import library_logs_to_triton
 from cosyvoice_triton.triton.metrics import TOKEN2WAV_METRICS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import Token2WavParams, parse_parameters
@@ -44,17 +53,18 @@ class TritonPythonModel:
                                       idle_timeout_s=params.idle_timeout_s)
         self.metrics = ModelMetrics(pb_utils, TOKEN2WAV_METRICS, instance_labels(args))
         self._lock = threading.Lock()  # the engine has one caller at a time: execute or the idle timer
+        # The idle timer's no-op request: a cancel of this id (random, so no client stream can have it).
+        self._tick_id = f"{self.name}-idle-sweep-{secrets.token_hex(8)}"
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._sweep_while_idle, name="token2wav-idle", daemon=True)
         self._timer.start()
-        self._refresh()
+        self._refresh()  # still in initialize: the main thread
 
     def execute(self, requests):
         responses = [None] * len(requests)
         chunks, chunk_index = [], []
         with self._lock:
-            self.metrics["batch"].observe(len(requests))
-            self.metrics["queue"].set(len(requests))
+            ticks = 0
             for i, request in enumerate(requests):
                 try:
                     item = parse_chunk(TensorReader(request_arrays(request), batched=True))
@@ -62,18 +72,22 @@ class TritonPythonModel:
                     responses[i] = error_response(pb_utils, exc, self.name)
                     continue
                 if isinstance(item, StreamCancel):
-                    self.engine.cancel(item.stream_id)
+                    if item.stream_id == self._tick_id:
+                        ticks += 1
+                    else:
+                        self.engine.cancel(item.stream_id)
                     responses[i] = self._waveform(np.zeros(0, dtype=np.float32))
                 else:
                     chunks.append(item)
                     chunk_index.append(i)
+            if len(requests) > ticks:  # the idle timer's own requests are not client traffic
+                self.metrics["batch"].observe(len(requests) - ticks)
             if chunks:
                 for i, result in zip(chunk_index, self.engine.run(chunks)):
                     if isinstance(result, Exception):
                         responses[i] = error_response(pb_utils, result, self.name)
                     else:
                         responses[i] = self._waveform(result)
-            self.metrics["queue"].set(0)
             self._refresh()
         return responses
 
@@ -83,14 +97,26 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("waveform", waveform)])
 
     def _sweep_while_idle(self) -> None:
+        """Free idle streams between batches; never touches metrics (see the module docstring)."""
         interval = max(1.0, self.params.idle_timeout_s / 4)
         while not self._stop.wait(interval):
             with self._lock:
-                if self.engine.sweep_idle():
-                    self._refresh()
+                freed = self.engine.sweep_idle()
+            if freed and not self._stop.is_set():
+                self._publish_frees()
+
+    def _publish_frees(self) -> None:
+        """Have Triton run an execute (which refreshes the metrics): a no-op request to this model."""
+        try:
+            response = bls_request(pb_utils, self.name, token2wav_cancel_inputs(self._tick_id),
+                                   ["waveform"]).exec()
+            if response.has_error():
+                raise RuntimeError(response.error().message())
+        except Exception as exc:  # noqa: BLE001 - e.g. the server is shutting down; the next execute refreshes
+            pb_utils.Logger.log_warn(f"{self.name}: idle frees not yet in the metrics: {exc}")
 
     def _refresh(self) -> None:
-        """Hold self._lock."""
+        """Hold self._lock, on the main thread (execute or initialize)."""
         stats = self.engine.stats
         self.metrics.set_gauges(lambda: {"active": stats.active_streams, "flow_batch": stats.last_flow_batch})
         for reason, count in stats.freed.items():
