@@ -131,6 +131,85 @@ def test_nucleus_respects_top_k() -> None:
     assert {sampler(logp, [], generator) for _ in range(50)} == {0, 1, 2}
 
 
+def reference_ras(logp: torch.Tensor, decoded: Sequence[int], generator: torch.Generator | None,
+                  params: SamplingParams) -> tuple[int, int | None]:
+    """Repetition-aware sampling as the official `ras_sampling` at the golden set's commit does it, written
+    out independently. Returns the token and, when it was redrawn, the banned first draw.
+
+    Nucleus: walk the probabilities in stable descending order, keeping each while the float32 running sum
+    of the kept ones is below top_p and fewer than top_k are kept; draw one of them in proportion to its
+    probability. If the drawn token occurs at least win_size * tau_r times among the last win_size decoded
+    tokens, set its score to -inf and draw again from the softmax of all scores. (The ban arrived with
+    upstream commit f2ddcbe "fix ras", an ancestor of the pinned ace7c47; earlier versions redrew from the
+    full distribution, repeated token included.)
+    """
+    probs, order = logp.softmax(dim=0).sort(descending=True, stable=True)
+    kept_probs, kept_ids = [], []
+    running = torch.zeros((), dtype=probs.dtype)
+    for prob, token_id in zip(probs, order):
+        if not (running < params.top_p and len(kept_probs) < params.top_k):
+            break
+        running = running + prob
+        kept_probs.append(prob)
+        kept_ids.append(int(token_id))
+    token = kept_ids[int(torch.stack(kept_probs).multinomial(1, replacement=True, generator=generator))]
+    repeats = sum(1 for previous in decoded[-params.win_size:] if previous == token)
+    if repeats < params.win_size * params.tau_r:
+        return token, None
+    scores = logp.clone()
+    scores[token] = -math.inf
+    return int(scores.softmax(dim=0).multinomial(1, replacement=True, generator=generator)), token
+
+
+def random_logp(rng: torch.Generator, preference: torch.Tensor, step: int) -> torch.Tensor:
+    """Log-probs (V,) of varied shapes, flat to peaked, around a fixed `preference` (V,) so that the same
+    tokens keep winning and repeats occur; some with ties (coarse logits) or an EOS-like -inf."""
+    vocab = preference.shape[0]
+    scale = float(torch.empty(()).uniform_(0.3, 8.0, generator=rng))
+    logits = (preference + torch.randn(vocab, generator=rng)) * scale
+    if step % 3 == 0:
+        logits = (logits * 2).round() / 2  # many equal scores: the stable sort decides their order
+    if step % 5 == 0:
+        logits[int(torch.randint(vocab, (), generator=rng))] = -math.inf
+    return logits.log_softmax(dim=0)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(),  # the released values
+    SamplingParams(top_p=0.95, top_k=5, win_size=4, tau_r=0.5),
+    SamplingParams(top_p=1.0, top_k=100, win_size=20, tau_r=0.2),
+    SamplingParams(top_p=0.3, top_k=25, win_size=3, tau_r=1.0),
+], ids=["released", "narrow", "wide", "short_window"])
+def test_ras_matches_the_official_algorithm_draw_for_draw(params: SamplingParams) -> None:
+    """Many steps of autoregressive sampling: the same tokens and the same number of draws as the
+    reference; and the reference with its own generator gives what the official global-RNG code gives."""
+    vocab, steps, seed = 48, 300, 1234
+    rng = torch.Generator().manual_seed(params.top_k)
+    preference = torch.randn(vocab, generator=rng)
+    logps = [random_logp(rng, preference, step) for step in range(steps)]
+    prefix = torch.randint(vocab, (params.win_size,), generator=rng).tolist()  # a history to start from
+
+    sampler, ours, reference = RasSampler(params), make_generator(seed), torch.Generator().manual_seed(seed)
+    decoded, resampled = list(prefix), 0
+    for step, logp in enumerate(logps):
+        token = sampler(logp, decoded, ours)
+        expected, banned = reference_ras(logp, decoded, reference, params)
+        assert token == expected, f"step {step}"
+        if banned is not None:
+            resampled += 1
+            assert token != banned
+        decoded.append(token)
+    assert torch.equal(ours.get_state(), reference.get_state())
+    assert 0 < resampled < steps  # both branches ran
+
+    with torch.random.fork_rng(devices=[]):  # the official code draws from the global CPU generator
+        torch.manual_seed(seed)
+        official = list(prefix)
+        for logp in logps:
+            official.append(reference_ras(logp, official, None, params)[0])
+    assert official == decoded
+
+
 @pytest.mark.parametrize("field, value", [
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("top_k", 0), ("top_k", 2.5),
     ("win_size", 0), ("tau_r", -0.1), ("seed", -1), ("seed", 2**64), ("seed", True),
