@@ -1,6 +1,8 @@
 """`cosyvoice-triton export` and `synth`, and model-folder resolution."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -65,6 +67,31 @@ def test_model_dir_resolution(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here: the hub client must fail fast and clearly
     with pytest.raises(ModelFolderError, match="cannot download model 'FunAudioLLM/CosyVoice2-0.5B'"):
         resolve_model_dir("FunAudioLLM/CosyVoice2-0.5B", cache_dir=tmp_path / "cache")
+
+
+def _fake_modelscope(tmp_path, monkeypatch, body: str) -> None:
+    """A `modelscope` package whose snapshot_download runs `body` (no network, no real client)."""
+    package = tmp_path / "fake_site" / "modelscope"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("def snapshot_download(model_id, cache_dir=None):\n" + body)
+    monkeypatch.syspath_prepend(str(package.parent))
+    monkeypatch.delitem(sys.modules, "modelscope", raising=False)
+
+
+def test_a_model_id_downloads_through_modelscope_first(tmp_path, monkeypatch):
+    downloaded = tmp_path / "hub" / "CosyVoice2-0.5B"
+    _fake_modelscope(tmp_path, monkeypatch, f"    return {str(downloaded)!r} if model_id == 'FunAudioLLM/CosyVoice2-0.5B' "
+                                            "else None\n")
+    assert resolve_model_dir("FunAudioLLM/CosyVoice2-0.5B") == downloaded
+
+
+def test_a_failing_modelscope_falls_back_and_both_errors_are_named(tmp_path, monkeypatch):
+    _fake_modelscope(tmp_path, monkeypatch, "    raise ConnectionError('modelscope.cn is unreachable')\n")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelFolderError) as error:
+        resolve_model_dir("FunAudioLLM/CosyVoice2-0.5B", cache_dir=tmp_path / "cache")
+    message = str(error.value)
+    assert "modelscope: ConnectionError: modelscope.cn is unreachable" in message and "huggingface_hub" in message
 
 
 def test_random_model_weights_are_all_finite_and_moderate(tiny_model_dir):
