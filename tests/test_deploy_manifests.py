@@ -5,6 +5,7 @@ and compose files. The valuable one: every metric a dashboard panel or an autosc
 the code exports."""
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import shlex
@@ -336,6 +337,31 @@ def test_dockerfile_structure():
                if ln.strip() and not ln.startswith("#")]
     for needed in ("model_repository", "gateway", "deploy/docker", "pyproject.toml", "README.md"):
         assert needed not in ignored, f".dockerignore drops {needed}, which the image needs"
+    # Files the image reads at run time stay in the build context (last matching pattern wins, "!" keeps).
+    for needed in ("gateway/assets/default_voice.wav", "gateway/static/index.html",
+                   "model_repository/cosyvoice2/config.pbtxt", "cosyvoice_triton/cli.py"):
+        assert (ROOT / needed).exists(), needed
+        assert not _docker_ignores(ignored, needed), f".dockerignore drops {needed}, which the image needs"
+    assert _docker_ignores(ignored, "tests/conftest.py") and _docker_ignores(ignored, "x.wav")
+
+
+def _docker_ignores(patterns: list[str], path: str) -> bool:
+    """Docker's rule: a pattern matches the path or one of its parent folders, segment by segment
+    (`*` stays within a segment, `**` spans any number); the last matching pattern decides."""
+    def matches(pattern: list[str], parts: list[str]) -> bool:
+        if not pattern:
+            return not parts
+        if pattern[0] == "**":
+            return any(matches(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
+        return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and matches(pattern[1:], parts[1:])
+
+    parts, ignored = path.split("/"), False
+    for line in patterns:
+        keep = line.startswith("!")
+        pattern = line.lstrip("!").strip("/").split("/")
+        if any(matches(pattern, parts[:n]) for n in range(1, len(parts) + 1)):
+            ignored = not keep
+    return ignored
 
 
 def test_dockerfile_hadolint():
