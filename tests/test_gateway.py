@@ -38,7 +38,8 @@ RATE = 16000
 PROMPT_TEXT = "a short voice prompt"
 TEXT = "The streamed reply is made of several chunks. A second sentence makes it a little longer."
 ATOL = 2e-4  # batched flow/vocoder calls may add float rounding (see test_triton_serving)
-ENDLESS = ", ".join(["this clause keeps the one sentence going on and on"] * 25) + "."
+# Many sentences: the random LLM may draw a stop token early in any one, and the stream still runs on.
+ENDLESS = " ".join(["This sentence keeps the stream going on and on."] * 25)
 KEYS = ("key-one", "key-two")
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=120)
 
@@ -472,9 +473,9 @@ def test_websocket_text_in_streaming(gateway, triton, voice_id):
 
 @pytest.mark.parametrize("transport", ["websocket", "http"])
 def test_a_client_that_leaves_mid_stream_frees_its_triton_stream(gateway, triton, voice_id, transport):
-    counters = (("cosyvoice_llm_streams_total", "llm", "cancelled"),
-                ("cosyvoice_token2wav_streams_freed_total", "token2wav", "cancel"))
-    before = {key: metric(triton.metrics_url, key[0], model=key[1], reason=key[2]) for key in counters}
+    # Counted where the request ends (cosyvoice2), not at the LLM: the random LLM may have finished the
+    # sentence it was on when the cancel came. That nothing stays held is checked below.
+    before = metric(triton.metrics_url, "cosyvoice_requests_total", model="cosyvoice2", outcome="cancelled")
 
     async def leave_after_first_audio():
         async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
@@ -492,9 +493,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_triton_stream(gateway, triton
         # leaving the blocks closes the socket with most of the audio still to come
 
     run(leave_after_first_audio())
-    for (name, model, reason), value in before.items():
-        wait_for_metric(triton.metrics_url, name, lambda v, value=value: v is not None and v >= value + 1,
-                        model=model, reason=reason)
+    wait_for_metric(triton.metrics_url, "cosyvoice_requests_total", lambda v: v is not None and v >= before + 1,
+                    model="cosyvoice2", outcome="cancelled")
     for name, model in (("cosyvoice_llm_active_streams", "llm"), ("cosyvoice_token2wav_active_streams", "token2wav"),
                         ("cosyvoice_active_streams", "cosyvoice2")):
         wait_for_metric(triton.metrics_url, name, lambda v: v == 0, model=model)
