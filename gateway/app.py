@@ -61,7 +61,6 @@ def body_limit(max_upload_bytes: int) -> int:
 
 
 def create_app(config: GatewayConfig, *, resolve: Resolver = resolve_ips) -> web.Application:
-
     app = web.Application(client_max_size=body_limit(config.limits.max_upload_bytes),
                           middlewares=[metrics_middleware, error_middleware, auth_middleware(config.api_keys)])
     app[CONFIG] = config

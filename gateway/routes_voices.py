@@ -18,7 +18,7 @@ from aiohttp import web
 from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.frontend.audio import load_prompt_audio
 from cosyvoice_triton.frontend.voice_features import audio_sha256
-from cosyvoice_triton.runtime.voice_store import check_voice_id, generated_voice_id
+from cosyvoice_triton.runtime.voice_store import check_voice_id
 
 from .errors import BadRequest, PayloadTooLarge, VoiceNotFound
 from .routing import ENCODE_COST
@@ -50,8 +50,7 @@ async def register(app: web.Application, audio: bytes, text: str, voice_id: str 
     except InvalidInput as exc:
         raise BadRequest(exc.field, exc.problem) from None
     sha = await asyncio.to_thread(audio_sha256, samples, rate)
-    candidate = voice_id or generated_voice_id(sha, text)
-    existed = await asyncio.to_thread(_same_voice_exists, store, candidate, sha, text)
+    stored = await asyncio.to_thread(store.find, sha, text)  # this recording and transcript, under any id
     inputs = {"reference_audio": np.array([audio], dtype=object), "reference_text": string_array(text)}
     if voice_id is not None:
         inputs["voice_id"] = string_array(voice_id)
@@ -60,17 +59,8 @@ async def register(app: web.Application, audio: bytes, text: str, voice_id: str 
     outputs = await call_model(app, app[CONFIG].register_model, inputs, ENCODE_COST,
                                app[CONFIG].routing.register_timeout_s)
     registered = outputs["voice_id"].reshape(-1)[0].decode("utf-8")
-    # Not new: it was there under the id asked for, or this content was already stored under another id.
-    created = not existed and registered == candidate
+    created = stored is None
     return await asyncio.to_thread(store.info, registered), created
-
-
-def _same_voice_exists(store, voice_id: str, sha: str, text: str) -> bool:
-    try:
-        info = store.info(voice_id)
-    except NotFound:
-        return False
-    return info.audio_sha256 == sha and info.text == text
 
 
 async def _form(request: web.Request) -> dict:

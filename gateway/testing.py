@@ -79,11 +79,7 @@ class GatewayThread:
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout_s)
 
     def get_json(self, path: str, timeout_s: float = 10.0) -> tuple[int, dict]:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=timeout_s) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read() or b"{}")
+        return get_json(self.url + path, timeout_s)
 
     def wait_ready(self, timeout_s: float = 120.0) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -105,3 +101,12 @@ class GatewayThread:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def get_json(url: str, timeout_s: float = 10.0) -> tuple[int, dict]:
+    """(status, JSON body) of GET `url`, error statuses included."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")

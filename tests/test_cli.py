@@ -80,8 +80,8 @@ def _fake_modelscope(tmp_path, monkeypatch, body: str) -> None:
 
 def test_a_model_id_downloads_through_modelscope_first(tmp_path, monkeypatch):
     downloaded = tmp_path / "hub" / "CosyVoice2-0.5B"
-    _fake_modelscope(tmp_path, monkeypatch, f"    return {str(downloaded)!r} if model_id == 'FunAudioLLM/CosyVoice2-0.5B' "
-                                            "else None\n")
+    body = f"    return {str(downloaded)!r} if model_id == 'FunAudioLLM/CosyVoice2-0.5B' else None\n"
+    _fake_modelscope(tmp_path, monkeypatch, body)
     assert resolve_model_dir("FunAudioLLM/CosyVoice2-0.5B") == downloaded
 
 

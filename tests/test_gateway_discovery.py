@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -31,12 +30,14 @@ from cosyvoice_triton.gateway.metrics import GatewayMetrics
 from cosyvoice_triton.gateway.routing import Backend, Router
 from cosyvoice_triton.gateway.state import ROUTER
 from cosyvoice_triton.gateway.testing import GatewayThread
+from polling import wait_until
 from triton_harness import metric_value, scrape
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 pytestmark = pytest.mark.timeout(120)
 
 SPEC = "dns://tts.test:8001"
+WAIT_S = 30.0  # for a gateway to see what changed
 
 
 # ---- config -------------------------------------------------------------------------------------------
@@ -326,13 +327,6 @@ def standins():
             server.stop(grace=None)
 
 
-def wait_until(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def test_a_gateway_follows_dns(standins, tmp_path):
     port = standins
     dns = Dns(tts=[])
@@ -347,18 +341,18 @@ def test_a_gateway_follows_dns(standins, tmp_path):
 
         dns.answers["tts"] = ["127.0.0.1", "127.0.0.2"]
         gateway.wait_ready(timeout_s=30)
-        wait_until(lambda: gateway.get_json("/readyz")[1]["servers"] == {one: True, two: True})
+        wait_until(lambda: gateway.get_json("/readyz")[1]["servers"] == {one: True, two: True}, WAIT_S)
 
         dns.answers["tts"] = ["127.0.0.2"]
-        wait_until(lambda: gateway.get_json("/readyz")[1]["servers"] == {two: True})
+        wait_until(lambda: gateway.get_json("/readyz")[1]["servers"] == {two: True}, WAIT_S)
         text = scrape(gateway.url + "/metrics")
         assert metric_value(text, "cosyvoice_gateway_server_healthy", server=two) == 1
         assert one not in text
-        wait_until(lambda: gateway.call(lambda app: not app[ROUTER].draining))  # its channel closed
+        wait_until(lambda: gateway.call(lambda app: not app[ROUTER].draining), WAIT_S)  # its channel closed
 
         # DNS fails for several rounds: the pool stays as it was.
         dns.answers["tts"] = OSError("no DNS")
         seen = dns.lookups
-        wait_until(lambda: dns.lookups >= seen + 3)
+        wait_until(lambda: dns.lookups >= seen + 3, WAIT_S)
         status, body = gateway.get_json("/readyz")
         assert status == 200 and body["servers"] == {two: True}

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import os
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import aiohttp
 import pytest
@@ -27,10 +24,11 @@ from cosyvoice_triton.gateway.errors import ServiceUnavailable
 from cosyvoice_triton.gateway.routing import BASE_COST, ENCODE_COST, Backend, CostModel, Router
 from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.gateway.state import ROUTER
-from cosyvoice_triton.gateway.testing import GatewayThread
+from cosyvoice_triton.gateway.testing import GatewayThread, get_json
 from cosyvoice_triton.gateway.triton_client import classify_message
 from cosyvoice_triton.server import free_port
 from cli_harness import CliProcess
+from polling import wait_until
 from redis_harness import redis_server  # noqa: F401  (a fixture)
 from triton_harness import metric_value, scrape, tritonserver_or_skip, wait_for_metric
 
@@ -42,6 +40,7 @@ SHORT = "A short request."
 # through all 25 (one long sentence could end after a few tokens and leave nothing running).
 LONG = " ".join(["This sentence keeps the stream going on and on."] * 25)
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=90)  # no client may wait longer than this
+WAIT_S = 60.0  # for a gateway or server to reach a state
 
 
 # ---- the router without servers ------------------------------------------------------------------------
@@ -239,11 +238,8 @@ class GatewayProcess:
 
     def get_json(self, path: str) -> tuple[int, dict]:
         try:
-            with urllib.request.urlopen(self.url + path, timeout=10) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read() or b"{}")
-        except OSError:
+            return get_json(self.url + path)
+        except OSError:  # not listening yet
             return 0, {}
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
@@ -321,7 +317,7 @@ def test_streams_another_gateway_runs_steer_requests_away(gateways, servers):
     assert external_t1 > 0 and external_t2 == 0, "R never scraped A's streams on t1"
     assert picks == {t2.grpc_url}
     # The cancelled streams end on t1 and R's next scrapes see it idle again (the next tests count on it).
-    wait_until(lambda: r.call(lambda app: [b.external for b in app[ROUTER].backends]) == [0, 0])
+    wait_until(lambda: r.call(lambda app: [b.external for b in app[ROUTER].backends]) == [0, 0], WAIT_S)
 
 
 def test_requests_spread_over_both_servers_by_cost(gateways, servers):
@@ -375,13 +371,6 @@ def test_a_request_failing_before_its_first_byte_is_retried_on_another_server(ga
     assert routed(d)[dead.name] == before[dead.name]  # out of the pool now
 
 
-def wait_until(predicate, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.2)
-
-
 def test_killing_a_server_mid_run_and_bringing_it_back(gateways, servers):
     r, b = gateways["R"], gateways["B"]
     t1, t2 = servers
@@ -413,15 +402,15 @@ def test_killing_a_server_mid_run_and_bringing_it_back(gateways, servers):
     assert status == 200 and ready["servers"] == {t1.grpc_url: True, t2.grpc_url: False}
     assert metric_value(scrape(r.url + "/metrics"), "cosyvoice_gateway_server_healthy", server=t2.grpc_url) == 0
     # A gateway whose only server died answers at once: not ready, 503 for synthesis.
-    wait_until(lambda: b.get_json("/readyz")[0] == 503)
+    wait_until(lambda: b.get_json("/readyz")[0] == 503, WAIT_S)
     status, body = run(tts(b.url, SHORT))
     assert status == 503 and b'"unavailable"' in body
 
     # Back on the same ports: health checks return it to the pool, and it takes requests again.
     t2.stop()
     t2.start()
-    wait_until(lambda: r.get_json("/readyz")[1]["servers"][t2.grpc_url])
-    wait_until(lambda: b.get_json("/readyz")[0] == 200)
+    wait_until(lambda: r.get_json("/readyz")[1]["servers"][t2.grpc_url], WAIT_S)
+    wait_until(lambda: b.get_json("/readyz")[0] == 200, WAIT_S)
     before = routed(r)
     statuses = run(_gather(*(tts(r.url, SHORT, seed=30 + i) for i in range(2))))
     assert [s for s, _ in statuses] == [200, 200]
@@ -467,7 +456,7 @@ def test_a_server_gone_from_dns_finishes_its_streams_and_leaves(servers, tiny_mo
 
     with GatewayThread(config, resolve=resolve) as g:
         g.wait_ready()
-        wait_until(lambda: g.get_json("/readyz")[1]["servers"] == {t1.grpc_url: True, t2.grpc_url: True})
+        wait_until(lambda: g.get_json("/readyz")[1]["servers"] == {t1.grpc_url: True, t2.grpc_url: True}, WAIT_S)
         assert g.call(lambda app: [b.target.metrics_url for b in app[ROUTER].backends]) == [t1.metrics_url,
                                                                                             t2.metrics_url]
 
@@ -486,7 +475,7 @@ def test_a_server_gone_from_dns_finishes_its_streams_and_leaves(servers, tiny_mo
 
         totals = run(scenario())
         assert min(totals) > 0
-        wait_until(lambda: not g.call(lambda app: app[ROUTER].draining))  # t2's channel is closed
+        wait_until(lambda: not g.call(lambda app: app[ROUTER].draining), WAIT_S)  # t2's channel is closed
         before = routed(g)
         statuses = run(_gather(*(tts(g.url, SHORT, seed=40 + i) for i in range(3))))
         assert [s for s, _ in statuses] == [200] * 3

@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 from cosyvoice_triton.perf import gpu_bench
 from cosyvoice_triton.runtime.engine_backends import BatchingToken2Wav
 from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
+from polling import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,13 +96,6 @@ def chunk(stream_id: str) -> ChunkRequest:
     return ChunkRequest(stream_id=stream_id, tokens=[1, 2], finalize=False, prompt=None, seed=None)
 
 
-def wait_until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("max_batch, batches", [(16, [["0"], ["1", "2", "3"]]), (2, [["0"], ["1", "2"], ["3"]])])
 def test_batcher_gathers_waiting_chunks_into_one_engine_call(max_batch, batches):
     engine = FakeEngine()
@@ -118,7 +111,7 @@ def test_batcher_gathers_waiting_chunks_into_one_engine_call(max_batch, batches)
     for stream_id in ("1", "2", "3"):
         clients.append(threading.Thread(target=send, args=(stream_id,)))
         clients[-1].start()
-    wait_until(lambda: batcher._queue.qsize() == 3)
+    wait_until(lambda: batcher._queue.qsize() == 3, timeout_s=10, interval_s=0.01)
     engine.release.set()
     for client in clients:
         client.join(timeout=10)
