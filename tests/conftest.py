@@ -1,4 +1,4 @@
-"""Shared fixtures. The golden set lives outside the repository (see ../shared/golden/README.md)."""
+"""Shared fixtures. The golden set travels with the repository in tests/golden/ (its README lists every array)."""
 from __future__ import annotations
 
 import json
@@ -32,7 +32,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def golden_dir() -> Path:
-    return Path(os.environ.get("COSYVOICE_GOLDEN_DIR", REPO_ROOT.parent / "shared" / "golden" / "tiny"))
+    return Path(os.environ.get("COSYVOICE_GOLDEN_DIR", REPO_ROOT / "tests" / "golden" / "tiny"))
 
 
 @pytest.fixture(scope="session")
