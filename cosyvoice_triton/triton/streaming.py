@@ -77,6 +77,7 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
     except BaseException as exc:  # noqa: BLE001 - every failure ends this request, never the instance
         error = exc
     outcome = "ok" if error is None else ("cancelled" if classify(error).code_name == "CANCELLED" else "error")
+    _count_outcome(metrics, outcome)  # before the final flag: a client that has its answer sees it counted
     try:
         if error is None:
             sender.send(flags=final)
@@ -84,10 +85,6 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
             sender.send(error_response(pb, error, model), flags=final)
     except Exception:  # noqa: BLE001 - e.g. the client has gone
         pb.Logger.log_warn(f"{model}: final response not sent: {traceback.format_exc()}")
-    finally:
-        if metrics is not None:
-            metrics["active"].increment(-1)
-            metrics.labelled("requests", outcome).increment(1)
     return outcome
 
 
@@ -115,12 +112,17 @@ def send_whole(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model:
     except BaseException as exc:  # noqa: BLE001 - every failure ends this request, never the instance
         outcome = "cancelled" if classify(exc).code_name == "CANCELLED" else "error"
         response = error_response(pb, exc, model)
+    _count_outcome(metrics, outcome)
     try:
         sender.send(response, flags=final)
     except Exception:  # noqa: BLE001 - e.g. the client has gone
         pb.Logger.log_warn(f"{model}: response not sent: {traceback.format_exc()}")
-    finally:
-        if metrics is not None:
-            metrics["active"].increment(-1)
-            metrics.labelled("requests", outcome).increment(1)
     return outcome
+
+
+def _count_outcome(metrics, outcome: str) -> None:
+    """The request leaves `active` and joins its outcome's count. Called before the final response is
+    sent, so that a client which has its answer never reads a counter that does not include it yet."""
+    if metrics is not None:
+        metrics["active"].increment(-1)
+        metrics.labelled("requests", outcome).increment(1)
