@@ -23,16 +23,17 @@ them, and the blocking client needs no callback thread of its own.
 from __future__ import annotations
 
 import asyncio
-import struct
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from cosyvoice_triton.triton.wire import CHANNEL_OPTIONS, infer_request, is_final, response_outputs
 
 from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo, as_samples, prompt_bytes
 
@@ -45,11 +46,6 @@ MODES = ("zero_shot", "cross_lingual", "instruct2")
 OVERRIDES: dict[str, type] = {"top_p": np.float32, "top_k": np.int32, "win_size": np.int32, "tau_r": np.float32,
                               "chunk_first_hop": np.int32, "chunk_hop_scale": np.float32,
                               "chunk_max_hop": np.int32}
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-_DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64",
-           np.dtype(np.uint64): "UINT64", np.dtype(np.bool_): "BOOL"}
 
 
 # ---- request tensors ---------------------------------------------------------------------------------
@@ -104,54 +100,11 @@ def synthesis_inputs(text: str, *, voice_id: str | None = None, prompt_audio: Pr
     return values
 
 
-def infer_request(model: str, values: Mapping[str, np.ndarray], request_id: str = "",
-                  *, empty_final: bool = False) -> service_pb2.ModelInferRequest:
-    """A `ModelInferRequest` with every tensor in `raw_input_contents` (BYTES length-prefixed)."""
-    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
-    for name, value in values.items():
-        array = np.asarray(value)
-        if array.dtype.kind in "OSU":
-            datatype = "BYTES"
-            raw = b"".join(struct.pack("<I", len(item)) + item
-                           for item in (v if isinstance(v, bytes) else str(v).encode() for v in array.reshape(-1)))
-        else:
-            datatype = _DTYPES[array.dtype]
-            raw = np.ascontiguousarray(array).tobytes()
-        request.inputs.add(name=name, datatype=datatype, shape=list(array.shape))
-        request.raw_input_contents.append(raw)
-    if empty_final:
-        request.parameters["triton_enable_empty_final_response"].bool_param = True
-    return request
-
-
 def stream_request(model: str, text: str, request_id: str | None, **options) -> service_pb2.ModelInferRequest:
     """The `ModelStreamInfer` request of one synthesis (`options` as for `synthesis_inputs`); a fresh id
     when none is given."""
     return infer_request(model, synthesis_inputs(text, **options), request_id or uuid.uuid4().hex,
                          empty_final=True)
-
-
-def response_outputs(response: service_pb2.ModelInferResponse) -> dict[str, np.ndarray]:
-    """Output name -> numpy array (BYTES outputs as arrays of `bytes`)."""
-    outputs = {}
-    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
-        if tensor.datatype == "BYTES":
-            items, pos = [], 0
-            while pos < len(raw):
-                (size,) = struct.unpack_from("<I", raw, pos)
-                items.append(raw[pos + 4:pos + 4 + size])
-                pos += 4 + size
-            array = np.array(items, dtype=object)
-        else:
-            dtype = {v: k for k, v in _DTYPES.items()}[tensor.datatype]
-            array = np.frombuffer(raw, dtype=dtype)
-        outputs[tensor.name] = array.reshape(list(tensor.shape)) if tensor.shape else array
-    return outputs
-
-
-def _is_final(response: service_pb2.ModelInferResponse) -> bool:
-    param = response.parameters.get("triton_final_response")
-    return bool(param is not None and param.bool_param)
 
 
 def _rpc_error(exc: grpc.RpcError) -> TTSError:
@@ -216,7 +169,7 @@ class _StreamResponses:
             self._finish()
             raise TTSError.from_message(response.error_message)
         chunk = response_outputs(response.infer_response).get("waveform")
-        if _is_final(response.infer_response):
+        if is_final(response.infer_response):
             self._finish()
         if chunk is not None and chunk.size:
             self.stats.add(chunk, self._started)

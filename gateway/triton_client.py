@@ -21,11 +21,11 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from cosyvoice_triton.client import triton_client as sdk
-from cosyvoice_triton.client.triton_client import infer_request, response_outputs
+from cosyvoice_triton.triton import wire
+from cosyvoice_triton.triton.wire import infer_request, response_outputs
 
 CHANNEL_OPTIONS = [
-    *sdk.CHANNEL_OPTIONS,
+    *wire.CHANNEL_OPTIONS,
     ("grpc.keepalive_time_ms", 20_000),  # notice a silently dead server during long streams
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 0),
@@ -85,9 +85,6 @@ def rpc_error(error: grpc.aio.AioRpcError) -> TritonCallError:
     if kind == "unreachable" and "busy" in details.lower():
         kind = "busy"
     return TritonCallError(kind, f"{code.name}: {details}")
-
-
-# Tensors <-> protobuf: the SDK's helpers (one implementation for both sides).
 
 
 # ---- the client -----------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ class Transport:
         import grpc
         from tritonclient.grpc import service_pb2_grpc
 
-        from cosyvoice_triton.client.triton_client import CHANNEL_OPTIONS
+        from cosyvoice_triton.triton.wire import CHANNEL_OPTIONS
 
         self.target = target
         self.timeout_s = timeout_s
@@ -65,7 +65,7 @@ class Transport:
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], request_id: str) -> dict[str, np.ndarray]:
-        from cosyvoice_triton.client.triton_client import infer_request, response_outputs
+        from cosyvoice_triton.triton.wire import infer_request, response_outputs
 
         try:
             response = self._stub.ModelInfer(infer_request(model, inputs, request_id), timeout=self.timeout_s)
