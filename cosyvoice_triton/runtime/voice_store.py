@@ -5,11 +5,20 @@ store = open_voice_store(None)                  # embedded SQLite under $COSYVOI
 info = store.register(features, name="Alice")   # idempotent by (audio hash, prompt text)
 features = store.get(info.voice_id)             # NotFound("reference_audio_id", ...) if absent
 info = register_once(store, sha, text, encode)  # encode() runs only if (sha, text) is not stored yet
+store.register(features, owner="key_3f9a")      # a voice of one tenant (see Owners below)
 ```
 Registration is idempotent by the *content key*: the recording's `audio_sha256` (its samples and
-sample rate) together with the prompt transcript, exactly as given. The same recording with another
-transcript is another prompt (zero_shot conditions the LLM on the transcript), so another voice; the
-same recording and transcript registered again return the stored voice, whatever name is given.
+sample rate) together with the prompt transcript, exactly as given, and the voice's owner. The same
+recording with another transcript is another prompt (zero_shot conditions the LLM on the transcript), so
+another voice; the same recording and transcript registered again by the same owner return the stored
+voice, whatever name is given.
+
+Owners: every voice has an `owner`, an opaque tenant tag (the gateway uses a hash of the API key, never
+the key), or None for a *shared* voice (`default`, voices an admin registers as shared, and every voice
+stored before owners existed: old SQLite files gain the column on open, old Redis entries read as
+None). The store keeps the tag; who may see or change what is decided by `visible_to` and the gateway.
+Ids are one namespace for all owners (the Triton models look voices up by id alone); the content key,
+and so the generated id, include the owner, so two tenants registering one recording get two voices.
 Backends: `voice_store_sqlite` (default, one file, several processes on one machine) and
 `voice_store_redis` (several servers share voices). Both keep a thread-safe LRU of decoded features
 in front (`CachedVoiceStore`). Every get first asks the backing store for the voice's *revision*
@@ -73,6 +82,16 @@ class VoiceInfo:
     tokens: int  # prompt speech tokens (25 per second of prompt)
     created_at: float  # Unix time of the registration
     name: str | None  # a label for people; not unique
+    owner: str | None = None  # the tenant tag of the key that registered it; None: shared
+
+    @property
+    def shared(self) -> bool:
+        return self.owner is None
+
+
+def visible_to(info: VoiceInfo, owner: str | None) -> bool:
+    """A tenant sees its own voices and the shared ones. `owner` None: keyless use, which sees every voice."""
+    return owner is None or info.owner is None or info.owner == owner
 
 
 @dataclass(frozen=True)
@@ -94,13 +113,13 @@ class VoiceStoreStats:
 
 class VoiceStore(Protocol):
     def register(self, features: PromptFeatures, voice_id: str | None = None,
-                 name: str | None = None) -> VoiceInfo: ...
+                 name: str | None = None, owner: str | None = None) -> VoiceInfo: ...
 
     def get(self, voice_id: str) -> PromptFeatures: ...
 
     def info(self, voice_id: str) -> VoiceInfo: ...
 
-    def find(self, audio_sha256: str, text: str) -> VoiceInfo | None: ...
+    def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceInfo | None: ...
 
     def list(self) -> list[VoiceInfo]: ...
 
@@ -142,28 +161,48 @@ def _sqlite_path(url: str | None) -> Path:
 
 # ---- ids ------------------------------------------------------------------------------------------
 
-def content_key(audio_sha256: str, text: str) -> str:
+def content_key(audio_sha256: str, text: str, owner: str | None = None) -> str:
     """What registration is idempotent by: sha256 of the recording's `audio_sha256` followed by the
-    prompt transcript as given. Not the audio hash alone: one recording with two transcripts is two
-    prompts (see the module docstring)."""
-    return hashlib.sha256((audio_sha256 + text).encode("utf-8")).hexdigest()
+    prompt transcript as given (and, for an owned voice, NUL + the owner). Not the audio hash alone: one
+    recording with two transcripts is two prompts (see the module docstring). Shared voices keep the key
+    they had before owners existed."""
+    scoped = "" if owner is None else "\0" + owner
+    return hashlib.sha256((audio_sha256 + text + scoped).encode("utf-8")).hexdigest()
 
 
-def generated_voice_id(audio_sha256: str, text: str) -> str:
+def generated_voice_id(audio_sha256: str, text: str, owner: str | None = None) -> str:
     """The id given to a voice registered without one; equal on every server."""
-    return "v_" + content_key(audio_sha256, text)[:16]
+    return "v_" + content_key(audio_sha256, text, owner)[:16]
+
+
+def short_repr(value: object, limit: int = 48) -> str:
+    """`repr(value)` cut to about `limit` characters, for error messages that echo a request's value
+    (a 10,000-character id is not echoed whole; repr escapes control characters and surrogates; other
+    objects are named by their type, never by a repr with an address)."""
+    plain = isinstance(value, (str, bytes, int, float, bool, type(None)))
+    text = repr(value) if plain else f"a {type(value).__name__}"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+OWNER_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def check_owner(owner: object, field: str = "owner") -> str | None:
+    if owner is not None and (not isinstance(owner, str) or not OWNER_PATTERN.fullmatch(owner)):
+        raise InvalidInput(field, f"{short_repr(owner)} is not an owner tag (1 to 64 of A-Z a-z 0-9 _ . : -)")
+    return owner
 
 
 def check_voice_id(voice_id: object, field: str = "reference_audio_id") -> str:
     """`voice_id` if it is a well-formed id, else InvalidInput naming `field`."""
     if not isinstance(voice_id, str) or not VOICE_ID_PATTERN.fullmatch(voice_id):
-        raise InvalidInput(field, f"{voice_id!r} is not a voice id (1 to 64 of A-Z a-z 0-9 _ . -)")
+        raise InvalidInput(field, f"{short_repr(voice_id)} is not a voice id (1 to 64 of A-Z a-z 0-9 _ . -)")
     return voice_id
 
 
-def registration_id(features: PromptFeatures, voice_id: str | None) -> str:
+def registration_id(features: PromptFeatures, voice_id: str | None, owner: str | None = None) -> str:
     """The id a registration will use: the given one (checked) or the generated one."""
-    generated = generated_voice_id(features.audio_sha256, features.text)
+    generated = generated_voice_id(features.audio_sha256, features.text, owner)
     if voice_id is None:
         return generated
     check_voice_id(voice_id, "voice_id")
@@ -189,13 +228,15 @@ class Registration:
     blob: bytes
 
 
-def prepare_registration(features: PromptFeatures, voice_id: str | None, name: str | None) -> Registration:
+def prepare_registration(features: PromptFeatures, voice_id: str | None, name: str | None,
+                         owner: str | None = None) -> Registration:
     """Check the arguments of `register` and encode the voice."""
     blob = encode_features(features)  # checks the arrays, the text and the hash first
-    info = VoiceInfo(voice_id=registration_id(features, voice_id), text=features.text,
+    owner = check_owner(owner)
+    info = VoiceInfo(voice_id=registration_id(features, voice_id, owner), text=features.text,
                      audio_sha256=features.audio_sha256, tokens=int(features.speech_tokens.shape[0]),
-                     created_at=time.time(), name=check_name(name))
-    return Registration(info=info, content_key=content_key(features.audio_sha256, features.text),
+                     created_at=time.time(), name=check_name(name), owner=owner)
+    return Registration(info=info, content_key=content_key(features.audio_sha256, features.text, owner),
                         revision=secrets.token_hex(8), blob=blob)
 
 
@@ -212,19 +253,20 @@ def id_taken(voice_id: str) -> InvalidInput:
 
 
 def register_once(store: VoiceStore, audio_sha256: str, text: str, encode: Callable[[], PromptFeatures],
-                  voice_id: str | None = None, name: str | None = None) -> VoiceInfo:
+                  voice_id: str | None = None, name: str | None = None, owner: str | None = None) -> VoiceInfo:
     """Register the recording with hash `audio_sha256` and transcript `text`, computing its prompt
     features (`encode()`, the expensive part) only when the store does not hold that content yet: a
     repeat registration costs a lookup. Returns and raises what `store.register(encode(), voice_id,
-    name)` would (two racing first registrations both encode; the store keeps one voice)."""
+    name, owner)` would (two racing first registrations both encode; the store keeps one voice)."""
     if voice_id is not None:
         check_voice_id(voice_id, "voice_id")
     check_name(name)
-    found = store.find(audio_sha256, text)
+    check_owner(owner)
+    found = store.find(audio_sha256, text, owner)
     if found is not None:
         check_same_voice(voice_id, found.voice_id)
         return found
-    return store.register(encode(), voice_id=voice_id, name=name)
+    return store.register(encode(), voice_id=voice_id, name=name, owner=owner)
 
 
 # ---- blob format ----------------------------------------------------------------------------------
@@ -340,9 +382,9 @@ class CachedVoiceStore(ABC):
         """What `voice_id` is; NotFound("reference_audio_id") if there is no such voice."""
 
     @abstractmethod
-    def find(self, audio_sha256: str, text: str) -> VoiceInfo | None:
-        """The voice registered for this recording and transcript (its content key), whatever its id;
-        None if there is none."""
+    def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceInfo | None:
+        """The voice `owner` registered for this recording and transcript (its content key), whatever its
+        id; None if there is none."""
 
     def get(self, voice_id: str) -> PromptFeatures:
         """The features of `voice_id`; NotFound("reference_audio_id") if there is no such voice."""

@@ -2,6 +2,7 @@
 
 Keys (standalone Redis or a primary with replicas; not Redis Cluster, whose slots would split them):
   cosyvoice:voice:<id>          hash: revision, blob (`encode_features`), info (VoiceInfo as JSON), content_key
+                                (an info written before voices had owners lacks "owner": a shared voice)
   cosyvoice:voice_ids           set of every voice id, for listing
   cosyvoice:voice_by_content    hash: content_key (sha256 of audio hash + text) → voice id
 Registration and deletion are Lua scripts, so each is one atomic step for every server at once.
@@ -74,9 +75,9 @@ class RedisVoiceStore(CachedVoiceStore):
         self._delete_script = self._redis.register_script(DELETE_LUA)
 
     def register(self, features: PromptFeatures, voice_id: str | None = None,
-                 name: str | None = None) -> VoiceInfo:
-        """Store a voice, or return the one already stored for this recording and prompt text."""
-        reg = prepare_registration(features, voice_id, name)
+                 name: str | None = None, owner: str | None = None) -> VoiceInfo:
+        """Store a voice, or return the one `owner` already stored for this recording and prompt text."""
+        reg = prepare_registration(features, voice_id, name, owner)
         info = reg.info
         with _unavailable_when_unreachable():
             status, existing = self._register_script(
@@ -100,10 +101,10 @@ class RedisVoiceStore(CachedVoiceStore):
             raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
         return _info_from_json(raw)
 
-    def find(self, audio_sha256: str, text: str) -> VoiceInfo | None:
-        """The voice with this recording and transcript, whatever its id; None if there is none."""
+    def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceInfo | None:
+        """`owner`'s voice with this recording and transcript, whatever its id; None if there is none."""
         with _unavailable_when_unreachable():
-            voice_id = self._redis.hget(CONTENT_KEY, content_key(audio_sha256, text))
+            voice_id = self._redis.hget(CONTENT_KEY, content_key(audio_sha256, text, owner))
             raw = self._redis.hget(voice_key(voice_id.decode()), "info") if voice_id is not None else None
         return _info_from_json(raw) if raw is not None else None  # None too if deleted in between
 
@@ -152,4 +153,4 @@ def _unavailable_when_unreachable() -> Iterator[None]:
 
 
 def _info_from_json(raw: bytes) -> VoiceInfo:
-    return VoiceInfo(**json.loads(raw))
+    return VoiceInfo(**json.loads(raw))  # no "owner" (written before owners): the default, None, shared

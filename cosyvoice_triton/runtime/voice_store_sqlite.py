@@ -4,6 +4,9 @@ The Triton models and the gateway may open the same file. WAL mode lets readers 
 writes; a registration checks and inserts inside one `BEGIN IMMEDIATE` transaction, so two
 processes registering the same recording at once end with one voice. Not for network filesystems
 (WAL needs shared memory between the processes): use Redis to share voices between machines.
+
+A file written before voices had owners gains the `owner` column when it is opened (ALTER TABLE, inside
+a write transaction, so concurrent openers agree); its voices have owner NULL: shared.
 """
 from __future__ import annotations
 
@@ -28,9 +31,10 @@ CREATE TABLE IF NOT EXISTS voices (
     tokens       INTEGER NOT NULL,
     created_at   REAL NOT NULL,
     name         TEXT,
-    blob         BLOB NOT NULL           -- `encode_features`
+    blob         BLOB NOT NULL,          -- `encode_features`
+    owner        TEXT                    -- tenant tag; NULL: a shared voice
 )"""
-INFO_COLUMNS = "voice_id, text, audio_sha256, tokens, created_at, name"  # VoiceInfo's field order
+INFO_COLUMNS = "voice_id, text, audio_sha256, tokens, created_at, name, owner"  # VoiceInfo's field order
 
 
 class SqliteVoiceStore(CachedVoiceStore):
@@ -49,11 +53,19 @@ class SqliteVoiceStore(CachedVoiceStore):
         if mode != "wal":
             raise RuntimeError(f"{self.path}: SQLite could not switch to WAL mode (got {mode!r})")
         self._query(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Add the `owner` column to a file made before it existed (its voices become shared)."""
+        with self._transaction() as db:
+            columns = {row[1] for row in db.execute("PRAGMA table_info(voices)").fetchall()}
+            if "owner" not in columns:
+                db.execute("ALTER TABLE voices ADD COLUMN owner TEXT")
 
     def register(self, features: PromptFeatures, voice_id: str | None = None,
-                 name: str | None = None) -> VoiceInfo:
-        """Store a voice, or return the one already stored for this recording and prompt text."""
-        reg = prepare_registration(features, voice_id, name)
+                 name: str | None = None, owner: str | None = None) -> VoiceInfo:
+        """Store a voice, or return the one `owner` already stored for this recording and prompt text."""
+        reg = prepare_registration(features, voice_id, name, owner)
         info = reg.info
         with self._transaction() as db:
             existing = db.execute(f"SELECT {INFO_COLUMNS} FROM voices WHERE content_key = ?",
@@ -64,9 +76,10 @@ class SqliteVoiceStore(CachedVoiceStore):
                 return found
             if db.execute("SELECT 1 FROM voices WHERE voice_id = ?", (info.voice_id,)).fetchall():
                 raise id_taken(info.voice_id)
-            db.execute("INSERT INTO voices VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            db.execute("INSERT INTO voices (voice_id, content_key, revision, text, audio_sha256, tokens, "
+                       "created_at, name, blob, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        (info.voice_id, reg.content_key, reg.revision, info.text, info.audio_sha256,
-                        info.tokens, info.created_at, info.name, reg.blob))
+                        info.tokens, info.created_at, info.name, reg.blob, info.owner))
         self._remember(info.voice_id, reg.revision, decode_features(reg.blob, info.voice_id))
         return info
 
@@ -77,10 +90,10 @@ class SqliteVoiceStore(CachedVoiceStore):
             raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
         return VoiceInfo(*rows[0])
 
-    def find(self, audio_sha256: str, text: str) -> VoiceInfo | None:
-        """The voice with this recording and transcript, whatever its id; None if there is none."""
+    def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceInfo | None:
+        """`owner`'s voice with this recording and transcript, whatever its id; None if there is none."""
         rows = self._query(f"SELECT {INFO_COLUMNS} FROM voices WHERE content_key = ?",
-                           (content_key(audio_sha256, text),))
+                           (content_key(audio_sha256, text, owner),))
         return VoiceInfo(*rows[0]) if rows else None
 
     def list(self) -> list[VoiceInfo]:
