@@ -4,14 +4,18 @@
   input            the text
   voice            a registered voice id (or {"id": ...}); OpenAI's stock names (alloy, echo, ...) that
                    are not registered here speak with the "default" voice
-  response_format  wav (16-bit, the default here) | pcm (16-bit little-endian, 24 kHz, as OpenAI's);
-                   mp3, opus, aac and flac are refused with 400
-  speed            checked (0.25 .. 4.0) and otherwise ignored: CosyVoice2 has no speed control
+  response_format  mp3 (the default, as OpenAI's) | opus (Ogg, 48 kHz) | aac (ADTS) | flac | wav | pcm
+                   (16-bit little-endian, 24 kHz, no header); encoded by cosyvoice_triton/audio_out.py
+  speed            0.25 .. 4.0 as OpenAI's; only 1.0 is served for now: any other value is a 400 naming
+                   `speed` rather than audio at the wrong speed
   instructions     switches to instruct2 mode with this instruction
-  stream_format    audio (default): the audio bytes, streamed as they are made | sse: server-sent events
-                   speech.audio.delta {audio: base64} ... then speech.audio.done
+  stream_format    audio (default): the audio bytes, streamed as they are encoded | sse: server-sent events
+                   speech.audio.delta {audio: base64 of the next bytes of the file} ... then speech.audio.done
   seed             (extension) as in /v1/tts
-The body is always streamed (chunked transfer): `with_streaming_response` reads chunks as they come.
+  stream           (extension) true (default): chunked transfer, so `with_streaming_response` reads audio as
+                   it is made (a wav then says "unknown length" in its header, as FFmpeg writes it on a
+                   pipe; soundfile, FFmpeg and browsers read it to its end); false: the whole file, whose
+                   header carries the exact lengths
 """
 from __future__ import annotations
 
@@ -24,19 +28,18 @@ from contextlib import aclosing
 
 from aiohttp import web
 
+from cosyvoice_triton.audio_out import AudioEncoder, AudioFormat
 from cosyvoice_triton.errors import NotFound
 
-from .audio_format import pcm_bytes
 from .auth import limit_key
 from .errors import BadRequest, GatewayError
-from .routes_tts import abort, audio_headers, json_body, send_audio
+from .routes_tts import abort, audio_headers, check_format, json_body, send_audio
 from .state import CONFIG, COSTS, LIMITER, METRICS, STORE
 from .synthesis import OPENAI_FIELDS, prepare, stream_audio
 
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer",
                            "verse", "marin", "cedar"})
-FORMATS = {"wav": ("wav", "audio/wav"), "pcm": ("pcm_s16le", "audio/pcm")}
-UNSUPPORTED = ("mp3", "opus", "aac", "flac")
+OPENAI_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")  # OpenAI's response_format values
 
 
 async def _voice(app: web.Application, voice: object) -> str:
@@ -60,14 +63,15 @@ async def speech(request: web.Request) -> web.StreamResponse:
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise BadRequest("model", "is required (any model name is accepted, e.g. \"cosyvoice2\")")
-    response_format = body.get("response_format", "wav")
-    if response_format in UNSUPPORTED:
-        raise BadRequest("response_format", f"{response_format!r} is not supported here; use wav or pcm")
-    if response_format not in FORMATS:
-        raise BadRequest("response_format", f"must be wav or pcm, got {response_format!r}")
+    fmt = check_format(body.get("response_format", "mp3"), "response_format", OPENAI_FORMATS)
     speed = body.get("speed", 1.0)
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0.25 <= speed <= 4.0:
-        raise BadRequest("speed", "must be a number from 0.25 to 4.0 (it is accepted and ignored)")
+        raise BadRequest("speed", f"must be a number from 0.25 to 4.0, got {speed!r}")
+    if speed != 1.0:
+        raise BadRequest("speed", f"only 1.0 is supported by this server for now, got {speed!r}")
+    stream = body.get("stream", True)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream", "must be true or false")
     stream_format = body.get("stream_format", "audio")
     if stream_format not in ("audio", "sse"):
         raise BadRequest("stream_format", f"must be audio or sse, got {stream_format!r}")
@@ -75,15 +79,15 @@ async def speech(request: web.Request) -> web.StreamResponse:
     synthesis = await prepare(app, text=body.get("input"), voice_id=await _voice(app, body.get("voice")),
                               mode="instruct2" if instructions else "zero_shot", instruct=instructions,
                               seed=body.get("seed"), fields=OPENAI_FIELDS)
-    fmt, content_type = FORMATS[response_format]
     with app[LIMITER].slot(limit_key(request)):
         if stream_format == "sse":
             return await _send_events(request, synthesis, fmt)
-        return await send_audio(request, synthesis, fmt, stream=True, route="openai", content_type=content_type)
+        return await send_audio(request, synthesis, fmt, stream=stream, route="openai")
 
 
-async def _send_events(request: web.Request, synthesis, fmt: str) -> web.StreamResponse:
-    """Server-sent events: one speech.audio.delta per chunk (base64 of `fmt` bytes), then speech.audio.done."""
+async def _send_events(request: web.Request, synthesis, fmt: AudioFormat) -> web.StreamResponse:
+    """Server-sent events: a speech.audio.delta for each chunk's encoded bytes (base64; none while the encoder
+    holds them), then one for what finishing the file adds, then speech.audio.done."""
     app = request.app
     metrics, rate = app[METRICS], app[CONFIG].sample_rate
     request_id = uuid.uuid4().hex
@@ -96,13 +100,14 @@ async def _send_events(request: web.Request, synthesis, fmt: str) -> web.StreamR
                                                "Content-Type": "text/event-stream", "Cache-Control": "no-store"})
         await response.prepare(request)
         samples = 0
+        encoder = AudioEncoder(fmt, rate)
         try:
             chunk = first
             while chunk is not None:
-                audio = base64.b64encode(pcm_bytes(chunk, fmt)).decode("ascii")
-                await response.write(_event({"type": "speech.audio.delta", "audio": audio}))
+                await _write_delta(response, encoder.feed(chunk))
                 samples += chunk.size
                 chunk = await anext(chunks, None)
+            await _write_delta(response, encoder.finish())
         except GatewayError as exc:  # the stream ends with an error event
             metrics.errors.labels(exc.code).inc()
             await response.write(_event({"type": "error", "error": {"message": exc.message, "code": exc.code}}))
@@ -110,12 +115,20 @@ async def _send_events(request: web.Request, synthesis, fmt: str) -> web.StreamR
             return response
         except ConnectionError:
             return abort(request, response)
+        finally:
+            encoder.close()
         metrics.audio_seconds.labels("openai").inc(samples / rate)
         tokens = app[COSTS].text_tokens(synthesis.text)
         await response.write(_event({"type": "speech.audio.done",
                                      "usage": {"input_tokens": tokens, "output_tokens": 0, "total_tokens": tokens}}))
         await response.write_eof()
         return response
+
+
+async def _write_delta(response: web.StreamResponse, data: bytes) -> None:
+    if data:
+        audio = base64.b64encode(data).decode("ascii")
+        await response.write(_event({"type": "speech.audio.delta", "audio": audio}))
 
 
 def _event(data: dict) -> bytes:

@@ -12,15 +12,20 @@ Body (JSON):
                 the first chunk (int >= 4; smaller: earlier first audio), the growth of each later chunk
                 (number in [1, 16]) and its cap (int >= the first hop). The chunking changes where the flow
                 model's chunks fall, so the audio may differ slightly from the default's
-  format        wav (default, 16-bit) | pcm_f32 | pcm_s16le
-  stream        false (default): the whole file with Content-Length; true: chunked transfer, one write
-                per audio chunk as Triton makes it (a wav stream starts with a header of unknown length)
+  format        wav (default, 16-bit) | mp3 | opus | aac | flac | pcm (16-bit little-endian) | pcm_f32 (the
+                model's float32 samples); pcm_s16le is an older name of pcm. cosyvoice_triton/audio_out.py
+                lists codecs, rates and media types (opus is 48 kHz; X-Sample-Rate says the rate)
+  stream        false (default): the whole file with Content-Length and exact lengths in its header;
+                true: chunked transfer, each audio chunk encoded as Triton makes it and written as soon as
+                the encoder gives bytes (a streamed wav's header says "unknown length", as FFmpeg writes
+                it on a pipe)
 
 Errors before the first audio byte are JSON with a status (400 naming the field, 404 unknown voice,
 429, 503 no server, 504 timeout); a failure after it cuts the connection (an incomplete body).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -29,7 +34,8 @@ from contextlib import aclosing
 import numpy as np
 from aiohttp import web
 
-from .audio_format import CONTENT_TYPES, FORMATS, pcm_bytes, wav_bytes, wav_header
+from cosyvoice_triton.audio_out import ALIASES, FORMATS, AudioEncoder, AudioFormat, audio_format, encode
+
 from .auth import limit_key
 from .errors import BadRequest, GatewayError
 from .request_keys import ABORTED
@@ -40,6 +46,7 @@ log = logging.getLogger(__name__)
 
 TTS_KEYS = frozenset({"text", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
                       "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "format", "stream"})
+TTS_FORMATS = (*FORMATS, *ALIASES)  # the formats of /v1/tts and the WebSocket
 
 
 async def json_body(request: web.Request) -> dict:
@@ -52,21 +59,27 @@ async def json_body(request: web.Request) -> dict:
     return body
 
 
-def audio_headers(request_id: str, synthesis: Synthesis, fmt: str, sample_rate: int) -> dict[str, str]:
-    return {"X-Request-Id": request_id, "X-Seed": str(synthesis.seed), "X-Sample-Rate": str(sample_rate),
-            "X-Audio-Format": fmt}
+def check_format(value: object, field: str, names: tuple[str, ...] = TTS_FORMATS) -> AudioFormat:
+    """The audio format a request names in `field`, one of `names`."""
+    if not isinstance(value, str) or value not in names:
+        raise BadRequest(field, f"must be one of {', '.join(names)}, got {value!r}")
+    return audio_format(value)
 
 
-async def send_audio(request: web.Request, synthesis: Synthesis, fmt: str, stream: bool, route: str,
-                     content_type: str | None = None) -> web.StreamResponse:
-    """Synthesize and answer: the whole audio, or chunks as they come. The first chunk is awaited before
-    any header goes out, so errors up to then are ordinary JSON errors."""
+def audio_headers(request_id: str, synthesis: Synthesis, fmt: AudioFormat, sample_rate: int) -> dict[str, str]:
+    return {"X-Request-Id": request_id, "X-Seed": str(synthesis.seed),
+            "X-Sample-Rate": str(fmt.output_rate(sample_rate)), "X-Audio-Format": fmt.name}
+
+
+async def send_audio(request: web.Request, synthesis: Synthesis, fmt: AudioFormat, stream: bool,
+                     route: str) -> web.StreamResponse:
+    """Synthesize and answer: the whole file, or chunks encoded as they come. The first chunk is awaited
+    before any header goes out, so errors up to then are ordinary JSON errors."""
     app = request.app
     metrics, rate = app[METRICS], app[CONFIG].sample_rate
     request_id = uuid.uuid4().hex
     accepted = time.monotonic()
-    headers = audio_headers(request_id, synthesis, fmt, rate)
-    content_type = content_type or CONTENT_TYPES[fmt]
+    headers = {**audio_headers(request_id, synthesis, fmt, rate), "Content-Type": fmt.media_type}
     chunks = stream_audio(app, synthesis, request_id)
     async with aclosing(chunks):
         first = await anext(chunks, None)
@@ -76,23 +89,22 @@ async def send_audio(request: web.Request, synthesis: Synthesis, fmt: str, strea
             parts += [chunk async for chunk in chunks]
             audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
             metrics.audio_seconds.labels(route).inc(audio.size / rate)
-            body = wav_bytes(audio, rate) if fmt == "wav" else pcm_bytes(audio, fmt)
-            return web.Response(body=body, headers={**headers, "Content-Type": content_type})
+            body = await asyncio.to_thread(encode, audio, fmt, rate)
+            return web.Response(body=body, headers=headers)
 
-        response = web.StreamResponse(headers={**headers, "Content-Type": content_type,
-                                               "Cache-Control": "no-store"})
+        response = web.StreamResponse(headers={**headers, "Cache-Control": "no-store"})
         response.enable_chunked_encoding()
         await response.prepare(request)
         samples = 0
         metrics.active_streams.labels(route).inc()
+        encoder = AudioEncoder(fmt, rate)
         try:
-            if fmt == "wav":
-                await response.write(wav_header(rate, None))
             chunk = first
             while chunk is not None:
-                await response.write(pcm_bytes(chunk, fmt))
+                await write_some(response, encoder.feed(chunk))
                 samples += chunk.size
                 chunk = await anext(chunks, None)
+            await write_some(response, encoder.finish())
         except GatewayError as exc:
             metrics.errors.labels(exc.code).inc()
             log.warning("request %s: stream cut after %.2f s of audio: %s", request_id, samples / rate, exc)
@@ -100,10 +112,17 @@ async def send_audio(request: web.Request, synthesis: Synthesis, fmt: str, strea
         except ConnectionError:  # the client went away while we wrote
             return abort(request, response)
         finally:
+            encoder.close()
             metrics.active_streams.labels(route).dec()
             metrics.audio_seconds.labels(route).inc(samples / rate)
         await response.write_eof()
         return response
+
+
+async def write_some(response: web.StreamResponse, data: bytes) -> None:
+    """One chunked write, when the encoder gave bytes (an empty write would end a chunked body)."""
+    if data:
+        await response.write(data)
 
 
 def abort(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
@@ -121,9 +140,7 @@ async def tts(request: web.Request) -> web.StreamResponse:
     unknown = sorted(set(body) - TTS_KEYS)
     if unknown:
         raise BadRequest(unknown[0], f"is not a field of /v1/tts (fields: {', '.join(sorted(TTS_KEYS))})")
-    fmt = body.get("format", "wav")
-    if fmt not in FORMATS:
-        raise BadRequest("format", f"must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    fmt = check_format(body.get("format", "wav"), "format")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream", "must be true or false")

@@ -3,15 +3,17 @@
 Client -> server (JSON text frames):
   {"type": "start", "voice_id" | "prompt_audio" (+ "prompt_text"), "mode", "instruct", "seed",
    "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop" (as in POST /v1/tts),
-   "format": "pcm_f32" (default) | "pcm_s16le", "text" (optional)}              first, once
+   "format": "pcm_f32" (default) | any format of POST /v1/tts, "text" (optional)}   first, once
   {"type": "text", "text": "Hello there. How"}   any number: text is buffered, and each complete
                                                  sentence (end mark + space, or a CJK end mark, or a
                                                  newline) is synthesized at once
   {"type": "flush"}                              synthesize what is buffered now, complete or not
   {"type": "end"}                                flush, finish, then the server ends the session
 Server -> client:
-  {"type": "started", "request_id", "sample_rate": 24000, "format", "seed"}
-  binary frames: PCM of the format, in text order, as Triton makes it
+  {"type": "started", "request_id", "sample_rate" (of the format: 48000 for opus), "format", "seed"}
+  binary frames: the bytes of one audio file in that format (pcm_f32, pcm: raw samples), across all
+                 segments in text order, each chunk encoded as Triton makes it and sent as soon as the
+                 encoder gives bytes; the file's last bytes come before the end message
   {"type": "segment", "index", "text", "audio_seconds", "first_chunk_ms"}       after each segment's audio
   {"type": "end", "segments", "audio_seconds", "first_chunk_ms", "elapsed_ms"}  then close (1000)
   {"type": "error", "status", "code", "param", "message"}  then close (1008 for 4xx, 1011 otherwise)
@@ -34,17 +36,18 @@ from dataclasses import dataclass, field
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from cosyvoice_triton.runtime.request_limits import SEED_LIMIT
+from cosyvoice_triton.messages import SEED_LIMIT
 
-from .audio_format import pcm_bytes
+from cosyvoice_triton.audio_out import AudioEncoder, audio_format
+
 from .auth import limit_key
 from .errors import BadRequest, GatewayError, PayloadTooLarge, as_gateway_error, ws_error
+from .routes_tts import check_format
 from .state import CONFIG, COSTS, LIMITER, METRICS, WEBSOCKETS
 from .synthesis import TTS_FIELDS, Synthesis, decode_base64, prepare, stream_audio
 
 log = logging.getLogger(__name__)
 
-WS_FORMATS = ("pcm_f32", "pcm_s16le")
 SEGMENT_SEED_STRIDE = 1000
 START_KEYS = frozenset({"type", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
                         "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "format", "text"})
@@ -118,7 +121,8 @@ class Session:
         self.config = self.app[CONFIG]
         self.request_id = uuid.uuid4().hex
         self.base: Synthesis | None = None
-        self.fmt = "pcm_f32"
+        self.fmt = audio_format("pcm_f32")
+        self.encoder: AudioEncoder | None = None  # one file across the session's segments
         self.buffer = SentenceBuffer(self.config.limits.max_text_chars)
         self.pending: asyncio.Queue[str | None] = asyncio.Queue()  # segment texts; None: end
         self.order: asyncio.Queue[Segment | None] = asyncio.Queue()  # started segments, in order
@@ -158,6 +162,7 @@ class Session:
                 await self.ws.close()
         finally:
             await self._stop(tasks)  # the client left (reader done): cancels the Triton streams
+            self.encoder.close()
             metrics.active_streams.labels("ws").dec()
             metrics.audio_seconds.labels("ws").inc(self.audio_seconds)
 
@@ -168,9 +173,7 @@ class Session:
         if unknown:
             raise BadRequest(unknown[0], "is not a field of the start message "
                                          f"(fields: {', '.join(sorted(START_KEYS))})")
-        self.fmt = message.get("format", "pcm_f32")
-        if self.fmt not in WS_FORMATS:
-            raise BadRequest("format", f"must be one of {', '.join(WS_FORMATS)}, got {self.fmt!r}")
+        self.fmt = check_format(message.get("format", "pcm_f32"), "format")
         if "voice_id" in message and "voice" in message:
             raise BadRequest("voice", "give voice_id (or its alias voice), not both")
         prompt_audio = message.get("prompt_audio")
@@ -184,7 +187,9 @@ class Session:
                                   chunk_hop_scale=message.get("chunk_hop_scale"),
                                   chunk_max_hop=message.get("chunk_max_hop"), fields=TTS_FIELDS)
         await self.ws.send_json({"type": "started", "request_id": self.request_id,
-                                 "sample_rate": self.config.sample_rate, "format": self.fmt, "seed": self.base.seed})
+                                 "sample_rate": self.fmt.output_rate(self.config.sample_rate),
+                                 "format": self.fmt.name, "seed": self.base.seed})
+        self.encoder = AudioEncoder(self.fmt, self.config.sample_rate)
         if message.get("text") is not None:
             self._add_text(message["text"])
 
@@ -253,16 +258,21 @@ class Session:
                     if self.first_chunk_ms is None:
                         self.first_chunk_ms = first_ms
                         metrics.first_chunk.labels("ws").observe(first_ms / 1000)
-                await self.ws.send_bytes(pcm_bytes(item, self.fmt))
+                await self._send_audio(self.encoder.feed(item))
                 samples += item.size
             seconds = samples / self.config.sample_rate
             self.audio_seconds += seconds
             self.ahead.release()
             await self.ws.send_json({"type": "segment", "index": segment.index, "text": segment.text,
                                      "audio_seconds": seconds, "first_chunk_ms": first_ms})
+        await self._send_audio(self.encoder.finish())
         await self.ws.send_json({"type": "end", "segments": len(self.segments), "audio_seconds": self.audio_seconds,
                                  "first_chunk_ms": self.first_chunk_ms,
                                  "elapsed_ms": (time.monotonic() - self.started) * 1000})
+
+    async def _send_audio(self, data: bytes) -> None:
+        if data:  # encoders hold a few ms of audio until they have a whole frame
+            await self.ws.send_bytes(data)
 
     # ---- helpers ------------------------------------------------------------------------------------------
     async def _receive_json(self) -> dict:

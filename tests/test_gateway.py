@@ -22,7 +22,7 @@ import pytest
 import soundfile as sf
 
 from cosyvoice_triton.export.sample_prompt import speech_like
-from cosyvoice_triton.gateway.audio_format import to_s16
+from cosyvoice_triton.audio_out import encode
 from cosyvoice_triton.gateway.config import GatewayConfig, Limits, RoutingConfig
 from cosyvoice_triton.gateway.routes_ws import SentenceBuffer
 from cosyvoice_triton.gateway.synthesis import TTS_FIELDS, Synthesis, gateway_error
@@ -42,6 +42,11 @@ ATOL = 2e-4  # batched flow/vocoder calls may add float rounding (see test_trito
 ENDLESS = " ".join(["This sentence keeps the stream going on and on."] * 25)
 KEYS = ("key-one", "key-two")
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=120)
+
+
+def to_s16(samples: np.ndarray) -> np.ndarray:
+    """16-bit samples as the gateway's pcm format makes them."""
+    return np.frombuffer(encode(samples, "pcm"), "<i2")
 
 
 # ---- fixtures -----------------------------------------------------------------------------------------
@@ -233,10 +238,10 @@ def test_whole_wav_and_streamed_wav_and_s16(gateway, voice_id, reference):
 
     _, chunks = run(post_stream(gateway.url + "/v1/tts", {"text": TEXT, "voice_id": voice_id, "seed": 7,
                                                            "stream": True}))
-    header = chunks[0]
-    assert header[:4] == b"RIFF" and header[8:16] == b"WAVEfmt " and len(header) == 44
+    header, data = b"".join(chunks)[:44], b"".join(chunks)[44:]
+    assert header[:4] == b"RIFF" and header[8:16] == b"WAVEfmt " and header[36:40] == b"data"
     assert struct.unpack("<I", header[4:8])[0] == 0xFFFFFFFF and struct.unpack("<I", header[40:44])[0] == 0xFFFFFFFF
-    streamed = np.frombuffer(b"".join(chunks[1:]), "<i2").astype(np.int32)
+    streamed = np.frombuffer(data, "<i2").astype(np.int32)
     assert np.abs(streamed - want).max() <= 8
 
     status, _, raw = run(post_json(gateway.url + "/v1/tts", {"text": TEXT, "voice_id": voice_id, "seed": 7,
@@ -268,7 +273,7 @@ GOOD_AUDIO = base64.b64encode(PROMPT_WAV).decode()
     ({"text": "Hi.", "mode": "instruct2"}, 400, "instruct"),
     ({"text": "Hi.", "seed": -1}, 400, "seed"),
     ({"text": "Hi.", "seed": "7"}, 400, "seed"),
-    ({"text": "Hi.", "format": "mp3"}, 400, "format"),
+    ({"text": "Hi.", "format": "ogg"}, 400, "format"),
     ({"text": "Hi.", "stream": "yes"}, 400, "stream"),
     ({"text": "Hi.", "voice_id": "not a valid id!"}, 400, "voice_id"),
     ({"text": "Hi.", "voice_id": "nobody"}, 404, "voice_id"),
@@ -386,7 +391,7 @@ def test_the_official_openai_client(gateway, voice_id, reference):
     data = b"".join(parts)
     assert data[:4] == b"RIFF" and len(data) > 44 and (len(data) - 44) % 2 == 0
 
-    for kwargs, param in [({"input": ""}, "input"), ({"input": "Hi.", "response_format": "mp3"}, "response_format"),
+    for kwargs, param in [({"input": ""}, "input"), ({"input": "Hi.", "response_format": "ogg"}, "response_format"),
                           ({"input": "Hi.", "speed": 9.0}, "speed"), ({"input": "Hi.", "voice": "nobody"}, "voice")]:
         kwargs = {"model": "tts-1", "voice": voice_id, "response_format": "wav", **kwargs}
         with pytest.raises(openai.APIStatusError) as info:
@@ -517,7 +522,7 @@ def test_websocket_errors_are_messages_with_codes(gateway):
                 return reply, ws.close_code
 
     cases = [([{"type": "text", "text": "no start"}], "type", 400),
-             ([{"type": "start", "format": "wav"}], "format", 400),
+             ([{"type": "start", "format": "ogg"}], "format", 400),
              ([{"type": "start", "voice_id": "nobody"}], "voice_id", 404),
              ([{"type": "start", "chunk_hop_scale": "fast"}], "chunk_hop_scale", 400),
              ([{"type": "start", "chunk_first_hop": 1}], "chunk_first_hop", 400),
