@@ -54,15 +54,40 @@ _SCALES = ("", "thousand", "million", "billion", "trillion", "quadrillion", "qui
            "sextillion", "septillion", "octillion", "nonillion", "decillion")
 
 
+ALLOWED_CONTROLS = frozenset("\t\n\r")
+
+
+def text_problem(text: str) -> str | None:
+    """What makes `text` unusable as request text, or None: a lone surrogate (not valid Unicode, cannot
+    be UTF-8 encoded) or a control character other than tab, newline and carriage return (terminal
+    escapes, NUL, ...). Format characters such as zero-width joiners are allowed."""
+    for position, char in enumerate(text):
+        category = unicodedata.category(char)
+        if category == "Cs":
+            return f"contains a lone surrogate U+{ord(char):04X} at position {position} (not valid Unicode)"
+        if category == "Cc" and char not in ALLOWED_CONTROLS:
+            return f"contains the control character U+{ord(char):04X} at position {position}"
+    return None
+
+
+def check_clean_text(text: str, field: str) -> str:
+    """`text` unless `text_problem` finds something (InvalidInput naming `field`)."""
+    problem = text_problem(text)
+    if problem:
+        raise InvalidInput(field, problem)
+    return text
+
+
 def validate_text(text: object, field: str, max_chars: int = DEFAULT_MAX_CHARS) -> str:
-    """Return `text` if it is a non-blank string of at most `max_chars` characters."""
+    """Return `text` if it is a non-blank string of at most `max_chars` characters, valid Unicode without
+    control characters (`text_problem`)."""
     if not isinstance(text, str):
         raise InvalidInput(field, f"must be a string, got {type(text).__name__}")
     if not text.strip():
         raise InvalidInput(field, "must not be empty")
     if len(text) > max_chars:
         raise InvalidInput(field, f"is {len(text)} characters long; the limit is {max_chars}")
-    return text
+    return check_clean_text(text, field)
 
 
 def contains_chinese(text: str) -> bool:
