@@ -1,0 +1,6 @@
+"""Fine-tuning CosyVoice2 on a user's own recordings (`cosyvoice-triton finetune`).
+
+data_prep: recordings + transcripts -> cached features; dataset: batches; losses: the official training
+losses; lora: peft adapters; trainer: the loop (one device or torchrun DDP); checkpoints: resume and
+averaging; model_folder: the output folder in the released layout.
+"""
