@@ -1,13 +1,16 @@
-"""`cosyvoice-triton`: export random model folders, synthesize, serve."""
+"""`cosyvoice-triton`: export random model folders, synthesize, serve (and the tools' commands: up, bench)."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from .errors import CosyVoiceError
+
+COMMANDS_GROUP = "cosyvoice_triton.commands"  # entry points: name = "module:add_command"
 
 
 def _add_export(sub) -> None:
@@ -21,7 +24,7 @@ def _add_export(sub) -> None:
 
 
 def _run_export(args) -> int:
-    from .export.random_model import write_random_model
+    from .random_folder.write import write_random_model
 
     write_random_model(args.out, size=args.size, seed=args.seed, backbone_weights=not args.no_backbone_weights)
     print(f"wrote {args.size} model folder to {args.out}")
@@ -132,33 +135,12 @@ def _run_serve(args) -> int:
     return serve(options)
 
 
-def _add_up(sub) -> None:
-    from .server.up import add_up_arguments
-
-    p = sub.add_parser("up", help="start tritonserver and the HTTP/WebSocket gateway together; Ctrl-C stops both")
-    add_up_arguments(p)
-    p.set_defaults(func=_run_up)
-
-
-def _run_up(args) -> int:
-    from .server.up import up
-
-    return up(args)
-
-
-def _add_bench(sub) -> None:
-    from .perf.bench import add_arguments
-
-    p = sub.add_parser("bench", help="latency/RTF/throughput by concurrency against Triton or the gateway, "
-                                     "with a markdown + PNG report")
-    add_arguments(p)
-    p.set_defaults(func=_run_bench)
-
-
-def _run_bench(args) -> int:
-    from .perf.bench import run
-
-    return run(args)
+def _add_tool_commands(sub) -> None:
+    """The tool folders' commands (`up` from gateway/, `bench` from perf/): each is an entry point in the
+    `cosyvoice_triton.commands` group (pyproject.toml) naming a function that adds its subparser. The
+    library loads them by group, so it never names a tool folder and the tools stay optional."""
+    for entry in entry_points(group=COMMANDS_GROUP):
+        entry.load()(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,8 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_synth(sub)
     _add_serve(sub)
-    _add_up(sub)
-    _add_bench(sub)
+    _add_tool_commands(sub)
     return parser
 
 

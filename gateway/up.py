@@ -1,5 +1,8 @@
 """`cosyvoice-triton up`: tritonserver (through the launcher) and the gateway together, one command.
 
+A tool on top of the library (it stacks the gateway on `server.launcher`), so it lives here in gateway/;
+the library's CLI finds it through the `cosyvoice_triton.commands` entry point in pyproject.toml.
+
 1. The model folder (`--model-dir`, a hub id, or the tiny random folder made on first use) and the voice
    store (`--redis-url`, `--voice-store`, or `$COSYVOICE_HOME/voices.sqlite`) are resolved once, so
    the Triton models and the gateway use the same ones.
@@ -35,6 +38,13 @@ from cosyvoice_triton.server.launcher import (ENGINES, PRECISIONS, ServeOptions,
 log = logging.getLogger(__name__)
 
 TRITON_WATCH_S = 1.0
+
+
+def add_command(sub) -> None:
+    """The `up` subcommand on the `cosyvoice-triton` parser's subparsers (an entry point, see cli.py)."""
+    p = sub.add_parser("up", help="start tritonserver and the HTTP/WebSocket gateway together; Ctrl-C stops both")
+    add_up_arguments(p)
+    p.set_defaults(func=up)
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:

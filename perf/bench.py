@@ -35,9 +35,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import compare, loadgen, report, scenarios, serving
+from cosyvoice_triton.perf import compare, loadgen, report, scenarios, serving
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def add_command(sub) -> None:
+    """The `bench` subcommand on the `cosyvoice-triton` parser's subparsers (an entry point, see cli.py)."""
+    p = sub.add_parser("bench", help="latency/RTF/throughput by concurrency against Triton or the gateway, "
+                                     "with a markdown + PNG report")
+    add_arguments(p)
+    p.set_defaults(func=run)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

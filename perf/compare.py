@@ -22,8 +22,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import loadgen, report, serving
-from .scenarios import Scenario
+from cosyvoice_triton.perf import loadgen, report, serving
+from cosyvoice_triton.perf.scenarios import Scenario
 
 AXES = ("voice_cache", "chunk_policy", "llm_batching", "engine")
 SERVER_AXES = ("llm_batching", "engine")  # variants that differ in how the server is started
@@ -61,7 +61,7 @@ def plan(axis: str, *, device: str = "cpu", voice_mode: str = "id") -> list[Vari
         return [Variant(name, description, voice_mode, options=dict(options))
                 for name, description, options in CHUNK_POLICIES]
     if axis == "llm_batching":
-        from ..server.launcher import ServeOptions
+        from cosyvoice_triton.server.launcher import ServeOptions
 
         default = ServeOptions.llm_max_batch
         return [Variant(f"llm batch {default}", f"the LLM decodes up to {default} streams per step (default)",
@@ -136,8 +136,8 @@ def run_variants(settings: serving.Settings, variants: list[Variant], load: Load
     """Every variant in order, each group on its own deployment (server folders under `work_dir`).
     A variant that cannot run (its server or gateway did not start, its voice did not register) is
     marked failed, with the variants after it in its group; the other groups still run."""
-    from ..client.common import TTSError
-    from ..errors import CosyVoiceError
+    from cosyvoice_triton.client.common import TTSError
+    from cosyvoice_triton.errors import CosyVoiceError
 
     results: list[VariantResult] = []
     for n, (server, group) in enumerate(server_groups(variants)):

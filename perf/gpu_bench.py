@@ -35,15 +35,15 @@ from pathlib import Path
 
 import torch
 
-from ..engines.select import build_token2wav, resolve_engine, unavailable_reason
-from ..export.random_model import write_random_model
-from ..models.speech_lm import SpeechLM
-from ..runtime.llm_engine import LLMEngine
-from ..runtime.engine_backends import BatchingToken2Wav, EngineLLM
-from ..runtime.token2wav_engine import Token2WavEngine
-from ..server.launcher import ServeOptions
-from . import scenarios
-from .stats import RequestResult, percentile
+from cosyvoice_triton.engines.select import build_token2wav, resolve_engine, unavailable_reason
+from cosyvoice_triton.random_folder.write import write_random_model
+from cosyvoice_triton.models.speech_lm import SpeechLM
+from cosyvoice_triton.runtime.llm_engine import LLMEngine
+from cosyvoice_triton.runtime.engine_backends import BatchingToken2Wav, EngineLLM
+from cosyvoice_triton.runtime.token2wav_engine import Token2WavEngine
+from cosyvoice_triton.server.launcher import ServeOptions
+from cosyvoice_triton.perf import scenarios
+from cosyvoice_triton.perf.stats import RequestResult, percentile
 
 QUICK_RATIO = 3.0  # --quick: at most 3 speech tokens per text token, so the random LLM stops early
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -113,10 +113,10 @@ class Stack:
 def open_stack(model_dir: Path, args: argparse.Namespace, device: torch.device, onnx_dir: Path) -> Stack:
     """The engines and the orchestrator on `device`, set up as the Triton models set them up."""
     # Imported here, after stand_in_missing_packages(): these modules import wetext and soundfile.
-    from ..frontend.prompt import PromptEncoder
-    from ..frontend.text import TextFrontend
-    from ..runtime.orchestrator import Orchestrator
-    from ..runtime.request import SynthesisRequest
+    from cosyvoice_triton.frontend.prompt import PromptEncoder
+    from cosyvoice_triton.frontend.text import TextFrontend
+    from cosyvoice_triton.runtime.orchestrator import Orchestrator
+    from cosyvoice_triton.runtime.request import SynthesisRequest
 
     llm = SpeechLM.from_model_dir(model_dir, device=device, max_batch=args.llm_max_batch,
                                   max_seq_len=args.llm_max_seq_len)

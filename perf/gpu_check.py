@@ -29,14 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..engines.select import build_token2wav, open_campplus, unavailable_reason
-from ..engines.torch_runner import CudaGraphCall
-from ..export.onnx_export import token2wav_onnx
-from ..export.onnx_graphs import HiFTDecodeGraph, example_inputs
-from ..export.random_model import write_random_model
-from ..models.flow import FlowModel
-from ..models.hift import HiFTGenerator
-from ..models.hift_source import ZeroNoise
+from cosyvoice_triton.engines.onnx_export import token2wav_onnx
+from cosyvoice_triton.engines.onnx_graphs import HiFTDecodeGraph, example_inputs
+from cosyvoice_triton.engines.select import build_token2wav, open_campplus, unavailable_reason
+from cosyvoice_triton.engines.torch_runner import CudaGraphCall
+from cosyvoice_triton.models.flow import FlowModel
+from cosyvoice_triton.models.hift import HiFTGenerator
+from cosyvoice_triton.models.hift_source import ZeroNoise
+from cosyvoice_triton.random_folder.write import write_random_model
 
 MODULES = ("estimator step", "estimator 10-step loop", "HiFT", "CAM++")
 MEL_RATE, FBANK_RATE = 50, 100  # frames per second

@@ -26,11 +26,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..client.common import SAMPLE_RATE, wav_bytes
-from ..client.gateway_aio import AsyncGatewayTTS
-from ..client.triton_client import AsyncTritonTTS
-from .scenarios import Case
-from .stats import RequestResult, percentile  # noqa: F401 - part of this module's interface
+from cosyvoice_triton.client.common import SAMPLE_RATE, wav_bytes
+from cosyvoice_triton.client.gateway_aio import AsyncGatewayTTS
+from cosyvoice_triton.client.triton_client import AsyncTritonTTS
+from cosyvoice_triton.perf.scenarios import Case
+from cosyvoice_triton.perf.stats import RequestResult, percentile  # noqa: F401 - this module's interface
 
 VOICE_MODES = ("id", "audio")
 PATHS = ("grpc", "http", "ws")  # direct Triton gRPC; the gateway's streamed POST /v1/tts; its WebSocket

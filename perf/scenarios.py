@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..client.common import read_wav
-from ..export.sample_prompt import speech_like
+from cosyvoice_triton.client.common import read_wav
+from cosyvoice_triton.random_folder.sample_prompt import speech_like
 
 MAX_PROMPT_S = 5.0
 QUICK_PROMPT_S = 2.0

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import loadgen
+from cosyvoice_triton.perf import loadgen
 
 QUICK_RATIO = 3.0  # --quick: the random LLM stops after at most 3 speech tokens per text token
 # The bench's clients wait this long; a gateway started here must not give up on a stream earlier.
@@ -60,7 +60,7 @@ class Endpoint:
 
 def serve_options(settings: Settings, run_dir: Path, server_overrides: dict | None = None):
     """`ServeOptions` of a server started for the run: free ports, its own voice store in `run_dir`."""
-    from ..server.launcher import ServeOptions
+    from cosyvoice_triton.server.launcher import ServeOptions
 
     options = ServeOptions(model_dir=settings.model_dir, run_dir=run_dir, address="127.0.0.1", http_port=None,
                            grpc_port=None, metrics_port=None, device=settings.device,
@@ -73,7 +73,7 @@ def serve_options(settings: Settings, run_dir: Path, server_overrides: dict | No
 @contextmanager
 def started_server(options) -> Iterator:
     """A tritonserver on `options` (a `ServeOptions`), stopped when the block ends."""
-    from ..server.launcher import prepare
+    from cosyvoice_triton.server.launcher import prepare
 
     server = prepare(options, die_with_parent=True)
     print(f"starting tritonserver (log {server.log_path}) ...", file=sys.stderr, flush=True)
@@ -87,7 +87,7 @@ def started_server(options) -> Iterator:
 def gateway_config(server, options, max_concurrency: int):
     """A gateway in front of `server` (started on `options`) alone, sharing its voice store, with limits
     that leave the measurement to the server: the bench is its only client."""
-    from ..gateway.config import GatewayConfig, Limits, RoutingConfig, TritonTarget
+    from cosyvoice_triton.gateway.config import GatewayConfig, Limits, RoutingConfig, TritonTarget
 
     return GatewayConfig(triton=(TritonTarget(server.grpc_url, server.metrics_url),), host="127.0.0.1", port=0,
                          voice_store=options.voice_store, home=Path(options.run_dir) / "gateway",
@@ -101,7 +101,7 @@ def gateway_config(server, options, max_concurrency: int):
 @contextmanager
 def started_gateway(config) -> Iterator:
     """The gateway of `config` served from a thread of this process, ready; stopped when the block ends."""
-    from ..gateway.testing import GatewayThread
+    from cosyvoice_triton.gateway.testing import GatewayThread
 
     with GatewayThread(config) as gateway:
         gateway.wait_ready()

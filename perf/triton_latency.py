@@ -15,8 +15,8 @@ import statistics
 import threading
 import time
 
-from ..client.triton_client import TritonTTS
-from ..export.sample_prompt import speech_like
+from cosyvoice_triton.client.triton_client import TritonTTS
+from cosyvoice_triton.random_folder.sample_prompt import speech_like
 
 DEFAULT_TEXT = "the quick brown fox jumps over a lazy dog while"
 

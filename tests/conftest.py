@@ -62,7 +62,7 @@ def golden_model_dir(golden_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random model folder in the released layout, written once per test session."""
-    from cosyvoice_triton.export.random_model import write_random_model
+    from cosyvoice_triton.random_folder.write import write_random_model
 
     return write_random_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0)
 
@@ -70,6 +70,6 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def prompt_wav_16k() -> tuple[np.ndarray, int]:
     """A speech-like 3 s prompt recording at 16 kHz, made locally."""
-    from cosyvoice_triton.export.sample_prompt import speech_like
+    from cosyvoice_triton.random_folder.sample_prompt import speech_like
 
     return speech_like(3.0, 16000, seed=0), 16000

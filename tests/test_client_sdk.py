@@ -18,7 +18,7 @@ import pytest
 from cosyvoice_triton.client import (AsyncGatewayTTS, AsyncTritonTTS, GatewayTTS, TritonTTS, TTSError, read_wav,
                                      write_wav)
 from cosyvoice_triton.client.cli import main as cli_main
-from cosyvoice_triton.export.sample_prompt import speech_like
+from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from triton_harness import metric_value, scrape, wait_for_metric
 from web.stack import gateway, triton_server
 

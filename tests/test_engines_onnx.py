@@ -38,8 +38,8 @@ from cosyvoice_triton.engines.select import (RunnerHiFT, build_token2wav, open_c
 from cosyvoice_triton.engines.torch_runner import TorchRunner
 from cosyvoice_triton.engines.trt_build import (build_engine, declared_input_shapes, engine_cache_key,
                                                 engine_file, profile_shapes, token2wav_dim_ranges)
-from cosyvoice_triton.export.onnx_export import MANIFEST, token2wav_onnx
-from cosyvoice_triton.export.onnx_graphs import HiFTDecodeGraph, example_inputs, token2wav_specs
+from cosyvoice_triton.engines.onnx_export import MANIFEST, token2wav_onnx
+from cosyvoice_triton.engines.onnx_graphs import HiFTDecodeGraph, example_inputs, token2wav_specs
 from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise, ZeroNoise

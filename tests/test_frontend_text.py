@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cosyvoice_triton.errors import InvalidInput, ModelFolderError
-from cosyvoice_triton.export.tokenizer_standin import write_tokenizer_standin
+from cosyvoice_triton.random_folder.tokenizer_standin import write_tokenizer_standin
 from cosyvoice_triton.frontend.text import (TextFrontend, TextNormalizer, clean_chinese, cut_at_punctuation,
                                             is_only_punctuation, merge_pieces, spell_out_integer,
                                             spell_out_numbers, validate_text)

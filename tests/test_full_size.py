@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cosyvoice_triton.cli import main as cli_main
-from cosyvoice_triton.export.sample_prompt import speech_like
+from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
 from cosyvoice_triton.runtime.request import SynthesisRequest
 from cosyvoice_triton.runtime.synthesizer import CosyVoice2

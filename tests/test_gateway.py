@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from cosyvoice_triton.export.sample_prompt import speech_like
+from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.audio_out import encode
 from cosyvoice_triton.gateway.config import GatewayConfig, Limits, RoutingConfig
 from cosyvoice_triton.gateway.routes_ws import SentenceBuffer

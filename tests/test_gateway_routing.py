@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import soundfile as sf
 
-from cosyvoice_triton.export.sample_prompt import speech_like
+from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.gateway.config import GatewayConfig, RoutingConfig, TritonTarget
 from cosyvoice_triton.gateway.errors import ServiceUnavailable
 from cosyvoice_triton.gateway.routing import BASE_COST, ENCODE_COST, Backend, CostModel, Router

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from cosyvoice_triton.errors import InvalidInput, Unavailable
-from cosyvoice_triton.export.random_model import write_random_model
+from cosyvoice_triton.random_folder.write import write_random_model
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.runtime.llm_engine import (EngineUnavailable, LLMEngine, LLMRequest, LLMStepError,
                                                   LLMStream)

@@ -283,7 +283,7 @@ def test_server_runs_the_project_environment(echo_server):
 # -- the same model without Triton ------------------------------------------------------------------
 
 def test_echo_model_with_the_fake_pb_utils():
-    from cosyvoice_triton.server import pb_fake
+    import pb_fake
 
     template = (TEST_MODELS / "echo_stream" / "config.pbtxt").read_text()
     config = pb_fake.pbtxt_to_dict(render_template(template, {"instances": 1, "max_n": 10}))

@@ -1,4 +1,4 @@
-"""The in-process pipeline on a tiny folder written by `export/`: every mode, offline and streaming."""
+"""The in-process pipeline on a tiny random folder (`cosyvoice-triton export`): every mode, offline and streaming."""
 from __future__ import annotations
 
 import io
@@ -8,7 +8,7 @@ import pytest
 import soundfile as sf
 
 from cosyvoice_triton.errors import Cancelled, InvalidInput
-from cosyvoice_triton.export.sample_prompt import speech_like
+from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.frontend.audio import load_prompt_audio
 from cosyvoice_triton.runtime.request import SynthesisRequest
 from cosyvoice_triton.runtime.synthesizer import CosyVoice2

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cosyvoice_triton.export.sample_prompt import speech_like
+from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.triton.contracts import synthesis_inputs
 from triton_harness import GrpcStream, tritonserver_or_skip
 
@@ -33,7 +33,7 @@ ATOL = 1e-3
 @pytest.fixture(scope="module")
 def engine_model(tmp_path_factory) -> Path:
     """A tiny folder of its own: the servers export their graphs into `<model>/onnx`."""
-    from cosyvoice_triton.export.random_model import write_random_model
+    from cosyvoice_triton.random_folder.write import write_random_model
 
     return write_random_model(tmp_path_factory.mktemp("engines") / "model", size="tiny", seed=0)
 

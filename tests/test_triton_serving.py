@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cosyvoice_triton.export.sample_prompt import speech_like
+from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.triton.contracts import synthesis_inputs
 from triton_harness import (GrpcStream, grpc_inputs, metric_samples, metric_value, scrape, tritonserver_or_skip,
                             wait_for_metric)
@@ -39,7 +39,7 @@ ATOL = 2e-4
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from cosyvoice_triton.export.random_model import write_random_model
+    from cosyvoice_triton.random_folder.write import write_random_model
 
     return write_random_model(tmp_path_factory.mktemp("tiny") / "model", size="tiny", seed=0)
 

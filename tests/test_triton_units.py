@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.export.sample_prompt import speech_like
+from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.runtime.llm_engine import LLMRequest
 from cosyvoice_triton.runtime.sampling import SamplingParams
 from cosyvoice_triton.runtime.token2wav import FlowPrompt
 from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
-from cosyvoice_triton.server import pb_fake
 from cosyvoice_triton.server.launcher import DEFAULT_REPOSITORY, ServeOptions, repository_values
 from cosyvoice_triton.server.templates import model_names, render_template
 from cosyvoice_triton.triton import contracts
@@ -26,6 +25,7 @@ from cosyvoice_triton.triton.params import (CosyVoice2Params, LLMParams, Paramet
                                             RegisterVoiceParams, SpeakerEmbeddingParams, Token2WavParams,
                                             parse_parameters)
 from cosyvoice_triton.triton.tensors import RemoteError, TensorReader, classify, string_array
+import pb_fake
 
 REPO = DEFAULT_REPOSITORY
 RATE = 16000
@@ -37,7 +37,7 @@ PARAMS = {"llm": LLMParams, "token2wav": Token2WavParams, "cosyvoice2": CosyVoic
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from cosyvoice_triton.export.random_model import write_random_model
+    from cosyvoice_triton.random_folder.write import write_random_model
 
     return write_random_model(tmp_path_factory.mktemp("units") / "tiny", size="tiny", seed=0)
 

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from cosyvoice_triton.client import GatewayTTS, write_wav
-from cosyvoice_triton.export.sample_prompt import speech_like
+from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from web.cdp_browser import Chromium, find_chromium
 from web.stack import serve_stack
 

@@ -1,6 +1,6 @@
 """Export the token2wav graphs of a model folder to ONNX (see `onnx_graphs.py` for what each graph is).
 
-    python -m cosyvoice_triton.export.onnx_export --model-dir DIR --out DIR [--verify]
+    python -m cosyvoice_triton.engines.onnx_export --model-dir DIR --out DIR [--verify]
 
 writes `flow_encoder.onnx`, `flow_estimator.onnx`, `hift_decode.onnx` (opset 18, dynamic batch and time
 axes, weight norm already folded at load) and `manifest.json`, which records the sha256 of `flow.pt` and
@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from ..config import ModelPaths
-from ..engines.base import GraphSpec, sha256_file
 from ..models.flow import FlowModel
 from ..models.hift import HiFTGenerator
+from .base import GraphSpec, sha256_file
 from .onnx_graphs import HiFTDecodeGraph, example_inputs, token2wav_specs
 
 log = logging.getLogger(__name__)
@@ -114,8 +114,8 @@ def token2wav_onnx(model_dir: str | Path, onnx_dir: str | Path | None = None) ->
 def verify_token2wav(model_dir: str | Path, paths: dict[str, Path], batch: int = 2,
                      frames: int = 46) -> dict[str, float]:
     """Max abs difference between ONNX Runtime (CPU) and torch per graph, on `example_inputs` of that size."""
-    from ..engines.ort_runner import OrtRunner  # the exporter itself does not need onnxruntime
-    from ..engines.torch_runner import TorchRunner
+    from .ort_runner import OrtRunner  # the exporter itself does not need onnxruntime
+    from .torch_runner import TorchRunner
 
     flow = FlowModel.from_model_dir(model_dir)
     hift = HiFTGenerator.from_model_dir(model_dir)
@@ -130,7 +130,7 @@ def verify_token2wav(model_dir: str | Path, paths: dict[str, Path], batch: int =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cosyvoice_triton.export.onnx_export",
+    parser = argparse.ArgumentParser(prog="python -m cosyvoice_triton.engines.onnx_export",
                                      description="export the token2wav graphs (flow encoder, flow estimator, "
                                                  "HiFT decode) of a model folder to ONNX")
     parser.add_argument("--model-dir", required=True, type=Path)

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..engines.base import GraphSpec, Shapes
 from ..models.flow import FlowConfig
 from ..models.hift import HiFTConfig, HiFTGenerator
+from .base import GraphSpec, Shapes
 
 CAMPPLUS_EMBEDDING_DIM = 192
 

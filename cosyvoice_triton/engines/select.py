@@ -13,7 +13,7 @@ With "onnxruntime" or "tensorrt" the returned FlowModel runs its encoder and the
 Euler step on that engine (`RunnerModule` in their place) and keeps the rest in torch: embeddings,
 masks, the fixed noise, the 10-step loop and the guidance mix. The returned HiFT is a `RunnerHiFT`: F0
 predictor and harmonic source in torch (the source draws each request's noise), `decode` on the engine.
-The ONNX graphs come from `export.onnx_export.token2wav_onnx` (exported on first use into
+The ONNX graphs come from `engines.onnx_export.token2wav_onnx` (exported on first use into
 `<model_dir>/onnx` unless `onnx_dir` is given); TensorRT engines are cached under `<onnx_dir>/trt`.
 """
 from __future__ import annotations
@@ -108,8 +108,8 @@ def build_token2wav(model_dir: str | Path, engine: str = "torch", device: str | 
 
     precision: TensorRT only ("fp32", "fp16", "bf16"); the others run fp32. max_streams / max_seconds:
     the TensorRT profile (flow rows per call, i.e. 2 * max_streams estimator rows, and mel length)."""
-    from ..export.onnx_export import token2wav_onnx  # the exporter loads only when a graph engine is used
-    from ..export.onnx_graphs import token2wav_specs
+    from .onnx_export import token2wav_onnx  # the exporter loads only when a graph engine is used
+    from .onnx_graphs import token2wav_specs
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -140,7 +140,7 @@ def open_campplus(model_dir: str | Path, engine: str = "onnxruntime", device: st
     last fallback is ONNX Runtime on the CPU, as the official frontend runs it (one warning line; the
     runner's `device` says where its outputs are). TensorRT engines are cached in `cache_dir` (default
     `<model_dir>/onnx/trt`)."""
-    from ..export.onnx_graphs import campplus_spec
+    from .onnx_graphs import campplus_spec
 
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")

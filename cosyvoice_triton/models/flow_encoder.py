@@ -90,7 +90,7 @@ class RelPositionSelfAttention(nn.Module):
         self.linear_v = nn.Linear(dim, dim)
         self.linear_out = nn.Linear(dim, dim)
         self.linear_pos = nn.Linear(dim, dim, bias=False)
-        # Checkpoints overwrite these; the init matters only for random models (export/), where
+        # Checkpoints overwrite these; the init matters only for random models (random_folder/), where
         # uninitialised memory could hold huge values.
         self.pos_bias_u = nn.Parameter(nn.init.xavier_uniform_(torch.empty(n_heads, self.head_dim)))
         self.pos_bias_v = nn.Parameter(nn.init.xavier_uniform_(torch.empty(n_heads, self.head_dim)))

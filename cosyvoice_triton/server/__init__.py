@@ -2,8 +2,8 @@
 
 `binary` finds the executable and stages the Python backend; `templates` renders `config.pbtxt`
 templates into a run folder; `process` starts and stops a server whose Python models import from a
-chosen environment (its docstring records what the Python backend needs); `pb_fake` is a stand-in for
-`triton_python_backend_utils` to unit-test a `model.py` without Triton.
+chosen environment (its docstring records what the Python backend needs). (The stand-in for
+`triton_python_backend_utils` that unit-tests a `model.py` without Triton is tests/pb_fake.py.)
 """
 from __future__ import annotations
 

@@ -39,8 +39,11 @@ from cosyvoice_triton.triton.params import Engine, Precision
 ENGINES = typing.get_args(Engine)  # torch | onnxruntime | tensorrt
 PRECISIONS = typing.get_args(Precision)  # fp32 | fp16 | bf16
 
+# The templates: model_repository/ of the checkout (an editable install), or the copy a wheel carries
+# as package data in cosyvoice_triton/model_repository (pyproject.toml).
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
+PACKAGED_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
+DEFAULT_REPOSITORY = PACKAGED_REPOSITORY if PACKAGED_REPOSITORY.is_dir() else REPO_ROOT / "model_repository"
 
 
 def cosyvoice_home() -> Path:
@@ -90,7 +93,7 @@ def default_model_dir() -> Path:
     target = cosyvoice_home() / "models" / "tiny"
     if (target / "cosyvoice2.yaml").exists() and (target / "speech_tokenizer_v2.onnx").exists():
         return target
-    from cosyvoice_triton.export.random_model import write_random_model
+    from cosyvoice_triton.random_folder.write import write_random_model
 
     staging = target.parent / f".tiny-{os.getpid()}"
     write_random_model(staging, size="tiny")

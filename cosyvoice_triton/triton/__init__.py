@@ -1,6 +1,6 @@
 """Library side of the Triton models in `model_repository/`: everything a `model.py` needs that can
 live outside it. `pb_utils` is never imported here; functions that need it take it as `pb`, so
-all of this is unit-testable with `cosyvoice_triton.server.pb_fake`.
+all of this is unit-testable with the fake `pb_utils` in tests/pb_fake.py.
 
 contracts  the tensor contracts between models (module docstring), with builders and parsers
 tensors    typed reading of request tensors (errors name the input), errors as TritonErrors

@@ -8,7 +8,8 @@ stderr with no model name, and its info lines not at all.
         flow, hift = build_token2wav(...)
 
 Scoped to a block, so that nothing stays attached to the library's loggers: in a test process that
-loads model files under `pb_fake`, a lasting handler would log every later record twice.
+loads model files under the fake pb_utils (tests/pb_fake.py), a lasting handler would log every later
+record twice.
 """
 from __future__ import annotations
 

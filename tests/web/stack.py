@@ -33,7 +33,7 @@ class Stack:
 
 @contextmanager
 def triton_server(root: Path, model_dir: Path | None = None) -> Iterator[tuple[object, Path, str]]:
-    from cosyvoice_triton.export.random_model import write_random_model
+    from cosyvoice_triton.random_folder.write import write_random_model
     from cosyvoice_triton.server.launcher import ServeOptions, prepare
     from triton_harness import tritonserver_or_skip
 

@@ -1,0 +1,115 @@
+"""Dependencies point one way: the tool folders (client/, gateway/, perf/) import the library, never the
+reverse, and the Triton model files import only the library.
+
+Read from the source with `ast`, nothing imported: every `import` / `from ... import` (absolute or
+relative, resolved against the file's own package) and every `importlib.import_module("...")` /
+`__import__("...")` with a literal name.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = REPO_ROOT / "cosyvoice_triton"
+TOOLS = ("client", "gateway", "perf", "export")  # export/: the folder that was; it must not come back
+TOOL_PACKAGES = tuple(f"cosyvoice_triton.{name}" for name in TOOLS)
+TOOL_FOLDERS = {"client": REPO_ROOT / "client", "gateway": REPO_ROOT / "gateway", "perf": REPO_ROOT / "perf"}
+
+
+def module_name(path: Path, root: Path, package: str) -> str:
+    """`root/a/b.py` -> "package.a.b"; `root/a/__init__.py` -> "package.a"."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([package, *parts])
+
+
+def imported_names(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of everything `path` (the module `module`) imports."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = resolve_relative(module, is_package, node.module, node.level)
+            names.append((node.lineno, base))
+            names += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]  # `from pkg import sub`
+        elif isinstance(node, ast.Call) and _is_dynamic_import(node.func) and node.args:
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                names.append((node.lineno, first.value))
+    return names
+
+
+def resolve_relative(module: str, is_package: bool, name: str | None, level: int) -> str:
+    if level == 0:
+        return name or ""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    base = package[:len(package) - (level - 1)] if level > 1 else package
+    return ".".join([*base, *([name] if name else [])])
+
+
+def _is_dynamic_import(func: ast.expr) -> bool:
+    if isinstance(func, ast.Attribute):
+        return func.attr == "import_module"
+    return isinstance(func, ast.Name) and func.id in ("import_module", "__import__")
+
+
+def names_a_tool(name: str) -> bool:
+    return any(name == tool or name.startswith(tool + ".") for tool in TOOL_PACKAGES + TOOLS)
+
+
+def test_the_import_scan_sees_every_form(tmp_path):
+    """The checker itself: each way of naming a tool folder is caught, library imports are not."""
+    package = tmp_path / "cosyvoice_triton" / "server"
+    package.mkdir(parents=True)
+    source = package / "bad.py"
+    source.write_text("import cosyvoice_triton.gateway.app\n"
+                      "from cosyvoice_triton.perf import bench\n"
+                      "from ..client.common import read_wav\n"
+                      "from .. import export\n"
+                      "import importlib\n"
+                      "importlib.import_module('cosyvoice_triton.gateway.config')\n"
+                      "from ..runtime import request\n"
+                      "from .launcher import serve\n")
+    found = {name for _, name in imported_names(source, "cosyvoice_triton.server.bad") if names_a_tool(name)}
+    assert found == {"cosyvoice_triton.gateway.app", "cosyvoice_triton.perf", "cosyvoice_triton.perf.bench",
+                     "cosyvoice_triton.client.common", "cosyvoice_triton.client.common.read_wav",
+                     "cosyvoice_triton.export", "cosyvoice_triton.gateway.config"}
+
+
+def test_the_library_never_imports_a_tool_folder():
+    offenders = []
+    for path in sorted(LIBRARY.rglob("*.py")):
+        module = module_name(path, LIBRARY, "cosyvoice_triton")
+        offenders += [f"{path.relative_to(REPO_ROOT)}:{line} imports {name}"
+                      for line, name in imported_names(path, module) if names_a_tool(name)]
+    assert not offenders, "the library imports a tool folder:\n" + "\n".join(offenders)
+
+
+def test_model_files_never_import_a_tool_folder():
+    model_files = sorted((REPO_ROOT / "model_repository").glob("*/1/model.py"))
+    assert len(model_files) >= 6, model_files
+    offenders = []
+    for path in model_files:
+        offenders += [f"{path.relative_to(REPO_ROOT)}:{line} imports {name}"
+                      for line, name in imported_names(path, "model") if names_a_tool(name)]
+    assert not offenders, "a model.py imports a tool folder:\n" + "\n".join(offenders)
+
+
+def test_tool_folders_import_the_library_by_absolute_name():
+    """`from cosyvoice_triton.models.flow import ...`, never `from ..models...`: `..` of a tool folder is
+    the repository root on disk, a package only through pyproject's package-dir mapping. (A tool's own
+    siblings may be named relatively, `from .config import ...`.)"""
+    offenders = []
+    for folder, root in TOOL_FOLDERS.items():
+        for path in sorted(root.rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            depth = len(path.relative_to(root).parts)  # `.` .. this many dots stay inside the folder
+            offenders += [f"{path.relative_to(REPO_ROOT)}:{node.lineno} from {'.' * node.level}{node.module or ''}"
+                          for node in ast.walk(tree)
+                          if isinstance(node, ast.ImportFrom) and node.level > depth]
+    assert not offenders, "relative import out of a tool folder:\n" + "\n".join(offenders)
