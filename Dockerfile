@@ -37,8 +37,9 @@ RUN python3 -m pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERS
         "wetext" "tritonclient[all]" "aiohttp" "websockets" "redis" "prometheus-client" "tensorrt"
 
 COPY . .
-# Editable on purpose: the launcher renders templates from <repo>/model_repository and the gateway
-# serves gateway/static, both found next to the source (they are not package data).
+# Editable, so the image runs the tree it was built from, as a checkout does. A plain install works too:
+# the model_repository templates, gateway/static and the default voice are package data of the wheel
+# (tests/test_packaging.py).
 # onnxruntime (a base dependency) and onnxruntime-gpu install the same module; keep the GPU one.
 RUN python3 -m pip install -c deploy/docker/constraints.txt -e ".[gpu]" \
  && python3 -m pip uninstall -y onnxruntime \
