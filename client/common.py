@@ -164,11 +164,3 @@ def _is_float_extensible(raw: bytes) -> bool:
     at = raw.find(b"fmt ")
     return at >= 0 and struct.unpack("<H", raw[at + 8 + 24:at + 8 + 26])[0] == 3
 
-
-def pcm_to_float(data: bytes, encoding: str = "pcm_f32") -> np.ndarray:
-    """Raw little-endian PCM (`pcm_f32` or `pcm_s16le`) as float32 samples."""
-    if encoding == "pcm_f32":
-        return np.frombuffer(data, "<f4").astype(np.float32)
-    if encoding == "pcm_s16le":
-        return np.frombuffer(data, "<i2").astype(np.float32) / 32768.0
-    raise ValueError(f"unknown PCM encoding {encoding!r}")
