@@ -192,9 +192,10 @@ def test_mixed_streams_equal_solo_runs(flow, hift, voices, references, monkeypat
 
 
 def test_first_chunks_go_first(flow, hift, references, monkeypatch):
-    """max_batch 2: three first chunks and two later ones in one call take three flow batches."""
+    """max_batch 2: three first chunks and two later ones in one call take three flow batches. The clock
+    stands still, so s1 and s2 are still ahead of their listeners (their deadlines lie after now)."""
     refs = references
-    engine = Token2WavEngine(flow, hift, max_batch=2)
+    engine = Token2WavEngine(flow, hift, max_batch=2, clock=FakeClock())
     assert all(isinstance(r, np.ndarray) for r in engine.run([refs["s1"].chunks[0], refs["s2"].chunks[0]]))
     batches: list[list[int]] = []  # prompt lengths of each flow call's rows; they tell the streams apart
     inference = flow.inference
@@ -210,6 +211,37 @@ def test_first_chunks_go_first(flow, hift, references, monkeypatch):
     for (stream_id, j), result in zip(order, results):
         assert_audio_equal([result], [refs[stream_id].audio[j]])
     assert engine.stats.last_flow_batch == 1 and engine.stats.active_streams == 5
+
+
+def test_chunks_go_by_deadline(flow, hift, references, monkeypatch):
+    """max_batch 1: a stream whose listener ran dry goes before a new stream (deadline now), which goes
+    before a stream that is still ahead; streams with equal deadlines keep their input order."""
+    refs, clock = references, FakeClock()
+    engine = Token2WavEngine(flow, hift, max_batch=1, clock=clock)
+    engine.run([refs["s1"].chunks[0]])
+    clock.now = 10.0
+    engine.run([refs["s2"].chunks[0]])
+    audio_s = {sid: refs[sid].audio[0].size / hift.config.sampling_rate for sid in ("s1", "s2")}
+    assert engine.deadline("s1", clock.now) == pytest.approx(0.0 + audio_s["s1"])  # first audio + audio made
+    assert engine.deadline("s2", clock.now) == pytest.approx(10.0 + audio_s["s2"])
+    assert engine.deadline("new", clock.now) == clock.now
+    clock.now = 10.0 + audio_s["s2"] / 2  # s1 ran dry long ago; s2 is still ahead
+    prompt_lengths: list[int] = []
+    inference = flow.inference
+
+    def spy(**inputs):
+        prompt_lengths.extend(inputs["prompt_token_len"].tolist())
+        return inference(**inputs)
+
+    monkeypatch.setattr(flow, "inference", spy)
+    order = [("s2", 1), ("s3", 0), ("s1", 1), ("s0", 0)]  # input order: ahead, new, dry, new
+    results = engine.run([refs[stream_id].chunks[j] for stream_id, j in order])
+    assert prompt_lengths == [15, 30, 20, 12]  # s1 (dry) | s3, s0 (new, in input order) | s2 (ahead)
+    for (stream_id, j), result in zip(order, results):
+        assert_audio_equal([result], [refs[stream_id].audio[j]])
+    # s1's second chunk moved its deadline on by that chunk's audio
+    later = refs["s1"].audio[1].size / hift.config.sampling_rate
+    assert engine.deadline("s1", clock.now) == pytest.approx(audio_s["s1"] + later)
 
 
 def test_idle_streams_are_swept(flow, hift, references):

@@ -11,10 +11,13 @@ with the same chunk boundaries and vocoder seed:
   2 * offset on; the state is freed afterwards.
 
 All chunks of one `run` go through one flow call (rows padded; the flow masks per row), at most
-`max_batch` rows, first chunks of streams first. HiFT is non-causal, so only rows with the same number of
-mel frames share a vocoder call. A chunk that fails its checks changes nothing, and a stream's tokens,
-offset and caches change only once the audio of its whole batch is made (an unexpected failure of the
-batch leaves them as they were; only a vocoder noise generator may have moved on).
+`max_batch` rows, earliest deadline first: a stream's deadline is the moment its listener would run dry
+(the clock time of its first audio + the seconds of audio made since), a new stream's is now; so first
+chunks and streams that are running low go before streams that are well ahead. HiFT is non-causal, so
+only rows with the same number of mel frames share a vocoder call. A chunk that fails its checks changes
+nothing, and a stream's tokens, offset and caches change only once the audio of its whole batch is made
+(an unexpected failure of the batch leaves them as they were; only a vocoder noise generator may have
+moved on).
 One caller at a time: Triton runs `execute` of an instance serially.
 """
 from __future__ import annotations
@@ -72,6 +75,12 @@ class _Stream:
     tokens: list[int]
     offset: int  # tokens already turned into audio
     last_active: float  # clock() of the latest chunk
+    first_audio_at: float | None = None  # clock() when its first audio was made; None: none yet
+    audio_s: float = 0.0  # seconds of audio made so far
+
+    def deadline(self, now: float) -> float:
+        """When this stream's listener runs dry if it gets no more audio (now, before its first audio)."""
+        return now if self.first_audio_at is None else self.first_audio_at + self.audio_s
 
 
 @dataclass
@@ -149,14 +158,19 @@ class Token2WavEngine:
             mean_flow_batch=self._flow_rows / self._flow_calls if self._flow_calls else 0.0,
             chunks_served=self._served, chunks_failed=self._failed, freed=dict(self._freed))
 
+    def deadline(self, stream_id: str, now: float) -> float:
+        """The clock time at which a stream's listener would run dry (`now` for a stream with no audio yet)."""
+        stream = self._streams.get(stream_id)
+        return now if stream is None else stream.deadline(now)
+
     # ---- planning ----
 
     def _next_batch(self, chunks: list[ChunkRequest], pending: dict[str, deque[int]],
                     results: list, now: float) -> list[_Row]:
-        """Take up to max_batch chunks, at most one per stream, first chunks of streams first.
+        """Take up to max_batch chunks, at most one per stream, earliest deadline first (ties: input order).
         Chunks that fail their checks get their error and take no place in the batch."""
         heads = sorted((queue[0] for queue in pending.values()),
-                       key=lambda i: (chunks[i].stream_id in self._streams, i))
+                       key=lambda i: (self.deadline(chunks[i].stream_id, now), i))
         rows: list[_Row] = []
         for index in heads:
             if len(rows) == self.max_batch:
@@ -257,7 +271,7 @@ class Token2WavEngine:
                 audio.append(np.zeros(0, dtype=np.float32))
             else:
                 audio.append(row.stream.vocoder.commit(mel, wave, source, row.finalize)[0].float().cpu().numpy())
-            self._commit(row)
+            self._commit(row, audio[-1].size)
         return audio
 
     def _flow_mels(self, rows: list[_Row]) -> list[Tensor]:
@@ -307,9 +321,12 @@ class Token2WavEngine:
                 out[b] = (audio[g:g + 1].clone(), source[g:g + 1].clone())
         return out
 
-    def _commit(self, row: _Row) -> None:
+    def _commit(self, row: _Row, samples: int) -> None:
         row.stream.tokens = row.tokens
         row.stream.offset = row.new_offset
+        if samples and row.stream.first_audio_at is None:
+            row.stream.first_audio_at = self.clock()
+        row.stream.audio_s += samples / self.hift.config.sampling_rate
         self._streams[row.stream_id] = row.stream  # registers a new stream, even one that ends at once
         if row.finalize:
             self._free(row.stream_id, "finalize")
