@@ -66,3 +66,25 @@ def test_a_long_bad_id_is_echoed_short():
         check_voice_id("x" * 10_000 + "!", "voice_id")
     assert len(str(caught.value)) < 200 and "10003 characters" in str(caught.value)
     assert short_repr(io.BytesIO()) == "a BytesIO"
+
+
+def test_nan_and_inf_are_refused_at_model_boundaries():
+    import torch
+
+    from cosyvoice_triton.runtime.finite import check_chunk_finite, check_finite
+
+    assert check_finite("wav16k", np.zeros(4, np.float32)).shape == (4,)
+    for bad in (np.array([0.0, np.nan], np.float32), torch.tensor([np.inf])):
+        with pytest.raises(InvalidInput, match="NaN or infinite") as caught:
+            check_finite("wav16k", bad)
+        assert caught.value.field == "wav16k"
+
+    class Prompt:
+        mel, embedding = torch.zeros(1, 4, 80), torch.full((1, 192), float("nan"))
+
+    class Chunk:
+        prompt = Prompt()
+
+    with pytest.raises(InvalidInput) as caught:
+        check_chunk_finite(Chunk())
+    assert caught.value.field == "embedding"

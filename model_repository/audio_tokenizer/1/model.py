@@ -10,6 +10,7 @@ import triton_python_backend_utils as pb_utils
 from cosyvoice_triton.config import ModelPaths
 from cosyvoice_triton.engines.onnx_session import open_session
 from cosyvoice_triton.frontend.prompt import PromptEncoder
+from cosyvoice_triton.runtime.finite import check_finite
 from cosyvoice_triton.triton.params import PromptStepParams, parse_parameters
 from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each
 
@@ -26,5 +27,6 @@ class TritonPythonModel:
 
     def outputs(self, request) -> dict[str, np.ndarray]:
         wav16k = TensorReader(request_arrays(request), batched=True).array("wav16k", np.float32, 1, required=True)
+        check_finite("wav16k", wav16k)
         tokens = self.encoder.speech_tokens(wav16k)
         return {"speech_tokens": tokens.astype(np.int32).reshape(1, -1)}

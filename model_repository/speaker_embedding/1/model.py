@@ -11,6 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.engines.select import open_campplus
 from cosyvoice_triton.frontend.prompt import PromptEncoder
+from cosyvoice_triton.runtime.finite import check_finite
 from cosyvoice_triton.triton.logs import library_logs_to_triton
 from cosyvoice_triton.triton.params import SpeakerEmbeddingParams, parse_parameters
 from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each
@@ -25,7 +26,8 @@ class TritonPythonModel:
         torch.set_num_threads(1)
         onnx_dir = Path(params.onnx_dir) if params.onnx_dir else Path(params.model_dir) / "onnx"
         with library_logs_to_triton(pb_utils, self.name):
-            runner = open_campplus(params.model_dir, params.engine, params.device, cache_dir=onnx_dir / "trt")
+            runner = open_campplus(params.model_dir, params.engine, params.device, cache_dir=onnx_dir / "trt",
+                                   ort_providers=params.ort_providers)
         self.encoder = PromptEncoder(campplus=runner, speech_tokenizer=None)  # only .speaker_embedding
 
     def execute(self, requests):
@@ -33,4 +35,5 @@ class TritonPythonModel:
 
     def outputs(self, request) -> dict[str, np.ndarray]:
         wav16k = TensorReader(request_arrays(request), batched=True).array("wav16k", np.float32, 1, required=True)
+        check_finite("wav16k", wav16k)
         return {"embedding": self.encoder.speaker_embedding(wav16k).reshape(1, -1)}

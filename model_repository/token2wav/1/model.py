@@ -27,6 +27,7 @@ from cosyvoice_triton.engines.select import build_token2wav
 from cosyvoice_triton.runtime.token2wav_engine import Token2WavEngine
 from cosyvoice_triton.triton import instance_device
 from cosyvoice_triton.triton.bls import bls_request
+from cosyvoice_triton.runtime.finite import check_chunk_finite
 from cosyvoice_triton.triton.contracts import StreamCancel, parse_chunk, token2wav_cancel_inputs
 from cosyvoice_triton.triton.logs import library_logs_to_triton
 from cosyvoice_triton.triton.metrics import TOKEN2WAV_METRICS, ModelMetrics, instance_labels
@@ -67,7 +68,7 @@ class TritonPythonModel:
             ticks = 0
             for i, request in enumerate(requests):
                 try:
-                    item = parse_chunk(TensorReader(request_arrays(request), batched=True))
+                    item = check_chunk_finite(parse_chunk(TensorReader(request_arrays(request), batched=True)))
                 except Exception as exc:  # noqa: BLE001 - answered to this request only
                     responses[i] = error_response(pb_utils, exc, self.name)
                     continue
