@@ -27,7 +27,7 @@ from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.frontend.audio import load_prompt_audio
 from cosyvoice_triton.frontend.text import validate_text
 from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
-from cosyvoice_triton.runtime.request_limits import MODES, SEED_LIMIT
+from cosyvoice_triton.messages import MODES, SEED_LIMIT
 from cosyvoice_triton.runtime.voice_store import check_voice_id
 
 from .default_voice import VOICE_ID as DEFAULT_VOICE_ID

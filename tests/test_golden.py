@@ -26,7 +26,7 @@ from cosyvoice_triton.models.flow import FlowConfig, FlowMatching, FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise, RecordedNoise, ZeroNoise
 from cosyvoice_triton.models.speech_lm import SpeechLM
-from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
+from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy, ChunkSchedule
 from cosyvoice_triton.runtime.sampling import greedy_sampler
 from cosyvoice_triton.runtime.token2wav import FlowPrompt, Token2Wav
 from cosyvoice_triton.runtime.vocoder_stream import VocoderStream
@@ -358,7 +358,7 @@ def synthesize(flow: FlowModel, hift: HiFTGenerator, prompt: FlowPrompt, tokens:
     stream = engine.stream(prompt, ZeroNoise(), lookahead=policy.lookahead if policy else None)
     chunks, sent = [], 0
     if policy is not None:
-        schedule = policy.schedule(prompt.speech_tokens.shape[1])
+        schedule = ChunkSchedule(policy, prompt.speech_tokens.shape[1])
         for count in range(1, len(tokens) + 1):
             while count >= schedule.needed:
                 _, end = schedule.advance()

@@ -16,7 +16,7 @@ from cosyvoice_triton.errors import InvalidInput, NotFound, Unavailable
 from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise
-from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
+from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy, ChunkSchedule
 from cosyvoice_triton.runtime.token2wav import FlowPrompt, Token2Wav
 from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest, Token2WavEngine
 
@@ -98,7 +98,7 @@ def voices(golden: dict) -> dict[str, Voice]:
 
 def solo(token2wav: Token2Wav, voice: Voice) -> Reference:
     """Cut the tokens where the voice's chunk schedule says, and run the chunks through Token2WavStream."""
-    schedule = voice.policy.schedule(voice.prompt.speech_tokens.shape[1])
+    schedule = ChunkSchedule(voice.policy, voice.prompt.speech_tokens.shape[1])
     ends = [0]
     while voice.streaming and schedule.needed <= len(voice.tokens):
         ends.append(schedule.advance()[1])

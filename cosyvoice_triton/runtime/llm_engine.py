@@ -33,7 +33,8 @@ from torch import Tensor
 
 from ..errors import CosyVoiceError, InvalidInput, Unavailable
 from ..models.speech_lm import SpeechLM
-from .sampling import MAX_SEED, RasSampler, SamplingParams, make_generator
+from ..messages import LLMRequest, SamplingParams, check_seed
+from .sampling import RasSampler, make_generator
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +47,6 @@ class EngineUnavailable(Unavailable):
 
 class LLMStepError(CosyVoiceError):
     """A prefill, decode step or draw failed for this stream; the engine carries on. Maps to INTERNAL."""
-
-
-@dataclass(frozen=True)
-class LLMRequest:
-    request_id: str
-    text_tokens: list[int]  # the sentence to speak
-    prompt_text_tokens: list[int]  # empty in cross_lingual; instruction tokens in instruct2
-    prompt_speech_tokens: list[int]  # empty outside zero_shot
-    sampling: SamplingParams  # its `seed` is ignored: `seed` below seeds the stream
-    seed: int
 
 
 @dataclass(frozen=True)
@@ -235,8 +226,7 @@ class LLMEngine:
         if not isinstance(request.sampling, SamplingParams):
             raise InvalidInput("sampling", f"must be SamplingParams, got {type(request.sampling).__name__}")
         request.sampling.validate()
-        if not _is_int(request.seed) or not 0 <= request.seed <= MAX_SEED:
-            raise InvalidInput("seed", f"must be an integer in [0, 2**64), got {request.seed!r}")
+        check_seed(request.seed)
         prompt_len = _prompt_len(request)
         if prompt_len >= self.max_seq_len:
             raise InvalidInput("text_tokens", f"the prompt takes {prompt_len} positions (text "

@@ -15,10 +15,10 @@ import numpy as np
 
 from ..errors import Cancelled
 from ..frontend.text import TextFrontend
-from .llm_engine import LLMRequest
-from .request import END_OF_PROMPT, SynthesisRequest, random_seed, sentence_seeds
-from .token2wav import FlowPrompt
-from .token2wav_engine import ChunkRequest
+from ..messages import ChunkRequest, FlowPrompt, LLMRequest, SynthesisRequest
+from .chunk_policy import ChunkSchedule
+from .llm_generate import generate
+from .request import END_OF_PROMPT, random_seed, sentence_seeds
 
 
 class TokenStream(Protocol):
@@ -87,7 +87,7 @@ class Orchestrator:
     def _sentence(self, request: SynthesisRequest, llm_request: LLMRequest, prompt: FlowPrompt, vocoder_seed: int,
                   stream: bool, is_cancelled: Callable[[], bool]) -> Iterator[np.ndarray]:
         stream_id = llm_request.request_id
-        schedule = request.chunk_policy.schedule(prompt.speech_tokens.shape[1])
+        schedule = ChunkSchedule(request.chunk_policy, prompt.speech_tokens.shape[1])
         tokens: list[int] = []
         sent = 0  # tokens already handed to token2wav
         opened = finished = False
@@ -140,7 +140,7 @@ class _GeneratorStream:
 
 
 class ReferenceLLM:
-    """LLMBackend that runs `SpeechLM.generate` in the caller's thread, one stream at a time."""
+    """LLMBackend that runs `llm_generate.generate` in the caller's thread, one stream at a time."""
 
     def __init__(self, llm):
         self.llm = llm
@@ -151,9 +151,9 @@ class ReferenceLLM:
         def as_tensor(ids: list[int]) -> torch.Tensor:
             return torch.tensor([ids], dtype=torch.int32).reshape(1, -1)
 
-        tokens = self.llm.generate(as_tensor(request.text_tokens), as_tensor(request.prompt_text_tokens),
-                                   as_tensor(request.prompt_speech_tokens), request.sampling,
-                                   torch.Generator().manual_seed(request.seed))
+        tokens = generate(self.llm, as_tensor(request.text_tokens), as_tensor(request.prompt_text_tokens),
+                          as_tensor(request.prompt_speech_tokens), request.sampling,
+                          torch.Generator().manual_seed(request.seed))
         return _GeneratorStream(tokens)
 
 

@@ -1,38 +1,12 @@
-"""What one synthesis request asks for, and the seeds every path derives from it."""
+"""The seeds every path derives from a synthesis request (`messages.SynthesisRequest`)."""
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..errors import InvalidInput
-from ..frontend.voice_features import PromptFeatures
-from .chunk_policy import ChunkPolicy
-from .request_limits import MODES, SEED_LIMIT
-from .sampling import SamplingParams
+from ..messages import SEED_LIMIT, SynthesisRequest  # noqa: F401 - the request itself is a message
 
 END_OF_PROMPT = "<|endofprompt|>"
-
-
-@dataclass
-class SynthesisRequest:
-    text: str
-    voice: PromptFeatures
-    mode: str = "zero_shot"
-    instruct_text: str = ""
-    seed: int | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    chunk_policy: ChunkPolicy = field(default_factory=ChunkPolicy)
-
-    def validate(self) -> "SynthesisRequest":
-        if self.mode not in MODES:
-            raise InvalidInput("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.mode == "instruct2" and not self.instruct_text.strip():
-            raise InvalidInput("instruct_text", "is required in instruct2 mode")
-        if self.mode == "zero_shot" and not self.voice.text.strip():
-            raise InvalidInput("reference_text", "is required in zero_shot mode (the transcript of the voice prompt)")
-        self.sampling.validate()
-        self.chunk_policy.validate()
-        return self
 
 
 @dataclass(frozen=True)

@@ -14,49 +14,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from cosyvoice_triton.errors import InvalidInput
-
-MAX_SEED = 2**64 - 1
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """RAS settings; the defaults are the released `cosyvoice2.yaml` values (`llm.sampling`)."""
-
-    top_p: float = 0.8
-    top_k: int = 25
-    win_size: int = 10
-    tau_r: float = 0.1
-    seed: int | None = None
-
-    def validate(self) -> SamplingParams:
-        """Raise InvalidInput naming the first out-of-range field; return self."""
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidInput("top_p", f"must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 1:
-            raise InvalidInput("top_k", f"must be an integer >= 1, got {self.top_k!r}")
-        if not _is_int(self.win_size) or self.win_size < 1:
-            raise InvalidInput("win_size", f"must be an integer >= 1, got {self.win_size!r}")
-        if not _is_real(self.tau_r) or self.tau_r < 0.0:
-            raise InvalidInput("tau_r", f"must be a finite number >= 0, got {self.tau_r!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise InvalidInput("seed", f"must be null or an integer in [0, 2**64), got {self.seed!r}")
-        return self
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+from cosyvoice_triton.messages import SamplingParams  # noqa: F401 - the message lives there
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -6,23 +6,13 @@ shared between streams, so many can run side by side; `close()` frees the state.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from ..messages import FlowPrompt
 from ..models.flow import FlowModel
 from ..models.hift import HiFTGenerator
 from .vocoder_stream import VocoderStream
-
-
-@dataclass
-class FlowPrompt:
-    """The flow-side prompt of a voice."""
-
-    speech_tokens: torch.Tensor  # (1, P) int32
-    mel: torch.Tensor  # (1, 2P, 80) float32
-    embedding: torch.Tensor  # (1, 192) float32
 
 
 class Token2Wav:

@@ -37,23 +37,12 @@ from ..errors import CosyVoiceError, InvalidInput, NotFound, Unavailable
 from ..models.flow import FlowModel
 from ..models.hift import HiFTGenerator
 from ..models.hift_source import GeneratorNoise, StackedNoise
-from .chunk_policy import MIN_HOP_TOKENS
-from .token2wav import FlowPrompt
+from ..messages import MIN_HOP_TOKENS, ChunkRequest, FlowPrompt, check_seed
 from .vocoder_stream import VocoderStream
 
 log = logging.getLogger(__name__)
 
 FREE_REASONS = ("finalize", "cancel", "idle")
-SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
-
-
-@dataclass
-class ChunkRequest:
-    stream_id: str
-    tokens: list[int]  # new speech tokens since this stream's previous request (may be empty on a final call)
-    finalize: bool  # last chunk of the stream: emit everything, then free the state
-    prompt: FlowPrompt | None  # required on the first request of a stream, ignored afterwards
-    seed: int | None  # vocoder noise seed, used on the first request (None -> random)
 
 
 @dataclass(frozen=True)
@@ -213,8 +202,8 @@ class Token2WavEngine:
             raise Unavailable(f"stream {chunk.stream_id!r}: all max_streams={self.max_streams} stream slots "
                               "are in use")
         prompt = self._check_prompt(chunk.prompt)
-        if chunk.seed is not None and not 0 <= chunk.seed < SEED_LIMIT:
-            raise InvalidInput("seed", f"must be in [0, 2**64), got {chunk.seed}")
+        if chunk.seed is not None:
+            check_seed(chunk.seed)
         generator = torch.Generator()
         if chunk.seed is None:
             generator.seed()

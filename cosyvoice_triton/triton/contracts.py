@@ -72,11 +72,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.frontend.prompt import PromptFeatures
-from cosyvoice_triton.runtime.llm_engine import LLMRequest
-from cosyvoice_triton.runtime.sampling import MAX_SEED, SamplingParams
-from cosyvoice_triton.runtime.token2wav import FlowPrompt
-from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
+from cosyvoice_triton.messages import (MODES, SEED_LIMIT, ChunkRequest, FlowPrompt, LLMRequest, PromptFeatures,
+                                       SamplingParams)
 from cosyvoice_triton.triton.tensors import TensorReader, string_array
 
 COSYVOICE2 = "cosyvoice2"
@@ -139,7 +136,7 @@ def parse_llm_request(reader: TensorReader, default_sampling: SamplingParams) ->
         raise InvalidInput("stream_id", "must not be empty")
     if reader.boolean("cancel"):
         return StreamCancel(stream_id)
-    seed = reader.integer("seed", required=True, low=0, high=MAX_SEED)
+    seed = reader.integer("seed", required=True, low=0, high=SEED_LIMIT - 1)
     return LLMRequest(request_id=stream_id, text_tokens=reader.token_ids("text_tokens", required=True),
                       prompt_text_tokens=reader.token_ids("prompt_text_tokens"),
                       prompt_speech_tokens=reader.token_ids("prompt_speech_tokens"),
@@ -191,7 +188,7 @@ def parse_chunk(reader: TensorReader) -> ChunkRequest | StreamCancel:
                             embedding=torch.from_numpy(np.array(embedding))[None])
     return ChunkRequest(stream_id=stream_id, tokens=reader.token_ids("tokens"),
                         finalize=reader.boolean("finalize"), prompt=prompt,
-                        seed=reader.integer("seed", low=0, high=MAX_SEED))
+                        seed=reader.integer("seed", low=0, high=SEED_LIMIT - 1))
 
 
 # ---- prompt encoder ----------------------------------------------------------------------------------
@@ -275,7 +272,6 @@ class SynthesisInputs:
 def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParams,
                            max_chars: int) -> SynthesisInputs:
     from cosyvoice_triton.frontend.text import validate_text
-    from cosyvoice_triton.runtime.request import MODES
 
     text = validate_text(reader.string("target_text", required=True), "target_text", max_chars)
     mode = reader.string("mode", default="zero_shot")
@@ -295,7 +291,7 @@ def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParam
             overrides[attr] = value
     return SynthesisInputs(text=text, mode=mode, instruct_text=reader.string("instruct_text", default=""),
                            voice_id=voice_id, audio=audio, reference_text=reader.string("reference_text"),
-                           seed=reader.integer("seed", low=0, high=MAX_SEED),
+                           seed=reader.integer("seed", low=0, high=SEED_LIMIT - 1),
                            sampling=read_sampling(reader, default_sampling), chunk_overrides=overrides)
 
 

@@ -1,0 +1,174 @@
+"""The messages that cross module boundaries, on one page: open this file first.
+
+A synthesis request (`SynthesisRequest`) is checked once, split into sentences; each sentence is an
+`LLMRequest` to the speech LM, whose tokens go in chunks (`ChunkRequest`) to token2wav with the voice's
+`FlowPrompt`. A voice's `PromptFeatures` are computed once from its prompt (recording + transcript).
+
+Constants every route checks against: `MODES` and the seed range [0, SEED_LIMIT). Seeds are unsigned
+64-bit: the Triton `seed` tensors are UINT64 and `torch.Generator.manual_seed` takes any of them, so the
+gateway, the Triton models and the in-process path all accept the same range.
+
+numpy and the library's errors only (torch only in annotations): the gateway and the voice stores
+import this without loading torch. Triton tensor names are mapped in `triton/contracts.py`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cosyvoice_triton.errors import InvalidInput
+
+if TYPE_CHECKING:
+    import torch
+
+MODES = ("zero_shot", "cross_lingual", "instruct2")
+SEED_LIMIT = 2**64  # seeds are integers in [0, SEED_LIMIT): UINT64 on the wire, torch.Generator's range
+MIN_HOP_TOKENS = 4  # the vocoder holds back 8 mel frames (4 tokens) of every non-final chunk
+
+
+def is_int(value: object) -> bool:
+    """An integer that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_seed(seed: object, field_name: str = "seed") -> int:
+    """`seed` if it is an integer in [0, SEED_LIMIT); InvalidInput naming `field_name` otherwise."""
+    if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
+        raise InvalidInput(field_name, f"must be an integer in [0, 2**64), got {seed!r}")
+    return seed
+
+
+# ---- settings a request may override ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Repetition-aware sampling settings; the defaults are the released `cosyvoice2.yaml` values."""
+
+    top_p: float = 0.8
+    top_k: int = 25
+    win_size: int = 10
+    tau_r: float = 0.1
+    seed: int | None = None
+
+    def validate(self) -> SamplingParams:
+        """Raise InvalidInput naming the first out-of-range field; return self."""
+        if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidInput("top_p", f"must be a number in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < 1:
+            raise InvalidInput("top_k", f"must be an integer >= 1, got {self.top_k!r}")
+        if not is_int(self.win_size) or self.win_size < 1:
+            raise InvalidInput("win_size", f"must be an integer >= 1, got {self.win_size!r}")
+        if not is_real(self.tau_r) or self.tau_r < 0.0:
+            raise InvalidInput("tau_r", f"must be a finite number >= 0, got {self.tau_r!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            raise InvalidInput("seed", f"must be null or an integer in [0, 2**64), got {self.seed!r}")
+        return self
+
+
+@dataclass(frozen=True)
+class ChunkPolicy:
+    """When a stream's tokens become audio (see `runtime/chunk_policy.py` for the schedule)."""
+
+    first_hop: int = 25  # tokens in the first chunk, before the prompt alignment pad
+    hop_scale: float = 2.0  # each later hop is the previous one times this
+    max_hop: int = 100  # hops never grow beyond this many tokens
+    lookahead: int = 3  # right-context tokens the flow's pre-lookahead layer needs
+    align_to_chunk: bool = True  # pad the first hop so it ends on a flow attention chunk boundary
+    chunk_tokens: int = 25  # the flow's attention chunk, in tokens (yaml: chunk_size)
+
+    def validate(self) -> ChunkPolicy:
+        if self.first_hop < MIN_HOP_TOKENS:
+            raise InvalidInput("chunk_first_hop", f"must be >= {MIN_HOP_TOKENS}, got {self.first_hop}")
+        if not 1.0 <= self.hop_scale <= 16.0:
+            raise InvalidInput("chunk_hop_scale", f"must be in [1, 16], got {self.hop_scale}")
+        if self.max_hop < self.first_hop:
+            raise InvalidInput("chunk_max_hop", f"must be >= first hop {self.first_hop}, got {self.max_hop}")
+        if self.lookahead < 0:
+            raise InvalidInput("chunk_lookahead", f"must be >= 0, got {self.lookahead}")
+        return self
+
+    def with_overrides(self, **overrides) -> ChunkPolicy:
+        """A copy with per-request overrides (None values are ignored), validated."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return replace(self, **given).validate()
+
+
+# ---- a voice ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PromptFeatures:
+    """Everything a voice needs at synthesis time; computed once per prompt recording."""
+
+    embedding: np.ndarray  # (192,) float32
+    speech_tokens: np.ndarray  # (N,) int32, values in [0, 6561)
+    mel: np.ndarray  # (token_mel_ratio * N, 80) float32
+    text: str  # the prompt transcript as given
+    audio_sha256: str  # `frontend.voice_features.audio_sha256` of the recording
+
+
+@dataclass
+class FlowPrompt:
+    """The flow-side prompt of a voice, as token2wav takes it."""
+
+    speech_tokens: torch.Tensor  # (1, P) int32
+    mel: torch.Tensor  # (1, 2P, 80) float32
+    embedding: torch.Tensor  # (1, 192) float32
+
+
+# ---- requests -----------------------------------------------------------------------------------------
+
+@dataclass
+class SynthesisRequest:
+    """One text to speak in one voice."""
+
+    text: str
+    voice: PromptFeatures
+    mode: str = "zero_shot"
+    instruct_text: str = ""
+    seed: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    chunk_policy: ChunkPolicy = field(default_factory=ChunkPolicy)
+
+    def validate(self) -> SynthesisRequest:
+        if self.mode not in MODES:
+            raise InvalidInput("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "instruct2" and not self.instruct_text.strip():
+            raise InvalidInput("instruct_text", "is required in instruct2 mode")
+        if self.mode == "zero_shot" and not self.voice.text.strip():
+            raise InvalidInput("reference_text", "is required in zero_shot mode (the transcript of the voice prompt)")
+        if self.seed is not None:
+            check_seed(self.seed)
+        self.sampling.validate()
+        self.chunk_policy.validate()
+        return self
+
+
+@dataclass(frozen=True)
+class LLMRequest:
+    """One sentence for the speech LM."""
+
+    request_id: str
+    text_tokens: list[int]  # the sentence to speak
+    prompt_text_tokens: list[int]  # empty in cross_lingual; instruction tokens in instruct2
+    prompt_speech_tokens: list[int]  # empty outside zero_shot
+    sampling: SamplingParams  # its `seed` is ignored: `seed` below seeds the stream
+    seed: int
+
+
+@dataclass
+class ChunkRequest:
+    """The next piece of one token2wav stream."""
+
+    stream_id: str
+    tokens: list[int]  # new speech tokens since this stream's previous request (may be empty on a final call)
+    finalize: bool  # last chunk of the stream: emit everything, then free the state
+    prompt: FlowPrompt | None  # required on the first request of a stream, ignored afterwards
+    seed: int | None  # vocoder noise seed, used on the first request (None -> random)
