@@ -3,6 +3,10 @@
 Every metric carries the labels `model` and `instance`. Names (Prometheus):
 
   cosyvoice_first_chunk_latency_seconds   histogram  request received -> first audio chunk sent (cosyvoice2*)
+  cosyvoice_stream_lead_seconds           histogram  at every chunk sent, the stream's lead just before it: audio
+                                                     already sent minus wall time since the first chunk, with
+                                                     the listener pausing when it runs dry (runtime/playback.py);
+                                                     negative = that chunk ended a stall (cosyvoice2)
   cosyvoice_active_streams                gauge      requests being synthesized (cosyvoice2*)
   cosyvoice_requests_total{outcome}       counter    finished requests: ok | error | cancelled (cosyvoice2*)
   cosyvoice_voice_store_hits_total        counter    voice-store gets answered from the LRU (cosyvoice2*)
@@ -47,6 +51,7 @@ from dataclasses import dataclass
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+LEAD_BUCKETS = (-2.0, -1.0, -0.5, -0.2, -0.1, 0.0, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)  # <= 0: a stall
 _METRIC_LOCK = threading.RLock()  # see the module docstring
 
 
@@ -86,6 +91,10 @@ SYNTHESIS = {
     "first_chunk": Spec("cosyvoice_first_chunk_latency_seconds",
                         "Seconds from receiving a synthesis request to sending its first audio chunk",
                         "histogram", LATENCY_BUCKETS),
+    "lead": Spec("cosyvoice_stream_lead_seconds",
+                 "A stream's lead at each chunk sent: audio already sent minus wall time since its first chunk "
+                 "(the listener pausing when it runs dry); negative: the chunk ended a stall of that length",
+                 "histogram", LEAD_BUCKETS),
     "active": Spec("cosyvoice_active_streams", "Synthesis requests in progress", "gauge"),
     "requests": Spec("cosyvoice_requests_total", "Finished synthesis requests by outcome", "counter",
                      label_values=(("outcome", "ok"), ("outcome", "error"), ("outcome", "cancelled"))),

@@ -3,8 +3,9 @@
 A decoupled model whose requests make blocking BLS calls must not make them in `execute`: the
 instance would take no new request (or cancellation) meanwhile, and a BLS call back into a model
 waiting on this instance would deadlock. `RequestPool` runs each request in a thread of a bounded pool;
-`send_chunks` sends one request's audio chunks as they come, checks cancellation between chunks, and
-always ends with exactly one final flag; `send_whole` sends them as one waveform in one final response
+`send_chunks` sends one request's audio chunks as they come, checks cancellation between chunks,
+observes the stream's lead at every chunk (`cosyvoice_stream_lead_seconds`), and always ends with
+exactly one final flag; `send_whole` sends them as one waveform in one final response
 (a non-decoupled model may answer through its response sender too).
 """
 from __future__ import annotations
@@ -18,7 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from cosyvoice_triton.audio_out import SAMPLE_RATE
 from cosyvoice_triton.errors import Cancelled
+from cosyvoice_triton.runtime.playback import Playback
 from cosyvoice_triton.triton.tensors import classify, error_response
 
 
@@ -59,6 +62,7 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
     final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     cancelled = is_cancelled or sender.is_cancelled
     error: BaseException | None = None
+    playback = Playback()  # the listener's side of this stream: its lead at every chunk
     if metrics is not None:
         metrics["active"].increment(1)
     try:
@@ -71,8 +75,12 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
                     continue
                 waveform = np.ascontiguousarray(chunk, dtype=np.float32).reshape(-1)
                 sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor("waveform", waveform)]))
-                if first and metrics is not None:
-                    metrics["first_chunk"].observe(time.monotonic() - received_at)
+                sent_at = time.monotonic()
+                lead = playback.add(sent_at, waveform.size / SAMPLE_RATE)
+                if metrics is not None:
+                    if first:
+                        metrics["first_chunk"].observe(sent_at - received_at)
+                    metrics["lead"].observe(lead)
                 first = False
     except BaseException as exc:  # noqa: BLE001 - every failure ends this request, never the instance
         error = exc
