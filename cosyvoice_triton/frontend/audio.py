@@ -23,7 +23,6 @@ import io
 from math import gcd
 
 import numpy as np
-import soundfile as sf
 from scipy.signal import resample_poly, welch
 
 from cosyvoice_triton.errors import InvalidInput
@@ -41,6 +40,8 @@ def decode_audio(data: bytes, field: str) -> tuple[np.ndarray, int]:
         raise InvalidInput(field, "is empty; expected WAV, FLAC or OGG audio")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise InvalidInput(field, f"must be the bytes of an audio file, got {type(data).__name__}")
+    import soundfile as sf  # here: only decoding file bytes needs libsndfile
+
     try:
         samples, sample_rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)  # (N, C)
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError, OverflowError, MemoryError):

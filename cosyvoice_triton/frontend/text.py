@@ -18,12 +18,12 @@ all-digit string such as "2024" as Chinese even in English text. We pass the lan
 """
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from collections.abc import Callable
 from pathlib import Path
-
-from wetext import Normalizer
+from typing import Protocol
 
 from cosyvoice_triton.config import ModelPaths
 from cosyvoice_triton.errors import InvalidInput
@@ -43,9 +43,22 @@ _CJK = re.compile(r"[\u4e00-\u9fff]")
 _TRAILING_COMMAS = re.compile(r"[，,、]+$")
 _DIGIT_RUN = re.compile(r"\d+")
 
-# wetext loads its FSTs once, on import; these objects only hold options.
-_ZH_NORMALIZER = Normalizer(lang="zh", operator="tn", remove_erhua=False)
-_EN_NORMALIZER = Normalizer(lang="en", operator="tn")
+
+class Normalizer(Protocol):
+    """What TextNormalizer needs of a text normalizer (wetext's `Normalizer`)."""
+
+    def normalize(self, text: str) -> str: ...
+
+
+@functools.cache
+def wetext_normalizers() -> tuple[Normalizer, Normalizer]:
+    """(Chinese, English) wetext normalizers. wetext loads its FSTs once, on import (here: when the first
+    TextNormalizer is made, i.e. at model load); these objects only hold options."""
+    from wetext import Normalizer as WetextNormalizer
+
+    return (WetextNormalizer(lang="zh", operator="tn", remove_erhua=False),
+            WetextNormalizer(lang="en", operator="tn"))
+
 
 _ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
          "fifteen sixteen seventeen eighteen nineteen").split()
@@ -223,16 +236,18 @@ def is_markup(text: str) -> bool:
 class TextNormalizer:
     """Normalizes and splits request text. `count_tokens` measures English sentence lengths."""
 
-    def __init__(self, count_tokens: Callable[[str], int]):
+    def __init__(self, count_tokens: Callable[[str], int],
+                 normalizers: tuple[Normalizer, Normalizer] | None = None):
         self.count_tokens = count_tokens
+        self.zh, self.en = normalizers or wetext_normalizers()  # (Chinese, English)
 
     def _normalize(self, text: str) -> tuple[str, bool]:
         """(normalized text, whether it is Chinese)."""
         text = text.strip()
         chinese = contains_chinese(text)
         if chinese:
-            return clean_chinese(_ZH_NORMALIZER.normalize(text)), True
-        return spell_out_numbers(_EN_NORMALIZER.normalize(text)), False
+            return clean_chinese(self.zh.normalize(text)), True
+        return spell_out_numbers(self.en.normalize(text)), False
 
     def normalize(self, text: str) -> str:
         """The whole text normalized, unsplit (the official `split=False`; used for prompt text)."""
@@ -252,14 +267,17 @@ class TextNormalizer:
 class TextFrontend:
     """Request text in, sentences out: validation, normalization, splitting, and the tokenizer."""
 
-    def __init__(self, tokenizer: TextTokenizer, max_chars: int = DEFAULT_MAX_CHARS):
+    def __init__(self, tokenizer: TextTokenizer, max_chars: int = DEFAULT_MAX_CHARS,
+                 normalizers: tuple[Normalizer, Normalizer] | None = None):
         self.tokenizer = tokenizer
         self.max_chars = max_chars
-        self.normalizer = TextNormalizer(tokenizer.count)
+        self.normalizer = TextNormalizer(tokenizer.count, normalizers)  # normalizers: wetext's by default
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, max_chars: int = DEFAULT_MAX_CHARS) -> TextFrontend:
-        return cls(TextTokenizer.from_dir(ModelPaths(Path(model_dir)).qwen_dir), max_chars=max_chars)
+    def from_model_dir(cls, model_dir: str | Path, max_chars: int = DEFAULT_MAX_CHARS,
+                       normalizers: tuple[Normalizer, Normalizer] | None = None) -> TextFrontend:
+        return cls(TextTokenizer.from_dir(ModelPaths(Path(model_dir)).qwen_dir), max_chars=max_chars,
+                   normalizers=normalizers)
 
     def split(self, text: object, field: str = "text") -> list[str]:
         """Check `text` (errors name `field`) and return its normalized sentences."""
