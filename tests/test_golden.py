@@ -27,9 +27,10 @@ from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise, RecordedNoise, ZeroNoise
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy, ChunkSchedule
-from cosyvoice_triton.runtime.sampling import greedy_sampler
+from cosyvoice_triton.runtime.llm_generate import generate
 from cosyvoice_triton.runtime.token2wav import FlowPrompt, Token2Wav
 from cosyvoice_triton.runtime.vocoder_stream import VocoderStream
+from test_llm_sampling import greedy_sampler
 
 # The README's tolerances for a faithful fp32 implementation (max abs error).
 LOGIT_ATOL = 1e-4  # LLM logits and log-probs
@@ -168,7 +169,7 @@ def test_logits_stepwise(llm: SpeechLM, lm_input: torch.Tensor, golden: dict[str
 @checks("llm_greedy_tokens")
 def test_greedy_tokens(llm: SpeechLM, llm_prompt, golden: dict[str, np.ndarray]) -> None:
     expected = golden["llm_greedy_tokens"].tolist()
-    assert list(islice(llm.generate(*llm_prompt, sampler=greedy_sampler), len(expected))) == expected
+    assert list(islice(generate(llm, *llm_prompt, sampler=greedy_sampler), len(expected))) == expected
 
 
 # ---- flow -------------------------------------------------------------------------------------------

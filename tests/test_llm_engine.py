@@ -1,4 +1,4 @@
-"""The LLM in-flight batching engine against `SpeechLM.generate`, the single-stream reference.
+"""The LLM in-flight batching engine against `llm_generate.generate`, the single-stream reference.
 
 The engine's pace is set by `StepGate`, which wraps `step_logits`: while it is closed, every model call
 waits for the test to release it, so the test knows which rounds have run and reads stats while the
@@ -21,6 +21,7 @@ from cosyvoice_triton.random_folder.write import write_random_model
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.runtime.llm_engine import (EngineUnavailable, LLMEngine, LLMRequest, LLMStepError,
                                                   LLMStream)
+from cosyvoice_triton.runtime.llm_generate import generate
 from cosyvoice_triton.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)  # a deadlock fails the test instead of hanging the session
@@ -101,11 +102,11 @@ def make_request(llm: SpeechLM, name: str, text_len: int, prompt_text_len: int =
 
 
 def solo(llm: SpeechLM, request: LLMRequest) -> list[int]:
-    """The reference: `SpeechLM.generate` alone, seeded as the engine must seed it."""
+    """The reference: `generate` alone, seeded as the engine must seed it."""
     tokens = [torch.tensor([ids], dtype=torch.int64).reshape(1, -1)
               for ids in (request.text_tokens, request.prompt_text_tokens, request.prompt_speech_tokens)]
-    return list(llm.generate(*tokens, sampling=request.sampling,
-                             generator=torch.Generator().manual_seed(request.seed)))
+    return list(generate(llm, *tokens, sampling=request.sampling,
+                         generator=torch.Generator().manual_seed(request.seed)))
 
 
 def solo_reason(llm: SpeechLM, request: LLMRequest, tokens: list[int]) -> str:

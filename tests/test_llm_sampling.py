@@ -11,10 +11,17 @@ import torch
 
 from cosyvoice_triton.config import read_yaml
 from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.messages import SamplingParams
 from cosyvoice_triton.models.speech_lm import SpeechLM
-from cosyvoice_triton.runtime.sampling import RasSampler, SamplingParams, greedy_sampler, make_generator
+from cosyvoice_triton.runtime.llm_generate import generate
+from cosyvoice_triton.runtime.sampling import RasSampler, make_generator
 
 NUM_TOKENS = 30
+
+
+def greedy_sampler(logp: torch.Tensor, decoded: Sequence[int], generator: torch.Generator | None) -> int:
+    """Argmax; ignores history and generator: deterministic decoding for tests (test_golden uses it too)."""
+    return int(logp.argmax())
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +39,7 @@ def random_request(model: SpeechLM, seed: int, text_len: int, prompt_text_len: i
 
 
 def sample_tokens(model: SpeechLM, request: tuple, seed: int, slot: int = 0) -> list[int]:
-    stream = model.generate(*request, sampling=SamplingParams(seed=seed), slot=slot)
+    stream = generate(model, *request, sampling=SamplingParams(seed=seed), slot=slot)
     return list(islice(stream, NUM_TOKENS))
 
 
@@ -48,8 +55,8 @@ def test_interleaved_requests_do_not_disturb_each_other(model: SpeechLM) -> None
     request_a = random_request(model, 1, text_len=4, prompt_text_len=2, prompt_speech_len=5)
     request_b = random_request(model, 2, text_len=6, prompt_text_len=0, prompt_speech_len=0)
     alone_a, alone_b = sample_tokens(model, request_a, seed=3), sample_tokens(model, request_b, seed=4)
-    stream_a = model.generate(*request_a, sampling=SamplingParams(seed=3), slot=0)
-    stream_b = model.generate(*request_b, sampling=SamplingParams(seed=4), slot=1)
+    stream_a = generate(model, *request_a, sampling=SamplingParams(seed=3), slot=0)
+    stream_b = generate(model, *request_b, sampling=SamplingParams(seed=4), slot=1)
     together = [(next(stream_a), next(stream_b)) for _ in range(NUM_TOKENS)]
     assert [a for a, _ in together] == alone_a
     assert [b for _, b in together] == alone_b
@@ -100,7 +107,7 @@ def test_eos_is_masked_until_min_len_and_stop_tokens_end_the_stream(model: Speec
         eos_logp.append(float(logp[model.config.eos_token]))
         return model.config.stop_tokens[-1] if len(decoded) == stop_at else greedy_sampler(logp, decoded, generator)
 
-    tokens = list(model.generate(*request, sampler=recording_sampler))
+    tokens = list(generate(model, *request, sampler=recording_sampler))
     assert len(tokens) == stop_at
     assert all(t not in model.config.stop_tokens for t in tokens)
     assert all(v == -math.inf for v in eos_logp[:min_len])

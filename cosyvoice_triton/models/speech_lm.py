@@ -3,10 +3,12 @@
 The module tree mirrors the official `Qwen2LM` so that `llm.pt` loads with `strict=True`:
 `llm_embedding` (sos, task id), `llm.model.model.*` (backbone), `llm.model.lm_head` (unused, tied),
 `llm_decoder` (hidden -> speech_token_size + 3 logits) and `speech_embedding` (speech token -> input).
+
+The model builds the prompt and gives logits; it does not sample. Decoding loops live in the runtime:
+`runtime.llm_generate.generate` (one stream, the reference) and `runtime.llm_engine` (in-flight batching).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,8 +17,8 @@ from torch import Tensor, nn
 
 from cosyvoice_triton.config import ModelPaths, read_qwen_config, read_yaml
 from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.messages import SamplingParams
 from cosyvoice_triton.models.qwen2 import Qwen2Config, Qwen2Decoder, Qwen2ForCausalLM
-from cosyvoice_triton.runtime.sampling import RasSampler, Sampler, SamplingParams, make_generator
 
 SOS_INDEX = 0  # rows of `llm_embedding`
 TASK_ID_INDEX = 1
@@ -156,45 +158,3 @@ class SpeechLM(nn.Module):
     def logits_full(self, x: Tensor) -> Tensor:
         """Cache-free causal scoring: x (B, T, D) -> speech logits (B, T, V) at every position."""
         return self.llm_decoder(self.backbone.forward_full(x))
-
-    @torch.inference_mode()
-    def generate(self, text_token: Tensor, prompt_text_token: Tensor, prompt_speech_token: Tensor,
-                 sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
-                 sampler: Sampler | None = None, slot: int = 0) -> Iterator[int]:
-        """Stream speech tokens for one request in cache slot `slot`.
-
-        Decoding stops before a stop token (which is not yielded), after max_len tokens, or when the
-        cache is full. While fewer than min_len tokens have been decoded, EOS gets log-prob -inf before
-        sampling (the other stop tokens stay allowed, as in the official code). `sampler` defaults to
-        RAS with `sampling` (the yaml's values when None); `generator` defaults to one seeded with
-        `sampling.seed` (on the CPU: see `runtime.sampling`).
-        """
-        sampling = (self.config.sampling if sampling is None else sampling).validate()
-        sampler = sampler or RasSampler(sampling)
-        if not 0 <= slot < self.backbone.max_batch:
-            raise InvalidInput("slot", f"must lie in [0, {self.backbone.max_batch})")
-        lm_input = self.build_prompt(text_token, prompt_text_token, prompt_speech_token)  # (1, L, D)
-        device = lm_input.device
-        if generator is None:
-            generator = make_generator(sampling.seed)
-        prompt_len = lm_input.shape[1]
-        if prompt_len >= self.max_seq_len:
-            raise InvalidInput("text_token", f"prompt of {prompt_len} positions does not fit the cache "
-                                             f"({self.max_seq_len} positions)")
-        min_len, max_len = self.length_limits(text_token.shape[1])
-        max_len = min(max_len, self.max_seq_len - prompt_len)
-        slots = torch.tensor([slot], device=device)
-        input_pos = torch.arange(prompt_len, device=device)[None]  # (1, L)
-        x = lm_input
-        decoded: list[int] = []
-        while len(decoded) < max_len:
-            logp = self.step_logits(x, input_pos, slots)[0].log_softmax(dim=-1)  # (V,)
-            if len(decoded) < min_len:
-                logp[self.config.eos_token] = -float("inf")
-            token = sampler(logp, decoded, generator)
-            if token in self.config.stop_tokens:
-                return
-            yield token
-            decoded.append(token)
-            x = self.embed_speech(torch.tensor([[token]], device=device))  # (1, 1, D)
-            input_pos = input_pos[:, -1:] + 1  # (1, 1)

@@ -9,31 +9,33 @@ Each loop round (gpt-fast style, over the model's static KV cache of `max_batch`
    on a stop token, at max_len, or on error.
 
 A request that arrives while others decode joins them at the next round. Sampling mirrors
-`SpeechLM.generate` with `torch.Generator().manual_seed(request.seed)` (same length limits, EOS masked
+`llm_generate.generate` with `torch.Generator().manual_seed(request.seed)` (same length limits, EOS masked
 before min_len, stop tokens not yielded), so a stream's tokens do not depend on what runs beside it.
 The step's log-probs (B, V) are read to the host once per round, the round's only device -> host read:
 the repetition-aware sampler needs the tokens decoded so far and a CPU generator per request, and the
 tokens have to reach the host to be streamed anyway. (On a GPU, `generate` runs the sampler's softmax
 and sort on the device, the engine on the host; the two agree up to rounding.)
+
+This module is the scheduler; the hand-over of one stream's tokens to its consumer is `llm_stream`.
 """
 from __future__ import annotations
 
 import logging
 import math
 import numbers
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from ..errors import CosyVoiceError, InvalidInput, Unavailable
-from ..models.speech_lm import SpeechLM
 from ..messages import LLMRequest, SamplingParams, check_seed
+from ..models.speech_lm import SpeechLM
+from .llm_stream import LLMStream
 from .sampling import RasSampler, make_generator
 
 log = logging.getLogger(__name__)
@@ -58,72 +60,6 @@ class LLMStats:
     tokens_total: int  # speech tokens sent since start
     tokens_per_s: float  # tokens sent in the last RATE_WINDOW_S seconds, per second
     slots_free: int
-
-
-_END = object()  # the last item of a stream's queue
-
-
-class LLMStream:
-    """The speech tokens of one request, as the engine samples them. Read from one consumer thread."""
-
-    def __init__(self, request: LLMRequest):
-        self.request = request
-        self.reason: str | None = None  # "stop_token" | "max_len" | "cancelled" | "error", once finished
-        self.error: Exception | None = None
-        self._cancel = threading.Event()
-        self._lock = threading.Lock()  # orders the engine's pushes against a finish from stop()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # token ids, then _END
-
-    @property
-    def finished(self) -> bool:
-        return self.reason is not None
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def cancel(self) -> None:
-        """Ask the engine to end this stream; it frees the slot and ends the stream at its next round."""
-        self._cancel.set()
-
-    def get(self, timeout: float | None = None) -> list[int] | None:
-        """The tokens sampled since the last call (waiting for at least one), or None once the stream has
-        ended. Raises the stream's error if it failed, TimeoutError if `timeout` seconds pass first."""
-        try:
-            item = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no token for request {self.request.request_id} within {timeout} s") from None
-        tokens: list[int] = []
-        while item is not _END:  # hand over everything already sampled in one piece
-            tokens.append(item)
-            if self._queue.empty():
-                return tokens
-            item = self._queue.get()
-        self._queue.put(_END)  # the end stays for later calls
-        return tokens or self._end()
-
-    def __iter__(self) -> Iterator[list[int]]:
-        while (tokens := self.get()) is not None:
-            yield tokens
-
-    def _end(self) -> None:
-        if self.error is not None:
-            raise self.error
-        return None
-
-    def _push(self, token: int) -> None:
-        with self._lock:
-            if not self.finished:
-                self._queue.put(token)
-
-    def _finish(self, reason: str, error: Exception | None = None) -> None:
-        """End the stream; the first finish wins, later ones do nothing."""
-        with self._lock:
-            if self.finished:
-                return
-            self.error = error
-            self.reason = reason  # set last: `finished` implies `error` is final
-            self._queue.put(_END)
 
 
 @dataclass
@@ -336,7 +272,7 @@ class LLMEngine:
         self._sample(batch, logp)
 
     def _sample(self, batch: Sequence[_Live], logp: Tensor) -> None:
-        """Draw one token per row of the host log-probs (B, V), as `SpeechLM.generate` does; deliver it."""
+        """Draw one token per row of the host log-probs (B, V), as `llm_generate.generate` does; deliver it."""
         sent = 0
         for live, row in zip(batch, logp):
             try:

@@ -38,11 +38,6 @@ class Sampler(Protocol):
         """Pick the next token from log-probs `logp` (V,) given the tokens decoded so far."""
 
 
-def greedy_sampler(logp: Tensor, decoded: Sequence[int], generator: torch.Generator | None) -> int:
-    """Argmax; ignores history and generator. For tests and deterministic runs."""
-    return int(logp.argmax())
-
-
 def nucleus_sample(logp: Tensor, top_p: float, top_k: int, generator: torch.Generator | None) -> int:
     """Draw from the top-p head (at most top_k tokens) of logp (V,)."""
     probs, token_ids = logp.softmax(dim=0).sort(descending=True, stable=True)  # (V,), (V,)

@@ -1,31 +1,48 @@
 """`llm`: speech tokens streamed from the in-flight batching `LLMEngine` (contract: triton/contracts.py).
 
-execute() only parses and submits: the engine thread decodes every live stream together, and one
-forwarding job per stream (a bounded pool; each blocks on its own stream's queue) sends the stream's
-tokens as they are sampled and ends it with the final flag. A cancel request, or the client going away,
-cancels the engine stream, which frees its slot at the next round.
+execute() only parses and hands each request to `LLMStreamForwarder` (triton/llm_streams.py), which
+forwards every engine stream's tokens to its response sender and ends it with one final flag. This file
+is the adaptor: tensors in, a pb_utils response sender as a `TokenSender`, metrics out.
 """
 from __future__ import annotations
 
 import json
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.models.speech_lm import SpeechLM
-from cosyvoice_triton.runtime.llm_engine import LLMEngine, LLMStream
+from cosyvoice_triton.runtime.llm_engine import LLMEngine
 from cosyvoice_triton.triton import instance_device
 from cosyvoice_triton.triton.contracts import StreamCancel, parse_llm_request
+from cosyvoice_triton.triton.llm_streams import LLMStreamForwarder
 from cosyvoice_triton.triton.metrics import LLM_METRICS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import LLMParams, parse_parameters
 from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-CANCEL_CHECK_S = 0.5  # a stream still waiting for a slot looks at its client this often
+
+
+class _TritonTokenSender:
+    """A decoupled request's response sender as the forwarder's `TokenSender`."""
+
+    def __init__(self, sender, model: str):
+        self.sender = sender
+        self.model = model
+
+    def send_tokens(self, tokens: list[int]) -> None:
+        self.sender.send(pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor("speech_tokens", np.asarray(tokens, dtype=np.int32))]))
+
+    def send_final(self) -> None:
+        self.sender.send(flags=FINAL)
+
+    def send_error(self, error: Exception) -> None:
+        self.sender.send(error_response(pb_utils, error, self.model), flags=FINAL)
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()
 
 
 class TritonPythonModel:
@@ -45,13 +62,8 @@ class TritonPythonModel:
         self.engine = LLMEngine(llm, max_batch=params.max_batch, max_seq_len=params.max_seq_len,
                                 max_queue=params.max_queue)
         self.metrics = ModelMetrics(pb_utils, LLM_METRICS, instance_labels(args))
-        self._streams: dict[str, LLMStream] = {}
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
-        # One forwarding job per stream that holds a slot or waits for one; the engine refuses the rest.
-        self._forwarders = ThreadPoolExecutor(max_workers=params.max_batch + params.max_queue,
-                                              thread_name_prefix="llm-forward")
-        self.engine.start()
+        self.streams = LLMStreamForwarder(self.engine, on_tokens=self._refresh, on_end=self._count_end)
+        self.streams.start()
         self._refresh()
 
     def execute(self, requests):
@@ -60,58 +72,18 @@ class TritonPythonModel:
             try:
                 item = parse_llm_request(TensorReader(request_arrays(request)), self.default_sampling)
                 if isinstance(item, StreamCancel):
-                    self._cancel(item.stream_id)
+                    self.streams.cancel(item.stream_id)
                     sender.send(flags=FINAL)
-                    continue
-                with self._lock:
-                    if item.request_id in self._streams:
-                        raise InvalidInput("stream_id", f"{item.request_id!r} is already streaming")
-                    stream = self.engine.submit(item)
-                    self._streams[item.request_id] = stream
-                self._forwarders.submit(self._forward, stream, sender)
+                else:
+                    self.streams.open(item, _TritonTokenSender(sender, self.name))
             except Exception as exc:  # noqa: BLE001 - answered to this request only
                 sender.send(error_response(pb_utils, exc, self.name), flags=FINAL)
         self._refresh()
         return None
 
-    def _cancel(self, stream_id: str) -> None:
-        with self._lock:
-            stream = self._streams.get(stream_id)
-        if stream is not None:
-            stream.cancel()
-
-    def _forward(self, stream: LLMStream, sender) -> None:
-        """Send the stream's tokens as they come; end with exactly one final flag."""
-        error = None
-        try:
-            while True:
-                try:
-                    tokens = stream.get(timeout=CANCEL_CHECK_S)
-                except TimeoutError:
-                    tokens = []
-                if tokens is None:
-                    break
-                if sender.is_cancelled() or self._stopping.is_set():
-                    stream.cancel()  # the engine ends the stream at its next round; keep draining
-                    continue
-                if tokens:
-                    sender.send(pb_utils.InferenceResponse(
-                        output_tensors=[pb_utils.Tensor("speech_tokens", np.asarray(tokens, dtype=np.int32))]))
-                    self._refresh()
-        except Exception as exc:  # noqa: BLE001 - the stream's error (LLMStepError, EngineUnavailable)
-            error = exc
-        finally:
-            with self._lock:
-                self._streams.pop(stream.request.request_id, None)
-            try:
-                if error is None:
-                    sender.send(flags=FINAL)
-                else:
-                    sender.send(error_response(pb_utils, error, self.name), flags=FINAL)
-            except Exception as exc:  # noqa: BLE001 - e.g. the client has gone
-                pb_utils.Logger.log_warn(f"{self.name}: final response of {stream.request.request_id} not sent: {exc}")
-            self.metrics.labelled("ended", stream.reason or "error").increment(1)
-            self._refresh()
+    def _count_end(self, reason: str) -> None:
+        self.metrics.labelled("ended", reason).increment(1)
+        self._refresh()
 
     def _refresh(self) -> None:
         def read():
@@ -122,7 +94,4 @@ class TritonPythonModel:
         self.metrics.set_gauges(read)
 
     def finalize(self):
-        self._stopping.set()
-        self.engine.stop()  # fails every open stream, so each forwarding job ends
-        self._forwarders.shutdown(wait=True)
-
+        self.streams.stop()  # stops the engine, which fails every open stream; waits for their finals

@@ -1,0 +1,79 @@
+"""`LLMStream`: the speech tokens of one LLM request, handed from the engine thread to one consumer.
+
+The engine pushes each sampled token and finishes the stream once (stop token, length limit,
+cancellation or error); the consumer reads the tokens in pieces with `get` and sees the end as None (or
+the stream's error raised). This module holds only that hand-over; the scheduler is `llm_engine`.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+from ..messages import LLMRequest
+
+_END = object()  # the last item of a stream's queue
+
+
+class LLMStream:
+    """The speech tokens of one request, as the engine samples them. Read from one consumer thread."""
+
+    def __init__(self, request: LLMRequest):
+        self.request = request
+        self.reason: str | None = None  # "stop_token" | "max_len" | "cancelled" | "error", once finished
+        self.error: Exception | None = None
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()  # orders the engine's pushes against a finish from stop()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # token ids, then _END
+
+    @property
+    def finished(self) -> bool:
+        return self.reason is not None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        """Ask the engine to end this stream; it frees the slot and ends the stream at its next round."""
+        self._cancel.set()
+
+    def get(self, timeout: float | None = None) -> list[int] | None:
+        """The tokens sampled since the last call (waiting for at least one), or None once the stream has
+        ended. Raises the stream's error if it failed, TimeoutError if `timeout` seconds pass first."""
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no token for request {self.request.request_id} within {timeout} s") from None
+        tokens: list[int] = []
+        while item is not _END:  # hand over everything already sampled in one piece
+            tokens.append(item)
+            if self._queue.empty():
+                return tokens
+            item = self._queue.get()
+        self._queue.put(_END)  # the end stays for later calls
+        return tokens or self._end()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while (tokens := self.get()) is not None:
+            yield tokens
+
+    def _end(self) -> None:
+        if self.error is not None:
+            raise self.error
+        return None
+
+    def _push(self, token: int) -> None:
+        """Engine side: deliver one sampled token (dropped once the stream has finished)."""
+        with self._lock:
+            if not self.finished:
+                self._queue.put(token)
+
+    def _finish(self, reason: str, error: Exception | None = None) -> None:
+        """Engine side: end the stream; the first finish wins, later ones do nothing."""
+        with self._lock:
+            if self.finished:
+                return
+            self.error = error
+            self.reason = reason  # set last: `finished` implies `error` is final
+            self._queue.put(_END)
