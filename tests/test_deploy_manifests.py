@@ -380,3 +380,70 @@ def test_k8s_commands_parse():
             if c["image"] != IMAGE:
                 continue
             _check_command(c.get("args", []), c.get("command"), f"{name}:{doc['metadata']['name']}")
+
+
+# ---- exposure: the gateway is the one public port ------------------------------------------------------
+GATEWAY_PORT = 8080
+
+
+def _serves_triton(svc: dict) -> bool:
+    command = svc.get("command", [])
+    return svc.get("image") == IMAGE and svc.get("entrypoint") is None and command[:1] in (["serve"], ["up"])
+
+
+@pytest.mark.parametrize("name", ["single.yaml", "split.yaml"])
+def test_compose_publishes_only_the_gateway_port(name):
+    doc = _compose(name)
+    published = {}
+    for sname, svc in doc["services"].items():
+        for port in svc.get("ports", []):
+            published[sname] = published.get(sname, []) + [int(str(port).rsplit(":", 1)[-1])]
+        command = svc.get("command", [])
+        if command[:1] == ["up"]:  # Triton in the gateway's container: loopback (up's default)
+            assert "--triton-address" not in command, f"{name}:{sname} binds Triton beyond loopback"
+    gateways = [s for s, svc in doc["services"].items()
+                if svc.get("entrypoint") == ["python3", "-m", "cosyvoice_triton.gateway"]
+                or svc.get("command", [])[:1] == ["up"]]
+    assert published == {gateways[0]: [GATEWAY_PORT]}, f"{name}: published ports {published}"
+
+
+def test_split_compose_keeps_triton_and_redis_on_an_internal_network():
+    doc = _compose("split.yaml")
+    internal = {n for n, net in doc["networks"].items() if (net or {}).get("internal")}
+    assert internal, "no internal network"
+    for sname, svc in doc["services"].items():
+        networks = set(svc.get("networks", []))
+        if _serves_triton(svc) or sname == "redis":
+            assert networks and networks <= internal, f"{sname} is on a network with a route out: {networks}"
+        else:  # the gateway reaches both sides
+            assert networks & internal and networks - internal, f"{sname}: {networks}"
+
+
+def test_k8s_only_the_gateway_service_is_public_and_policies_fence_triton():
+    docs = [d for _, d in _k8s_docs()]
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    for name, svc in services.items():
+        kind = svc["spec"].get("type", "ClusterIP")
+        if name != "cosyvoice-gateway":
+            assert kind == "ClusterIP", f"{name} is a {kind} Service: Triton and Redis stay inside the cluster"
+    for name in ("cosyvoice-frontend", "cosyvoice-backend"):
+        assert services[name]["spec"].get("clusterIP") == "None", name
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    allowed_from = {}
+    for name in ("cosyvoice-frontend", "cosyvoice-backend", "cosyvoice-redis"):
+        spec = policies[name]["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        for rule in spec["ingress"]:
+            ports = {p["port"] for p in rule["ports"]}
+            peers = [p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component", "any")
+                     for p in rule["from"]]
+            for port in ports:
+                allowed_from.setdefault((name, port), set()).update(peers)
+    assert allowed_from[("cosyvoice-frontend", 8001)] == {"gateway"}
+    assert allowed_from[("cosyvoice-backend", 8001)] == {"frontend"}
+    assert allowed_from[("cosyvoice-redis", 6379)] == {"frontend", "gateway"}
+    assert allowed_from[("cosyvoice-frontend", 8002)] == {"any"}  # metrics only, for Prometheus
+    for name, doc in _k8s_docs():  # no key on a command line
+        if doc["kind"] == "Deployment":
+            for c in doc["spec"]["template"]["spec"]["containers"]:
+                assert "--api-key" not in c.get("args", []), f"{name}: keys belong in a Secret"
