@@ -1,11 +1,11 @@
 """`token2wav`: the chunk requests of one dynamic batch run through `Token2WavEngine.run` as one flow batch
 (contract: triton/contracts.py). Per-stream state lives in the engine, keyed by `stream_id`, and is freed
 on the final chunk, on a `cancel` request and after `idle_timeout_s` without chunks (checked on every
-batch, and by a timer while no chunks come).
+batch, and by an `IdleSweeper` timer while no chunks come).
 
 Metrics are updated only inside `execute`, on the stub's main thread: metric IPC from a background
 thread of this model is the suspect of a rare tritonserver crash (boost::interprocess::lock_exception in
-the Python backend). So when the idle timer frees streams it only changes the engine, then sends this
+the Python backend). So when the idle sweeper frees streams it only changes the engine, then sends this
 model a no-op request (a cancel of a stream id that no client uses, over BLS, the path that decoupled
 models use from their worker threads all the time) so that an execute publishes the frees at once,
 even on a server that gets no other traffic.
@@ -24,6 +24,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.engines.select import build_token2wav
+from cosyvoice_triton.runtime.idle_sweeper import IdleSweeper
 from cosyvoice_triton.runtime.token2wav_engine import Token2WavEngine
 from cosyvoice_triton.triton import instance_device
 from cosyvoice_triton.triton.bls import bls_request
@@ -53,12 +54,13 @@ class TritonPythonModel:
         self.engine = Token2WavEngine(flow, hift, max_streams=params.max_streams, max_batch=params.max_batch,
                                       idle_timeout_s=params.idle_timeout_s)
         self.metrics = ModelMetrics(pb_utils, TOKEN2WAV_METRICS, instance_labels(args))
-        self._lock = threading.Lock()  # the engine has one caller at a time: execute or the idle timer
-        # The idle timer's no-op request: a cancel of this id (random, so no client stream can have it).
+        self._lock = threading.Lock()  # the engine has one caller at a time: execute or the idle sweeper
+        # The idle sweeper's no-op request: a cancel of this id (random, so no client stream can have it).
         self._tick_id = f"{self.name}-idle-sweep-{secrets.token_hex(8)}"
-        self._stop = threading.Event()
-        self._timer = threading.Thread(target=self._sweep_while_idle, name="token2wav-idle", daemon=True)
-        self._timer.start()
+        self._sweeper = IdleSweeper(self.engine.sweep_idle, self._publish_frees,
+                                    interval_s=max(1.0, params.idle_timeout_s / 4), lock=self._lock,
+                                    name="token2wav-idle")
+        self._sweeper.start()
         self._refresh()  # still in initialize: the main thread
 
     def execute(self, requests):
@@ -81,7 +83,7 @@ class TritonPythonModel:
                 else:
                     chunks.append(item)
                     chunk_index.append(i)
-            if len(requests) > ticks:  # the idle timer's own requests are not client traffic
+            if len(requests) > ticks:  # the idle sweeper's own requests are not client traffic
                 self.metrics["batch"].observe(len(requests) - ticks)
             if chunks:
                 for i, result in zip(chunk_index, self.engine.run(chunks)):
@@ -97,17 +99,9 @@ class TritonPythonModel:
         waveform = np.ascontiguousarray(audio, dtype=np.float32).reshape(1, -1)  # (batch 1, N)
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("waveform", waveform)])
 
-    def _sweep_while_idle(self) -> None:
-        """Free idle streams between batches; never touches metrics (see the module docstring)."""
-        interval = max(1.0, self.params.idle_timeout_s / 4)
-        while not self._stop.wait(interval):
-            with self._lock:
-                freed = self.engine.sweep_idle()
-            if freed and not self._stop.is_set():
-                self._publish_frees()
-
     def _publish_frees(self) -> None:
-        """Have Triton run an execute (which refreshes the metrics): a no-op request to this model."""
+        """The sweeper's wake: have Triton run an execute (which refreshes the metrics), by a no-op
+        request to this model. Never touches metrics itself (see the module docstring)."""
         try:
             response = bls_request(pb_utils, self.name, token2wav_cancel_inputs(self._tick_id),
                                    ["waveform"]).exec()
@@ -124,5 +118,4 @@ class TritonPythonModel:
             self.metrics.follow_counter("freed", count, reason)
 
     def finalize(self):
-        self._stop.set()
-        self._timer.join(timeout=5)
+        self._sweeper.stop()

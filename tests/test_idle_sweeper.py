@@ -1,0 +1,104 @@
+"""IdleSweeper over a real Token2WavEngine whose clock the test sets: frees abandoned streams, then wakes."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from cosyvoice_triton.models.flow import FlowModel
+from cosyvoice_triton.models.hift import HiFTGenerator
+from cosyvoice_triton.runtime.idle_sweeper import IdleSweeper
+from cosyvoice_triton.runtime.token2wav import FlowPrompt
+from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest, Token2WavEngine
+from polling import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def models(golden_model_dir) -> tuple[FlowModel, HiFTGenerator]:
+    return FlowModel.from_model_dir(golden_model_dir), HiFTGenerator.from_model_dir(golden_model_dir)
+
+
+@pytest.fixture
+def engine(models) -> Token2WavEngine:
+    """An engine with stream s0 opened at clock 0 and s1 at clock 5 (each idle 10 s later)."""
+    engine = Token2WavEngine(*models, idle_timeout_s=10.0, clock=FakeClock())
+    rng = torch.Generator().manual_seed(0)
+    for i in range(2):
+        engine.clock.now = 5.0 * i
+        prompt = FlowPrompt(torch.randint(0, 6561, (1, 6), dtype=torch.int32, generator=rng),
+                            torch.randn(1, 12, 80, generator=rng), torch.randn(1, 192, generator=rng))
+        (audio,) = engine.run([ChunkRequest(f"s{i}", list(range(10 + i, 20 + i)), False, prompt, seed=i)])
+        assert isinstance(audio, np.ndarray)
+    assert engine.stats.active_streams == 2
+    return engine
+
+
+class Wakes:
+    def __init__(self, fail: bool = False) -> None:
+        self.count = 0
+        self.fail = fail
+
+    def __call__(self) -> None:
+        self.count += 1
+        if self.fail:
+            raise RuntimeError("the server is shutting down")
+
+
+def test_sweep_once_frees_idle_streams_then_wakes(engine):
+    wakes = Wakes()
+    sweeper = IdleSweeper(engine.sweep_idle, wakes, interval_s=1.0)
+    engine.clock.now = 9.0
+    assert sweeper.sweep_once() == [] and wakes.count == 0  # nothing idle yet: no wake
+    engine.clock.now = 20.5
+    assert sorted(sweeper.sweep_once()) == ["s0", "s1"] and wakes.count == 1  # one wake for both
+    assert engine.stats.active_streams == 0 and engine.stats.freed["idle"] == 2
+    assert sweeper.sweep_once() == [] and wakes.count == 1
+
+
+def test_the_lock_is_held_while_freeing_not_while_waking(engine):
+    lock = threading.Lock()
+    held = []
+
+    def free_idle():
+        held.append(("free", lock.locked()))
+        return engine.sweep_idle()
+
+    sweeper = IdleSweeper(free_idle, lambda: held.append(("wake", lock.locked())), interval_s=1.0, lock=lock)
+    engine.clock.now = 11.0
+    assert sweeper.sweep_once() == ["s0"]
+    assert held == [("free", True), ("wake", False)]
+
+
+def test_the_timer_sweeps_until_stopped_and_survives_a_failed_wake(engine):
+    wakes, lock = Wakes(fail=True), threading.Lock()  # the lock: the engine has one caller at a time
+    sweeper = IdleSweeper(engine.sweep_idle, wakes, interval_s=0.01, lock=lock)
+    sweeper.start()
+    try:
+        with lock:
+            engine.clock.now = 10.5
+        wait_until(lambda: wakes.count == 1, 30)  # s0 freed by the timer, nobody calling the engine
+        assert engine.stats.freed["idle"] == 1 and engine.stats.active_streams == 1
+        with lock:
+            engine.clock.now = 15.5
+        wait_until(lambda: wakes.count == 2, 30)  # the failed wake did not end the timer
+    finally:
+        sweeper.stop()
+    assert engine.stats.freed["idle"] == 2 and engine.stats.active_streams == 0
+    assert not sweeper._thread.is_alive()
+
+
+def test_interval_must_be_positive():
+    with pytest.raises(ValueError):
+        IdleSweeper(lambda: [], lambda: None, interval_s=0)
