@@ -90,7 +90,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--device", default="cpu", help="torch device of llm and token2wav: cpu or cuda")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of llm and token2wav: cpu, cuda[:N], or xpu, npu, mps, hpu where torch and its "
+                        "plugin support them (checked at start)")
     p.add_argument("--instances", type=int, default=1,
                    help="instances of the stateless models (cosyvoice2, prompt encoder steps, register_voice)")
     p.add_argument("--workers", type=int, default=16, help="requests synthesized at once per cosyvoice2 instance")
@@ -101,10 +103,15 @@ def _add_serve(sub) -> None:
     p.add_argument("--t2w-max-batch", type=int, default=16, help="token2wav chunks per flow batch")
     p.add_argument("--torch-threads", type=int, default=0, help="torch threads per llm/token2wav instance")
     p.add_argument("--engine", choices=ENGINES, default="torch",
-                   help="engine of token2wav's flow and HiFT decode (torch: the reference); tensorrt also runs "
-                        "CAM++ on the GPU. One that cannot run here falls back (tensorrt -> onnxruntime -> torch)")
+                   help="engine of token2wav's flow and HiFT decode (torch: the reference); openvino and tensorrt "
+                        "also run CAM++. One that cannot run here falls back (tensorrt -> onnxruntime -> torch, "
+                        "openvino -> onnxruntime)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="precision of TensorRT engines (torch and onnxruntime run fp32)")
+                   help="precision of TensorRT engines and OpenVINO's hint (torch and onnxruntime run fp32)")
+    p.add_argument("--ort-providers", default=None, metavar="LIST",
+                   help="with --engine onnxruntime: execution providers, most preferred first, with options, e.g. "
+                        "'OpenVINOExecutionProvider:device_type=CPU;precision=FP32,rocm,cpu'; missing ones fall "
+                        "back to the next with one log line (default: CPU, or CUDA on a GPU)")
     p.add_argument("--onnx-dir", type=Path, default=None,
                    help="exported ONNX graphs and TensorRT engines (default: MODEL_DIR/onnx, or RUN_DIR/onnx when "
                         "the model folder is read-only)")
@@ -130,7 +137,8 @@ def _run_serve(args) -> int:
                            voice_store=args.voice_store, llm_max_batch=args.llm_max_batch,
                            t2w_max_streams=args.t2w_max_streams, t2w_max_batch=args.t2w_max_batch,
                            torch_threads=args.torch_threads, engine=args.engine, precision=args.precision,
-                           onnx_dir=args.onnx_dir, role=args.role, backends=tuple(args.backend),
+                           ort_providers=args.ort_providers, onnx_dir=args.onnx_dir, role=args.role,
+                           backends=tuple(args.backend),
                            t2w_idle_timeout_s=args.t2w_idle_timeout)
     return serve(options)
 

@@ -64,7 +64,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--llm-max-batch", type=int, default=8, help="LLM streams decoded together (KV slots)")
     t.add_argument("--torch-threads", type=int, default=0, help="torch threads per llm/token2wav instance")
     t.add_argument("--engine", choices=ENGINES, default="torch", help="token2wav engine, as for `serve`")
-    t.add_argument("--precision", choices=PRECISIONS, default="fp32", help="precision of TensorRT engines")
+    t.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="precision of TensorRT engines and OpenVINO's hint")
+    t.add_argument("--ort-providers", default=None, metavar="LIST", help="onnxruntime providers, as for `serve`")
     t.add_argument("--onnx-dir", type=Path, default=None, help="exported ONNX graphs and TensorRT engines")
     t.add_argument("--t2w-idle-timeout", type=float, default=120.0,
                    help="seconds after which a token2wav stream with no new chunk is freed")
@@ -149,7 +151,8 @@ def serve_options(args: argparse.Namespace, model_dir: Path, voice_store: str | 
                         metrics_port=_port(args.triton_metrics_port), device=args.device,
                         instances=args.instances, workers=args.workers, voice_store=voice_store,
                         llm_max_batch=args.llm_max_batch, torch_threads=args.torch_threads,
-                        engine=args.engine, precision=args.precision, onnx_dir=args.onnx_dir,
+                        engine=args.engine, precision=args.precision, ort_providers=args.ort_providers,
+                        onnx_dir=args.onnx_dir,
                         max_text_chars=args.max_text_chars, max_token_text_ratio=args.max_token_text_ratio,
                         t2w_idle_timeout_s=args.t2w_idle_timeout)
 

@@ -118,7 +118,7 @@ def test_engine_parameters_are_parsed_and_validated(tmp_path):
     bad = model_config("token2wav", tmp_path)
     bad["parameters"]["engine"] = {"string_value": "tensorflow"}
     with pytest.raises(ParameterError, match="token2wav: parameter engine: 'tensorflow' is not one of "
-                                             "torch, onnxruntime, tensorrt"):
+                                             "torch, onnxruntime, openvino, tensorrt"):
         parse_parameters(Token2WavParams, bad, "token2wav")
     bad = model_config("token2wav", tmp_path)
     bad["parameters"]["precision"] = {"string_value": "int8"}
@@ -126,9 +126,10 @@ def test_engine_parameters_are_parsed_and_validated(tmp_path):
         parse_parameters(Token2WavParams, bad, "token2wav")
     bad = model_config("speaker_embedding", tmp_path)
     bad["parameters"]["engine"] = {"string_value": "torch"}
-    with pytest.raises(ParameterError, match="parameter engine: 'torch' is not one of onnxruntime, tensorrt"):
+    with pytest.raises(ParameterError, match="parameter engine: 'torch' is not one of onnxruntime, openvino, "
+                                                 "tensorrt"):
         parse_parameters(SpeakerEmbeddingParams, bad, "speaker_embedding")
-    with pytest.raises(ValueError, match="engine must be one of torch, onnxruntime, tensorrt, got 'trt'"):
+    with pytest.raises(ValueError, match="engine must be one of torch, onnxruntime, openvino, tensorrt, got 'trt'"):
         model_config("token2wav", tmp_path, engine="trt")
 
 

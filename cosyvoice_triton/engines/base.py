@@ -5,7 +5,7 @@ A `Runner` hides which: it is called with torch tensors in the order of its `Gra
 runner's device, and returns the graph's single output as a torch tensor on that device, so a runner can
 stand in for the torch module it was exported from (`RunnerModule`).
 
-Engine names: "torch", "onnxruntime", "tensorrt" (`ENGINES`, most portable first).
+Engine names: "torch", "onnxruntime", "openvino", "tensorrt" (`ENGINES`, most portable first).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-ENGINES = ("torch", "onnxruntime", "tensorrt")
-PRECISIONS = ("fp32", "fp16", "bf16")  # of TensorRT builds; ONNX Runtime and torch run fp32
+ENGINES = ("torch", "onnxruntime", "openvino", "tensorrt")
+PRECISIONS = ("fp32", "fp16", "bf16")  # of TensorRT builds and OpenVINO's hint; ONNX Runtime and torch run fp32
 
 Shapes = Sequence[tuple[int, ...]]
 

@@ -3,6 +3,8 @@
 CPU sessions use a fixed, small thread pool so that several model instances in one server do not
 fight over cores. The CUDA provider is used when the installed onnxruntime has it and the caller
 does not ask for the CPU; the CPU provider always stays as the fallback for unsupported nodes.
+`providers` (a `--ort-providers` string, engines/providers.py) replaces that choice: OpenVINO, ROCm,
+MIGraphX, CANN, DirectML, ... in order of preference, each with its options, checked at load.
 """
 from __future__ import annotations
 
@@ -42,14 +44,16 @@ def providers_for(device: Device) -> list[str]:
     return [CPU_PROVIDER]
 
 
-def open_session(path: str | Path, device: Device = "auto",
-                 intra_op_threads: int = 1) -> ort.InferenceSession:
-    """An inference session for the ONNX file at `path`."""
+def open_session(path: str | Path, device: Device = "auto", intra_op_threads: int = 1,
+                 providers: str | None = None) -> ort.InferenceSession:
+    """An inference session for the ONNX file at `path`, on `providers` if given, else on `device`'s."""
+    from .providers import choose_providers
+
     path = Path(path)
     if not path.is_file():
         raise ModelFolderError(f"ONNX model not found: {path}")
-    return ort.InferenceSession(str(path), sess_options=session_options(intra_op_threads),
-                                providers=providers_for(device))
+    chosen = [p.as_ort() for p in choose_providers(providers)] if providers else providers_for(device)
+    return ort.InferenceSession(str(path), sess_options=session_options(intra_op_threads), providers=chosen)
 
 
 def input_names(session: ort.InferenceSession) -> list[str]:

@@ -1,4 +1,5 @@
-"""ONNX Runtime runner, on the CPU or with the CUDA execution provider.
+"""ONNX Runtime runner, on the CPU, with the CUDA execution provider, or on the execution providers of
+a `--ort-providers` list (OpenVINO, ROCm, CANN, ...: engines/providers.py; inputs and outputs on the host).
 
 CPU: torch tensors go in and come out through numpy (no copies for contiguous tensors).
 
@@ -29,9 +30,12 @@ class OrtRunner(Runner):
     engine = "onnxruntime"
 
     def __init__(self, path: str | Path, spec: GraphSpec, device: str | torch.device = "cpu",
-                 intra_op_threads: int = 1):
+                 intra_op_threads: int = 1, providers: str | None = None):
         self.spec = spec
         self.device = torch.device(device)
+        if self.device.type == "cuda" and providers:
+            raise ValueError(f"{spec.name}: ort_providers {providers!r} run on host memory; on {self.device} "
+                             "ONNX Runtime uses its CUDA provider with IOBinding (leave ort_providers empty)")
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
             self.session = self._cuda_session(Path(path), intra_op_threads)
@@ -39,7 +43,7 @@ class OrtRunner(Runner):
             # The caller's stream waits for ours; a host sync at the end of every run is not needed.
             self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         else:
-            self.session = open_session(path, "cpu", intra_op_threads)
+            self.session = open_session(path, "cpu", intra_op_threads, providers)
         declared = {node.name: node.type for node in [*self.session.get_inputs(), *self.session.get_outputs()]}
         if set(declared) != {*spec.inputs, spec.output}:
             raise ValueError(f"{path}: graph tensors {sorted(declared)} != {spec.name}'s "
@@ -60,7 +64,7 @@ class OrtRunner(Runner):
         feeds = {name: x.detach().to("cpu", self.dtypes[name][0]).contiguous().numpy()
                  for name, x in zip(self.spec.inputs, inputs)}
         (output,) = self.session.run([self.spec.output], feeds)
-        return torch.from_numpy(output)
+        return torch.from_numpy(output).to(self.device)
 
     def _run_cuda(self, inputs: tuple[Tensor, ...]) -> Tensor:
         caller = torch.cuda.current_stream(self.device)

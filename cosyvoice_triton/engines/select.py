@@ -3,15 +3,17 @@
     flow, hift = build_token2wav(model_dir, engine="tensorrt", device="cuda:0", precision="fp16")
     Token2WavEngine(flow, hift, ...)  # or Token2Wav(flow, hift): same interface as the torch modules
 
-`engine` is one of ENGINES: "torch" (the reference), "onnxruntime" (CPU, or CUDA with IOBinding) or
-"tensorrt" (CUDA only). An engine that cannot run here (package, execution provider or GPU missing)
-falls back to the next more portable one, tensorrt -> onnxruntime -> torch, with one warning line that
-says why; an unknown name is a ValueError. Errors past that choice (a graph that does not build, shapes
-outside a TensorRT profile) are raised, never hidden by a fallback.
+`engine` is one of ENGINES: "torch" (the reference), "onnxruntime" (CPU, CUDA with IOBinding, or the
+execution providers of `ort_providers`, engines/providers.py), "openvino" (the OpenVINO runtime on the
+CPU) or "tensorrt" (CUDA only). An engine that cannot run here (package, execution provider or GPU
+missing) falls back to the next more portable one, tensorrt -> onnxruntime -> torch and openvino ->
+onnxruntime, with one warning line that says why; an unknown name is a ValueError. Errors past that
+choice (a graph that does not build, shapes outside a TensorRT profile) are raised, never hidden by a
+fallback.
 
-With "onnxruntime" or "tensorrt" the returned FlowModel runs its encoder and the estimator of each
-Euler step on that engine (`RunnerModule` in their place) and keeps the rest in torch: embeddings,
-masks, the fixed noise, the 10-step loop and the guidance mix. The returned HiFT is a `RunnerHiFT`: F0
+With a graph engine (onnxruntime, openvino, tensorrt) the returned FlowModel runs its encoder and the
+estimator of each Euler step on that engine (`RunnerModule` in their place) and keeps the rest in
+torch: embeddings, masks, the fixed noise, the 10-step loop and the guidance mix. The returned HiFT is a `RunnerHiFT`: F0
 predictor and harmonic source in torch (the source draws each request's noise), `decode` on the engine.
 The ONNX graphs come from `engines.onnx_export.token2wav_onnx` (exported on first use into
 `<model_dir>/onnx` unless `onnx_dir` is given); TensorRT engines are cached under `<onnx_dir>/trt`.
@@ -35,7 +37,7 @@ from .trt_build import DimRanges, build_engine, campplus_dim_ranges, token2wav_d
 
 log = logging.getLogger(__name__)
 
-_FALLBACK = {"tensorrt": "onnxruntime", "onnxruntime": "torch"}
+_FALLBACK = {"tensorrt": "onnxruntime", "openvino": "onnxruntime", "onnxruntime": "torch"}
 
 
 def unavailable_reason(engine: str, device: str | torch.device) -> str | None:
@@ -46,6 +48,10 @@ def unavailable_reason(engine: str, device: str | torch.device) -> str | None:
         return f"device {device} requested but torch sees no CUDA device"
     if engine == "onnxruntime" and cuda and CUDA_PROVIDER not in ort.get_available_providers():
         return f"onnxruntime {ort.__version__} has no {CUDA_PROVIDER} (install onnxruntime-gpu)"
+    if engine == "openvino":
+        from .openvino_runner import openvino_unavailable_reason
+
+        return openvino_unavailable_reason()
     if engine == "tensorrt":
         if importlib.util.find_spec("tensorrt") is None:
             return "the tensorrt Python package is not installed"
@@ -70,22 +76,27 @@ def resolve_engine(engine: str, device: str | torch.device) -> str:
 
 
 def open_runner(onnx_path: str | Path, spec: GraphSpec, engine: str, device: str | torch.device, *,
-                ranges: DimRanges | None = None, precision: str = "fp32", cache_dir: str | Path | None = None
-                ) -> Runner:
-    """A runner for one ONNX graph on an engine already resolved ("onnxruntime" or "tensorrt").
-    TensorRT needs the profile `ranges`; the engine is built, or taken from the cache."""
+                ranges: DimRanges | None = None, precision: str = "fp32", cache_dir: str | Path | None = None,
+                ort_providers: str | None = None) -> Runner:
+    """A runner for one ONNX graph on an engine already resolved ("onnxruntime", "openvino" or "tensorrt").
+    TensorRT needs the profile `ranges`; the engine is built, or taken from the cache. `ort_providers`:
+    ONNX Runtime's execution providers (engines/providers.py); None: CPU, or CUDA on a CUDA device."""
     if engine == "onnxruntime":
         from .ort_runner import OrtRunner
 
         # On the CPU, as many threads as torch has been given (the model's `torch_threads` setting).
-        return OrtRunner(onnx_path, spec, device, intra_op_threads=torch.get_num_threads())
+        return OrtRunner(onnx_path, spec, device, intra_op_threads=torch.get_num_threads(), providers=ort_providers)
+    if engine == "openvino":
+        from .openvino_runner import OpenVINORunner
+
+        return OpenVINORunner(onnx_path, spec, device, precision=precision, threads=torch.get_num_threads())
     if engine == "tensorrt":
         from .trt_runner import TensorRTRunner
 
         if ranges is None:
             raise ValueError(f"{spec.name}: a TensorRT engine needs profile ranges")
         return TensorRTRunner(build_engine(onnx_path, spec, ranges, precision, cache_dir, device), spec, device)
-    raise ValueError(f"open_runner runs ONNX graphs on 'onnxruntime' or 'tensorrt', not {engine!r}")
+    raise ValueError(f"open_runner runs ONNX graphs on 'onnxruntime', 'openvino' or 'tensorrt', not {engine!r}")
 
 
 class RunnerHiFT(HiFTGenerator):
@@ -103,11 +114,12 @@ class RunnerHiFT(HiFTGenerator):
 def build_token2wav(model_dir: str | Path, engine: str = "torch", device: str | torch.device = "cpu", *,
                     precision: str = "fp32", onnx_dir: str | Path | None = None,
                     cache_dir: str | Path | None = None, max_streams: int = 16,
-                    max_seconds: float = 60.0) -> tuple[FlowModel, HiFTGenerator]:
+                    max_seconds: float = 60.0, ort_providers: str | None = None) -> tuple[FlowModel, HiFTGenerator]:
     """(flow, hift) for `model_dir` with their heavy parts on `engine` (see the module docstring).
 
-    precision: TensorRT only ("fp32", "fp16", "bf16"); the others run fp32. max_streams / max_seconds:
-    the TensorRT profile (flow rows per call, i.e. 2 * max_streams estimator rows, and mel length)."""
+    precision: TensorRT and OpenVINO ("fp32", "fp16", "bf16"); torch and ONNX Runtime run fp32.
+    max_streams / max_seconds: the TensorRT profile (flow rows per call, i.e. 2 * max_streams estimator
+    rows, and mel length). ort_providers: see `open_runner`."""
     from .onnx_export import token2wav_onnx  # the exporter loads only when a graph engine is used
     from .onnx_graphs import token2wav_specs
 
@@ -122,7 +134,7 @@ def build_token2wav(model_dir: str | Path, engine: str = "torch", device: str | 
     ranges = token2wav_dim_ranges(flow.config, max_streams, max_seconds,
                                   samples_per_frame=hift.config.samples_per_frame)
     runners = {name: open_runner(paths[name], spec, chosen, device, ranges=ranges[name], precision=precision,
-                                 cache_dir=cache_dir)
+                                 cache_dir=cache_dir, ort_providers=ort_providers)
                for name, spec in token2wav_specs(flow.config).items()}
     flow.encoder = RunnerModule(runners["flow_encoder"])
     flow.decoder.estimator = RunnerModule(runners["flow_estimator"])
@@ -133,7 +145,8 @@ def build_token2wav(model_dir: str | Path, engine: str = "torch", device: str | 
 
 
 def open_campplus(model_dir: str | Path, engine: str = "onnxruntime", device: str | torch.device = "cpu", *,
-                  precision: str = "fp32", cache_dir: str | Path | None = None, max_batch: int = 16) -> Runner:
+                  precision: str = "fp32", cache_dir: str | Path | None = None, max_batch: int = 16,
+                  ort_providers: str | None = None) -> Runner:
     """CAM++ (`campplus.onnx`: fbank (B, T, 80) -> embedding (B, 192)) on `engine` and `device`.
 
     It ships as ONNX only, so its reference is ONNX Runtime ("torch" means "onnxruntime" here), and its
@@ -153,4 +166,4 @@ def open_campplus(model_dir: str | Path, engine: str = "onnxruntime", device: st
     path = ModelPaths(Path(model_dir)).campplus
     cache_dir = cache_dir if cache_dir is not None else Path(model_dir) / "onnx" / "trt"
     return open_runner(path, campplus_spec(), *chosen, ranges=campplus_dim_ranges(max_batch),
-                       precision=precision, cache_dir=cache_dir)
+                       precision=precision, cache_dir=cache_dir, ort_providers=ort_providers)

@@ -5,7 +5,9 @@ This is the reference pipeline. The Triton models run the same steps, split acro
 2. voice: prompt features (speaker embedding, prompt speech tokens, prompt mel, prompt text);
 3. LLM: speech tokens, one sentence at a time, prompt laid out by mode;
 4. token2wav: flow + HiFT, chunk by chunk when streaming.
-Steps 1, 3 and 4 are the `Orchestrator`; here it runs with in-process backends.
+Steps 1, 3 and 4 are the `Orchestrator`; here it runs with in-process backends. `engine`,
+`precision` and `ort_providers` choose where token2wav's graphs and CAM++ run, as `serve` does
+(engines/select.py); `device` is checked first (engines/providers.py).
 """
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ from typing import Iterator
 import numpy as np
 
 from ..config import ModelPaths
+from ..engines.providers import check_torch_device
+from ..engines.select import build_token2wav, open_campplus
 from ..errors import ModelFolderError
 from ..frontend.prompt import PromptEncoder, PromptFeatures
 from ..frontend.text import TextFrontend
-from ..models.flow import FlowModel
-from ..models.hift import HiFTGenerator
 from ..models.speech_lm import SpeechLM
 from .orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav
 from .request import SynthesisRequest
@@ -41,16 +43,22 @@ class CosyVoice2:
         self.orchestrator = Orchestrator(frontend, ReferenceLLM(llm), ReferenceToken2Wav(token2wav))
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, device: str = "cpu") -> "CosyVoice2":
+    def from_model_dir(cls, model_dir: str | Path, device: str = "cpu", *, engine: str = "torch",
+                       precision: str = "fp32", ort_providers: str | None = None,
+                       onnx_dir: str | Path | None = None) -> "CosyVoice2":
         paths = ModelPaths(Path(model_dir))
         missing = paths.missing()
         if missing:
             raise ModelFolderError(f"{model_dir} is not a CosyVoice2 model folder: missing {', '.join(missing)}")
+        check_torch_device(device)
         frontend = TextFrontend.from_model_dir(paths.root)
         prompt_encoder = PromptEncoder.from_model_dir(paths.root)
+        if engine != "torch":  # CAM++ on the same engine, on the CPU as the official frontend (or TensorRT's GPU)
+            prompt_encoder.campplus = open_campplus(paths.root, engine, device if engine == "tensorrt" else "cpu",
+                                                    precision=precision, ort_providers=ort_providers)
         llm = SpeechLM.from_model_dir(paths.root, device=device, max_seq_len=4096)
-        flow = FlowModel.from_model_dir(paths.root, device=device)
-        hift = HiFTGenerator.from_model_dir(paths.root, device=device)
+        flow, hift = build_token2wav(paths.root, engine, device, precision=precision, onnx_dir=onnx_dir,
+                                     ort_providers=ort_providers)
         return cls(paths.root, frontend, prompt_encoder, llm, Token2Wav(flow, hift))
 
     def encode_voice(self, samples: np.ndarray, sample_rate: int, prompt_text: str) -> PromptFeatures:

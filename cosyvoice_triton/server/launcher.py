@@ -10,9 +10,12 @@
 
 The voice store defaults to `$COSYVOICE_HOME/voices.sqlite`, so registered voices survive restarts.
 
-Engines (`--engine`, `--precision`): token2wav's flow encoder, flow estimator and HiFT decode run on
-torch, ONNX Runtime or TensorRT; CAM++ on ONNX Runtime, or on TensorRT with `--engine tensorrt` on a
-GPU. The default is torch: it is the reference that the golden tests check, and it needs no export.
+Engines (`--engine`, `--precision`, `--ort-providers`): token2wav's flow encoder, flow estimator and
+HiFT decode run on torch, ONNX Runtime (on the providers of `--ort-providers`), OpenVINO or TensorRT;
+CAM++ on ONNX Runtime, on OpenVINO with `--engine openvino`, or on TensorRT with `--engine tensorrt` on a
+GPU. `--device` is checked at start (engines/providers.py: xpu, npu, mps, ... need their torch plugin
+and a device). The default is torch: it is the reference that the golden tests check, and it needs no
+export.
 (On a 2-core CPU, ONNX Runtime ran the tiny folder's token2wav 1.2-1.7x faster, single-threaded.)
 The ONNX graphs are exported on first use into `<model dir>/onnx`, or `<run dir>/onnx` when the model
 folder is read-only (`--onnx-dir` chooses); TensorRT engines are cached under `<onnx dir>/trt`. An
@@ -36,7 +39,7 @@ from cosyvoice_triton.server.templates import model_names, render_repository
 from cosyvoice_triton.targets import TritonTarget, check_spec, is_discovery
 from cosyvoice_triton.triton.params import Engine, Precision
 
-ENGINES = typing.get_args(Engine)  # torch | onnxruntime | tensorrt
+ENGINES = typing.get_args(Engine)  # torch | onnxruntime | openvino | tensorrt
 PRECISIONS = typing.get_args(Precision)  # fp32 | fp16 | bf16
 
 # The templates: model_repository/ of the checkout (an editable install), or the copy a wheel carries
@@ -59,7 +62,7 @@ class ServeOptions:
     http_port: int | None = 8000  # None: a free port
     grpc_port: int | None = 8001
     metrics_port: int | None = 8002
-    device: str = "cpu"  # cpu | cuda | cuda:N: device of llm and token2wav (their instance kind follows)
+    device: str = "cpu"  # cpu | cuda | cuda:N | xpu | npu | mps ...: torch device of llm and token2wav
     instances: int = 1  # instances of the stateless models (cosyvoice2*, prompt steps, register_voice)
     workers: int = 16  # requests synthesized at once per cosyvoice2 instance
     max_pending: int = 64  # requests queued per cosyvoice2 instance beyond that
@@ -75,8 +78,9 @@ class ServeOptions:
     prompt_max_batch: int = 8
     prompt_queue_delay_us: int = 1000
     torch_threads: int = 0  # per llm / token2wav instance; 0: torch's default
-    engine: str = "torch"  # token2wav: torch | onnxruntime | tensorrt (CAM++: tensorrt, else onnxruntime)
-    precision: str = "fp32"  # of TensorRT engines: fp32 | fp16 | bf16
+    engine: str = "torch"  # token2wav: torch | onnxruntime | openvino | tensorrt (CAM++ too; torch: onnxruntime)
+    precision: str = "fp32"  # of TensorRT engines and OpenVINO's hint: fp32 | fp16 | bf16
+    ort_providers: str | None = None  # with engine onnxruntime: execution providers (engines/providers.py)
     onnx_dir: Path | None = None  # exported graphs and TensorRT engines; None: see `default_onnx_dir`
     max_text_chars: int = 2000
     # Split deployment: "frontend" (cosyvoice2, llm, prompt encoder, voice registration; token2wav on
@@ -157,9 +161,11 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
     onnx_device = "auto" if gpu else "cpu"  # the S3 tokenizer on the GPU when onnxruntime has CUDA
     ratio = "" if options.max_token_text_ratio is None else options.max_token_text_ratio
     onnx_dir = "" if options.onnx_dir is None else options.onnx_dir
-    # CAM++ ships as ONNX only: TensorRT when asked for (on the GPU), else ONNX Runtime on the CPU.
-    campplus_engine, campplus_device = ("tensorrt", options.device) if options.engine == "tensorrt" else \
-        ("onnxruntime", "cpu")
+    # CAM++ ships as ONNX only: TensorRT when asked for (on the GPU), OpenVINO when asked for, else ONNX
+    # Runtime on the CPU.
+    campplus_engine, campplus_device = {"tensorrt": ("tensorrt", options.device),
+                                        "openvino": ("openvino", "cpu")}.get(options.engine, ("onnxruntime", "cpu"))
+    providers = options.ort_providers or ""
     synthesis = {"model_dir": model_dir, "voice_store": voice_store, "instances": options.instances,
                  "max_workers": options.workers, "max_pending": options.max_pending,
                  "max_text_chars": options.max_text_chars,
@@ -178,11 +184,11 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
                       "max_streams": options.t2w_max_streams, "max_batch": options.t2w_max_batch,
                       "idle_timeout_s": options.t2w_idle_timeout_s, "queue_delay_us": options.t2w_queue_delay_us,
                       "torch_threads": options.torch_threads, "engine": options.engine,
-                      "precision": options.precision, "onnx_dir": onnx_dir},
+                      "precision": options.precision, "onnx_dir": onnx_dir, "ort_providers": providers},
         "prompt_encoder": {"max_batch": options.prompt_max_batch},
         "prompt_audio": prompt_step,
         "speaker_embedding": {**prompt_step, "engine": campplus_engine, "device": campplus_device,
-                              "onnx_dir": onnx_dir},
+                              "onnx_dir": onnx_dir, "ort_providers": providers},
         "audio_tokenizer": {**prompt_step, "device": onnx_device},
         "register_voice": {"model_dir": model_dir, "voice_store": voice_store, "instances": options.instances},
     }
@@ -206,8 +212,12 @@ def new_run_dir() -> Path:
 def prepare(options: ServeOptions, **process_kwargs) -> TritonProcess:
     """Model folder, run folder and a `TritonProcess` ready to start (not started). `process_kwargs` go
     to `TritonProcess` (tests pass `die_with_parent`, `binary`)."""
+    from cosyvoice_triton.engines.providers import check_torch_device, parse_providers
     from cosyvoice_triton.model_hub import resolve_model_dir
 
+    check_torch_device(options.device)  # a device torch cannot use here fails now, not inside tritonserver
+    if options.ort_providers:
+        parse_providers(options.ort_providers)  # a malformed list fails now; availability is checked at load
     model_dir = Path(resolve_model_dir(str(options.model_dir))) if options.model_dir else default_model_dir()
     model_dir = model_dir.resolve()
     run_dir = Path(options.run_dir) if options.run_dir else new_run_dir()

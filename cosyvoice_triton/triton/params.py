@@ -20,9 +20,9 @@ class ParameterError(ValueError):
 
 
 # As `cosyvoice_triton.engines.base.ENGINES` / `PRECISIONS` (a unit test keeps them equal).
-Engine = Literal["torch", "onnxruntime", "tensorrt"]
+Engine = Literal["torch", "onnxruntime", "openvino", "tensorrt"]
 Precision = Literal["fp32", "fp16", "bf16"]
-GraphEngine = Literal["onnxruntime", "tensorrt"]  # for models that ship as ONNX only (CAM++)
+GraphEngine = Literal["onnxruntime", "openvino", "tensorrt"]  # for models that ship as ONNX only (CAM++)
 
 
 def parse_parameters(cls, model_config: dict | str, model: str = ""):
@@ -93,8 +93,9 @@ class Token2WavParams:
     idle_timeout_s: float  # a stream with no chunk for this long is freed
     torch_threads: int
     engine: Engine  # flow encoder, flow estimator and HiFT decode on this engine (engines/select.py)
-    precision: Precision  # of TensorRT engines; torch and ONNX Runtime run fp32
+    precision: Precision  # of TensorRT engines and OpenVINO's hint; torch and ONNX Runtime run fp32
     onnx_dir: str | None  # exported graphs (TensorRT engines in <onnx_dir>/trt); None: <model_dir>/onnx
+    ort_providers: str | None  # onnxruntime's execution providers (engines/providers.py); None: CPU / CUDA
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class SpeakerEmbeddingParams:
     device: str  # "cpu", "cuda", "cuda:N"; a fallback ends on ONNX Runtime on the CPU
     engine: GraphEngine
     onnx_dir: str | None  # TensorRT engines go to <onnx_dir>/trt; None: <model_dir>/onnx
+    ort_providers: str | None  # onnxruntime's execution providers (engines/providers.py); None: CPU / CUDA
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ class TritonPythonModel:
         torch.set_num_threads(1)
         onnx_dir = Path(params.onnx_dir) if params.onnx_dir else Path(params.model_dir) / "onnx"
         with library_logs_to_triton(pb_utils, self.name):
-            runner = open_campplus(params.model_dir, params.engine, params.device, cache_dir=onnx_dir / "trt")
+            runner = open_campplus(params.model_dir, params.engine, params.device, cache_dir=onnx_dir / "trt",
+                                   ort_providers=params.ort_providers)
         self.encoder = PromptEncoder(campplus=runner, speech_tokenizer=None)  # only .speaker_embedding
 
     def execute(self, requests):
