@@ -158,3 +158,26 @@ def test_in_process_synthesis_on_openvino_matches_torch(tiny_model_dir, prompt_w
     assert len(audio["torch"]) >= 2 and [c.size for c in audio["openvino"]] == [c.size for c in audio["torch"]]
     report("streamed audio, openvino vs torch", np.concatenate(audio["openvino"]), np.concatenate(audio["torch"]),
            WAVE_TOL)
+
+
+# ---- end to end through a real tritonserver started as `serve --engine openvino` ----
+
+from test_triton_engines import (assert_same_audio, engine_model, log_lines, prepared, prompt,  # noqa: E402,F401
+                                 reference_chunks, streamed)
+
+
+@pytest.fixture(scope="module")
+def openvino_server(engine_model, tmp_path_factory):
+    server = prepared(engine_model, tmp_path_factory.mktemp("serve_openvino"), "openvino")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_openvino_server_streams_the_torch_audio(openvino_server, prompt, reference_chunks):
+    """token2wav and CAM++ on OpenVINO in tritonserver: the torch pipeline's audio (1e-3, as ONNX Runtime)."""
+    assert_same_audio(streamed(openvino_server, prompt), reference_chunks)
+    assert len(log_lines(openvino_server, r"token2wav: .*token2wav on openvino \(cpu\)")) == 1
+    assert not log_lines(openvino_server, r"is not available")
