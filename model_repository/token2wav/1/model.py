@@ -50,7 +50,8 @@ class TritonPythonModel:
         with library_logs_to_triton(pb_utils, self.name):
             # TensorRT profile: up to max_batch chunks (2 * max_batch estimator rows) per flow call.
             flow, hift = build_token2wav(params.model_dir, params.engine, device, precision=params.precision,
-                                         onnx_dir=params.onnx_dir, max_streams=params.max_batch)
+                                         onnx_dir=params.onnx_dir, max_streams=params.max_batch,
+                                         ort_providers=params.ort_providers)
         self.engine = Token2WavEngine(flow, hift, max_streams=params.max_streams, max_batch=params.max_batch,
                                       idle_timeout_s=params.idle_timeout_s)
         self.metrics = ModelMetrics(pb_utils, TOKEN2WAV_METRICS, instance_labels(args))
