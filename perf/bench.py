@@ -22,10 +22,14 @@ overrides, on any path), `llm_batching` (llm_max_batch 8 vs 1) and `engine` (tor
 + tensorrt with `--device cuda`); the last two start one server per variant, in turn, and need
 `--start`. See compare.py.
 
+Every report also gives the playback stalls of each level's streams (share of streams with a stall,
+p50/p99 stall time per stream, stalls per stream, worst stall), for a listener that starts at the first
+chunk and for one that starts `--start-buffer-ms` (default 200) after it.
+
 `--quick`: concurrency 1 and 2, 2 requests each, short texts, and (with `--start`) a token/text ratio of
 3 so the random LLM stops early. One progress line per level; the report goes to `--out` (default
-`perf/results/<timestamp>/`): report.md, results.json, first_chunk.png and rtf_throughput.png
-(a comparison: throughput.png).
+`perf/results/<timestamp>/`): report.md, results.json, first_chunk.png, rtf_throughput.png and
+stalls.png (a comparison: throughput.png instead of rtf_throughput.png).
 """
 from __future__ import annotations
 
@@ -72,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="gateway API key")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests before the first level "
                                                          "(of each variant)")
+    p.add_argument("--start-buffer-ms", type=float, default=1000 * loadgen.DEFAULT_START_BUFFER_S,
+                   help="the second stall figure: playback starts this long after the first chunk (default 200)")
     p.add_argument("--quick", action="store_true", help="concurrency 1 2, 2 requests each, short texts")
     p.add_argument("--out", type=Path, default=None, help="report folder (default perf/results/<timestamp>/)")
 
@@ -132,7 +138,8 @@ def run_single(args, settings: serving.Settings, scenario: scenarios.Scenario, c
               file=sys.stderr, flush=True)
         levels = loadgen.measure(endpoint.target, list(scenario.cases), concurrency, requests,
                                  voice_mode=args.voice_mode, warmup=args.warmup,
-                                 on_level=lambda level: print(loadgen.progress_line(level), flush=True))
+                                 on_level=lambda level: print(loadgen.progress_line(level), flush=True),
+                                 start_buffer_s=args.start_buffer_ms / 1000)
     env = report.environment(scenario=scenario.name, scenario_description=scenario.description,
                              target=endpoint.describe(), voice_mode=args.voice_mode, model=_model_label(args),
                              server_version=endpoint.server_version, requests_per_level=requests,

@@ -2,8 +2,10 @@
 
 For each concurrency level, `concurrency` clients each send a request, read its stream to the end and
 send the next, until `requests` requests of that level are done. Each request records the time to the
-first and second audio chunk (from sending it), its total time and its audio seconds; a level reports
-their p50/p90/p99, RTF (level wall time / audio seconds made) and throughput (audio seconds per second).
+first and second audio chunk (from sending it), its total time, its audio seconds and every chunk's
+arrival time and length; a level reports their p50/p90/p99, RTF (level wall time / audio seconds made),
+throughput (audio seconds per second) and the playback stalls of its streams (`stats.stall_summary`:
+a listener that starts at the first chunk, and one that starts `start_buffer_s` after it).
 
 Targets, one per path (`make_target`):
 - `grpc`, `TritonTarget("host:8001")`: the `cosyvoice2` decoupled model through `AsyncTritonTTS` (one
@@ -30,7 +32,8 @@ from cosyvoice_triton.client.common import SAMPLE_RATE, wav_bytes
 from cosyvoice_triton.client.gateway_aio import AsyncGatewayTTS
 from cosyvoice_triton.client.triton_client import AsyncTritonTTS
 from cosyvoice_triton.perf.scenarios import Case
-from cosyvoice_triton.perf.stats import RequestResult, percentile  # noqa: F401 - this module's interface
+from cosyvoice_triton.perf.stats import (DEFAULT_START_BUFFER_S, RequestResult, percentile,  # noqa: F401
+                                         stall_summary)
 
 VOICE_MODES = ("id", "audio")
 PATHS = ("grpc", "http", "ws")  # direct Triton gRPC; the gateway's streamed POST /v1/tts; its WebSocket
@@ -41,6 +44,7 @@ class LevelResult:
     concurrency: int
     wall_s: float
     requests: list[RequestResult] = field(default_factory=list)
+    start_buffer_s: float = DEFAULT_START_BUFFER_S  # of the second stall figure
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -68,7 +72,7 @@ class LevelResult:
         for label, values in (("first_chunk", first), ("second_chunk", second), ("total", total)):
             for q in (50, 90, 99):
                 out[f"{label}_p{q}_s"] = percentile(values, q)
-        return out
+        return {**out, **stall_summary(self.ok, self.start_buffer_s)}
 
 
 class TritonTarget:
@@ -152,7 +156,10 @@ async def one_request(target, case: Case, voice_id: str | None, seed: int, optio
                 elif result.chunks == 1:
                     result.second_chunk_s = now
                 result.chunks += 1
-                result.audio_s += chunk.size / getattr(stream.stats, "sample_rate", SAMPLE_RATE)
+                seconds = chunk.size / getattr(stream.stats, "sample_rate", SAMPLE_RATE)
+                result.audio_s += seconds
+                result.arrivals.append(now)
+                result.chunk_audio_s.append(seconds)
     except Exception as exc:  # noqa: BLE001 - counted per request, the run goes on
         result.error = f"{type(exc).__name__}: {exc}"[:300]
     result.total_s = time.monotonic() - started
@@ -160,7 +167,8 @@ async def one_request(target, case: Case, voice_id: str | None, seed: int, optio
 
 
 async def run_level(target, cases: list[Case], voice_ids: list[str | None], concurrency: int,
-                    requests: int, seed: int = 0, options: dict | None = None) -> LevelResult:
+                    requests: int, seed: int = 0, options: dict | None = None,
+                    start_buffer_s: float = DEFAULT_START_BUFFER_S) -> LevelResult:
     """`requests` requests by `concurrency` closed-loop clients; cases are taken round-robin."""
     counter = iter(range(requests))
     results: list[RequestResult] = []
@@ -172,7 +180,7 @@ async def run_level(target, cases: list[Case], voice_ids: list[str | None], conc
 
     started = time.monotonic()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return LevelResult(concurrency, time.monotonic() - started, results)
+    return LevelResult(concurrency, time.monotonic() - started, results, start_buffer_s)
 
 
 def progress_line(level: LevelResult) -> str:
@@ -182,14 +190,17 @@ def progress_line(level: LevelResult) -> str:
         return "-" if s[key] is None else f"{1000 * s[key]:.0f}"
 
     rtf = "-" if s["rtf"] is None else f"{s['rtf']:.3f}"
+    share = "-" if s["stall_share"] is None else f"{100 * s['stall_share']:.0f}%"
     return (f"concurrency {s['concurrency']:>3}: {s['requests']} requests, {s['errors']} errors, "
             f"first chunk p50/p90/p99 {ms('first_chunk_p50_s')}/{ms('first_chunk_p90_s')}/{ms('first_chunk_p99_s')} ms, "
-            f"RTF {rtf}, {s['audio_s']:.1f} s audio in {s['wall_s']:.1f} s")
+            f"RTF {rtf}, {s['audio_s']:.1f} s audio in {s['wall_s']:.1f} s, "
+            f"stalls in {share} of streams (p99 {ms('stall_p99_s')} ms per stream)")
 
 
 async def run_load(target, cases: list[Case], concurrencies: list[int], requests: int, *, voice_mode: str = "id",
                    warmup: int = 1, options: dict | None = None,
-                   on_level: Callable[[LevelResult], None] | None = None) -> list[LevelResult]:
+                   on_level: Callable[[LevelResult], None] | None = None,
+                   start_buffer_s: float = DEFAULT_START_BUFFER_S) -> list[LevelResult]:
     """Every level in turn (after `warmup` unmeasured requests); `on_level` sees each as it finishes.
     Level n uses seeds 100000 * (n + 1) + k, so runs with the same levels send the same seeds."""
     if voice_mode not in VOICE_MODES:
@@ -207,7 +218,7 @@ async def run_load(target, cases: list[Case], concurrencies: list[int], requests
     levels = []
     for n, concurrency in enumerate(concurrencies):
         level = await run_level(target, cases, voice_ids, concurrency, requests, seed=100_000 * (n + 1),
-                                options=options)
+                                options=options, start_buffer_s=start_buffer_s)
         levels.append(level)
         if on_level is not None:
             on_level(level)
@@ -216,14 +227,15 @@ async def run_load(target, cases: list[Case], concurrencies: list[int], requests
 
 def measure(make: Callable[[], object], cases: list[Case], concurrencies: list[int], requests: int, *,
             voice_mode: str = "id", warmup: int = 1, options: dict | None = None,
-            on_level: Callable[[LevelResult], None] | None = None) -> list[LevelResult]:
+            on_level: Callable[[LevelResult], None] | None = None,
+            start_buffer_s: float = DEFAULT_START_BUFFER_S) -> list[LevelResult]:
     """`run_load` in an event loop of its own, on a target that `make()` builds inside that loop (gRPC
     and aiohttp clients belong to the loop that made them) and that is closed at the end."""
     async def go() -> list[LevelResult]:
         target = make()
         try:
             return await run_load(target, cases, concurrencies, requests, voice_mode=voice_mode, warmup=warmup,
-                                  options=options, on_level=on_level)
+                                  options=options, on_level=on_level, start_buffer_s=start_buffer_s)
         finally:
             await target.close()
 

@@ -48,18 +48,19 @@ def environment(**extra: object) -> dict:
     import os
 
     versions = {name: _version(name) for name in ("cosyvoice-triton", "cosyvoice_triton", "torch", "tritonclient",
-                                                  "nvidia-pytriton", "numpy")}
+                                                  "nvidia-pytriton", "numpy", "onnxruntime", "onnxruntime-gpu",
+                                                  "tensorrt")}
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpu": cpu_name(),
             "cpu_count": os.cpu_count(), "gpu": ", ".join(gpu_names()) or "none",
             "python": platform.python_version(), "platform": platform.platform(),
             "versions": {k: v for k, v in versions.items() if v}, **extra}
 
 
-def _ms(value: float | None) -> str:
+def ms(value: float | None) -> str:
     return "-" if value is None else f"{1000 * value:.0f}"
 
 
-def _num(value: float | None, digits: int = 3) -> str:
+def num(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
@@ -67,36 +68,63 @@ TIMES_NOTE = ("Times in ms from sending the request; RTF = level wall time / aud
               "throughput = audio seconds per second.")
 
 
-def _environment_lines(env: dict) -> list[str]:
+STALL_HEADER = ("| streams with a stall | stall time per stream p50 / p99 | stalls per stream | worst stall "
+                "| with a start buffer: streams with a stall / stall p99 |")
+
+
+def stalls_note(summaries: list[dict]) -> str:
+    buffer_ms = next((1000 * s["start_buffer_s"] for s in summaries if s.get("start_buffer_s") is not None), 200)
+    return ("Stalls: a listener plays each stream's chunks back to back from the arrival of its first chunk "
+            f"(and, with a start buffer, {buffer_ms:.0f} ms after it); a chunk that arrives after the audio "
+            "before it has finished playing is a stall, as long as the listener waited "
+            "(cosyvoice_triton/runtime/playback.py). Stall times in ms.")
+
+
+def stall_cells(s: dict) -> str:
+    """The stall columns of one level (STALL_HEADER), '-' where a figure is missing."""
+    def share(key: str) -> str:
+        return "-" if s.get(key) is None else f"{100 * s[key]:.0f}%"
+
+    return (f"{share('stall_share')} | {ms(s.get('stall_p50_s'))} / {ms(s.get('stall_p99_s'))} | "
+            f"{num(s.get('stalls_mean'), 2)} | {ms(s.get('worst_stall_s'))} | {share('buffered_stall_share')} / "
+            f"{ms(s.get('buffered_stall_p99_s'))} |")
+
+
+def environment_lines(env: dict) -> list[str]:
     lines = []
     for key in ("date", "scenario", "scenario_description", "compare", "target", "voice_mode", "model",
-                "server_version", "requests_per_level", "prompt_source", "cpu", "cpu_count", "gpu", "python",
-                "platform"):
+                "server_version", "requests_per_level", "prompt_source", "cpu", "cpu_count", "gpu", "cuda",
+                "python", "platform"):
         if env.get(key) not in (None, ""):
             lines.append(f"- **{key}**: {env[key]}")
-    lines.append(f"- **versions**: {', '.join(f'{k} {v}' for k, v in env.get('versions', {}).items())}")
+    versions = env.get("versions", {})  # {package: version}, or a line already written
+    if isinstance(versions, dict):
+        versions = ", ".join(f"{k} {v}" for k, v in versions.items())
+    lines.append(f"- **versions**: {versions}")
     return lines
 
 
 def markdown(summaries: list[dict], env: dict) -> str:
-    lines = [f"# CosyVoice2 benchmark: {env.get('scenario', '')}", ""] + _environment_lines(env)
+    lines = [f"# CosyVoice2 benchmark: {env.get('scenario', '')}", ""] + environment_lines(env)
     lines += ["", TIMES_NOTE, "",
               ("| concurrency | requests | errors | first chunk p50 / p90 / p99 | second chunk p50 / p99 "
                "| total p50 / p99 | audio (s) | RTF | throughput |"),
               "|---:|---:|---:|---|---|---|---:|---:|---:|"]
     for s in summaries:
         lines.append(
-            f"| {s['concurrency']} | {s['requests']} | {s['errors']} | {_ms(s['first_chunk_p50_s'])} / "
-            f"{_ms(s['first_chunk_p90_s'])} / {_ms(s['first_chunk_p99_s'])} | {_ms(s['second_chunk_p50_s'])} / "
-            f"{_ms(s['second_chunk_p99_s'])} | {_ms(s['total_p50_s'])} / {_ms(s['total_p99_s'])} | "
-            f"{s['audio_s']:.1f} | {_num(s['rtf'])} | {_num(s['throughput'], 2)} |")
+            f"| {s['concurrency']} | {s['requests']} | {s['errors']} | {ms(s['first_chunk_p50_s'])} / "
+            f"{ms(s['first_chunk_p90_s'])} / {ms(s['first_chunk_p99_s'])} | {ms(s['second_chunk_p50_s'])} / "
+            f"{ms(s['second_chunk_p99_s'])} | {ms(s['total_p50_s'])} / {ms(s['total_p99_s'])} | "
+            f"{s['audio_s']:.1f} | {num(s['rtf'])} | {num(s['throughput'], 2)} |")
+    lines += ["", stalls_note(summaries), "", "| concurrency " + STALL_HEADER, "|---:|---:|---|---:|---:|---|"]
+    lines += [f"| {s['concurrency']} | {stall_cells(s)}" for s in summaries]
     errors = [(s["concurrency"], s["first_error"]) for s in summaries if s.get("first_error")]
     if errors:
         lines += ["", "First error per level:", ""] + [f"- concurrency {c}: {e}" for c, e in errors]
     return "\n".join(lines) + "\n"
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,7 +134,7 @@ def _pyplot():
 
 
 def plots(summaries: list[dict], out: Path, title: str) -> list[Path]:
-    plt = _pyplot()
+    plt = pyplot()
     x = [s["concurrency"] for s in summaries]
 
     def series(key: str, scale: float = 1.0) -> list[float]:
@@ -139,10 +167,34 @@ def plots(summaries: list[dict], out: Path, title: str) -> list[Path]:
     paths.append(out / "rtf_throughput.png")
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
+
+    paths.append(stall_plot(plt, x, [("", x, series("stall_share", 100), series("stall_p99_s", 1000))],
+                            f"{title}: playback stalls", out / "stalls.png"))
     return paths
 
 
-def _write_texts(out: Path, markdown_text: str, results: dict) -> dict[str, Path]:
+def stall_plot(plt, levels: list[int], lines: list[tuple[str, list[int], list[float], list[float]]], title: str,
+               path: Path) -> Path:
+    """Share of streams with a stall (left) and p99 stall time per stream (right) vs concurrency; one
+    (label, concurrencies, shares in %, p99 in ms) per line."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4))
+    for label, x, shares, p99 in lines:
+        left.plot(x, shares, "o-", label=label or "streams with a stall")
+        right.plot(x, p99, "s--", label=label or "p99 stall time")
+    left.set(xlabel="concurrency", ylabel="streams with a stall (%)", ylim=(-5, 105))
+    right.set(xlabel="concurrency", ylabel="stall time per stream, p99 (ms)")
+    for ax in (left, right):
+        ax.set_xticks(levels)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_texts(out: Path, markdown_text: str, results: dict) -> dict[str, Path]:
     """report.md and results.json in `out` (made if missing)."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "report.md", "json": out / "results.json"}
@@ -153,9 +205,9 @@ def _write_texts(out: Path, markdown_text: str, results: dict) -> dict[str, Path
 
 def write(summaries: list[dict], env: dict, out: Path) -> dict[str, Path]:
     """report.md, results.json and the plots in `out` (made if missing); their paths by name."""
-    paths = _write_texts(out, markdown(summaries, env), {"environment": env, "levels": summaries})
-    first, rtf = plots(summaries, out, env.get("scenario", "benchmark"))
-    paths.update(first_chunk_png=first, rtf_png=rtf)
+    paths = write_texts(out, markdown(summaries, env), {"environment": env, "levels": summaries})
+    first, rtf, stall = plots(summaries, out, env.get("scenario", "benchmark"))
+    paths.update(first_chunk_png=first, rtf_png=rtf, stalls_png=stall)
     return paths
 
 
@@ -173,7 +225,7 @@ def _variant_line(variant: dict) -> str:
 def comparison_markdown(variants: list[dict], env: dict) -> str:
     """Environment, the variants, and one row per concurrency x variant (variants side by side per level)."""
     lines = [f"# CosyVoice2 comparison: {env.get('compare', '')} ({env.get('scenario', '')})", ""]
-    lines += _environment_lines(env) + ["", "## Variants", ""] + [_variant_line(v) for v in variants]
+    lines += environment_lines(env) + ["", "## Variants", ""] + [_variant_line(v) for v in variants]
     lines += ["", "## Results", "", TIMES_NOTE, "",
               ("| variant | concurrency | requests | errors | first chunk p50 / p90 / p99 | second chunk p50 "
                "| total p50 | RTF | throughput |"),
@@ -182,9 +234,13 @@ def comparison_markdown(variants: list[dict], env: dict) -> str:
                   key=lambda row: row[:2])
     for _, _, name, s in rows:
         lines.append(
-            f"| {name} | {s['concurrency']} | {s['requests']} | {s['errors']} | {_ms(s['first_chunk_p50_s'])} / "
-            f"{_ms(s['first_chunk_p90_s'])} / {_ms(s['first_chunk_p99_s'])} | {_ms(s['second_chunk_p50_s'])} | "
-            f"{_ms(s['total_p50_s'])} | {_num(s['rtf'])} | {_num(s['throughput'], 2)} |")
+            f"| {name} | {s['concurrency']} | {s['requests']} | {s['errors']} | {ms(s['first_chunk_p50_s'])} / "
+            f"{ms(s['first_chunk_p90_s'])} / {ms(s['first_chunk_p99_s'])} | {ms(s['second_chunk_p50_s'])} | "
+            f"{ms(s['total_p50_s'])} | {num(s['rtf'])} | {num(s['throughput'], 2)} |")
+    summaries = [s for _, _, _, s in rows]
+    lines += ["", stalls_note(summaries), "", "| variant | concurrency " + STALL_HEADER,
+              "|---|---:|---:|---|---:|---:|---|"]
+    lines += [f"| {name} | {s['concurrency']} | {stall_cells(s)}" for _, _, name, s in rows]
     errors = [(name, s["concurrency"], s["first_error"]) for _, _, name, s in rows if s.get("first_error")]
     if errors:
         lines += ["", "First error per variant and level:", ""]
@@ -194,7 +250,7 @@ def comparison_markdown(variants: list[dict], env: dict) -> str:
 
 def _per_variant_plot(variants: list[dict], key: str, scale: float, ylabel: str, title: str, path: Path) -> Path:
     """`key` vs concurrency, one line per variant that ran."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     levels = sorted({s["concurrency"] for v in variants for s in v["levels"]})
     for variant in variants:
@@ -213,11 +269,19 @@ def _per_variant_plot(variants: list[dict], key: str, scale: float, ylabel: str,
 
 
 def write_comparison(variants: list[dict], env: dict, out: Path) -> dict[str, Path]:
-    """report.md, results.json, first_chunk.png and throughput.png of a comparison in `out`."""
-    paths = _write_texts(out, comparison_markdown(variants, env), {"environment": env, "variants": variants})
+    """report.md, results.json, first_chunk.png, throughput.png and stalls.png of a comparison in `out`."""
+    paths = write_texts(out, comparison_markdown(variants, env), {"environment": env, "variants": variants})
     title = f"{env.get('compare', '')} ({env.get('scenario', '')})"
     paths["first_chunk_png"] = _per_variant_plot(variants, "first_chunk_p50_s", 1000, "first chunk p50 (ms)",
                                                  f"{title}: first chunk", out / "first_chunk.png")
     paths["throughput_png"] = _per_variant_plot(variants, "throughput", 1.0, "audio seconds per second",
                                                 f"{title}: throughput", out / "throughput.png")
+    levels = sorted({s["concurrency"] for v in variants for s in v["levels"]})
+
+    def series(variant: dict, key: str, scale: float) -> list[float]:
+        return [float("nan") if s.get(key) is None else scale * s[key] for s in variant["levels"]]
+
+    lines = [(v["name"], [s["concurrency"] for s in v["levels"]], series(v, "stall_share", 100),
+              series(v, "stall_p99_s", 1000)) for v in variants if v["levels"]]
+    paths["stalls_png"] = stall_plot(pyplot(), levels, lines, f"{title}: playback stalls", out / "stalls.png")
     return paths

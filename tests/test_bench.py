@@ -42,6 +42,34 @@ def test_report_from_synthetic_levels(tmp_path):
     assert paths["first_chunk_png"].stat().st_size > 0 and paths["rtf_png"].stat().st_size > 0
 
 
+def test_stall_figures_in_the_report_and_json(tmp_path):
+    """Hand-made arrivals: at concurrency 1 no stream stalls; at 2 one of two streams waits 0.3 s at its
+    second chunk, which a 0.2 s start buffer shortens to 0.1 s."""
+    def streamed(arrivals: list[float]) -> loadgen.RequestResult:
+        return loadgen.RequestResult(arrivals[0], arrivals[1], arrivals[-1], 3.0, 3, arrivals=arrivals,
+                                     chunk_audio_s=[1.0, 1.0, 1.0])
+
+    levels = [loadgen.LevelResult(1, 3.0, [streamed([0.5, 1.0, 1.5])]),
+              loadgen.LevelResult(2, 3.0, [streamed([0.5, 1.0, 1.5]), streamed([0.5, 1.8, 2.0])])]
+    summaries = [level.summary() for level in levels]
+    assert summaries[0]["stall_share"] == 0.0 and summaries[0]["stall_p99_s"] == 0.0
+    assert summaries[1]["stall_share"] == 0.5 and summaries[1]["stall_p99_s"] == pytest.approx(0.3)
+    assert summaries[1]["worst_stall_s"] == pytest.approx(0.3) and summaries[1]["stalls_mean"] == 0.5
+    assert summaries[1]["buffered_stall_p99_s"] == pytest.approx(0.1) and summaries[1]["start_buffer_s"] == 0.2
+    paths = report.write(summaries, report.environment(scenario="fast_clone"), tmp_path)
+    text = paths["markdown"].read_text()
+    assert "| 1 | 0% | 0 / 0 | 0.00 | 0 | 0% / 0 |" in text
+    assert "| 2 | 50% | 0 / 300 | 0.50 | 300 | 50% / 100 |" in text and "200 ms after it" in text
+    levels_json = json.loads(paths["json"].read_text())["levels"]
+    assert levels_json[1]["stall_share"] == 0.5 and "buffered_stall_share" in levels_json[1]
+    assert paths["stalls_png"].stat().st_size > 0
+    variants = [{"name": "fixed", "description": "d", "voice_mode": "id", "options": {}, "server": {},
+                 "target": "t", "levels": summaries}]
+    paths = report.write_comparison(variants, report.environment(compare="chunk_policy"), tmp_path / "cmp")
+    assert "| fixed | 2 | 50% | 0 / 300 |" in paths["markdown"].read_text()
+    assert paths["stalls_png"].stat().st_size > 0
+
+
 def test_perf_analyzer_sweep_script_parses():
     subprocess.run(["bash", "-n", str(REPO / "perf" / "perf_analyzer_sweep.sh")], check=True)
 
@@ -58,21 +86,25 @@ def test_bench_start_quick_end_to_end(tiny_model_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "concurrency   1:" in printed and "concurrency   2:" in printed  # one progress line per level
-    rows = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| ") and
-            line.split("|")[1].strip().isdigit()]
-    assert [row.split("|")[1].strip() for row in rows] == ["1", "2"]
+    assert [row[0] for row in _table_rows(out / "report.md")] == ["1", "2"]
+    assert "streams with a stall" in (out / "report.md").read_text()
     results = json.loads((out / "results.json").read_text())
     assert [level["requests"] for level in results["levels"]] == [2, 2]
     assert all(level["errors"] == 0 and level["audio_s"] > 0 for level in results["levels"])
-    for name in ("first_chunk.png", "rtf_throughput.png"):
+    # every stream that sent audio has its stall figures (0 <= share <= 1)
+    assert all(level["streams"] == 2 and 0 <= level["stall_share"] <= 1 and level["stall_p99_s"] >= 0
+               for level in results["levels"])
+    for name in ("first_chunk.png", "rtf_throughput.png", "stalls.png"):
         assert (out / name).stat().st_size > 0
 
 
 # ---- comparisons and paths ---------------------------------------------------------------------------------
 
 def _table_rows(report_md: Path) -> list[list[str]]:
-    """The cells of the report's result rows (those whose concurrency cell is a number)."""
-    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in report_md.read_text().splitlines()
+    """The cells of the rows of the report's first table whose concurrency cell is a number (the results;
+    the stall table follows)."""
+    table = "\n".join(report_md.read_text().split("\n\n| ")[1:2])  # the first table, after its blank line
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in ("| " + table).splitlines()
             if line.startswith("| ")]
     return [row for row in rows if len(row) > 1 and row[1].isdigit()]
 
