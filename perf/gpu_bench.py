@@ -20,87 +20,73 @@ perf/results/gpu-<timestamp>/; report.md and results.json are rewritten after ev
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.util
-import json
 import math
 import os
-import platform
 import sys
 import threading
 import time
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from cosyvoice_triton.engines.select import build_token2wav, resolve_engine, unavailable_reason
-from cosyvoice_triton.random_folder.write import write_random_model
+from cosyvoice_triton.frontend.prompt import PromptEncoder
+from cosyvoice_triton.frontend.text import TextFrontend
+from cosyvoice_triton.messages import SynthesisRequest
 from cosyvoice_triton.models.speech_lm import SpeechLM
-from cosyvoice_triton.runtime.llm_engine import LLMEngine
+from cosyvoice_triton.perf import scenarios
+from cosyvoice_triton.perf.gpu_report import RANDOM_LLM_NOTE, environment, progress_line, write_outputs
+from cosyvoice_triton.perf.stats import RequestResult, percentile
+from cosyvoice_triton.random_folder.write import write_random_model
 from cosyvoice_triton.runtime.engine_backends import BatchingToken2Wav, EngineLLM
+from cosyvoice_triton.runtime.llm_engine import LLMEngine
+from cosyvoice_triton.runtime.orchestrator import Orchestrator
 from cosyvoice_triton.runtime.token2wav_engine import Token2WavEngine
 from cosyvoice_triton.server.launcher import ServeOptions
-from cosyvoice_triton.perf import scenarios
-from cosyvoice_triton.perf.stats import RequestResult, percentile
 
 QUICK_RATIO = 3.0  # --quick: at most 3 speech tokens per text token, so the random LLM stops early
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-TARGETS = (  # (scenario or None for every scenario, concurrency, summary key, bound, label); reported only
-    ("fast_clone", 1, "first_chunk_p50_s", 0.100, "first chunk p50 <= 100 ms"),
-    ("fast_clone", 16, "first_chunk_p99_s", 0.300, "first chunk p99 <= 300 ms"),
-    (None, 32, "rtf", 0.02, "aggregate RTF <= 0.02"),
-)
 
 
 # ---- packages the GPU image lacks -------------------------------------------------------------------
 
-class _UnchangedText:
-    """Stands in for `wetext.Normalizer` where wetext is missing: the text stays as written."""
-
-    def __init__(self, **options: object):
-        self.options = options
+class UnchangedText:
+    """A text normalizer that leaves the text as written: the text frontend's normalizers where wetext is
+    not installed."""
 
     def normalize(self, text: str) -> str:
         return text
 
 
-def _no_soundfile(*args: object, **kwargs: object):
-    raise RuntimeError("soundfile is not installed here: the benchmark passes prompt samples, not files")
-
-
-def stand_in_missing_packages() -> list[str]:
-    """Register stand-ins for wetext and soundfile where they cannot be imported (the GPU image has
-    neither), so the text frontend and the prompt encoder import; returns one report note per stand-in.
-    frontend/text.py imports wetext at module level and frontend/audio.py soundfile, which only decodes
-    uploaded files. Call before importing those modules; where the packages import, nothing changes."""
-    notes = []
+def check_packages() -> tuple[tuple[UnchangedText, UnchangedText] | None, list[str]]:
+    """(normalizers for the text frontend, None meaning wetext's; one report note per missing package).
+    The GPU image has neither wetext nor soundfile: the library imports wetext only to build its
+    normalizers and soundfile only to decode file bytes, which this benchmark never does (it passes
+    prompt samples)."""
+    normalizers, notes = None, []
     try:
-        import wetext  # noqa: F401 - loads its FSTs, which the frontend needs anyway
+        import wetext  # noqa: F401 - loads its FSTs, which the text frontend then uses
     except ImportError:
-        sys.modules["wetext"] = types.SimpleNamespace(Normalizer=_UnchangedText)
+        normalizers = (UnchangedText(), UnchangedText())
         notes.append("wetext is not installed: text normalization (number and symbol spelling) is skipped; "
                      "the scenario texts need little of it")
     try:
         import soundfile  # noqa: F401
     except (ImportError, OSError):  # OSError: the wheel is there but libsndfile is not
-        # frontend/audio.py names LibsndfileError in an except clause and calls read() on file bytes only.
-        sys.modules["soundfile"] = types.SimpleNamespace(read=_no_soundfile, LibsndfileError=RuntimeError)
-        notes.append("soundfile is not installed: a stand-in that refuses to decode files (none are decoded)")
-    return notes
+        notes.append("soundfile is not installed: no prompt file is decoded (the benchmark passes samples)")
+    return normalizers, notes
 
 
 @dataclass
 class Stack:
     """Everything one run serves with."""
 
-    orchestrator: object  # runtime.orchestrator.Orchestrator
+    orchestrator: Orchestrator
     llm_engine: LLMEngine
     t2w_engine: Token2WavEngine
     batcher: BatchingToken2Wav
-    prompt_encoder: object  # frontend.prompt.PromptEncoder
-    request_type: type  # runtime.request.SynthesisRequest (imported late, as the frontend)
+    prompt_encoder: PromptEncoder
     sampling: object  # runtime.sampling.SamplingParams: the model's defaults
     sample_rate: int
     settings: dict
@@ -110,14 +96,10 @@ class Stack:
         self.batcher.close()
 
 
-def open_stack(model_dir: Path, args: argparse.Namespace, device: torch.device, onnx_dir: Path) -> Stack:
-    """The engines and the orchestrator on `device`, set up as the Triton models set them up."""
-    # Imported here, after stand_in_missing_packages(): these modules import wetext and soundfile.
-    from cosyvoice_triton.frontend.prompt import PromptEncoder
-    from cosyvoice_triton.frontend.text import TextFrontend
-    from cosyvoice_triton.runtime.orchestrator import Orchestrator
-    from cosyvoice_triton.runtime.request import SynthesisRequest
-
+def open_stack(model_dir: Path, args: argparse.Namespace, device: torch.device, onnx_dir: Path,
+               normalizers: tuple | None) -> Stack:
+    """The engines and the orchestrator on `device`, set up as the Triton models set them up (the text
+    frontend with `normalizers`, None: wetext's)."""
     llm = SpeechLM.from_model_dir(model_dir, device=device, max_batch=args.llm_max_batch,
                                   max_seq_len=args.llm_max_seq_len)
     if args.max_token_text_ratio is not None:
@@ -137,13 +119,14 @@ def open_stack(model_dir: Path, args: argparse.Namespace, device: torch.device, 
         "token2wav": f"{engine_line}, precision {args.precision if engine == 'tensorrt' else 'fp32'}; "
                      f"Token2WavEngine max_batch {args.t2w_max_batch}, max_streams {args.t2w_max_streams}; "
                      f"batcher delay {args.queue_delay_us} us"}
-    prompt_encoder, frontend = PromptEncoder.from_model_dir(model_dir), TextFrontend.from_model_dir(model_dir)
+    prompt_encoder = PromptEncoder.from_model_dir(model_dir)
+    frontend = TextFrontend.from_model_dir(model_dir, normalizers=normalizers)
     # The two threads start last: nothing after them can fail and leave them running.
     batcher = BatchingToken2Wav(t2w_engine, args.t2w_max_batch, args.queue_delay_us / 1e6)
     llm_engine.start()
     orchestrator = Orchestrator(frontend, EngineLLM(llm_engine), batcher)
     return Stack(orchestrator=orchestrator, llm_engine=llm_engine, t2w_engine=t2w_engine, batcher=batcher,
-                 prompt_encoder=prompt_encoder, request_type=SynthesisRequest, sampling=llm.config.sampling,
+                 prompt_encoder=prompt_encoder, sampling=llm.config.sampling,
                  sample_rate=hift.config.sampling_rate, settings=settings)
 
 
@@ -154,7 +137,7 @@ def one_request(stack: Stack, case: scenarios.Case, voice, seed: int) -> Request
     result, chunks, samples = RequestResult(), 0, 0
     start = time.perf_counter()
     try:
-        request = stack.request_type(text=case.text, voice=voice, mode=case.mode, seed=seed,
+        request = SynthesisRequest(text=case.text, voice=voice, mode=case.mode, seed=seed,
                                      sampling=stack.sampling)
         for chunk in stack.orchestrator.run(request, stream=True):
             if chunk.size == 0:
@@ -242,138 +225,6 @@ def estimate_s(previous: dict | None, concurrency: int, requests: int) -> float:
     return math.ceil(requests / concurrency) * previous["total_p50_s"]
 
 
-# ---- report -------------------------------------------------------------------------------------------
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{1000 * value:.0f}"
-
-
-def _num(value: float | None, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def target_rows(results: dict) -> list[dict]:
-    """Each target against the levels that ran: met / not met / not measured."""
-    rows = []
-    for scenario_name, concurrency, key, bound, label in TARGETS:
-        for scenario in results["scenarios"]:
-            if scenario_name not in (None, scenario["name"]):
-                continue
-            level = next((s for s in scenario["levels"] if s["concurrency"] == concurrency), None)
-            value = None if level is None else level[key]
-            status = "not measured" if value is None else ("met" if value <= bound else "not met")
-            shown = "-" if value is None else (f"{value:.4f}" if key == "rtf" else f"{_ms(value)} ms")
-            rows.append({"target": f"{scenario['name']}: {label} at concurrency {concurrency}",
-                         "measured": shown, "status": status})
-    return rows
-
-
-MEASURES_NOTE = (
-    "The serving engines and the orchestrator in one process, no Triton transport (gRPC, BLS and copies "
-    "between models are excluded). Times in ms from handing the request to the orchestrator; RTF = level "
-    "wall time / audio seconds made; throughput = audio seconds per second; flow batch = mean chunks per "
-    "token2wav flow call.")
-TABLE_HEADER = ("| concurrency | requests | errors | first chunk p50 / p90 / p99 | second chunk p50 | total p50 "
-                "| audio / request (s) | RTF | throughput | flow batch |")
-RANDOM_LLM_NOTE = ("random weights: the LLM seldom samples its end token, so each sentence runs to the most "
-                   "speech tokens per text token allowed; audio lengths are not those of real speech")
-
-
-def table_row(s: dict) -> str:
-    cut = "" if s["requests"] == s["planned"] else f" of {s['planned']}"
-    return (f"| {s['concurrency']} | {s['requests']}{cut} | {s['errors']} | {_ms(s['first_chunk_p50_s'])} / "
-            f"{_ms(s['first_chunk_p90_s'])} / {_ms(s['first_chunk_p99_s'])} | {_ms(s['second_chunk_p50_s'])} | "
-            f"{_ms(s['total_p50_s'])} | {_num(s['audio_per_request_s'], 2)} | {_num(s['rtf'], 4)} | "
-            f"{_num(s['throughput'], 1)} | {_num(s['flow_batch_mean'], 1)} |")
-
-
-def markdown(results: dict) -> str:
-    env = results["environment"]
-    lines = ["# CosyVoice2 GPU benchmark: in-process serving path", "",
-             f"- **date**: {env['date']}",
-             f"- **machine**: {env['gpu']}; {env['cpu_count']} CPU cores; Python {env['python']}",
-             f"- **versions**: {env['versions']}",
-             *(f"- **{key}**: {value}" for key, value in results["settings"].items()),
-             *(f"- **note**: {note}" for note in results["notes"]), "", MEASURES_NOTE]
-    for scenario in results["scenarios"]:
-        lines += ["", f"## {scenario['name']}", "", f"{scenario['description']}; prompt {scenario['prompt']}", ""]
-        if scenario["levels"]:
-            lines += [TABLE_HEADER, "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
-            lines += [table_row(s) for s in scenario["levels"]] + [""]  # a blank line ends the table
-        if scenario.get("warmup"):
-            lines.append(f"- warm-up, not in the table: {progress_line('', scenario['warmup']).strip()}")
-        lines += [f"- {line}" for line in scenario["skipped"]]
-        lines += [f"- first error at concurrency {s['concurrency']}: {s['first_error']}"
-                  for s in scenario["levels"] if s["first_error"]]
-    lines += ["", "## Targets (reported, not asserted)", "", "| target | measured | status |", "|---|---:|---|"]
-    lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in target_rows(results)]
-    return "\n".join(lines) + "\n"
-
-
-def plot(scenario: dict, path: Path) -> None:
-    """First chunk p50/p90/p99 (left) and RTF with throughput (right) against concurrency."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    levels = scenario["levels"]
-    x = [s["concurrency"] for s in levels]
-
-    def series(key: str, scale: float = 1.0) -> list[float]:
-        return [float("nan") if s[key] is None else scale * s[key] for s in levels]
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for q, style in (("p50", "o-"), ("p90", "^:"), ("p99", "s--")):
-        left.plot(x, series(f"first_chunk_{q}_s", 1000), style, label=q)
-    left.set(xlabel="concurrency", ylabel="first chunk (ms)", title=f"{scenario['name']}: first chunk")
-    right.plot(x, series("rtf"), "o-", color="tab:red", label="RTF")
-    right.set(xlabel="concurrency", ylabel="RTF (wall / audio)", title=f"{scenario['name']}: RTF, throughput")
-    twin = right.twinx()
-    twin.plot(x, series("throughput"), "s--", color="tab:blue", label="throughput")
-    twin.set_ylabel("audio seconds per second")
-    for ax in (left, right):
-        ax.set_xticks(x)
-        ax.grid(alpha=0.3)
-    left.legend()
-    right.legend(right.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0],
-                 ["RTF", "throughput"], loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def write_outputs(results: dict, out: Path, plots: bool) -> str:
-    """report.md and results.json (and, when `plots`, one PNG per scenario) in `out`; the markdown."""
-    out.mkdir(parents=True, exist_ok=True)
-    if plots and importlib.util.find_spec("matplotlib") is None:
-        results["notes"].append("matplotlib is not installed: no plots")
-        plots = False
-    for scenario in results["scenarios"] if plots else []:
-        if scenario["levels"]:
-            plot(scenario, out / f"{scenario['name']}.png")
-    results["targets"] = target_rows(results)
-    text = markdown(results)
-    (out / "report.md").write_text(text, encoding="utf-8")
-    (out / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False), encoding="utf-8")
-    return text
-
-
-def environment(device: torch.device) -> dict:
-    import numpy as np
-    import onnxruntime as ort
-
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        gpu = f"GPU {props.name} ({props.total_memory / 2**30:.0f} GiB)"
-    else:
-        gpu = f"no GPU used (device {device}; {platform.processor() or platform.machine()})"
-    cuda = f" (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()})" if torch.version.cuda else ""
-    return {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"), "gpu": gpu,
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "host": platform.node(),
-            "versions": f"torch {torch.__version__}{cuda}, onnxruntime {ort.__version__}, numpy {np.__version__}"}
-
-
 # ---- the run ------------------------------------------------------------------------------------------
 
 def prepare_model(args: argparse.Namespace) -> tuple[Path, str]:
@@ -396,12 +247,6 @@ def encode_voices(stack: Stack, cases: tuple) -> dict:
             voices[id(case.prompt_audio)] = stack.prompt_encoder.encode(case.prompt_audio, case.prompt_rate,
                                                                         case.prompt_text)
     return voices
-
-
-def progress_line(name: str, s: dict) -> str:
-    return (f"{name} concurrency {s['concurrency']:3d}: {s['requests']} requests, {s['errors']} errors, first "
-            f"chunk p50 {_ms(s['first_chunk_p50_s'])} ms p99 {_ms(s['first_chunk_p99_s'])} ms, RTF "
-            f"{_num(s['rtf'], 4)}, {_num(s['throughput'], 1)} audio s/s, {s['wall_s']:.1f} s")
 
 
 def run_scenario(stack: Stack, name: str, args: argparse.Namespace, started: float, record: dict,
@@ -438,7 +283,7 @@ def run_scenario(stack: Stack, name: str, args: argparse.Namespace, started: flo
 
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    notes = stand_in_missing_packages()
+    normalizers, notes = check_packages()
     device = torch.device(args.device)
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
@@ -447,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir, model_line = prepare_model(args)
     if args.model_dir is None:
         notes.append(RANDOM_LLM_NOTE)
-    stack = open_stack(model_dir, args, device, args.work_dir / f"onnx_{model_dir.name}")
+    stack = open_stack(model_dir, args, device, args.work_dir / f"onnx_{model_dir.name}", normalizers)
     settings = {"model": model_line, "llm": stack.settings["llm"], "token2wav": stack.settings["token2wav"],
                 "voice": "encoded once per prompt before the levels (as bench --voice-mode id)",
                 "warm-up": f"{args.warmup} request(s) at concurrency 1 before each scenario, not measured",
