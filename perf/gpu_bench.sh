@@ -13,7 +13,8 @@
 # nothing from a registry:
 #   - The Python that runs it (`python3`, or $PYTHON) must hold torch (with CUDA), onnx, onnxruntime,
 #     numpy, pyyaml, scipy, safetensors and tokenizers; matplotlib for the plots (the device image has
-#     them all). wetext and soundfile, which the image lacks, get stand-ins (the report says so).
+#     them all). Without wetext (the image lacks it) the text is not normalized; soundfile is not needed
+#     (prompts are passed as samples). The report says which is missing.
 #   - tensorrt (for --engine tensorrt) and onnxruntime-gpu (--engine onnxruntime on CUDA) must be on the
 #     image or be carried as wheels in `wheels/` (see perf/gpu_check.sh); without them the token2wav
 #     engine falls back to torch with one line.
