@@ -88,3 +88,18 @@ def test_nan_and_inf_are_refused_at_model_boundaries():
     with pytest.raises(InvalidInput) as caught:
         check_chunk_finite(Chunk())
     assert caught.value.field == "embedding"
+
+
+def test_the_prompt_budget_refuses_transcripts_that_leave_no_room_for_a_sentence(tiny_model_dir):
+    from cosyvoice_triton.frontend.text import TextFrontend
+    from cosyvoice_triton.runtime.prompt_budget import SENTENCE_ROOM, PromptBudget, speech_tokens_of
+
+    budget = PromptBudget(4096, TextFrontend.from_model_dir(tiny_model_dir))
+    assert speech_tokens_of(48000, 16000) == 75
+    assert budget.transcript_limit(75) == 4096 - 2 - SENTENCE_ROOM - 75
+    budget.check("a short transcript", 75, "reference_text")
+    with pytest.raises(InvalidInput, match="positions") as caught:
+        budget.check(" ".join(["a long transcript that never ends"] * 300), 75, "reference_text")
+    assert caught.value.field == "reference_text"
+    with pytest.raises(InvalidInput):  # a smaller LLM cache leaves less room
+        PromptBudget(400, budget.frontend).check("word " * 60, 750 // 10 * 2, "reference_text")

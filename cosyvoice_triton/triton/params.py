@@ -127,6 +127,7 @@ class CosyVoice2Params:
     # grpc://host:port[?metrics=URL]; None: this server's own token2wav, through BLS.
     token2wav_backends: str | None = None
     token2wav_timeout_s: float = 60.0  # longest wait for one remote token2wav chunk
+    max_seq_len: int = 4096  # the llm's positions per stream: longer prompts are refused (prompt_budget)
 
 
 @dataclass(frozen=True)
@@ -134,3 +135,4 @@ class RegisterVoiceParams:
     model_dir: str
     voice_store: str | None
     prompt_encoder_model: str
+    max_seq_len: int = 4096  # the llm's positions per stream: longer transcripts are refused (prompt_budget)

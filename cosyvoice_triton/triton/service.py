@@ -18,6 +18,7 @@ from cosyvoice_triton.frontend.text import TextFrontend
 from cosyvoice_triton.models.speech_lm import SpeechLMConfig
 from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
 from cosyvoice_triton.runtime.orchestrator import LLMBackend, Orchestrator, Token2WavBackend
+from cosyvoice_triton.runtime.prompt_budget import PromptBudget, speech_tokens_of
 from cosyvoice_triton.runtime.request import SynthesisRequest
 from cosyvoice_triton.runtime.voice_store import VoiceInfo, VoiceStore, register_once
 from cosyvoice_triton.triton.contracts import RegisterInputs, SynthesisInputs, VoiceAudio
@@ -28,11 +29,18 @@ def token_mel_ratio(model_dir: str | Path) -> int:
 
 
 class Voices:
-    """Voice store + prompt encoder. `encoder.encode(samples, rate, text, sha) -> PromptFeatures`."""
+    """Voice store + prompt encoder. `encoder.encode(samples, rate, text, sha) -> PromptFeatures`.
+    With a `budget`, a transcript that would leave an LLM stream no room for a sentence is refused
+    (registration and inline prompts alike; `prompt_budget`)."""
 
-    def __init__(self, store: VoiceStore, encoder):
+    def __init__(self, store: VoiceStore, encoder, budget: PromptBudget | None = None):
         self.store = store
         self.encoder = encoder
+        self.budget = budget
+
+    def check_transcript(self, text: str | None, prompt_speech_tokens: int) -> None:
+        if self.budget is not None and text:
+            self.budget.check(text, prompt_speech_tokens, "reference_text")
 
     @staticmethod
     def samples(audio: VoiceAudio) -> tuple[np.ndarray, int]:
@@ -46,12 +54,14 @@ class Voices:
 
     def from_audio(self, audio: VoiceAudio, text: str) -> PromptFeatures:
         samples, rate = self.samples(audio)
+        self.check_transcript(text, speech_tokens_of(samples.shape[0], rate))
         return self.encoder.encode(samples, rate, text, audio_sha256(samples, rate))
 
     def resolve(self, inputs: SynthesisInputs) -> PromptFeatures:
         if inputs.voice_id is not None:
             voice = self.store.get(inputs.voice_id)
             if inputs.reference_text is not None:
+                self.check_transcript(inputs.reference_text, int(voice.speech_tokens.shape[0]))
                 voice = PromptFeatures(embedding=voice.embedding, speech_tokens=voice.speech_tokens, mel=voice.mel,
                                        text=inputs.reference_text, audio_sha256=voice.audio_sha256)
             return voice
@@ -61,6 +71,7 @@ class Voices:
         """Store the request's voice; the prompt encoder runs only when this recording and transcript are
         not stored yet (`register_once`)."""
         samples, rate = self.samples(inputs.audio)
+        self.check_transcript(inputs.text, speech_tokens_of(samples.shape[0], rate))
         sha = audio_sha256(samples, rate)
         return register_once(self.store, sha, inputs.text, lambda: self.encoder.encode(samples, rate, inputs.text, sha),
                              voice_id=inputs.voice_id, name=inputs.name)

@@ -21,7 +21,7 @@ from cosyvoice_triton.triton.contracts import parse_synthesis_inputs
 from cosyvoice_triton.triton.metrics import REMOTE_TOKEN2WAV, SYNTHESIS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import CosyVoice2Params, parse_parameters
 from cosyvoice_triton.triton.remote_token2wav import RemoteToken2Wav
-from cosyvoice_triton.triton.service import SynthesisService, Voices, token_mel_ratio
+from cosyvoice_triton.triton.service import SynthesisService, Voices, prompt_budget, token_mel_ratio
 from cosyvoice_triton.triton.streaming import RequestPool, send_chunks, send_whole
 from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
 
@@ -36,7 +36,8 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.store = open_voice_store(params.voice_store)
         voices = Voices(self.store, BlsPromptEncoder(pb_utils, params.prompt_encoder_model,
-                                                     token_mel_ratio(params.model_dir)))
+                                                     token_mel_ratio(params.model_dir)),
+                        prompt_budget(params.model_dir, params.max_seq_len))
         # Split deployment: token2wav on the backend servers named in the config; else this server's own.
         self.token2wav = RemoteToken2Wav.from_specs(params.token2wav_backends, params.token2wav_model,
                                                     params.token2wav_timeout_s) \

@@ -1,8 +1,9 @@
 """`register_voice`: reference recording -> prompt features (prompt_encoder, BLS) -> voice store.
 
-The store is asked first, by content key (audio hash + transcript, `voice_store.register_once`): a
-recording already registered with the same transcript returns its voice without running the prompt
-encoder again.
+The store is asked first, by content key (audio hash + transcript + owner, `voice_store.register_once`):
+a recording already registered with the same transcript by the same owner returns its voice without
+running the prompt encoder again. A transcript that would leave an LLM stream no room for a sentence is
+refused first (`prompt_budget`, with the llm's `max_seq_len`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from cosyvoice_triton.runtime.voice_store import open_voice_store
 from cosyvoice_triton.triton.bls import BlsPromptEncoder
 from cosyvoice_triton.triton.contracts import parse_register_inputs
 from cosyvoice_triton.triton.params import RegisterVoiceParams, parse_parameters
-from cosyvoice_triton.triton.service import Voices, token_mel_ratio
+from cosyvoice_triton.triton.service import Voices, prompt_budget, token_mel_ratio
 from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each, string_array
 
 
@@ -24,7 +25,8 @@ class TritonPythonModel:
         self.name = args["model_name"]
         params = parse_parameters(RegisterVoiceParams, json.loads(args["model_config"]), self.name)
         encoder = BlsPromptEncoder(pb_utils, params.prompt_encoder_model, token_mel_ratio(params.model_dir))
-        self.voices = Voices(open_voice_store(params.voice_store), encoder)
+        self.voices = Voices(open_voice_store(params.voice_store), encoder,
+                             prompt_budget(params.model_dir, params.max_seq_len))
 
     def execute(self, requests):
         return respond_each(pb_utils, requests, self.name, self.outputs)
