@@ -28,6 +28,11 @@ def token_mel_ratio(model_dir: str | Path) -> int:
     return int(read_yaml(ModelPaths(Path(model_dir)).yaml).get("token_mel_ratio", 2))
 
 
+def prompt_budget(model_dir: str | Path, max_seq_len: int) -> PromptBudget:
+    """The transcript check of a model folder's tokenizer for LLM streams of `max_seq_len` positions."""
+    return PromptBudget(max_seq_len, TextFrontend.from_model_dir(model_dir))
+
+
 class Voices:
     """Voice store + prompt encoder. `encoder.encode(samples, rate, text, sha) -> PromptFeatures`.
     With a `budget`, a transcript that would leave an LLM stream no room for a sentence is refused
