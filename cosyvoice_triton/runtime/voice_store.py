@@ -125,6 +125,9 @@ class VoiceStore(Protocol):
 
     def delete(self, voice_id: str) -> bool: ...
 
+    def check(self) -> None:
+        """Raise (Unavailable for a lost Redis) unless the backing store answers now (readiness)."""
+
     @property
     def stats(self) -> VoiceStoreStats: ...
 

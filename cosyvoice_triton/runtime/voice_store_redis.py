@@ -128,6 +128,10 @@ class RedisVoiceStore(CachedVoiceStore):
         self._forget(voice_id)
         return deleted == 1
 
+    def check(self) -> None:
+        with _unavailable_when_unreachable():
+            self._redis.ping()
+
     def close(self) -> None:
         self._redis.close()
 

@@ -109,6 +109,9 @@ class SqliteVoiceStore(CachedVoiceStore):
         self._forget(voice_id)
         return deleted
 
+    def check(self) -> None:
+        self._query("SELECT 1 FROM voices LIMIT 1")
+
     def close(self) -> None:
         with self._db_lock:
             self._db.close()
