@@ -143,6 +143,21 @@ def _run_serve(args) -> int:
     return serve(options)
 
 
+def _add_finetune(sub) -> None:
+    from .training.cli import add_arguments  # argparse only: torch loads when the command runs
+
+    p = sub.add_parser("finetune", help="fine-tune the LLM and/or flow on recordings with transcripts; writes a "
+                                        "model folder that serve loads unchanged (torchrun: -m cosyvoice_triton.training)")
+    add_arguments(p)
+    p.set_defaults(func=_run_finetune)
+
+
+def _run_finetune(args) -> int:
+    from .training.cli import run
+
+    return run(args)
+
+
 def _add_tool_commands(sub) -> None:
     """The tool folders' commands (`up` from gateway/, `bench` from perf/): each is an entry point in the
     `cosyvoice_triton.commands` group (pyproject.toml) naming a function that adds its subparser. The
@@ -158,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_synth(sub)
     _add_serve(sub)
+    _add_finetune(sub)
     _add_tool_commands(sub)
     return parser
 

@@ -29,7 +29,7 @@ fi
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e ".[cpu,test,server,openvino]"
+"$VENV/bin/python" -m pip install -q -e ".[cpu,test,server,openvino,train]"
 # perf_analyzer (tritonclient 2.41.0's binary and libcudart) goes into build/, not into the venv.
 bash perf/install_perf_analyzer.sh --python "$VENV/bin/python" >/dev/null
 echo "$WANT" > "$STAMP"

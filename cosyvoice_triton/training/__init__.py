@@ -4,3 +4,6 @@ data_prep: recordings + transcripts -> cached features; dataset: batches; losses
 losses; lora: peft adapters; trainer: the loop (one device or torchrun DDP); checkpoints: resume and
 averaging; model_folder: the output folder in the released layout.
 """
+
+PARTS = ("llm", "flow", "both")  # --part: what to train
+PRECISIONS = ("auto", "bf16", "fp32")  # --precision
