@@ -173,16 +173,35 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+STORE_CHECK_TIMEOUT_S = 2.0
+
+
 async def readyz(request: web.Request) -> web.Response:
-    """Ready: at least one Triton server in the pool, and the default voice settled. `servers`: the pool's
-    members now (with dns:// specs, what DNS names), healthy or not."""
+    """Ready: at least one Triton server in the pool, the voice store answering, and the default voice
+    settled. `servers`: the pool's members now (with dns:// specs, what DNS names), healthy or not;
+    `voice_store`: "ok", or why not (`voice_store_error`, e.g. Redis is down)."""
     router, voice = request.app[ROUTER], request.app[DEFAULT_VOICE]
     servers = {b.name: b.healthy for b in router.backends}
-    ready = any(servers.values()) and voice.settled
-    body = {"ready": ready, "servers": servers, "default_voice": voice.state}
+    store_error = await voice_store_error(request.app[STORE])
+    ready = any(servers.values()) and voice.settled and store_error is None
+    body = {"ready": ready, "servers": servers, "default_voice": voice.state,
+            "voice_store": "ok" if store_error is None else "unavailable"}
     if voice.error:
         body["default_voice_error"] = voice.error
+    if store_error is not None:
+        body["voice_store_error"] = store_error
     return web.json_response(body, status=200 if ready else 503)
+
+
+async def voice_store_error(store) -> str | None:
+    """Why the voice store does not answer now, or None."""
+    try:
+        await asyncio.wait_for(asyncio.to_thread(store.check), STORE_CHECK_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return f"the voice store did not answer within {STORE_CHECK_TIMEOUT_S:g} s"
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 async def metrics(request: web.Request) -> web.Response:

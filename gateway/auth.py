@@ -1,69 +1,157 @@
-"""API keys and per-key stream limits.
+"""API keys, tenants, and the per-key limits: concurrent streams and request / registration rates.
 
-With keys configured, every route except `/`, `/static/*`, `/healthz`, `/readyz` and `/metrics` needs
-one: `Authorization: Bearer KEY` (what OpenAI clients send), `X-API-Key: KEY`, or, for WebSockets from
-a browser (which cannot set headers), `?api_key=KEY`. Streams are limited per key; without keys, per
-client address.
+Keys: with keys configured, every route except `/`, `/static/*`, `/healthz`, `/readyz` and `/metrics`
+needs one, in a header: `Authorization: Bearer KEY` (what OpenAI clients send) or `X-API-Key: KEY`.
+Only the WebSocket route (`/v1/tts/ws`) also takes `?api_key=KEY`, since a browser cannot set headers
+on a WebSocket; anywhere else a key in the URL is refused (it would end up in access logs).
+Admin keys (`ApiKeys.admin`) are keys too; they may also register and delete shared voices.
+
+Tenants: each request runs as a `Tenant`, set by the middleware (`request[TENANT]`, and for the code
+below the handler, `current_tenant()`): the owner tag of its key (`owner_tag`: a hash, so the store
+never holds a key), whether the key is an admin key, and the bucket its limits count in. Without keys
+there are no tenants: every request is the keyless tenant (owner None), which sees every voice, and
+its limits are global (one bucket for every caller together; a client address says little behind a
+proxy).
+
+Limits (`StreamLimiter`, `RateLimiter`): 429 with `Retry-After` and a message that says which limit.
 """
 from __future__ import annotations
 
+import contextvars
+import hashlib
 import hmac
+import math
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from aiohttp import web
 
-from .errors import TooManyStreams, Unauthorized
-from .request_keys import API_KEY
+from .errors import RateLimited, TooManyStreams, Unauthorized
+from .request_keys import API_KEY, TENANT
 
 PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics", "/favicon.ico"})
+WEBSOCKET_PATH = "/v1/tts/ws"  # the one route that accepts ?api_key=
+KEYLESS = "keyless"  # the limit bucket of keyless use
+
+
+def owner_tag(key: str) -> str:
+    """The voice store's owner for voices registered with `key` (stable, and not the key)."""
+    return "key_" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Tenant:
+    owner: str | None  # owner tag of the key; None: keyless use
+    admin: bool  # an admin key: may register and delete shared voices
+    bucket: str  # what its stream and rate limits count in
+
+    @property
+    def keyed(self) -> bool:
+        return self.owner is not None
+
+    def describe(self) -> str:
+        return "per API key" if self.keyed else "for keyless use (all callers together)"
+
+
+KEYLESS_TENANT = Tenant(owner=None, admin=False, bucket=KEYLESS)
+_CURRENT: contextvars.ContextVar[Tenant] = contextvars.ContextVar("tenant")
+
+
+def current_tenant() -> Tenant:
+    """The tenant of the request being handled (set by the auth middleware). LookupError outside one."""
+    return _CURRENT.get()
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    keys: frozenset[str] = frozenset()  # ordinary keys
+    admin: frozenset[str] = frozenset()  # admin keys (valid keys too)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys or self.admin)
+
+    def tenant(self, key: str | None) -> Tenant:
+        """The tenant of a presented key; Unauthorized if keys are on and it is missing or wrong."""
+        if not self.enabled:
+            return KEYLESS_TENANT
+        if key is None:
+            raise Unauthorized()
+        given = key.encode()
+        # compare_digest against every key: no early exit on a match or a near match
+        is_admin = any([hmac.compare_digest(given, k.encode()) for k in self.admin])
+        is_key = any([hmac.compare_digest(given, k.encode()) for k in self.keys])
+        if not (is_admin or is_key):
+            raise Unauthorized("the API key is not valid")
+        owner = owner_tag(key)
+        return Tenant(owner=owner, admin=is_admin, bucket=f"key:{owner}")
 
 
 def presented_key(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
-    return request.headers.get("X-API-Key") or request.query.get("api_key")
+    if "X-API-Key" in request.headers:
+        return request.headers["X-API-Key"]
+    if "api_key" in request.query and request.path != WEBSOCKET_PATH:
+        raise Unauthorized("?api_key= is accepted only on the WebSocket route; send the key in a header "
+                           "(Authorization: Bearer KEY or X-API-Key)")
+    return request.query.get("api_key")
 
 
-def auth_middleware(keys: frozenset[str]):
-    encoded = [k.encode() for k in keys]
-
-    def valid(key: str | None) -> bool:
-        if key is None:
-            return False
-        given = key.encode()
-        return any(hmac.compare_digest(given, k) for k in encoded)  # no early exit on a near match
+def auth_middleware(keys: ApiKeys | frozenset[str], rates: RateLimiter | None = None):
+    """Authenticates every non-public request, sets its tenant, and counts it against the request rate."""
+    if not isinstance(keys, ApiKeys):
+        keys = ApiKeys(keys=frozenset(keys))
 
     @web.middleware
     async def middleware(request: web.Request, handler):
-        if keys and request.path not in PUBLIC_PATHS and not request.path.startswith("/static/"):
-            key = presented_key(request)
-            if not valid(key):
-                raise Unauthorized() if key is None else Unauthorized("the API key is not valid")
+        if request.path in PUBLIC_PATHS or request.path.startswith("/static/"):
+            return await handler(request)
+        key = presented_key(request) if keys.enabled else None
+        tenant = keys.tenant(key)
+        if tenant.keyed:
             request[API_KEY] = key
-        return await handler(request)
+        request[TENANT] = tenant
+        if rates is not None:
+            rates.take(tenant)
+        token = _CURRENT.set(tenant)
+        try:
+            return await handler(request)
+        finally:
+            _CURRENT.reset(token)
 
     return middleware
 
 
 def limit_key(request: web.Request) -> str:
-    key = request.get(API_KEY)
-    return f"key:{key}" if key else f"addr:{request.remote}"
+    """The bucket of the request's stream limit (its tenant's)."""
+    tenant = request.get(TENANT, KEYLESS_TENANT)
+    return tenant.bucket
 
 
 class StreamLimiter:
-    """At most `limit` concurrent streams per key (429 beyond)."""
+    """At most `limit` concurrent streams per key, and `keyless_limit` for all keyless use together
+    (429 beyond)."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, keyless_limit: int | None = None):
         self.limit = limit
+        self.keyless_limit = limit if keyless_limit is None else keyless_limit
         self._counts: dict[str, int] = defaultdict(int)
+
+    def limit_of(self, key: str) -> int:
+        return self.keyless_limit if key == KEYLESS else self.limit
 
     @contextmanager
     def slot(self, key: str) -> Iterator[None]:
-        if self._counts[key] >= self.limit:
-            raise TooManyStreams(f"at most {self.limit} concurrent streams per API key; wait for one to end")
+        limit = self.limit_of(key)
+        if self._counts[key] >= limit:
+            scope = "for keyless use (all callers together)" if key == KEYLESS else "per API key"
+            raise TooManyStreams(f"at most {limit} concurrent streams {scope}; wait for one to end")
         self._counts[key] += 1
         try:
             yield
@@ -74,3 +162,52 @@ class StreamLimiter:
 
     def active(self, key: str) -> int:
         return self._counts.get(key, 0)
+
+
+class TokenBucket:
+    """`rate` tokens a second up to `burst`; `take()` returns 0 when a token was taken, else the seconds
+    until one is there."""
+
+    def __init__(self, rate: float, burst: float, clock=time.monotonic):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens, self.stamp = burst, clock()
+
+    def take(self) -> float:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
+
+    def full(self) -> bool:
+        return self.tokens + (self.clock() - self.stamp) * self.rate >= self.burst
+
+
+class RateLimiter:
+    """A token bucket per tenant bucket: `count` per `period_s` seconds, bursts of `burst`; `count` <= 0
+    turns it off. `what` names it in the 429."""
+
+    MAX_BUCKETS = 10_000  # full (idle) buckets are dropped beyond this
+    PERIODS = {1.0: "second", 60.0: "minute", 3600.0: "hour"}
+
+    def __init__(self, count: float, period_s: float, burst: float, what: str, clock=time.monotonic):
+        self.rate, self.burst, self.what, self.clock = count / period_s, max(burst, 1.0), what, clock
+        self.count, self.period = count, self.PERIODS.get(period_s, f"{period_s:g} s")
+        self._buckets: dict[str, TokenBucket] = {}
+        self._lock = threading.Lock()
+
+    def take(self, tenant: Tenant) -> None:
+        if self.rate <= 0:
+            return
+        with self._lock:
+            bucket = self._buckets.get(tenant.bucket)
+            if bucket is None:
+                if len(self._buckets) >= self.MAX_BUCKETS:
+                    self._buckets = {k: b for k, b in self._buckets.items() if not b.full()}
+                bucket = self._buckets[tenant.bucket] = TokenBucket(self.rate, self.burst, self.clock)
+            wait_s = bucket.take()
+        if wait_s > 0:
+            raise RateLimited(f"at most {self.count:g} {self.what} per {self.period} {tenant.describe()} "
+                              f"(bursts of {self.burst:g}); retry in {wait_s:.1f} s", math.ceil(wait_s))

@@ -15,15 +15,19 @@ gateway in front of servers that run elsewhere) and `cosyvoice-triton up` (Trito
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cosyvoice_triton.targets import TritonTarget, check_spec, is_discovery
 
+log = logging.getLogger(__name__)
+
 MiB = 1024 * 1024
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-API_KEYS_ENV = "COSYVOICE_API_KEYS"  # comma-separated keys, added to --api-key
+API_KEYS_ENV = "COSYVOICE_API_KEYS"  # comma-separated keys, added to --api-key-file's
+ADMIN_KEYS_ENV = "COSYVOICE_ADMIN_KEYS"  # comma-separated admin keys, added to --admin-key-file's
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,14 @@ class Limits:
     max_text_chars: int = 2000  # per request; per WebSocket segment
     max_session_chars: int = 20000  # all text of one WebSocket session
     max_upload_bytes: int = 10 * MiB  # request bodies (413 beyond), WebSocket messages
-    max_streams_per_key: int = 8  # concurrent synthesis streams per API key (or client address); 429 beyond
+    max_streams_per_key: int = 8  # concurrent synthesis streams per API key; 429 beyond
+    max_keyless_streams: int = 32  # without keys: concurrent streams of all callers together; 429 beyond
+    requests_per_second: float = 50.0  # per key (keyless: all callers together); 429 + Retry-After; 0: off
+    request_burst: int = 100
+    registrations_per_minute: float = 60.0  # POST /v1/voices per key (keyless: together); 0: off
+    registration_burst: int = 20
+    ws_idle_timeout_s: float = 60.0  # a WebSocket with no client message and nothing in flight is closed
+    ws_session_timeout_s: float = 1800.0  # longest WebSocket session
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,8 @@ class GatewayConfig:
     port: int = 8080
     voice_store: str | None = None  # sqlite path or redis:// url; None: $COSYVOICE_HOME/voices.sqlite
     model_dir: Path | None = None  # its tokenizer counts text tokens for cost estimates (else a byte count)
-    api_keys: frozenset[str] = frozenset()  # empty: no authentication
+    api_keys: frozenset[str] = frozenset()  # empty (and no admin keys): no authentication
+    admin_keys: frozenset[str] = frozenset()  # keys that may also register and delete shared voices
     limits: Limits = field(default_factory=Limits)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     home: Path | None = None  # where the default voice's prompt wav is written; None: $COSYVOICE_HOME
@@ -89,11 +101,25 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str |
     g.add_argument("--redis-url", default=None, help="share voices through Redis (redis://host:port/db)")
     g.add_argument("--voice-store", default=None,
                    help="SQLite file of the voice store (default: $COSYVOICE_HOME/voices.sqlite)")
+    g.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
+                   help=f"accept the API keys in FILE, one a line (repeatable; also ${API_KEYS_ENV}, "
+                        "comma-separated); none: no authentication")
+    g.add_argument("--admin-key-file", action="append", default=[], metavar="FILE",
+                   help=f"admin keys (also ${ADMIN_KEYS_ENV}): may register and delete shared voices")
     g.add_argument("--api-key", action="append", default=[],
-                   help=f"accept this API key (repeatable; also ${API_KEYS_ENV}); none: no authentication")
+                   help="accept this API key: deprecated, `ps` shows it; use --api-key-file or the environment")
     g.add_argument("--max-text-chars", type=int, default=Limits.max_text_chars)
     g.add_argument("--max-upload-mb", type=float, default=Limits.max_upload_bytes / MiB)
     g.add_argument("--max-streams-per-key", type=int, default=Limits.max_streams_per_key)
+    g.add_argument("--max-keyless-streams", type=int, default=Limits.max_keyless_streams,
+                   help="without keys: concurrent streams of all callers together")
+    g.add_argument("--requests-per-second", type=float, default=Limits.requests_per_second,
+                   help="per key (keyless: all callers together), bursts of twice that; 0: no limit")
+    g.add_argument("--registrations-per-minute", type=float, default=Limits.registrations_per_minute,
+                   help="voice registrations per key (keyless: together); 0: no limit")
+    g.add_argument("--ws-idle-timeout", type=float, default=Limits.ws_idle_timeout_s, metavar="S",
+                   help="close a WebSocket with no client message and nothing in flight for S seconds")
+    g.add_argument("--ws-session-timeout", type=float, default=Limits.ws_session_timeout_s, metavar="S")
     g.add_argument("--health-interval", type=float, default=RoutingConfig.health_interval_s, metavar="S")
     g.add_argument("--first-chunk-timeout", type=float, default=RoutingConfig.first_chunk_timeout_s, metavar="S")
     g.add_argument("--discovery-interval", type=float, default=RoutingConfig.discovery_interval_s, metavar="S",
@@ -108,8 +134,28 @@ def voice_store_url(args: argparse.Namespace) -> str | None:
 
 
 def api_keys(args: argparse.Namespace) -> frozenset[str]:
-    keys = set(args.api_key)
-    keys.update(k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip())
+    """--api-key-file's keys, $COSYVOICE_API_KEYS, and (with a warning) --api-key."""
+    if args.api_key:
+        log.warning("--api-key puts keys on the command line, where `ps` shows them: use --api-key-file or "
+                    "$%s", API_KEYS_ENV)
+    return _keys(args.api_key_file, API_KEYS_ENV) | frozenset(args.api_key)
+
+
+def admin_keys(args: argparse.Namespace) -> frozenset[str]:
+    return _keys(args.admin_key_file, ADMIN_KEYS_ENV)
+
+
+def read_key_file(path: str) -> frozenset[str]:
+    """Keys from a file: one a line; blank lines and lines starting with # are skipped."""
+    with open(path, encoding="utf-8") as file:
+        lines = (line.strip() for line in file)
+        return frozenset(line for line in lines if line and not line.startswith("#"))
+
+
+def _keys(files: list[str], env: str) -> frozenset[str]:
+    keys = {k.strip() for k in os.environ.get(env, "").split(",") if k.strip()}
+    for path in files:
+        keys |= read_key_file(path)
     return frozenset(keys)
 
 
@@ -135,9 +181,14 @@ def config_from_args(args: argparse.Namespace, triton: tuple[TritonTarget, ...] 
     routing = RoutingConfig(health_interval_s=args.health_interval, first_chunk_timeout_s=args.first_chunk_timeout,
                             discovery_interval_s=args.discovery_interval)
     limits = Limits(max_text_chars=args.max_text_chars, max_upload_bytes=int(args.max_upload_mb * MiB),
-                    max_streams_per_key=args.max_streams_per_key)
+                    max_streams_per_key=args.max_streams_per_key, max_keyless_streams=args.max_keyless_streams,
+                    requests_per_second=args.requests_per_second,
+                    request_burst=max(1, int(2 * args.requests_per_second)),
+                    registrations_per_minute=args.registrations_per_minute,
+                    ws_idle_timeout_s=args.ws_idle_timeout, ws_session_timeout_s=args.ws_session_timeout)
     model_dir = model_dir if model_dir is not None else getattr(args, "model_dir", None)
     return GatewayConfig(triton=triton, discovery=discovery, host=args.host, port=args.port,
                          voice_store=voice_store_url(args),
                          model_dir=Path(model_dir) if model_dir else None, api_keys=api_keys(args),
+                         admin_keys=admin_keys(args),
                          limits=limits, routing=routing, default_voice=not args.no_default_voice)

@@ -3,6 +3,9 @@
 Body (the OpenAI error object, so OpenAI clients read it too; `param` names the request field):
   {"error": {"message": "text: must not be empty", "type": "invalid_request_error",
              "code": "invalid_input", "param": "text"}}
+A message echoes at most a short, repr-escaped piece of the offending value (`short_repr` where it is
+made; every message is cut to MAX_MESSAGE_CHARS here as a last bound). JSON nested deeper than Python
+can parse is a 400 naming `body`, never a 500.
 """
 from __future__ import annotations
 
@@ -12,10 +15,13 @@ import logging
 from aiohttp import web
 
 from cosyvoice_triton.errors import Cancelled, InvalidInput, NotFound, Unavailable
+from cosyvoice_triton.runtime.voice_store import short_repr  # noqa: F401  (re-exported for the routes)
 
 from .request_keys import ERROR_CODE
 
 log = logging.getLogger(__name__)
+
+MAX_MESSAGE_CHARS = 400
 
 
 class GatewayError(Exception):
@@ -51,12 +57,32 @@ class VoiceNotFound(GatewayError):
         super().__init__(f"{field}: {problem}", field)
 
 
+class Forbidden(GatewayError):
+    """The caller may see the object but not change it (a shared voice without an admin key). Never
+    used for another tenant's voices: those answer 404, as if they did not exist."""
+
+    status, code, kind = 403, "forbidden", "permission_error"
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}", field)
+
+
 class PayloadTooLarge(GatewayError):
     status, code, kind = 413, "too_large", "invalid_request_error"
 
 
 class TooManyStreams(GatewayError):
     status, code, kind = 429, "too_many_streams", "rate_limit_error"
+
+    def __init__(self, message: str):
+        super().__init__(message, headers={"Retry-After": "1"})
+
+
+class RateLimited(GatewayError):
+    status, code, kind = 429, "rate_limited", "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message, headers={"Retry-After": str(max(1, retry_after_s))})
 
 
 class ServiceUnavailable(GatewayError):
@@ -88,6 +114,8 @@ def as_gateway_error(exc: BaseException) -> GatewayError:
         return ServiceUnavailable(str(exc))
     if isinstance(exc, Cancelled):
         return ServiceUnavailable(str(exc) or "cancelled")
+    if isinstance(exc, RecursionError):  # json.loads of deeply nested arrays
+        return BadRequest("body", "is nested too deeply")
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return PayloadTooLarge(f"the request body is larger than the limit ({exc.text})")
     if isinstance(exc, web.HTTPException):
@@ -99,14 +127,22 @@ def as_gateway_error(exc: BaseException) -> GatewayError:
     return GatewayError("internal error")
 
 
+MAX_FIELD_CHARS = 64
+
+
+def bounded(text: str | None, limit: int = MAX_MESSAGE_CHARS) -> str | None:
+    return text if text is None or len(text) <= limit else text[:limit] + "... (cut)"
+
+
 def error_body(error: GatewayError) -> dict:
-    return {"error": {"message": error.message, "type": error.kind, "code": error.code, "param": error.field}}
+    return {"error": {"message": bounded(error.message), "type": error.kind, "code": error.code,
+                      "param": bounded(error.field, MAX_FIELD_CHARS)}}
 
 
 def ws_error(error: GatewayError) -> dict:
     """The same error as a WebSocket message."""
-    return {"type": "error", "status": error.status, "code": error.code, "param": error.field,
-            "message": error.message}
+    return {"type": "error", "status": error.status, "code": error.code,
+            "param": bounded(error.field, MAX_FIELD_CHARS), "message": bounded(error.message)}
 
 
 @web.middleware

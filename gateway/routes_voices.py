@@ -1,12 +1,21 @@
 """/v1/voices: register (through Triton's `register_voice`), list, show, delete (the store directly).
 
 POST /v1/voices     multipart/form-data: audio (a WAV/FLAC/OGG file), text (its transcript),
-                    id (optional), name (optional); or JSON {"audio": base64, "text", "id", "name"}.
-                    201 with the voice when it is new, 200 when this recording and transcript were
-                    registered already (registration is idempotent by audio hash and transcript).
-GET /v1/voices      {"voices": [...]}
-GET /v1/voices/{id} the voice; 404 if unknown
-DELETE /v1/voices/{id}  {"id", "deleted": true}; 404 if unknown
+                    id (optional), name (optional), shared (optional, "true": admin keys only); or
+                    JSON {"audio": base64, "text", "id", "name", "shared"}.
+                    201 with the voice when it is new, 200 when this key registered this recording
+                    and transcript already (registration is idempotent by audio hash and transcript).
+GET /v1/voices      {"voices": [...]}: the caller's own voices and the shared ones
+GET /v1/voices/{id} the voice; 404 if unknown or another key's
+DELETE /v1/voices/{id}  {"id", "deleted": true}; 404 if unknown or another key's; 403 for a shared voice
+                    without an admin key
+
+Tenants (see auth.py): a voice registered with a key belongs to that key (the store keeps the key's
+owner tag); one registered with an admin key and `shared` true, or without keys, is shared. Another
+key's voice answers 404 everywhere, as if it did not exist (never 403, which would tell it exists).
+Shared voices (`default` among them) are visible to all and deleted only with an admin key; without
+keys every caller may delete a shared voice except `default`. Ids are one namespace: an explicit `id`
+that another key already uses is refused as taken (400 naming `id`).
 """
 from __future__ import annotations
 
@@ -17,12 +26,15 @@ from aiohttp import web
 
 from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.frontend.audio import load_prompt_audio
+from cosyvoice_triton.frontend.text import text_problem
 from cosyvoice_triton.frontend.voice_features import audio_sha256
-from cosyvoice_triton.runtime.voice_store import check_voice_id
+from cosyvoice_triton.runtime.voice_store import VoiceInfo, check_voice_id, visible_to
 
-from .errors import BadRequest, PayloadTooLarge, VoiceNotFound
+from .auth import RateLimiter, Tenant, current_tenant
+from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
+from .errors import BadRequest, Forbidden, PayloadTooLarge, VoiceNotFound
 from .routing import ENCODE_COST
-from .state import CONFIG, STORE
+from .state import CONFIG, REGISTRATION_RATE, STORE
 from .synthesis import Fields, call_model, decode_base64, gateway_error, optional_string, string_array
 from .triton_client import TritonCallError
 
@@ -33,15 +45,17 @@ _REGISTER_INPUTS = {"reference_audio": "audio", "reference_wav": "audio", "refer
 
 def voice_json(info, created: bool | None = None) -> dict:
     body = {"id": info.voice_id, "name": info.name, "text": info.text, "audio_sha256": info.audio_sha256,
-            "prompt_tokens": info.tokens, "prompt_seconds": info.tokens / 25.0, "created_at": info.created_at}
+            "prompt_tokens": info.tokens, "prompt_seconds": info.tokens / 25.0, "created_at": info.created_at,
+            "shared": info.shared}
     if created is not None:
         body["created"] = created
     return body
 
 
 async def register(app: web.Application, audio: bytes, text: str, voice_id: str | None = None,
-                   name: str | None = None):
-    """(VoiceInfo, created) for a registration through Triton. Raises GatewayError / TritonCallError."""
+                   name: str | None = None, *, owner: str | None):
+    """(VoiceInfo, created) for a registration through Triton, owned by `owner` (None: shared).
+    Raises GatewayError / TritonCallError."""
     store = app[STORE]
     try:
         samples, rate = await asyncio.to_thread(load_prompt_audio, audio, "audio")
@@ -50,12 +64,14 @@ async def register(app: web.Application, audio: bytes, text: str, voice_id: str 
     except InvalidInput as exc:
         raise BadRequest(exc.field, exc.problem) from None
     sha = await asyncio.to_thread(audio_sha256, samples, rate)
-    stored = await asyncio.to_thread(store.find, sha, text)  # this recording and transcript, under any id
+    stored = await asyncio.to_thread(store.find, sha, text, owner)  # this content, this owner, any id
     inputs = {"reference_audio": np.array([audio], dtype=object), "reference_text": string_array(text)}
     if voice_id is not None:
         inputs["voice_id"] = string_array(voice_id)
     if name is not None:
         inputs["name"] = string_array(name)
+    if owner is not None:
+        inputs["owner"] = string_array(owner)
     outputs = await call_model(app, app[CONFIG].register_model, inputs, ENCODE_COST,
                                app[CONFIG].routing.register_timeout_s)
     registered = outputs["voice_id"].reshape(-1)[0].decode("utf-8")
@@ -75,7 +91,7 @@ async def _form(request: web.Request) -> dict:
         raise BadRequest("body", "send multipart/form-data (audio file + text) or JSON")
     form = await request.post()  # bounded by client_max_size: 413 beyond
     values = {}
-    for key in ("audio", "text", "prompt_text", "id", "name"):
+    for key in ("audio", "text", "prompt_text", "id", "name", "shared"):
         value = form.get(key)
         if value is None:
             continue
@@ -86,29 +102,50 @@ async def _form(request: web.Request) -> dict:
     return values
 
 
+def _shared(value: object, tenant: Tenant) -> bool:
+    """The `shared` field: JSON true/false, or a form's "true"/"false"; only admin keys may say true."""
+    if value in (None, False, "false", "0", ""):
+        return False
+    if value not in (True, "true", "1"):
+        raise BadRequest("shared", "must be true or false")
+    if not tenant.admin:
+        raise Forbidden("shared", "only an admin key may register shared voices")
+    return True
+
+
 async def create_voice(request: web.Request) -> web.Response:
+    tenant = current_tenant()
+    request.app[REGISTRATION_RATE].take(tenant)
     values = await _form(request)
+    owner = None if _shared(values.get("shared"), tenant) else tenant.owner
     audio = values.get("audio")
     if not audio:
         raise BadRequest("audio", "is required: the prompt recording (WAV, FLAC or OGG)")
     limit = request.app[CONFIG].limits.max_upload_bytes
     if len(audio) > limit:
         raise PayloadTooLarge(f"audio: {len(audio)} bytes is more than the limit of {limit}", "audio")
-    text = optional_string(values.get("text", values.get("prompt_text", "")), "text") or ""
+    text_field = "text" if "text" in values else "prompt_text"  # either name; errors use the one sent
+    text = optional_string(values.get(text_field, ""), text_field) or ""
     voice_id = optional_string(values.get("id"), "id") or None
     name = optional_string(values.get("name"), "name") or None
+    for field, value in ((text_field, text), ("name", name)):
+        problem = text_problem(value or "")
+        if problem:
+            raise BadRequest(field, problem)
     try:
-        info, created = await register(request.app, audio, text, voice_id, name)
+        info, created = await register(request.app, audio, text, voice_id, name, owner=owner)
     except TritonCallError as exc:
         if exc.kind == "invalid":
-            raise BadRequest(_REGISTER_INPUTS.get(exc.field, exc.field or "audio"), exc.problem) from None
+            field = text_field if exc.field == "reference_text" else _REGISTER_INPUTS.get(exc.field, exc.field)
+            raise BadRequest(field or "audio", exc.problem) from None
         raise gateway_error(exc, REGISTER_FIELDS) from None
     return web.json_response(voice_json(info, created), status=201 if created else 200)
 
 
 async def list_voices(request: web.Request) -> web.Response:
+    owner = current_tenant().owner
     voices = await asyncio.to_thread(request.app[STORE].list)
-    return web.json_response({"voices": [voice_json(v) for v in voices]})
+    return web.json_response({"voices": [voice_json(v) for v in voices if visible_to(v, owner)]})
 
 
 async def get_voice(request: web.Request) -> web.Response:
@@ -116,10 +153,21 @@ async def get_voice(request: web.Request) -> web.Response:
 
 
 async def delete_voice(request: web.Request) -> web.Response:
-    voice_id = _voice_id(request)
-    if not await asyncio.to_thread(request.app[STORE].delete, voice_id):
-        raise VoiceNotFound("id", f"no voice {voice_id!r} is registered")
-    return web.json_response({"id": voice_id, "deleted": True})
+    info = await _info(request)
+    check_may_delete(info, current_tenant())
+    if not await asyncio.to_thread(request.app[STORE].delete, info.voice_id):
+        raise VoiceNotFound("id", f"no voice {info.voice_id!r} is registered")
+    return web.json_response({"id": info.voice_id, "deleted": True})
+
+
+def check_may_delete(info: VoiceInfo, tenant: Tenant) -> None:
+    """A key deletes its own voices; shared ones need an admin key; without keys, any but `default`."""
+    if not info.shared:
+        return  # visible and owned: the caller's own (keyless callers own nothing but see everything)
+    if tenant.admin or (not tenant.keyed and info.voice_id != DEFAULT_VOICE_ID):
+        return
+    who = "an admin key" if tenant.keyed else "an admin key (the gateway runs without keys)"
+    raise Forbidden("id", f"voice {info.voice_id!r} is shared: only {who} may delete it")
 
 
 def _voice_id(request: web.Request) -> str:
@@ -130,12 +178,20 @@ def _voice_id(request: web.Request) -> str:
         raise BadRequest("id", exc.problem) from None
 
 
-async def _info(request: web.Request):
+async def _info(request: web.Request) -> VoiceInfo:
+    """The voice named in the path if the caller may see it; else 404, the same as for no voice."""
     voice_id = _voice_id(request)
     try:
-        return await asyncio.to_thread(request.app[STORE].info, voice_id)
+        info = await asyncio.to_thread(request.app[STORE].info, voice_id)
     except NotFound:
-        raise VoiceNotFound("id", f"no voice {voice_id!r} is registered") from None
+        info = None
+    if info is None or not visible_to(info, current_tenant().owner):
+        raise VoiceNotFound("id", f"no voice {voice_id!r} is registered")
+    return info
+
+
+def registration_rate(limits) -> RateLimiter:
+    return RateLimiter(limits.registrations_per_minute, 60.0, limits.registration_burst, "registrations")
 
 
 def add_routes(app: web.Application) -> None:

@@ -5,7 +5,7 @@ import weakref
 
 from aiohttp import web
 
-from .auth import StreamLimiter
+from .auth import RateLimiter, StreamLimiter
 from .config import GatewayConfig
 from .default_voice import DefaultVoice
 from .metrics import GatewayMetrics
@@ -18,6 +18,7 @@ STORE = web.AppKey("store", object)  # a cosyvoice_triton.runtime.voice_store.Vo
 COSTS = web.AppKey("costs", CostModel)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 LIMITER = web.AppKey("limiter", StreamLimiter)
+REGISTRATION_RATE = web.AppKey("registration_rate", RateLimiter)  # POST /v1/voices per tenant
 WEBSOCKETS = web.AppKey("websockets", weakref.WeakSet)
 DEFAULT_VOICE = web.AppKey("default_voice", DefaultVoice)
 

@@ -25,11 +25,12 @@ from aiohttp import web
 
 from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.frontend.audio import load_prompt_audio
-from cosyvoice_triton.frontend.text import validate_text
+from cosyvoice_triton.frontend.text import text_problem, validate_text
 from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
 from cosyvoice_triton.messages import MODES, SEED_LIMIT
-from cosyvoice_triton.runtime.voice_store import check_voice_id
+from cosyvoice_triton.runtime.voice_store import check_voice_id, visible_to
 
+from .auth import current_tenant
 from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
 from .errors import (
     BadRequest,
@@ -142,8 +143,12 @@ def check_seed(seed: object, field: str) -> int:
 
 
 def optional_string(value: object, field: str) -> str | None:
+    """`value` if it is None or a string without control characters or lone surrogates."""
     if value is not None and not isinstance(value, str):
         raise BadRequest(field, f"must be a string, got {type(value).__name__}")
+    problem = text_problem(value) if value else None
+    if problem:
+        raise BadRequest(field, problem)
     return value
 
 
@@ -226,16 +231,22 @@ async def prepare(app: web.Application, *, text: object, voice_id: object = None
 
 
 async def voice_info(app: web.Application, voice_id: object, field: str):
+    """The voice if the request's tenant may use it: its own or a shared one (`auth.current_tenant`, set
+    for every request). Another key's voice answers 404 exactly as a missing one. Every synthesis route
+    (HTTP, WebSocket, OpenAI) resolves its voice here before Triton sees the request."""
     try:
         check_voice_id(voice_id, field)
     except InvalidInput as exc:
         raise BadRequest(field, exc.problem) from None
     try:
-        return await asyncio.to_thread(app[STORE].info, voice_id)
+        info = await asyncio.to_thread(app[STORE].info, voice_id)
     except NotFound:
-        if voice_id == DEFAULT_VOICE_ID and app[DEFAULT_VOICE].pending:
-            raise ServiceUnavailable("the default voice is being registered; try again in a moment") from None
-        raise VoiceNotFound(field, f"no voice {voice_id!r} is registered (see GET /v1/voices)") from None
+        info = None
+    if info is not None and visible_to(info, current_tenant().owner):
+        return info
+    if info is None and voice_id == DEFAULT_VOICE_ID and app[DEFAULT_VOICE].pending:
+        raise ServiceUnavailable("the default voice is being registered; try again in a moment")
+    raise VoiceNotFound(field, f"no voice {voice_id!r} is registered (see GET /v1/voices)")
 
 
 def gateway_error(exc: TritonCallError, fields: Fields) -> GatewayError:

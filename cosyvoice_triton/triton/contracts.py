@@ -61,7 +61,9 @@ register_voice (max_batch_size 0)
        reference_text         STRING [1] opt  the transcript (needed to use the voice in zero_shot)
        voice_id               STRING [1] opt  the id to register under (default: derived from the content)
        name                   STRING [1] opt  a label
-  out  voice_id               STRING [1]      idempotent: the same recording and text give the same id
+       owner                  STRING [1] opt  the tenant the voice belongs to (the gateway's tag of an API
+                                              key); absent: a shared voice
+  out  voice_id               STRING [1]      idempotent: the same recording, text and owner give the same id
        audio_sha256           STRING [1]
        prompt_tokens          INT32 [1]       prompt speech tokens stored (25 per second)
 """
@@ -321,6 +323,7 @@ class RegisterInputs:
     text: str
     voice_id: str | None
     name: str | None
+    owner: str | None = None  # None: a shared voice
 
 
 def parse_register_inputs(reader: TensorReader) -> RegisterInputs:
@@ -328,4 +331,5 @@ def parse_register_inputs(reader: TensorReader) -> RegisterInputs:
     if audio is None:
         raise InvalidInput("reference_wav", "is required (or reference_audio)")
     return RegisterInputs(audio=audio, text=reader.string("reference_text", default=""),
-                          voice_id=reader.string("voice_id"), name=reader.string("name"))
+                          voice_id=reader.string("voice_id"), name=reader.string("name"),
+                          owner=reader.string("owner"))

@@ -14,7 +14,7 @@ import numpy as np
 from cosyvoice_triton.config import ModelPaths, read_yaml
 from cosyvoice_triton.frontend.audio import decode_audio, to_mono, validate_prompt_audio
 from cosyvoice_triton.frontend.prompt import PromptFeatures, audio_sha256
-from cosyvoice_triton.frontend.text import TextFrontend
+from cosyvoice_triton.frontend.text import TextFrontend, check_clean_text
 from cosyvoice_triton.models.speech_lm import SpeechLMConfig
 from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
 from cosyvoice_triton.runtime.orchestrator import LLMBackend, Orchestrator, Token2WavBackend
@@ -44,6 +44,8 @@ class Voices:
         self.budget = budget
 
     def check_transcript(self, text: str | None, prompt_speech_tokens: int) -> None:
+        if text:
+            check_clean_text(text, "reference_text")
         if self.budget is not None and text:
             self.budget.check(text, prompt_speech_tokens, "reference_text")
 
@@ -79,7 +81,7 @@ class Voices:
         self.check_transcript(inputs.text, speech_tokens_of(samples.shape[0], rate))
         sha = audio_sha256(samples, rate)
         return register_once(self.store, sha, inputs.text, lambda: self.encoder.encode(samples, rate, inputs.text, sha),
-                             voice_id=inputs.voice_id, name=inputs.name)
+                             voice_id=inputs.voice_id, name=inputs.name, owner=inputs.owner)
 
 
 class SynthesisService:
