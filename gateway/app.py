@@ -29,7 +29,7 @@ from aiohttp import web
 from cosyvoice_triton.targets import Resolver, resolve_ips
 
 from . import routes_openai, routes_tts, routes_voices, routes_ws
-from .auth import StreamLimiter, auth_middleware
+from .auth import ApiKeys, RateLimiter, StreamLimiter, auth_middleware
 from .config import GatewayConfig
 from .default_voice import DefaultVoice
 from .errors import error_middleware
@@ -41,6 +41,7 @@ from .state import (
     COSTS,
     DEFAULT_VOICE,
     LIMITER,
+    REGISTRATION_RATE,
     METRICS,
     RESOLVE,
     ROUTER,
@@ -61,11 +62,15 @@ def body_limit(max_upload_bytes: int) -> int:
 
 
 def create_app(config: GatewayConfig, *, resolve: Resolver = resolve_ips) -> web.Application:
-    app = web.Application(client_max_size=body_limit(config.limits.max_upload_bytes),
-                          middlewares=[metrics_middleware, error_middleware, auth_middleware(config.api_keys)])
+    limits = config.limits
+    keys = ApiKeys(keys=config.api_keys, admin=config.admin_keys)
+    requests_rate = RateLimiter(limits.requests_per_second, 1.0, limits.request_burst, "requests")
+    app = web.Application(client_max_size=body_limit(limits.max_upload_bytes),
+                          middlewares=[metrics_middleware, error_middleware, auth_middleware(keys, requests_rate)])
     app[CONFIG] = config
     app[RESOLVE] = resolve
-    app[LIMITER] = StreamLimiter(config.limits.max_streams_per_key)
+    app[LIMITER] = StreamLimiter(limits.max_streams_per_key, limits.max_keyless_streams)
+    app[REGISTRATION_RATE] = routes_voices.registration_rate(limits)
     app[WEBSOCKETS] = weakref.WeakSet()
     app[DEFAULT_VOICE] = DefaultVoice(config.default_voice)
     app.cleanup_ctx.extend([_voice_store, _triton, _default_voice])
@@ -133,7 +138,7 @@ async def _default_voice(app: web.Application):
             return False
 
     async def register(audio: bytes, text: str, voice_id: str) -> None:
-        await routes_voices.register(app, audio, text, voice_id, name="default")
+        await routes_voices.register(app, audio, text, voice_id, name="default", owner=None)  # shared
 
     task = None
     if state.pending:
