@@ -181,3 +181,50 @@ def test_openvino_server_streams_the_torch_audio(openvino_server, prompt, refere
     assert_same_audio(streamed(openvino_server, prompt), reference_chunks)
     assert len(log_lines(openvino_server, r"token2wav: .*token2wav on openvino \(cpu\)")) == 1
     assert not log_lines(openvino_server, r"is not available")
+
+
+# ---- the OpenVINO container variant (static checks, as tests/test_deploy_manifests.py does) ----
+
+def test_openvino_dockerfile_variant():
+    import json
+    import re
+    import shutil
+    import subprocess
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    from test_deploy_manifests import ROOT, _check_command
+
+    path = ROOT / "deploy" / "docker" / "openvino.Dockerfile"
+    text = path.read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    cmd = json.loads(next(ln for ln in lines if ln.startswith("CMD "))[4:])
+    assert cmd[cmd.index("--engine") + 1] == "openvino" and cmd[cmd.index("--device") + 1] == "cpu"
+    _check_command(cmd, None, "openvino.Dockerfile CMD")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert re.search(r'pip install .*-e "\.\[openvino\]"', text) and any(
+        dep.startswith("openvino") for dep in extras["openvino"])
+    exe = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+    if Path(exe).exists():
+        result = subprocess.run([exe, "--no-color", str(path)], capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_engine_compare_report_on_the_tiny_folder(tiny_model_dir, tmp_path):
+    """perf/engine_compare.py end to end on the tiny folder, one round: every graph on every engine, with
+    its error against the reference, and the streamed pipelines on torch, onnxruntime and openvino."""
+    from cosyvoice_triton.perf import engine_compare
+
+    out = tmp_path / "report.md"
+    assert engine_compare.main(["--model-dir", str(tiny_model_dir), "--onnx-dir", str(tmp_path / "onnx"),
+                                "--rounds", "1", "--e2e-rounds", "1", "--seconds", "1", "--threads", "1",
+                                "--out", str(out)]) == 0
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ")]
+    engines = {(row[0][2:].split(" (")[0], row[1]) for row in rows}
+    for graph in ("flow_encoder", "flow_estimator", "hift_decode"):
+        assert {(graph, "torch"), (graph, "onnxruntime CPU"), (graph, "openvino fp32")} <= engines
+    assert {("campplus", "onnxruntime CPU"), ("campplus", "openvino fp32")} <= engines
+    errors = [float(row[4]) for row in rows if len(row) == 6 and row[4] not in ("—", "max abs error")]
+    assert len(errors) == 7 and max(errors) < 1e-4  # every engine agrees with its reference
+    assert {row[0][2:] for row in rows if len(row) == 7} >= {"torch", "onnxruntime", "openvino"}
