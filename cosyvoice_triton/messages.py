@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 MODES = ("zero_shot", "cross_lingual", "instruct2")
 SEED_LIMIT = 2**64  # seeds are integers in [0, SEED_LIMIT): UINT64 on the wire, torch.Generator's range
 MIN_HOP_TOKENS = 4  # the vocoder holds back 8 mel frames (4 tokens) of every non-final chunk
+CHUNK_POLICIES = ("fixed", "adaptive")  # ChunkPolicy.kind; see runtime/chunk_policy.py
 
 
 def is_int(value: object) -> bool:
@@ -83,8 +84,11 @@ class ChunkPolicy:
     lookahead: int = 3  # right-context tokens the flow's pre-lookahead layer needs
     align_to_chunk: bool = True  # pad the first hop so it ends on a flow attention chunk boundary
     chunk_tokens: int = 25  # the flow's attention chunk, in tokens (yaml: chunk_size)
+    kind: str = "fixed"  # fixed: the official schedule; adaptive: hops follow the listener's lead
 
     def validate(self) -> ChunkPolicy:
+        if self.kind not in CHUNK_POLICIES:
+            raise InvalidInput("chunk_policy", f"must be one of {', '.join(CHUNK_POLICIES)}, got {self.kind!r}")
         if self.first_hop < MIN_HOP_TOKENS:
             raise InvalidInput("chunk_first_hop", f"must be >= {MIN_HOP_TOKENS}, got {self.first_hop}")
         if not 1.0 <= self.hop_scale <= 16.0:

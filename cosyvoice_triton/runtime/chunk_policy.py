@@ -6,12 +6,34 @@ therefore pads the first hop so that it ends on a chunk boundary of the prompt +
 (hop = 25 + pad, pad = ceil(P / 25) * 25 - P for a prompt of P tokens), and then grows the hop
 geometrically (x2) up to 100 tokens: small first chunk for latency, larger later chunks for
 throughput and fewer re-computations of the flow.
+
+Two kinds of policy (`ChunkPolicy.kind`):
+
+- `fixed`: the official schedule above, whatever the load.
+- `adaptive`: the hops follow the listener's lead (runtime/playback.py), which the caller passes in
+  with every decision, so the same leads always give the same chunk boundaries. After each non-final
+  chunk, cut while the listener had `lead_s` seconds left:
+  - grow: if `lead_s` plus this chunk's audio covers the grown hop's audio (hop x hop_scale, up to
+    ADAPTIVE_MAX_HOP_SCALE x max_hop), the next hop is the grown one: the listener has enough to play
+    while those tokens are generated at real time (fewer, cheaper flow calls while ahead);
+  - shrink: else, if `lead_s` < LOW_LEAD_S (and it was not the stream's first chunk), the next hop is
+    `first_hop` again;
+  - else the hop stays.
+  And while a later chunk waits for its tokens, it becomes due early when the lead falls below
+  LOW_LEAD_S and `first_hop` new tokens (+ lookahead) are there: it takes the tokens there are.
+  The first chunk is the fixed one. The flow attends over chunk boundaries (streaming, chunk-masked)
+  and the vocoder cross-fades at them, so audio of one seed is bit-identical between runs only for the
+  same boundaries: `adaptive` trades that (its boundaries follow the load) for fewer stalls.
 """
 from __future__ import annotations
 
 import math
 
 from ..messages import MIN_HOP_TOKENS, ChunkPolicy  # noqa: F401 - the message and its limit live there
+
+TOKEN_RATE_HZ = 25.0  # speech tokens per second of audio
+LOW_LEAD_S = 0.5  # adaptive: below this lead the next chunk is kept small and may be cut early
+ADAPTIVE_MAX_HOP_SCALE = 4  # adaptive: a stream that is ahead grows its hops up to this x max_hop
 
 
 class ChunkSchedule:
@@ -28,8 +50,12 @@ class ChunkSchedule:
         self._first_pad = pad
 
     @property
+    def adaptive(self) -> bool:
+        return self.policy.kind == "adaptive"
+
+    @property
     def hop(self) -> int:
-        """Tokens the next non-final chunk will emit."""
+        """Tokens the next non-final chunk will emit (unless an adaptive stream runs low and cuts it early)."""
         return self._hop + (self._first_pad if self.offset == 0 else 0)
 
     @property
@@ -37,9 +63,33 @@ class ChunkSchedule:
         """Total generated tokens needed before the next non-final chunk can run."""
         return self.offset + self.hop + self.policy.lookahead
 
-    def advance(self) -> tuple[int, int]:
-        """Consume one non-final chunk. Returns (token_offset, token_end) of the flow call."""
-        start, end = self.offset, self.needed
-        self.offset += self.hop
-        self._hop = min(self.policy.max_hop, int(self._hop * self.policy.hop_scale))
+    def due(self, available: int, lead_s: float | None = None) -> bool:
+        """Whether a non-final chunk can run with `available` tokens, the listener `lead_s` seconds ahead."""
+        return available >= self.needed or self._cut_early(available, lead_s)
+
+    def advance(self, available: int | None = None, lead_s: float | None = None) -> tuple[int, int]:
+        """Consume one non-final chunk. Returns (token_offset, token_end) of the flow call. `available` and
+        `lead_s` (the listener's lead now) matter only to an adaptive policy; without them it acts fixed."""
+        start = self.offset
+        end = available if available is not None and self._cut_early(available, lead_s) else self.needed
+        first = start == 0
+        self.offset = end - self.policy.lookahead
+        self._hop = self._next_hop(self.offset - start, lead_s, first)
         return start, end
+
+    def _cut_early(self, available: int, lead_s: float | None) -> bool:
+        """Adaptive, after the first chunk: the listener is running low and a small chunk's tokens are there."""
+        small = self.offset + self.policy.first_hop + self.policy.lookahead
+        return (self.adaptive and lead_s is not None and self.offset > 0 and lead_s < LOW_LEAD_S
+                and small <= available < self.needed)
+
+    def _next_hop(self, emitted: int, lead_s: float | None, first: bool) -> int:
+        policy = self.policy
+        if not self.adaptive or lead_s is None:
+            return min(policy.max_hop, int(self._hop * policy.hop_scale))
+        grown = min(ADAPTIVE_MAX_HOP_SCALE * policy.max_hop, int(self._hop * policy.hop_scale))
+        if lead_s + emitted / TOKEN_RATE_HZ >= grown / TOKEN_RATE_HZ:
+            return grown
+        if lead_s < LOW_LEAD_S and not first:
+            return policy.first_hop
+        return self._hop

@@ -3,21 +3,25 @@
 The same code runs in-process (local backends) and inside the Triton `cosyvoice2` model (BLS backends
 that call the `llm` and `token2wav` models), so both give the same audio for the same seed. For each
 sentence it opens an LLM token stream, follows the chunk schedule (small first chunk, growing hops,
-`lookahead` tokens of right context) and sends each due chunk's new tokens to token2wav.
+`lookahead` tokens of right context) and sends each due chunk's new tokens to token2wav. The
+request's `Playback` follows its listener across sentences; an adaptive chunk policy reads its lead.
 """
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import numpy as np
 
+from ..audio_out import SAMPLE_RATE
 from ..errors import Cancelled
 from ..frontend.text import TextFrontend
 from ..messages import ChunkRequest, FlowPrompt, LLMRequest, SynthesisRequest
 from .chunk_policy import ChunkSchedule
 from .llm_generate import generate
+from .playback import Playback
 from .request import END_OF_PROMPT, random_seed, sentence_seeds
 
 
@@ -80,12 +84,13 @@ class Orchestrator:
         request_id = request_id or uuid.uuid4().hex
         seed = request.seed if request.seed is not None else random_seed()
         prompt = flow_prompt_of(request.voice)
+        playback = Playback()  # the listener of the whole request, sentence after sentence
         for index, llm_request in enumerate(self.llm_requests(request, request_id, seed)):
             yield from self._sentence(request, llm_request, prompt, sentence_seeds(seed, index).vocoder,
-                                      stream, is_cancelled)
+                                      stream, is_cancelled, playback)
 
     def _sentence(self, request: SynthesisRequest, llm_request: LLMRequest, prompt: FlowPrompt, vocoder_seed: int,
-                  stream: bool, is_cancelled: Callable[[], bool]) -> Iterator[np.ndarray]:
+                  stream: bool, is_cancelled: Callable[[], bool], playback: Playback) -> Iterator[np.ndarray]:
         stream_id = llm_request.request_id
         schedule = ChunkSchedule(request.chunk_policy, prompt.speech_tokens.shape[1])
         tokens: list[int] = []
@@ -98,15 +103,18 @@ class Orchestrator:
             chunk = ChunkRequest(stream_id=stream_id, tokens=tokens[sent:end], finalize=finalize,
                                  prompt=None if opened else prompt, seed=vocoder_seed)
             opened, sent = True, end
-            return self.token2wav.chunk(chunk)
+            audio = self.token2wav.chunk(chunk)
+            if audio.size:
+                playback.add(time.monotonic(), audio.size / SAMPLE_RATE)
+            return audio
 
         try:
             for new_tokens in token_stream:
                 if is_cancelled():
                     raise Cancelled("the client cancelled the request")
                 tokens.extend(new_tokens)
-                while stream and len(tokens) >= schedule.needed:
-                    _, end = schedule.advance()
+                while stream and schedule.due(len(tokens), lead := playback.lead(time.monotonic())):
+                    _, end = schedule.advance(len(tokens), lead)
                     yield send(end, finalize=False)
                     if is_cancelled():
                         raise Cancelled("the client cancelled the request")
