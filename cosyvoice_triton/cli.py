@@ -80,6 +80,7 @@ def _run_synth(args) -> int:
 
 
 def _add_serve(sub) -> None:
+    from .messages import CHUNK_POLICIES
     from .server.launcher import ENGINES, PRECISIONS, ROLES
 
     p = sub.add_parser("serve", help="start tritonserver with every CosyVoice2 model; Ctrl-C stops it")
@@ -123,6 +124,10 @@ def _add_serve(sub) -> None:
                         "dns://NAME:PORT for every address NAME resolves to (a Kubernetes headless Service, "
                         "re-resolved as pods come and go); each stream stays on one, new streams go to the one "
                         "with the least outstanding work")
+    p.add_argument("--chunk-policy", choices=CHUNK_POLICIES, default="fixed",
+                   help="chunk schedule of requests that name none: fixed (the official one: first hop 25 tokens "
+                        "+ pad, then x2 up to 100) or adaptive (hops grow while a listener is ahead, stay small "
+                        "when its lead runs low; audio then depends on the load)")
     p.add_argument("--t2w-idle-timeout", type=float, default=120.0,
                    help="seconds after which a token2wav stream with no new chunk is freed")
     p.set_defaults(func=_run_serve)
@@ -139,7 +144,7 @@ def _run_serve(args) -> int:
                            torch_threads=args.torch_threads, engine=args.engine, precision=args.precision,
                            ort_providers=args.ort_providers, onnx_dir=args.onnx_dir, role=args.role,
                            backends=tuple(args.backend),
-                           t2w_idle_timeout_s=args.t2w_idle_timeout)
+                           t2w_idle_timeout_s=args.t2w_idle_timeout, chunk_policy=args.chunk_policy)
     return serve(options)
 
 

@@ -88,6 +88,7 @@ class ServeOptions:
     role: str = "all"
     backends: tuple[str, ...] = ()  # token2wav servers of a frontend: grpc://host:port[?metrics=URL]
     token2wav_timeout_s: float = 60.0  # a frontend's longest wait for one remote token2wav chunk
+    chunk_policy: str = "fixed"  # fixed | adaptive: cosyvoice2's chunk policy for requests that name none
     startup_timeout_s: float = 300.0
     extra_args: list[str] = field(default_factory=list)  # more tritonserver flags
 
@@ -170,7 +171,7 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
                  "max_workers": options.workers, "max_pending": options.max_pending,
                  "max_text_chars": options.max_text_chars,
                  "token2wav_backends": ",".join(backend_spec(b) for b in options.backends),
-                 "token2wav_timeout_s": options.token2wav_timeout_s}
+                 "token2wav_timeout_s": options.token2wav_timeout_s, "chunk_policy": options.chunk_policy}
     prompt_step = {"model_dir": model_dir, "instances": options.instances, "max_batch": options.prompt_max_batch,
                    "queue_delay_us": options.prompt_queue_delay_us}
     return {

@@ -23,6 +23,7 @@ class ParameterError(ValueError):
 Engine = Literal["torch", "onnxruntime", "openvino", "tensorrt"]
 Precision = Literal["fp32", "fp16", "bf16"]
 GraphEngine = Literal["onnxruntime", "openvino", "tensorrt"]  # for models that ship as ONNX only (CAM++)
+ChunkKind = Literal["fixed", "adaptive"]  # messages.CHUNK_POLICIES: the server's chunk policy
 
 
 def parse_parameters(cls, model_config: dict | str, model: str = ""):
@@ -127,6 +128,7 @@ class CosyVoice2Params:
     # grpc://host:port[?metrics=URL]; None: this server's own token2wav, through BLS.
     token2wav_backends: str | None = None
     token2wav_timeout_s: float = 60.0  # longest wait for one remote token2wav chunk
+    chunk_policy: ChunkKind = "fixed"  # requests that name none (runtime/chunk_policy.py)
     max_seq_len: int = 4096  # the llm's positions per stream: longer prompts are refused (prompt_budget)
 
 

@@ -88,14 +88,15 @@ class SynthesisService:
     """Parsed cosyvoice2 request -> float32 24 kHz chunks (the orchestrator with the given backends)."""
 
     def __init__(self, model_dir: str | Path, voices: Voices, llm: LLMBackend, token2wav: Token2WavBackend,
-                 max_text_chars: int):
+                 max_text_chars: int, chunk_policy: ChunkPolicy = ChunkPolicy()):
+        self.chunk_policy = chunk_policy  # the server's; a request may override its fields
         self.frontend = TextFrontend.from_model_dir(model_dir, max_chars=max_text_chars)
         self.default_sampling = SpeechLMConfig.from_model_dir(model_dir).sampling
         self.voices = voices
         self.orchestrator = Orchestrator(self.frontend, llm, token2wav)
 
     def request(self, inputs: SynthesisInputs) -> SynthesisRequest:
-        policy = ChunkPolicy().with_overrides(**inputs.chunk_overrides)  # errors name chunk_*
+        policy = self.chunk_policy.with_overrides(**inputs.chunk_overrides)  # errors name chunk_*
         return SynthesisRequest(text=inputs.text, voice=self.voices.resolve(inputs), mode=inputs.mode,
                                 instruct_text=inputs.instruct_text, seed=inputs.seed, sampling=inputs.sampling,
                                 chunk_policy=policy).validate()

@@ -15,6 +15,7 @@ import uuid
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.errors import Unavailable
+from cosyvoice_triton.messages import ChunkPolicy
 from cosyvoice_triton.runtime.voice_store import open_voice_store
 from cosyvoice_triton.triton.bls import BlsLLM, BlsPromptEncoder, BlsToken2Wav
 from cosyvoice_triton.triton.contracts import parse_synthesis_inputs
@@ -43,7 +44,7 @@ class TritonPythonModel:
                                                     params.token2wav_timeout_s) \
             if params.token2wav_backends else BlsToken2Wav(pb_utils, params.token2wav_model)
         self.service = SynthesisService(params.model_dir, voices, BlsLLM(pb_utils, params.llm_model),
-                                        self.token2wav, params.max_text_chars)
+                                        self.token2wav, params.max_text_chars, ChunkPolicy(kind=params.chunk_policy))
         self.metrics = ModelMetrics(pb_utils, SYNTHESIS, instance_labels(args))
         self.remote_metrics = None
         if isinstance(self.token2wav, RemoteToken2Wav):  # a split frontend: its view of the backends
