@@ -33,71 +33,47 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from cosyvoice_triton.messages import MODES
+from cosyvoice_triton.triton import contracts
 from cosyvoice_triton.triton.wire import CHANNEL_OPTIONS, infer_request, is_final, response_outputs
 
 from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo, as_samples, prompt_bytes
 
-STREAMING_MODEL = "cosyvoice2"
-OFFLINE_MODEL = "cosyvoice2_offline"
-REGISTER_MODEL = "register_voice"
-MODES = ("zero_shot", "cross_lingual", "instruct2")
-
-# Per-request overrides the models accept, with their tensor types.
-OVERRIDES: dict[str, type] = {"top_p": np.float32, "top_k": np.int32, "win_size": np.int32, "tau_r": np.float32,
-                              "chunk_first_hop": np.int32, "chunk_hop_scale": np.float32,
-                              "chunk_max_hop": np.int32}
+STREAMING_MODEL = contracts.COSYVOICE2
+OFFLINE_MODEL = contracts.COSYVOICE2_OFFLINE
+REGISTER_MODEL = contracts.REGISTER_VOICE
 
 
-# ---- request tensors ---------------------------------------------------------------------------------
+# ---- request tensors (built by `cosyvoice_triton.triton.contracts`) --------------------------------------
 
-def _text(value: str) -> np.ndarray:
-    return np.array([value.encode("utf-8")], dtype=object)
-
-
-def voice_inputs(*, voice_id: str | None = None, prompt_audio: PromptAudio | None = None,
-                 prompt_sample_rate: int | None = None, prompt_text: str | None = None) -> dict[str, np.ndarray]:
-    """The voice tensors: a registered id, or prompt samples (+ rate), or a prompt file's bytes."""
-    values: dict[str, np.ndarray] = {}
-    if voice_id is not None and prompt_audio is not None:
-        raise ValueError("give voice_id or prompt_audio, not both")
-    if voice_id is not None:
-        values["reference_audio_id"] = _text(voice_id)
-    elif isinstance(prompt_audio, np.ndarray):
+def _prompt(prompt_audio: PromptAudio | None, prompt_sample_rate: int | None) -> dict:
+    """A prompt as `contracts.voice_inputs` takes it: samples (+ rate), or an audio file's bytes."""
+    if prompt_audio is None:
+        return {}
+    if isinstance(prompt_audio, np.ndarray):
         if not prompt_sample_rate:
             raise ValueError("prompt_sample_rate is required with prompt samples")
-        values["reference_wav"] = as_samples(prompt_audio)
-        values["reference_sample_rate"] = np.array([prompt_sample_rate], np.int32)
-    elif prompt_audio is not None:
-        values["reference_audio"] = np.array([prompt_bytes(prompt_audio)], dtype=object)
-    if prompt_text is not None:
-        values["reference_text"] = _text(prompt_text)
-    return values
+        return {"samples": as_samples(prompt_audio), "sample_rate": prompt_sample_rate}
+    return {"audio_file": prompt_bytes(prompt_audio)}
 
 
 def synthesis_inputs(text: str, *, voice_id: str | None = None, prompt_audio: PromptAudio | None = None,
                      prompt_sample_rate: int | None = None, prompt_text: str | None = None,
                      mode: str | None = None, instruct: str | None = None, seed: int | None = None,
                      **overrides: float) -> dict[str, np.ndarray]:
-    """The tensors of one `cosyvoice2` request."""
+    """The tensors of one `cosyvoice2` request, from the SDK's argument names."""
     if voice_id is None and prompt_audio is None:
         raise ValueError("a voice is required: voice_id or prompt_audio")
+    if voice_id is not None and prompt_audio is not None:
+        raise ValueError("give voice_id or prompt_audio, not both")
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    values = {"target_text": _text(text)}
-    values.update(voice_inputs(voice_id=voice_id, prompt_audio=prompt_audio, prompt_sample_rate=prompt_sample_rate,
-                               prompt_text=prompt_text))
-    if mode is not None:
-        values["mode"] = _text(mode)
-    if instruct is not None:
-        values["instruct_text"] = _text(instruct)
-    if seed is not None:
-        values["seed"] = np.array([seed], np.uint64)
-    for name, value in overrides.items():
-        if name not in OVERRIDES:
-            raise TypeError(f"unknown option {name!r}; known: {', '.join(OVERRIDES)}")
-        if value is not None:
-            values[name] = np.array([value], OVERRIDES[name])
-    return values
+    unknown = [name for name in overrides if name not in contracts.OPTION_TYPES]
+    if unknown:
+        raise TypeError(f"unknown option {unknown[0]!r}; known: {', '.join(contracts.OPTION_TYPES)}")
+    return contracts.synthesis_inputs(text, voice_id=voice_id, **_prompt(prompt_audio, prompt_sample_rate),
+                                      reference_text=prompt_text, mode=mode, instruct_text=instruct, seed=seed,
+                                      **overrides)
 
 
 def stream_request(model: str, text: str, request_id: str | None, **options) -> service_pb2.ModelInferRequest:
@@ -123,12 +99,8 @@ def _register_result(response: service_pb2.ModelInferResponse, prompt_text: str 
 
 def _register_values(audio: PromptAudio, sample_rate: int | None, prompt_text: str | None, voice_id: str | None,
                      name: str | None) -> dict[str, np.ndarray]:
-    values = voice_inputs(prompt_audio=audio, prompt_sample_rate=sample_rate, prompt_text=prompt_text)
-    if voice_id is not None:
-        values["voice_id"] = _text(voice_id)
-    if name is not None:
-        values["name"] = _text(name)
-    return values
+    return contracts.register_inputs(voice_id=voice_id, name=name, **_prompt(audio, sample_rate),
+                                     reference_text=prompt_text)
 
 
 @dataclass

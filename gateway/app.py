@@ -26,6 +26,7 @@ from contextlib import suppress
 
 from aiohttp import web
 
+from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.targets import Resolver, resolve_ips
 
 from . import routes_openai, routes_tts, routes_voices, routes_ws
@@ -35,7 +36,7 @@ from .default_voice import DefaultVoice
 from .errors import error_middleware
 from .metrics import GatewayMetrics
 from .request_keys import ABORTED, ERROR_CODE
-from .routing import Backend, CostModel, Router
+from .routing import CostModel, Router
 from .state import (
     CONFIG,
     COSTS,
@@ -103,7 +104,7 @@ async def _voice_store(app: web.Application):
 
 async def _triton(app: web.Application):
     config = app[CONFIG]
-    backends = [Backend(target, TritonClient(target.grpc)) for target in config.triton]
+    backends = [Server(target, TritonClient(target.grpc)) for target in config.triton]
     router = Router(backends, config.routing, config.synthesis_model, discovery=config.discovery,
                     resolve=app[RESOLVE])
     app[ROUTER] = router

@@ -19,7 +19,7 @@ answers ready again.
 
 Membership: fixed servers (`--triton grpc://...`) are members for good. `dns://name:port` specs are
 resolved again every `discovery_interval_s` (in a thread; `rediscover`): an address new to the pool joins
-as a Backend with its own channel, out of rotation until its first health check (run at once) passes; an
+as a Server with its own channel, out of rotation until its first health check (run at once) passes; an
 address gone from its name leaves the pool at once (not picked, not listed, not scraped) and its channel
 is closed when its last request in flight ends. A name that fails to resolve, or resolves to nothing,
 keeps its current servers: a DNS hiccup must not empty the pool. Channels are closed only while no
@@ -28,19 +28,18 @@ health check runs (`_channels`), so a check never sees its channel closed under 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
 from cosyvoice_triton.prometheus_text import metric_sum
-from cosyvoice_triton.targets import Resolver, discover, resolve_ips
+from cosyvoice_triton.server_pool import Server, ServerPool
+from cosyvoice_triton.targets import Resolver, TritonTarget, discover, resolve_ips
 
-from .config import RoutingConfig, TritonTarget
+from .config import RoutingConfig
 from .errors import ServiceUnavailable
 from .triton_client import TritonClient
 
@@ -80,83 +79,70 @@ class CostModel:
                 + (ENCODE_COST if encodes_prompt else 0.0) + BASE_COST)
 
 
-@dataclass(eq=False)
-class Backend:
-    target: TritonTarget
-    client: TritonClient
-    healthy: bool = False
-    outstanding_cost: float = 0.0  # this gateway's requests in flight there
-    inflight: int = 0
-    external: float = 0.0  # requests there that this gateway did not send (from the last scrape)
-    pending: float = 0.0  # nv_inference_pending_request_count of the synthesis model (last scrape)
-    last_pick: int = 0
-    source: str | None = None  # the dns:// spec that found it; None: a fixed server, which never leaves
-    leaving: bool = False  # gone from DNS: out of the pool; its channel closes once `inflight` is 0
-
-    @property
-    def name(self) -> str:
-        return self.target.name
-
-
 class Router:
-    def __init__(self, backends: list[Backend], routing: RoutingConfig, model: str, on_change=None, *,
+    """The gateway's `ServerPool`, driven with asyncio: health checks, metric scrapes, DNS discovery."""
+
+    def __init__(self, backends: list[Server], routing: RoutingConfig, model: str, on_change=None, *,
                  discovery: Sequence[str] = (), resolve: Resolver = resolve_ips,
                  new_client: Callable[[str], TritonClient] = TritonClient):
         if not backends and not discovery:
             raise ValueError("no Triton servers")
-        self.backends = backends  # the pool: fixed servers, and discovered ones while DNS names them
+        self.pool = ServerPool(backends, mean_cost=BASE_COST + 10 * SPEECH_PER_TEXT_TOKEN, joins_healthy=False)
         self.routing = routing
         self.model = model
         self.discovery = tuple(discovery)  # dns:// specs
-        self.mean_cost = BASE_COST + 10 * SPEECH_PER_TEXT_TOKEN
-        self.draining: list[Backend] = []  # gone from DNS, requests still running there (channel open)
-        self.on_leave: Callable[[Backend], None] | None = None  # called when a discovered server leaves
-        self._picks = itertools.count(1)
-        self._on_change = on_change  # called with (backend, healthy) when a server leaves or rejoins
+        self.on_leave: Callable[[Server], None] | None = None  # called when a discovered server leaves
+        self._on_change = on_change  # called with (server, healthy) when a server leaves or rejoins
         self._resolve = resolve
         self._new_client = new_client  # grpc address -> TritonClient, for servers that join
         self._closing: set[asyncio.Task] = set()
         self._channels = asyncio.Lock()  # held by health checks and by channel closes
 
+    @property
+    def backends(self) -> list[Server]:
+        """The servers in the pool now (fixed ones, and discovered ones while DNS names them)."""
+        return self.pool.servers
+
+    @property
+    def draining(self) -> list[Server]:
+        """Servers gone from DNS with requests still running there (channel open)."""
+        return self.pool.draining
+
+    @property
+    def mean_cost(self) -> float:
+        return self.pool.mean_cost
+
     # ---- choosing ------------------------------------------------------------------------------------
-    def load(self, backend: Backend) -> float:
-        return backend.outstanding_cost + backend.external * self.mean_cost
+    def load(self, backend: Server) -> float:
+        return self.pool.load(backend)
 
-    def healthy(self) -> list[Backend]:
-        return [b for b in self.backends if b.healthy]
+    def healthy(self) -> list[Server]:
+        return self.pool.healthy()
 
-    def pick(self, exclude: Iterable[Backend] = ()) -> Backend:
-        excluded = set(exclude)
-        candidates = [b for b in self.backends if b.healthy and b not in excluded]
-        if not candidates:
+    def pick(self, exclude: Iterable[Server] = ()) -> Server:
+        excluded = list(exclude)
+        chosen = self.pool.pick(excluded)
+        if chosen is None:
             raise ServiceUnavailable("no healthy Triton server can take the request" if not excluded else
                                      "every Triton server tried failed before the first audio")
-        chosen = min(candidates, key=lambda b: (self.load(b), b.last_pick))
-        chosen.last_pick = next(self._picks)
         return chosen
 
     @contextmanager
-    def lease(self, backend: Backend, cost: float) -> Iterator[Backend]:
+    def lease(self, backend: Server, cost: float) -> Iterator[Server]:
         """Count `cost` against `backend` while the block runs."""
-        self.mean_cost = 0.9 * self.mean_cost + 0.1 * cost
-        backend.outstanding_cost += cost
-        backend.inflight += 1
+        self.pool.acquire(backend, cost)
         try:
             yield backend
         finally:
-            backend.outstanding_cost = max(0.0, backend.outstanding_cost - cost)
-            backend.inflight -= 1
-            if backend.leaving and backend.inflight == 0:
+            if self.pool.release(backend, cost):
                 self._close_later(backend)
 
     # ---- health and load --------------------------------------------------------------------------------
-    def set_health(self, backend: Backend, healthy: bool, reason: str = "") -> None:
-        if backend.healthy == healthy:
+    def set_health(self, backend: Server, healthy: bool, reason: str = "") -> None:
+        # A change forgets the last scrape: it described a server that is gone or was down, so a stale
+        # count of streams that died with it must not steer requests away once it is back.
+        if not self.pool.set_health(backend, healthy):
             return
-        backend.healthy = healthy
-        # Its last scrape described a server that is gone or was down: forget it, so a stale count of
-        # streams that died with it does not steer requests away once it is back (the next scrape refills).
-        backend.external = backend.pending = 0.0
         if healthy:
             log.info("Triton %s is ready: back in the pool", backend.name)
         else:
@@ -164,7 +150,7 @@ class Router:
         if self._on_change is not None:
             self._on_change(backend, healthy)
 
-    async def check(self, backend: Backend) -> bool:
+    async def check(self, backend: Server) -> bool:
         ok = await backend.client.ready(self.model, self.routing.health_timeout_s)
         self.set_health(backend, ok, "not ready (health check)")
         return ok
@@ -173,7 +159,7 @@ class Router:
         async with self._channels:
             await asyncio.gather(*(self.check(b) for b in self.backends))
 
-    async def scrape(self, backend: Backend, session: aiohttp.ClientSession) -> None:
+    async def scrape(self, backend: Server, session: aiohttp.ClientSession) -> None:
         timeout = aiohttp.ClientTimeout(total=self.routing.health_timeout_s)
         try:
             async with session.get(backend.target.metrics_url, timeout=timeout) as response:
@@ -183,7 +169,7 @@ class Router:
         pending = metric_sum(text, "nv_inference_pending_request_count", self.model)
         active = metric_sum(text, "cosyvoice_active_streams", self.model)
         backend.pending = pending
-        backend.external = max(0.0, pending + active - backend.inflight)
+        self.pool.set_external(backend, pending + active)
 
     async def run_health(self) -> None:
         while True:
@@ -205,7 +191,7 @@ class Router:
     async def rediscover(self) -> None:
         """Resolve every dns:// spec again and apply what it names now; servers that joined get their
         first health check before this returns."""
-        joined: list[Backend] = []
+        joined: list[Server] = []
         for spec in self.discovery:
             found = await self._lookup(spec)
             if found:  # nothing found: keep the spec's servers (see the module docstring)
@@ -224,42 +210,32 @@ class Router:
             log.warning("DNS %s resolved to no address: keeping its current servers", spec)
         return found
 
-    def _update(self, spec: str, found: list[TritonTarget]) -> list[Backend]:
+    def _update(self, spec: str, found: list[TritonTarget]) -> list[Server]:
         """Make the pool's servers from `spec` the ones in `found`; returns those that joined."""
-        for backend in [b for b in self.backends if b.source == spec and b.target not in found]:
-            self._leave(backend)
-        members = {b.target for b in self.backends}  # an address already there (fixed, another spec) stays one
-        joined = [Backend(t, self._new_client(t.grpc), source=spec) for t in found if t not in members]
-        for backend in joined:
-            log.info("Triton %s found by %s: joins the pool when its health check passes", backend.name, spec)
-        self.backends.extend(joined)
-        return joined
-
-    def _leave(self, backend: Backend) -> None:
-        self.backends.remove(backend)
-        backend.leaving = True
-        self.draining.append(backend)
-        log.info("Triton %s is gone from %s: left the pool (%d requests still running there)",
-                 backend.name, backend.source, backend.inflight)
-        if self.on_leave is not None:
-            self.on_leave(backend)
-        if backend.inflight == 0:
+        update = self.pool.update(spec, found, lambda target: self._new_client(target.grpc))
+        for backend in update.left:
+            log.info("Triton %s is gone from %s: left the pool (%d requests still running there)",
+                     backend.name, spec, backend.inflight)
+            if self.on_leave is not None:
+                self.on_leave(backend)
+        for backend in update.idle:
             self._close_later(backend)
+        for backend in update.joined:
+            log.info("Triton %s found by %s: joins the pool when its health check passes", backend.name, spec)
+        return update.joined
 
-    def _close_later(self, backend: Backend) -> None:
+    def _close_later(self, backend: Server) -> None:
         task = asyncio.get_running_loop().create_task(self._close(backend))
         self._closing.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._closing.discard)
 
-    async def _close(self, backend: Backend) -> None:
+    async def _close(self, backend: Server) -> None:
         async with self._channels:
-            if backend in self.draining:
-                self.draining.remove(backend)
-                await backend.client.close()
+            await backend.client.close()
 
     async def close(self) -> None:
         """Close every channel: members', and those of servers that left with requests still running."""
         await asyncio.gather(*self._closing, return_exceptions=True)
-        clients = [b.client for b in (*self.backends, *self.draining)]
-        self.draining.clear()
+        clients = [b.client for b in self.pool.everyone()]
+        self.pool.draining.clear()
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)

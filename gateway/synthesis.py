@@ -29,6 +29,8 @@ from cosyvoice_triton.frontend.text import text_problem, validate_text
 from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
 from cosyvoice_triton.messages import MODES, SEED_LIMIT
 from cosyvoice_triton.runtime.voice_store import check_voice_id, visible_to
+from cosyvoice_triton.triton.contracts import synthesis_inputs
+from cosyvoice_triton.triton.tensors import string_array  # noqa: F401 - routes_voices builds tensors with it
 
 from .auth import current_tenant
 from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
@@ -74,13 +76,7 @@ class Fields:
 
 TTS_FIELDS = Fields()
 OPENAI_FIELDS = Fields(text="input", voice="voice", instruct="instructions")
-# The chunk-policy inputs of cosyvoice2 (contracts.py) and their tensor types.
-CHUNK_INPUTS = {"chunk_first_hop": np.int32, "chunk_hop_scale": np.float32, "chunk_max_hop": np.int32}
 INT32_MAX = 2**31 - 1
-
-
-def string_array(value: str) -> np.ndarray:
-    return np.array([value.encode("utf-8")], dtype=object)
 
 
 @dataclass(frozen=True)
@@ -101,21 +97,10 @@ class Synthesis:
 
     def inputs(self, seed: int | None = None) -> dict[str, np.ndarray]:
         """The cosyvoice2 request (contracts.py), with `seed` instead of the request's when given."""
-        values = {"target_text": string_array(self.text), "mode": string_array(self.mode),
-                  "seed": np.array([self.seed if seed is None else seed], dtype=np.uint64)}
-        if self.voice_id is not None:
-            values["reference_audio_id"] = string_array(self.voice_id)
-        if self.prompt_audio is not None:
-            values["reference_audio"] = np.array([self.prompt_audio], dtype=object)
-        if self.prompt_text is not None:
-            values["reference_text"] = string_array(self.prompt_text)
-        if self.instruct:
-            values["instruct_text"] = string_array(self.instruct)
-        for name, dtype in CHUNK_INPUTS.items():
-            value = getattr(self, name)
-            if value is not None:
-                values[name] = np.array([value], dtype=dtype)
-        return values
+        return synthesis_inputs(self.text, voice_id=self.voice_id, audio_file=self.prompt_audio,
+                                reference_text=self.prompt_text, mode=self.mode, instruct_text=self.instruct or None,
+                                seed=self.seed if seed is None else seed, chunk_first_hop=self.chunk_first_hop,
+                                chunk_hop_scale=self.chunk_hop_scale, chunk_max_hop=self.chunk_max_hop)
 
     def with_text(self, text: str, seed: int, cost: float) -> Synthesis:
         """The same voice and settings (chunk policy included) for another text (WebSocket segments)."""

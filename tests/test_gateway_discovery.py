@@ -27,8 +27,9 @@ from cosyvoice_triton.gateway.config import (
 )
 from cosyvoice_triton.gateway.errors import ServiceUnavailable
 from cosyvoice_triton.gateway.metrics import GatewayMetrics
-from cosyvoice_triton.gateway.routing import Backend, Router
+from cosyvoice_triton.gateway.routing import Router
 from cosyvoice_triton.gateway.state import ROUTER
+from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.gateway.testing import GatewayThread
 from polling import wait_until
 from triton_harness import metric_value, scrape
@@ -131,7 +132,7 @@ class FakeServers:
 
 
 def dns_router(dns: Dns, servers: FakeServers, fixed: tuple[str, ...] = (), specs=(SPEC,)) -> Router:
-    backends = [Backend(TritonTarget.parse(f), servers(TritonTarget.parse(f).grpc)) for f in fixed]
+    backends = [Server(TritonTarget.parse(f), servers(TritonTarget.parse(f).grpc)) for f in fixed]
     return Router(backends, RoutingConfig(), "cosyvoice2", discovery=specs, resolve=dns, new_client=servers)
 
 

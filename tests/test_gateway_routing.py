@@ -21,9 +21,10 @@ import soundfile as sf
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.gateway.config import GatewayConfig, RoutingConfig, TritonTarget
 from cosyvoice_triton.gateway.errors import ServiceUnavailable
-from cosyvoice_triton.gateway.routing import BASE_COST, ENCODE_COST, Backend, CostModel, Router
+from cosyvoice_triton.gateway.routing import BASE_COST, ENCODE_COST, CostModel, Router
 from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.gateway.state import ROUTER
+from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.gateway.testing import GatewayThread, get_json
 from cosyvoice_triton.gateway.triton_client import classify_message
 from cosyvoice_triton.server import free_port
@@ -66,7 +67,7 @@ def test_cost_grows_with_text_and_prompt(tiny_model_dir):
 
 
 def router(n: int = 2) -> Router:
-    backends = [Backend(TritonTarget(f"h{i}:8001", f"http://h{i}:8002/metrics"), client=None, healthy=True)
+    backends = [Server(TritonTarget(f"h{i}:8001", f"http://h{i}:8002/metrics"), client=None, healthy=True)
                 for i in range(n)]
     return Router(backends, RoutingConfig(), "cosyvoice2")
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from cosyvoice_triton.errors import Unavailable
-from cosyvoice_triton.runtime.token2wav import FlowPrompt
-from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
+from cosyvoice_triton.messages import ChunkRequest, FlowPrompt
 from cosyvoice_triton.server.launcher import ServeOptions, render_run_repository, role_models
 from cosyvoice_triton.targets import TritonTarget
 from cosyvoice_triton.triton.remote_token2wav import PoolStats, RemoteToken2Wav, Unreachable
@@ -91,7 +90,7 @@ class ScriptedTransport:
 def pool(n: int = 2, watch_interval_s: float = 0.0) -> tuple[RemoteToken2Wav, list[ScriptedTransport]]:
     specs = [f"grpc://b{i}:8001" for i in range(n)]
     remote = RemoteToken2Wav(specs, watch_interval_s=watch_interval_s, transport_factory=ScriptedTransport)
-    return remote, [b.transport for b in remote.backends]
+    return remote, [b.client for b in remote.backends]
 
 
 def first(stream_id: str) -> ChunkRequest:
@@ -156,7 +155,7 @@ def test_a_stream_whose_backend_dies_ends_with_unavailable():
     b0.down = True
     with pytest.raises(Unavailable, match="went away mid-stream"):
         remote.chunk(later("s1"))
-    assert remote.pinned() == {} and remote.backends[0].open_streams == 0
+    assert remote.pinned() == {} and remote.backends[0].inflight == 0
     with pytest.raises(Unavailable, match="has no backend"):
         remote.chunk(later("s1"))
 
@@ -191,7 +190,7 @@ def test_concurrent_streams_keep_exact_counts():
         thread.start()
     for thread in threads:
         thread.join()
-    assert remote.pinned() == {} and [b.open_streams for b in remote.backends] == [0, 0, 0]
+    assert remote.pinned() == {} and [b.inflight for b in remote.backends] == [0, 0, 0]
 
 
 def test_backends_found_in_dns_join_and_leave_the_pool():
@@ -199,16 +198,16 @@ def test_backends_found_in_dns_join_and_leave_the_pool():
     remote = RemoteToken2Wav(["dns://t2w-headless:8001"], watch_interval_s=0.0, transport_factory=ScriptedTransport,
                              resolve=lambda host, port: list(answers["ips"]))
     assert [b.name for b in remote.backends] == ["10.0.0.1:8001"]
-    assert remote.backends[0].transport.target.metrics_url == "http://10.0.0.1:8002/metrics"
+    assert remote.backends[0].client.target.metrics_url == "http://10.0.0.1:8002/metrics"
     remote.chunk(first("s1"))
+    old = remote.backends[0]
     answers["ips"] = ["10.0.0.2", "10.0.0.3"]  # the autoscaler replaced the pod and added one
     remote._refresh_members()
-    old = remote.backends[0]
-    assert old.retired and not old.healthy  # no new streams there, but s1 finishes where its state is
+    assert old.leaving and not old.healthy  # no new streams there, but s1 finishes where its state is
     remote.chunk(first("s2"))
     assert remote.pinned()["s2"] in ("10.0.0.2:8001", "10.0.0.3:8001")
     remote.chunk(later("s1", finalize=True))
-    assert old.transport.calls[-1] == ("s1", False, False)
+    assert old.client.calls[-1] == ("s1", False, False)
     answers["ips"] = []  # a DNS hiccup keeps what is known
     remote._refresh_members()
     assert sorted(b.name for b in remote.backends) == ["10.0.0.2:8001", "10.0.0.3:8001"]

@@ -90,6 +90,10 @@ REGISTER_VOICE = "register_voice"
 
 SAMPLING_FIELDS = ("top_p", "top_k", "win_size", "tau_r")
 CHUNK_FIELDS = {"chunk_first_hop": "first_hop", "chunk_hop_scale": "hop_scale", "chunk_max_hop": "max_hop"}
+# The per-request overrides of cosyvoice2 (sampling, then chunk policy) and their tensor types.
+OPTION_TYPES: dict[str, type] = {"top_p": np.float32, "top_k": np.int32, "win_size": np.int32, "tau_r": np.float32,
+                                 "chunk_first_hop": np.int32, "chunk_hop_scale": np.float32,
+                                 "chunk_max_hop": np.int32}
 
 
 # ---- sampling overrides (cosyvoice2 and llm) -------------------------------------------------------
@@ -297,23 +301,57 @@ def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParam
                            sampling=read_sampling(reader, default_sampling), chunk_overrides=overrides)
 
 
-def synthesis_inputs(text: str, *, voice_id: str | None = None, samples: np.ndarray | None = None,
-                     sample_rate: int | None = None, reference_text: str | None = None, mode: str | None = None,
-                     instruct_text: str | None = None, seed: int | None = None,
-                     **extra) -> dict[str, np.ndarray]:
-    """A cosyvoice2 request as tensors (for clients and tests)."""
-    values = {"target_text": string_array(text)}
+def voice_inputs(*, voice_id: str | None = None, samples: np.ndarray | None = None, sample_rate: int | None = None,
+                 audio_file: bytes | None = None, reference_text: str | None = None) -> dict[str, np.ndarray]:
+    """The voice tensors of cosyvoice2 and register_voice: a registered id, prompt samples (+ their rate), or a
+    prompt file's bytes; and the prompt transcript. Only what is given is sent (the model checks the rest)."""
+    values: dict[str, np.ndarray] = {}
     if voice_id is not None:
         values["reference_audio_id"] = string_array(voice_id)
     if samples is not None:
         values["reference_wav"] = np.asarray(samples, dtype=np.float32).reshape(-1)
         values["reference_sample_rate"] = np.array([sample_rate], dtype=np.int32)
-    for name, value in (("reference_text", reference_text), ("mode", mode), ("instruct_text", instruct_text)):
+    if audio_file is not None:
+        values["reference_audio"] = np.array([audio_file], dtype=object)
+    if reference_text is not None:
+        values["reference_text"] = string_array(reference_text)
+    return values
+
+
+def synthesis_inputs(text: str, *, voice_id: str | None = None, samples: np.ndarray | None = None,
+                     sample_rate: int | None = None, audio_file: bytes | None = None,
+                     reference_text: str | None = None, mode: str | None = None, instruct_text: str | None = None,
+                     seed: int | None = None, **options) -> dict[str, np.ndarray]:
+    """A cosyvoice2 request as tensors: the one builder of the client SDK, the gateway and the tests.
+
+    `options`: sampling and chunk-policy overrides by input name (`OPTION_TYPES`; None: not sent), a number
+    typed here or an array sent as it is; any other input only as an array (tests send raw tensors)."""
+    values = {"target_text": string_array(text)}
+    values.update(voice_inputs(voice_id=voice_id, samples=samples, sample_rate=sample_rate, audio_file=audio_file,
+                               reference_text=reference_text))
+    for name, value in (("mode", mode), ("instruct_text", instruct_text)):
         if value is not None:
             values[name] = string_array(value)
     if seed is not None:
         values["seed"] = np.array([seed], dtype=np.uint64)
-    values.update(extra)
+    for name, value in options.items():
+        if isinstance(value, np.ndarray):
+            values[name] = value
+        elif name not in OPTION_TYPES:
+            raise TypeError(f"unknown option {name!r}; known: {', '.join(OPTION_TYPES)}")
+        elif value is not None:
+            values[name] = np.array([value], OPTION_TYPES[name])
+    return values
+
+
+def register_inputs(*, voice_id: str | None = None, name: str | None = None, **voice) -> dict[str, np.ndarray]:
+    """A register_voice request as tensors; `voice` as for `voice_inputs` (without voice_id, which here
+    is the id to register under)."""
+    values = voice_inputs(**voice)
+    if voice_id is not None:
+        values["voice_id"] = string_array(voice_id)
+    if name is not None:
+        values["name"] = string_array(name)
     return values
 
 

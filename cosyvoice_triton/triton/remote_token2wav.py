@@ -8,7 +8,7 @@ A frontend server (cosyvoice2, llm, prompt encoder) is given the addresses of on
 - A new stream goes to the healthy backend with the least outstanding work: the streams this frontend
   has open there plus the streams other frontends have open there (the backend's
   `cosyvoice_token2wav_active_streams` gauge, scraped every few seconds, less our own). Ties go to the
-  backend picked least recently.
+  backend picked least recently (`server_pool.ServerPool` keeps this bookkeeping).
 - A backend that does not answer (connection refused, reset, timeout) leaves the pool at once; the
   watcher thread probes it (ServerReady + ModelReady) and returns it when it answers. A first chunk that
   fails this way, or because the backend is full, is tried on the next backend (no audio has been made
@@ -21,7 +21,6 @@ A frontend server (cosyvoice2, llm, prompt encoder) is given the addresses of on
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import urllib.request
@@ -32,7 +31,8 @@ import numpy as np
 
 from cosyvoice_triton.errors import Unavailable
 from cosyvoice_triton.prometheus_text import metric_sum
-from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
+from cosyvoice_triton.messages import ChunkRequest
+from cosyvoice_triton.server_pool import Server, ServerPool
 from cosyvoice_triton.targets import Resolver, TritonTarget, check_spec, discover, is_discovery, resolve_ips
 from cosyvoice_triton.triton import contracts
 from cosyvoice_triton.triton.tensors import RemoteError
@@ -104,25 +104,6 @@ class Transport:
         self._channel.close()
 
 
-@dataclass(eq=False)
-class Backend:
-    transport: Transport
-    healthy: bool = True  # until a call or a probe says otherwise
-    source: str = ""  # the spec that named it
-    retired: bool = False  # gone from DNS: takes no new stream, dropped once its streams are done
-    open_streams: int = 0  # this frontend's streams pinned here
-    external: float = 0.0  # other frontends' streams here (last scrape)
-    last_pick: int = 0
-
-    @property
-    def name(self) -> str:
-        return self.transport.target.name
-
-    @property
-    def load(self) -> float:
-        return self.open_streams + self.external
-
-
 @dataclass(frozen=True)
 class PoolStats:
     backends: int  # in the pool (named, or found in DNS)
@@ -145,11 +126,13 @@ class RemoteToken2Wav:
             check_spec(spec, "token2wav_backends")
         self.model = model
         self.specs = specs
-        self.backends: list[Backend] = []
-        self._pins: dict[str, Backend] = {}  # stream id -> the backend holding its state
-        self._lock = threading.Lock()
-        self._picks = itertools.count(1)
         self._new_transport = lambda target: transport_factory(target, call_timeout_s)
+        fixed = [TritonTarget.parse(spec, "token2wav_backends") for spec in specs if not is_discovery(spec)]
+        # Servers take streams until a call or a probe says otherwise.
+        self.pool = ServerPool([Server(t, self._new_transport(t), healthy=True) for t in dict.fromkeys(fixed)],
+                               joins_healthy=True)
+        self._pins: dict[str, Server] = {}  # stream id -> the backend holding its state
+        self._lock = threading.Lock()  # around every use of the pool and the pins
         self._resolve = resolve
         self._failures = 0  # times a backend left the pool after a failed call
         self.on_change = on_change  # called (no lock held) when a backend joins, leaves, fails or recovers
@@ -160,6 +143,11 @@ class RemoteToken2Wav:
         if watch_interval_s > 0:
             self._watcher = threading.Thread(target=self._watch, name="token2wav-backends", daemon=True)
             self._watcher.start()
+
+    @property
+    def backends(self) -> list[Server]:
+        """The backends in the pool now; `client` is each one's `Transport`."""
+        return self.pool.servers
 
     @classmethod
     def from_specs(cls, specs: str, model: str = contracts.TOKEN2WAV, call_timeout_s: float = 60.0):
@@ -185,7 +173,7 @@ class RemoteToken2Wav:
         if backend is None:
             return
         try:
-            backend.transport.infer(self.model, contracts.token2wav_cancel_inputs(stream_id), stream_id)
+            backend.client.infer(self.model, contracts.token2wav_cancel_inputs(stream_id), stream_id)
         except Unreachable as exc:
             self._set_health(backend, False, str(exc))
         except RemoteError as exc:
@@ -196,13 +184,14 @@ class RemoteToken2Wav:
         if self._watcher is not None:
             self._watcher.join(timeout=5)
         with self._lock:
-            backends, self.backends = self.backends, []
+            backends = self.pool.everyone()
+            self.pool.servers, self.pool.draining = [], []
         for backend in backends:
-            backend.transport.close()
+            backend.client.close()
 
     # ---- calls ------------------------------------------------------------------------------------------
     def _first_chunk(self, chunk: ChunkRequest, inputs) -> np.ndarray:
-        tried: list[Backend] = []
+        tried: list[Server] = []
         last_error: Exception | None = None
         while True:
             backend = self._pick_and_pin(chunk.stream_id, exclude=tried)
@@ -223,7 +212,7 @@ class RemoteToken2Wav:
                 self._unpin(chunk.stream_id)  # full (stream limit): another backend may have room
                 last_error = exc
 
-    def _next_chunk(self, chunk: ChunkRequest, inputs, backend: Backend) -> np.ndarray:
+    def _next_chunk(self, chunk: ChunkRequest, inputs, backend: Server) -> np.ndarray:
         try:
             return self._call(backend, chunk, inputs)
         except Unreachable as exc:
@@ -232,82 +221,66 @@ class RemoteToken2Wav:
             raise Unavailable(f"token2wav backend {backend.name} went away mid-stream ({exc}); "
                               "the stream's state was there") from None
 
-    def _call(self, backend: Backend, chunk: ChunkRequest, inputs) -> np.ndarray:
-        outputs = backend.transport.infer(self.model, inputs, chunk.stream_id)
+    def _call(self, backend: Server, chunk: ChunkRequest, inputs) -> np.ndarray:
+        outputs = backend.client.infer(self.model, inputs, chunk.stream_id)
         if chunk.finalize:
             self._unpin(chunk.stream_id)  # the backend freed the state with the final chunk
         return outputs["waveform"].reshape(-1)
 
     # ---- the pool ----------------------------------------------------------------------------------------
-    def _pick_and_pin(self, stream_id: str, exclude: Sequence[Backend]) -> Backend | None:
+    def _pick_and_pin(self, stream_id: str, exclude: Sequence[Server]) -> Server | None:
         with self._lock:
-            candidates = [b for b in self.backends if b.healthy and b not in exclude]
-            if not candidates:
-                return None
-            chosen = min(candidates, key=lambda b: (b.load, b.last_pick))
-            chosen.last_pick = next(self._picks)
-            chosen.open_streams += 1
-            self._pins[stream_id] = chosen
+            chosen = self.pool.pick(exclude)
+            if chosen is not None:
+                self.pool.acquire(chosen)
+                self._pins[stream_id] = chosen
             return chosen
 
-    def _unpin(self, stream_id: str) -> Backend | None:
+    def _unpin(self, stream_id: str) -> Server | None:
         with self._lock:
             backend = self._pins.pop(stream_id, None)
-            if backend is not None:
-                backend.open_streams -= 1
-            return backend
+            idle = backend is not None and self.pool.release(backend)
+        if idle:
+            backend.client.close()  # it left DNS and its last stream just ended
+        return backend
 
     def _refresh_members(self) -> None:
-        """Follow DNS: new addresses join the pool; vanished ones take no new stream and leave once their
-        streams are done. A `dns://` spec that resolves to nothing keeps what it had (a DNS hiccup must not
-        empty the pool)."""
-        wanted: dict[TritonTarget, str] = {}  # target -> the spec it came from
-        for spec in self.specs:
-            found = discover([spec], "token2wav_backends", self._resolve)
-            if not found:
-                found = [b.transport.target for b in self.backends if b.source == spec and not b.retired]
-                log.warning("token2wav backends: %s resolved to nothing; keeping %d known", spec, len(found))
-            wanted.update((target, spec) for target in found if target not in wanted)
-        closing = []
+        """Follow DNS: new addresses join the pool; vanished ones take no new stream and are closed once
+        their streams are done. A `dns://` spec that resolves to nothing keeps what it had (a DNS hiccup
+        must not empty the pool)."""
+        found = {spec: discover([spec], "token2wav_backends", self._resolve)
+                 for spec in self.specs if is_discovery(spec)}
+        changed, closing = False, []
         with self._lock:
-            known = {b.transport.target: b for b in self.backends}
-            changed = set(wanted) != {t for t, b in known.items() if not b.retired}
-            for target, spec in wanted.items():
-                if target not in known:
-                    self.backends.append(Backend(self._new_transport(target), source=spec))
-                    log.log(logging.WARNING if known else logging.INFO, "token2wav backend %s joined the pool",
-                            target.name)
-                elif known[target].retired:  # back in DNS before it was dropped
-                    known[target].retired, known[target].healthy = False, True
-            for target, backend in known.items():
-                if target not in wanted and not backend.retired:
-                    backend.retired, backend.healthy = True, False
-                    log.warning("token2wav backend %s left DNS: no new streams there", target.name)
-            for backend in [b for b in self.backends if b.retired and b.open_streams == 0]:
-                self.backends.remove(backend)
-                closing.append(backend)
+            for spec, targets in found.items():
+                if not targets:
+                    log.warning("token2wav backends: %s resolved to nothing; keeping those known", spec)
+                update = self.pool.update(spec, targets, self._new_transport)
+                for backend in update.joined:
+                    log.info("token2wav backend %s joined the pool", backend.name)
+                for backend in update.left:
+                    log.warning("token2wav backend %s left DNS: no new streams there", backend.name)
+                changed = changed or bool(update.joined or update.left)
+                closing += update.idle
         for backend in closing:
-            backend.transport.close()
-        if changed or closing:
+            backend.client.close()
+        if changed:
             self.on_change()
 
     def stats(self) -> PoolStats:
         with self._lock:
-            return PoolStats(backends=sum(not b.retired for b in self.backends),
-                             healthy=sum(b.healthy for b in self.backends), open_streams=len(self._pins),
-                             failures=self._failures)
+            return PoolStats(backends=len(self.pool.servers), healthy=len(self.pool.healthy()),
+                             open_streams=len(self._pins), failures=self._failures)
 
     def pinned(self) -> dict[str, str]:
         """Stream id -> backend name, for the streams open now."""
         with self._lock:
             return {stream_id: backend.name for stream_id, backend in self._pins.items()}
 
-    def _set_health(self, backend: Backend, healthy: bool, reason: str = "") -> None:
+    def _set_health(self, backend: Server, healthy: bool, reason: str = "") -> None:
         with self._lock:
-            if backend.healthy == healthy or backend.retired:
+            if not self.pool.set_health(backend, healthy):  # forgets its scraped count: stale either way
                 return
-            backend.healthy = healthy
-            backend.external = 0.0  # counted on a server that was down: stale either way
             self._failures += not healthy
         if healthy:
             log.warning("token2wav backend %s is ready: back in the pool", backend.name)
@@ -323,13 +296,13 @@ class RemoteToken2Wav:
             if follow_dns:
                 self._refresh_members()
             with self._lock:
-                backends = [b for b in self.backends if not b.retired]
+                backends = list(self.pool.servers)
             for backend in backends:
                 if not backend.healthy:
-                    if backend.transport.ready(self.model, timeout_s=self._watch_interval_s):
+                    if backend.client.ready(self.model, timeout_s=self._watch_interval_s):
                         self._set_health(backend, True)
                     continue
-                active = backend.transport.active_streams(self.model, timeout_s=self._watch_interval_s)
+                active = backend.client.active_streams(self.model, timeout_s=self._watch_interval_s)
                 if active is not None:
                     with self._lock:
-                        backend.external = max(0.0, active - backend.open_streams)
+                        self.pool.set_external(backend, active)
