@@ -81,7 +81,20 @@ def test_speak_streams_audio_into_web_audio_and_shows_the_latency(page, tmp_path
     assert not page.evaluate("document.querySelector('#download').hidden")  # a WAV of what was received
     # "done" comes after the last scheduled AudioBufferSourceNode ended: the audio went through Web Audio.
     assert page.evaluate("document.querySelector('#stop').disabled && !document.querySelector('#speak').disabled")
+    # the chunk timeline: one mark per chunk received, the stall count beside it
+    assert not page.evaluate("document.querySelector('#timeline-figure').hidden")
+    assert page.evaluate("document.querySelectorAll('#timeline .chunk-mark').length") == int(page.text("#chunks"))
+    assert page.evaluate("document.querySelectorAll('#timeline .stall-mark').length") == int(page.text("#stalls"))
     shot(page, tmp_path, "spoken")
+
+
+def test_the_timeline_counts_stalls_as_the_benchmarks_do(page):
+    """The page's listener on hand-made arrivals (those of tests/test_playback.py): a chunk 0.25 s late is
+    one stall of 0.25 s, and playback resumes from that chunk."""
+    chunks = json.loads(page.evaluate("JSON.stringify(listen([0, 1.25, 1.5], [1, 0.5, 0.5]))"))
+    assert [round(c["stall"], 6) for c in chunks] == [0, 0.25, 0]
+    assert [round(c["playFrom"], 6) for c in chunks] == [0, 1.25, 1.75]
+    assert [c["end"] for c in chunks] == [1, 1.5, 2]
 
 
 def test_register_an_uploaded_voice_and_speak_with_it(page, tmp_path):

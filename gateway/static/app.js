@@ -8,6 +8,7 @@
 "use strict";
 
 const SAMPLE_RATE = 24000;
+const SVG_NS = "http://www.w3.org/2000/svg";
 const START_DELAY_S = 0.05; // head room before the first chunk plays
 const $ = (id) => document.getElementById(id);
 
@@ -17,6 +18,7 @@ const state = {
   nextTime: 0, // when the next chunk starts playing (AudioContext time)
   sources: new Set(),
   chunks: [], // Float32Array of everything received (for the download)
+  arrivals: [], // seconds from sending the text to each chunk's arrival (the chunk timeline)
   samples: 0,
   sentAt: 0,
   firstChunkMs: null,
@@ -293,6 +295,11 @@ function stopPlayback() {
 
 function resetStats() {
   state.chunks = [];
+  state.arrivals = [];
+  $("stalls").textContent = "0";
+  $("stall-ms").textContent = "0";
+  $("timeline").replaceChildren();
+  $("timeline-figure").hidden = true;
   state.samples = 0;
   state.firstChunkMs = null;
   state.ended = false;
@@ -314,11 +321,70 @@ function onAudio(data) {
     setStatus("Streaming", "streaming");
   }
   state.chunks.push(samples);
+  state.arrivals.push((performance.now() - state.sentAt) / 1000);
   state.samples += samples.length;
   $("audio-seconds").textContent = (state.samples / SAMPLE_RATE).toFixed(2);
   $("chunks").textContent = String(state.chunks.length);
   $("meter-bar").style.width = `${Math.min(100, (state.samples / SAMPLE_RATE) * 10)}%`;
   play(samples);
+  drawTimeline();
+}
+
+// ---- chunk timeline ------------------------------------------------------------------------------
+
+// The listener of cosyvoice_triton/runtime/playback.py (as the benchmarks count stalls): it plays the
+// chunks back to back from the first one's arrival and waits when the next has not arrived yet.
+// -> [{arrival, start, end (audio seconds), playFrom, stall (seconds waited before it)}]
+function listen(arrivals, durations) {
+  const out = [];
+  let playedUntil = null;
+  let position = 0;
+  arrivals.forEach((arrival, k) => {
+    const stall = playedUntil === null ? 0 : Math.max(0, arrival - playedUntil);
+    const playFrom = playedUntil === null ? arrival : Math.max(arrival, playedUntil);
+    out.push({arrival, start: position, end: position + durations[k], playFrom, stall});
+    position += durations[k];
+    playedUntil = playFrom + durations[k];
+  });
+  return out;
+}
+
+function svgElement(name, attributes) {
+  const element = document.createElementNS(SVG_NS, name);
+  for (const [key, value] of Object.entries(attributes)) element.setAttribute(key, String(value));
+  return element;
+}
+
+function drawTimeline() {
+  const chunks = listen(state.arrivals, state.chunks.map((c) => c.length / SAMPLE_RATE));
+  const svg = $("timeline");
+  const [width, height, pad] = [600, 160, 6];
+  const last = chunks[chunks.length - 1];
+  const tMax = Math.max(last.playFrom + last.end - last.start, 0.001);
+  const aMax = Math.max(last.end, 0.001);
+  const x = (t) => pad + (t / tMax) * (width - 2 * pad);
+  const y = (a) => height - pad - (a / aMax) * (height - 2 * pad);
+  const parts = [svgElement("line", {class: "axis", x1: pad, y1: y(0), x2: width - pad, y2: y(0)})];
+  let stalls = 0;
+  let stallSeconds = 0;
+  const points = [`${x(chunks[0].arrival)},${y(0)}`];
+  for (const chunk of chunks) {
+    if (chunk.stall > 0) {
+      stalls += 1;
+      stallSeconds += chunk.stall;
+      parts.push(svgElement("rect", {class: "stall-mark", x: x(chunk.playFrom - chunk.stall), y: pad,
+        width: Math.max(1, x(chunk.playFrom) - x(chunk.playFrom - chunk.stall)), height: height - 2 * pad}));
+    }
+    points.push(`${x(chunk.playFrom)},${y(chunk.start)}`, `${x(chunk.playFrom + chunk.end - chunk.start)},${y(chunk.end)}`);
+  }
+  parts.push(svgElement("polyline", {class: "played", points: points.join(" ")}));
+  for (const chunk of chunks) {
+    parts.push(svgElement("circle", {class: "chunk-mark", cx: x(chunk.arrival), cy: y(chunk.end), r: 3.5}));
+  }
+  svg.replaceChildren(...parts);
+  $("timeline-figure").hidden = false;
+  $("stalls").textContent = String(stalls);
+  $("stall-ms").textContent = (1000 * stallSeconds).toFixed(0);
 }
 
 function onMessage(message, raw) {
