@@ -49,7 +49,7 @@ from .state import (
     STORE,
     WEBSOCKETS,
 )
-from .triton_client import TritonClient
+from .triton_channel import TritonClient
 
 log = logging.getLogger(__name__)
 

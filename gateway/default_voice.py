@@ -45,7 +45,7 @@ class DefaultVoice:
         """Loop until the voice exists. `exists()` and `register(audio, text, voice_id)` are coroutines;
         `healthy()` says whether any server can take the registration."""
         from .errors import GatewayError
-        from .triton_client import TritonCallError
+        from .triton_channel import TritonCallError
 
         audio: bytes | None = None
         while True:

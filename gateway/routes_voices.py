@@ -36,7 +36,7 @@ from .errors import BadRequest, Forbidden, PayloadTooLarge, VoiceNotFound
 from .routing import ENCODE_COST
 from .state import CONFIG, REGISTRATION_RATE, STORE
 from .synthesis import Fields, call_model, decode_base64, gateway_error, optional_string, string_array
-from .triton_client import TritonCallError
+from .triton_channel import TritonCallError
 
 REGISTER_FIELDS = Fields(text="text", voice="id", prompt_audio="audio", prompt_text="text")
 _REGISTER_INPUTS = {"reference_audio": "audio", "reference_wav": "audio", "reference_text": "text",

@@ -41,7 +41,7 @@ from cosyvoice_triton.targets import Resolver, TritonTarget, discover, resolve_i
 
 from .config import RoutingConfig
 from .errors import ServiceUnavailable
-from .triton_client import TritonClient
+from .triton_channel import TritonClient
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from .errors import (
 )
 from .routing import TOKENS_PER_SECOND
 from .state import CONFIG, COSTS, DEFAULT_VOICE, METRICS, ROUTER, STORE
-from .triton_client import TritonCallError
+from .triton_channel import TritonCallError
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,6 @@
-"""Async gRPC to one Triton server: streaming synthesis (decoupled `cosyvoice2`), unary infer, readiness.
+"""The gateway's async gRPC to one Triton server (`TritonClient`): streaming synthesis (decoupled `cosyvoice2`),
+unary infer, readiness; errors classified for routing (`TritonCallError`). The client SDK for users is
+`cosyvoice_triton.client.triton_client`; both build their messages with `cosyvoice_triton.triton.wire`.
 
 One `grpc.aio` channel per server; every synthesis request is its own `ModelStreamInfer` call carrying
 one request (sent, then the client half-closes). Cancelling the call (the caller went away, a timeout)

@@ -26,7 +26,7 @@ from cosyvoice_triton.audio_out import encode
 from cosyvoice_triton.gateway.config import GatewayConfig, Limits, RoutingConfig
 from cosyvoice_triton.gateway.routes_ws import SentenceBuffer
 from cosyvoice_triton.gateway.synthesis import TTS_FIELDS, Synthesis, gateway_error
-from cosyvoice_triton.gateway.triton_client import classify_message
+from cosyvoice_triton.gateway.triton_channel import classify_message
 from cosyvoice_triton.gateway.testing import GatewayThread
 from cosyvoice_triton.triton.contracts import synthesis_inputs
 from triton_harness import GrpcStream, metric_value, scrape, tritonserver_or_skip, wait_for_metric

@@ -26,7 +26,7 @@ from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.gateway.state import ROUTER
 from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.gateway.testing import GatewayThread, get_json
-from cosyvoice_triton.gateway.triton_client import classify_message
+from cosyvoice_triton.gateway.triton_channel import classify_message
 from cosyvoice_triton.server import free_port
 from cli_harness import CliProcess
 from polling import wait_until
