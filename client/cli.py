@@ -6,12 +6,15 @@ cosyvoice-client synth --text "Hello there." --voice default --out hello.wav --s
 cosyvoice-client synth --text - --prompt-wav me.wav --prompt-text "..." --out a.wav      # text from stdin
 cosyvoice-client synth --triton grpc://localhost:8001 --voice v_123 --text "Hi." --out a.wav
 cosyvoice-client synth --text "Hello there." --stream --chunk-first-hop 10 --out a.wav  # earlier first audio
+cosyvoice-client synth --text "Hello there." --out hello.mp3          # mp3, opus, aac, flac, pcm: from --out
 cosyvoice-client voices add me.wav --prompt-text "what I say in me.wav" [--id me] [--name Me]
 cosyvoice-client voices list | show ID | delete ID
 ```
 The target is the gateway at `--url` (default `$COSYVOICE_URL` or http://localhost:8080), or, with
 `--triton`, a Triton server's gRPC endpoint. `--api-key` (or `$COSYVOICE_API_KEY`) authenticates to
 the gateway. Errors print the server's message (which names the field) and exit with 1.
+`--format` (default: from the --out suffix, else wav): without --stream the gateway encodes the file;
+streamed (and with --triton) the chunks are encoded here as they arrive and written to --out at once.
 """
 from __future__ import annotations
 
@@ -22,9 +25,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from cosyvoice_triton.audio_out import FORMATS, AudioEncoder
+
 from .common import SAMPLE_RATE, TTSError, write_wav
 
 MODES = ("zero_shot", "cross_lingual", "instruct2")
+SUFFIX_FORMATS = {".mp3": "mp3", ".opus": "opus", ".ogg": "opus", ".aac": "aac", ".flac": "flac", ".pcm": "pcm",
+                  ".wav": "wav"}
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
@@ -55,10 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each later chunk is the previous one times X (1 to 16)")
     p.add_argument("--chunk-max-hop", type=int, default=None, metavar="TOKENS",
                    help="chunks never grow beyond this many tokens")
-    p.add_argument("--out", required=True, type=Path, help="the wav file to write (16-bit, 24 kHz)")
+    p.add_argument("--out", required=True, type=Path, help="the audio file to write (24 kHz; opus 48 kHz)")
+    p.add_argument("--format", choices=tuple(FORMATS), default=None,
+                   help="the file's format (default: from the --out suffix, else wav: 16-bit)")
     p.add_argument("--stream", action="store_true", help="stream: print each chunk's arrival time")
     p.add_argument("--ws", action="store_true", help="stream over the gateway's WebSocket (implies --stream)")
-    p.add_argument("--float", dest="float32", action="store_true", help="write 32-bit float samples")
+    p.add_argument("--float", dest="float32", action="store_true", help="wav: write 32-bit float samples")
     _add_target(p)
     p.set_defaults(func=_synth)
 
@@ -104,53 +115,88 @@ def _synth(args) -> int:
         options.update(prompt_audio=args.prompt_wav.read_bytes(), prompt_text=args.prompt_text)
     else:
         options.update(voice_id=args.voice, prompt_text=args.prompt_text)
+    fmt = args.format or SUFFIX_FORMATS.get(args.out.suffix.lower(), "wav")
+    if args.float32 and fmt != "wav":
+        raise SystemExit("cosyvoice-client: --float is for wav files only")
+    if args.triton and args.prompt_wav is None and options["voice_id"] is None:
+        raise SystemExit("cosyvoice-client: --voice or --prompt-wav is needed with --triton")
     streaming = args.stream or args.ws
     started = time.monotonic()
-    chunks = []
-    if args.triton:
-        if options["voice_id"] is None and args.prompt_wav is None:
-            raise SystemExit("cosyvoice-client: --voice or --prompt-wav is needed with --triton")
-        client = _triton(args)
-        try:
-            stream = client.stream(text, **options)
-            chunks = _collect(stream, started, streaming)
-        finally:
-            client.close()
-    else:
-        client = _gateway(args)
-        if args.ws:
-            stream = client.stream_ws(text, **options)
-        elif streaming:
-            stream = client.stream(text, **options)
+    if not args.triton and not streaming and fmt != "wav":
+        data = _gateway(args).synthesize_file(text, fmt, **options)  # encoded by the gateway
+        args.out.write_bytes(data)
+        print(f"wrote {args.out}: {len(data)} bytes of {fmt} in {time.monotonic() - started:.2f} s", file=sys.stderr)
+        return 0
+    with _AudioWriter(args.out, fmt, args.float32) as writer:
+        if args.triton:
+            client = _triton(args)
+            try:
+                _collect(client.stream(text, **options), started, streaming, writer.add)
+            finally:
+                client.close()
         else:
-            stream = None
-            chunks = [client.synthesize(text, **options)]
-        if stream is not None:
-            chunks = _collect(stream, started, streaming)
-    import numpy as np
-
-    audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-    write_wav(args.out, audio, SAMPLE_RATE, float32=args.float32)
+            client = _gateway(args)
+            if args.ws:
+                _collect(client.stream_ws(text, **options), started, streaming, writer.add)
+            elif streaming:
+                _collect(client.stream(text, **options), started, streaming, writer.add)
+            else:
+                writer.add(client.synthesize(text, **options))
     elapsed = time.monotonic() - started
-    seconds = audio.size / SAMPLE_RATE
-    print(f"wrote {args.out}: {seconds:.2f} s of audio in {elapsed:.2f} s", file=sys.stderr)
+    print(f"wrote {args.out}: {writer.samples / SAMPLE_RATE:.2f} s of audio in {elapsed:.2f} s", file=sys.stderr)
     return 0
 
 
-def _collect(stream, started: float, verbose: bool) -> list:
-    chunks, total = [], 0
+class _AudioWriter:
+    """Chunks -> the --out file: a wav is written whole at the end (exact lengths in its header; 16-bit or
+    float), any other format is encoded (cosyvoice_triton.audio_out) and written as the chunks arrive."""
+
+    def __init__(self, path: Path, fmt: str, float32: bool):
+        self.path, self.float32 = path, float32
+        self.samples = 0
+        self._chunks: list = []
+        self._encoder = None if fmt == "wav" else AudioEncoder(fmt, SAMPLE_RATE)
+        self._file = None if fmt == "wav" else open(path, "wb")  # noqa: SIM115 - closed in __exit__
+
+    def add(self, chunk) -> None:
+        self.samples += chunk.size
+        if self._encoder is None:
+            self._chunks.append(chunk)
+        else:
+            self._file.write(self._encoder.feed(chunk))
+
+    def __enter__(self) -> _AudioWriter:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self._encoder is None:
+            if exc_type is None:
+                audio = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
+                write_wav(self.path, audio, SAMPLE_RATE, float32=self.float32)
+            return
+        try:
+            if exc_type is None:
+                self._file.write(self._encoder.finish())
+            else:
+                self._encoder.close()
+        finally:
+            self._file.close()
+
+
+def _collect(stream, started: float, verbose: bool, add) -> None:
+    count, total = 0, 0
     with stream:
         for chunk in stream:
-            chunks.append(chunk)
+            add(chunk)
+            count += 1
             total += chunk.size
             if verbose:
-                print(f"chunk {len(chunks) - 1}: {chunk.size / SAMPLE_RATE:.2f} s of audio at "
+                print(f"chunk {count - 1}: {chunk.size / SAMPLE_RATE:.2f} s of audio at "
                       f"{(time.monotonic() - started) * 1000:.0f} ms (total {total / SAMPLE_RATE:.2f} s)",
                       file=sys.stderr)
-    if verbose and chunks:
+    if verbose and count:
         first = stream.stats.first_chunk_s
         print(f"first chunk after {first * 1000:.0f} ms", file=sys.stderr)
-    return chunks
 
 
 def _voice_line(info) -> str:

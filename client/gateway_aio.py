@@ -188,7 +188,10 @@ class AsyncGatewayTTS:
         return np.frombuffer(await self._request("POST", "/v1/tts", json=body), "<f4").astype(np.float32)
 
     async def synthesize_wav(self, text: str, **options) -> bytes:
-        return await self._request("POST", "/v1/tts", json={**tts_body(text, **options), "format": "wav"})
+        return await self.synthesize_file(text, "wav", **options)
+
+    async def synthesize_file(self, text: str, format: str = "wav", **options) -> bytes:
+        return await self._request("POST", "/v1/tts", json={**tts_body(text, **options), "format": format})
 
     async def stream(self, text: str, **options) -> AsyncHttpAudioStream:
         body = {**tts_body(text, **options), "format": "pcm_f32", "stream": True}

@@ -7,6 +7,7 @@ from cosyvoice_triton.client import GatewayTTS
 with GatewayTTS("http://localhost:8080") as tts:
     voice = tts.add_voice("me.wav", prompt_text="what I say in me.wav")
     audio = tts.synthesize("Hello there.", voice_id=voice.voice_id)       # float32, 24 kHz
+    mp3 = tts.synthesize_file("Hello there.", format="mp3")              # a file encoded by the gateway
     with tts.stream("Hello there.", voice_id=voice.voice_id) as chunks:   # HTTP chunked PCM
         for chunk in chunks: ...
     with tts.stream_ws(["Hello ", "there. ", "How are you?"]) as chunks:  # text in as it is written
@@ -360,7 +361,12 @@ class GatewayTTS:
 
     def synthesize_wav(self, text: str, **options) -> bytes:
         """The whole answer as a WAV file (16-bit, 24 kHz)."""
-        body = {**tts_body(text, **options), "format": "wav"}
+        return self.synthesize_file(text, "wav", **options)
+
+    def synthesize_file(self, text: str, format: str = "wav", **options) -> bytes:
+        """The whole answer as a file of `format` (wav, mp3, opus, aac, flac, pcm or pcm_f32), encoded by the
+        gateway, with the exact lengths in its header."""
+        body = {**tts_body(text, **options), "format": format}
         return self._request("POST", "/v1/tts", json.dumps(body).encode(), "application/json")
 
     def stream(self, text: str, **options) -> HttpAudioStream:
@@ -407,7 +413,8 @@ class GatewayTTS:
 
     def speech(self, input: str, *, voice: str = "default", model: str = "cosyvoice2",
                response_format: str = "wav", instructions: str | None = None, seed: int | None = None) -> bytes:
-        """POST /v1/audio/speech (the OpenAI API): the audio file's bytes (wav) or 16-bit PCM (pcm)."""
+        """POST /v1/audio/speech (the OpenAI API): the file's bytes in `response_format` (mp3, opus, aac,
+        flac, wav) or 16-bit PCM (pcm)."""
         body = {"model": model, "input": input, "voice": voice, "response_format": response_format}
         if instructions is not None:
             body["instructions"] = instructions

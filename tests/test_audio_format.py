@@ -60,6 +60,13 @@ def test_every_codec_decodes_to_what_it_was_given(fmt):
         assert 0.2 < np.abs(decoded).max() < 0.6
 
 
+def test_the_bytes_do_not_depend_on_where_the_chunks_are_cut():
+    rng = np.random.default_rng(0)
+    audio = (0.2 * rng.standard_normal(RATE * 2)).astype(np.float32)
+    for fmt in FORMATS:
+        assert b"".join(streamed(fmt, audio, [])) == b"".join(streamed(fmt, audio, [5, 4800, 11111, 40000])), fmt
+
+
 def test_lossless_formats_keep_the_samples():
     audio = tone(1.0) * np.linspace(0, 2.2, RATE, dtype=np.float32)  # past full scale: clipped
     s16 = np.clip(np.round(np.clip(audio, -1, 1) * 32768), -32768, 32767).astype(np.int16)

@@ -1,0 +1,211 @@
+"""Audio formats through the real service (tritonserver on the tiny random model + the gateway): the
+official `openai` client on /v1/audio/speech with its defaults and every response_format, and the same
+formats on POST /v1/tts, the WebSocket, the SDK's `synthesize_file` and `cosyvoice-client synth --format`.
+Each answer is decoded with its real decoder (FFmpeg through PyAV; `wave` and soundfile for WAV) and
+compared with the 16-bit PCM of the same text and seed."""
+from __future__ import annotations
+
+import asyncio
+import io
+import struct
+import wave
+
+import aiohttp
+import av
+import numpy as np
+import pytest
+import soundfile as sf
+
+from cosyvoice_triton.audio_out import AudioEncoder, encode
+from web.stack import serve_stack
+
+openai = pytest.importorskip("openai")
+
+TEXT = "The speech route answers in the format it is asked for. A second sentence makes more chunks."
+SEED = 7
+RATE = 24000
+CONTAINERS = {"mp3": "mp3", "opus": "ogg", "aac": "aac", "flac": "flac", "wav": "wav"}
+# Samples a decoder may add: encoder delay and the last frame's padding (mp3 streamed has no LAME header)
+PADDING = {"mp3": 2 * 1152, "aac": 2 * 1024, "opus": 0, "flac": 0, "wav": 0}
+TIMEOUT = aiohttp.ClientTimeout(total=120)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model_dir):
+    with serve_stack(tmp_path_factory.mktemp("openai_api"), tiny_model_dir) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def post_tts(url: str, body: dict) -> tuple[dict, bytes]:
+    async def post():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            async with session.post(url + "/v1/tts", json=body) as response:
+                assert response.status == 200, await response.text()
+                return dict(response.headers), await response.read()
+
+    return asyncio.run(post())
+
+
+@pytest.fixture(scope="module")
+def audio(stack) -> np.ndarray:
+    """The model's float32 samples for TEXT with SEED."""
+    _, raw = post_tts(stack.gateway_url, {"text": TEXT, "voice_id": "default", "seed": SEED, "format": "pcm_f32"})
+    samples = np.frombuffer(raw, "<f4")
+    assert samples.size > RATE // 2
+    return samples
+
+
+def decode(data: bytes) -> tuple[np.ndarray, int, str]:
+    """(int16 samples, rate, container name) through FFmpeg's demuxers and decoders."""
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.audio[0]
+        to_s16 = av.AudioResampler(format="s16", layout="mono")
+        frames = [out.to_ndarray().reshape(-1) for frame in container.decode(stream) for out in to_s16.resample(frame)]
+        return np.concatenate(frames), stream.rate, container.format.name
+
+
+def check_decodes_like(data: bytes, fmt: str, audio: np.ndarray, streamed: bool = True) -> None:
+    """`data` is a file of `fmt` holding the float32 samples `audio`: decoded, it is as long as they are
+    (plus a lossy codec's padding) and holds the same samples (lossless), or decodes as the file that
+    audio_out makes of them here does (lossy: the encoders are deterministic, whatever the chunking)."""
+    pcm = np.frombuffer(encode(audio, "pcm"), "<i2").astype(np.int32)
+    if fmt == "pcm":
+        got = np.frombuffer(data, "<i2").astype(np.int32)
+        assert got.size == pcm.size and np.abs(got - pcm).max() <= 8  # 16-bit steps of float rounding
+        return
+    samples, rate, container = decode(data)
+    assert container == CONTAINERS[fmt] and rate == (48000 if fmt == "opus" else RATE)
+    want = pcm.size * rate // RATE
+    assert want <= samples.size <= want + PADDING[fmt] * rate // RATE, (fmt, samples.size, want)
+    if fmt in ("flac", "wav"):  # lossless: the very samples
+        assert samples.size == pcm.size and np.abs(samples.astype(np.int32) - pcm).max() <= 8
+        return
+    local = AudioEncoder(fmt)
+    here, _, _ = decode(local.feed(audio) + local.finish() if streamed else encode(audio, fmt))
+    assert here.size == samples.size
+    assert np.corrcoef(here.astype(np.float64), samples.astype(np.float64))[0, 1] > 0.99, fmt
+
+
+# ---- the official OpenAI client -------------------------------------------------------------------------
+
+def test_the_default_format_is_mp3(client, audio):
+    response = client.audio.speech.create(model="tts-1", voice="alloy", input=TEXT, extra_body={"seed": SEED})
+    assert response.response.headers["content-type"] == "audio/mpeg"
+    check_decodes_like(response.content, "mp3", audio)
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
+def test_every_response_format_decodes_with_its_decoder(client, audio, fmt):
+    media = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac", "wav": "audio/wav",
+             "pcm": "audio/pcm"}
+    with client.audio.speech.with_streaming_response.create(model="gpt-4o-mini-tts", voice="default", input=TEXT,
+                                                            response_format=fmt, speed=1.0,
+                                                            extra_body={"seed": SEED}) as response:
+        assert response.headers["content-type"] == media[fmt]
+        assert response.headers["transfer-encoding"] == "chunked"
+        reads = [part for part in response.iter_bytes() if part]
+    assert len(reads) > 1  # streamed: the body came in pieces, not as one buffer at the end
+    check_decodes_like(b"".join(reads), fmt, audio)
+
+
+def test_streamed_wav_is_read_to_its_end_and_a_whole_wav_has_exact_lengths(client, audio):
+    pcm = np.frombuffer(encode(audio, "pcm"), "<i2").astype(np.int32)
+    streamed = client.audio.speech.create(model="tts-1", voice="default", input=TEXT, response_format="wav",
+                                          extra_body={"seed": SEED}).content
+    assert struct.unpack("<I", streamed[40:44])[0] == 0xFFFFFFFF  # "unknown length", as FFmpeg writes on a pipe
+    samples, rate = sf.read(io.BytesIO(streamed), dtype="int16")
+    assert rate == RATE and samples.size == pcm.size and np.abs(samples - pcm).max() <= 8
+    with wave.open(io.BytesIO(streamed)) as w:  # wave trusts the header's count, and reads to the end
+        assert len(w.readframes(w.getnframes())) == 2 * pcm.size
+
+    whole = client.audio.speech.create(model="tts-1", voice="default", input=TEXT, response_format="wav",
+                                       extra_body={"seed": SEED, "stream": False})
+    assert int(whole.response.headers["content-length"]) == len(whole.content) == 44 + 2 * pcm.size
+    with wave.open(io.BytesIO(whole.content)) as w:
+        assert (w.getnframes(), w.getframerate(), w.getsampwidth()) == (pcm.size, RATE, 2)
+    assert sf.info(io.BytesIO(whole.content)).frames == pcm.size
+    check_decodes_like(whole.content, "wav", audio, streamed=False)
+
+
+def test_speed_other_than_one_and_unknown_formats_are_refused_naming_the_field(client):
+    for speed in (1.5, 0.5, 9.0, 0.1):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.audio.speech.create(model="tts-1", voice="default", input="Hi.", speed=speed)
+        assert info.value.body["param"] == "speed"
+    for fmt in ("ogg", "pcm_f32"):  # pcm_f32 is the gateway's own, not an OpenAI format
+        with pytest.raises(openai.BadRequestError) as info:
+            client.audio.speech.create(model="tts-1", voice="default", input="Hi.", response_format=fmt)
+        assert info.value.body["param"] == "response_format"
+
+
+# ---- the gateway's own routes, the SDK and the CLI --------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
+def test_v1_tts_whole_and_streamed(stack, audio, fmt):
+    body = {"text": TEXT, "voice_id": "default", "seed": SEED, "format": fmt}
+    headers, whole = post_tts(stack.gateway_url, {**body, "stream": False})
+    assert int(headers["Content-Length"]) == len(whole) and headers["X-Audio-Format"] == fmt
+    check_decodes_like(whole, fmt, audio, streamed=False)
+    if fmt == "wav":  # not streamed: the exact sample count in the header
+        with wave.open(io.BytesIO(whole)) as w:
+            assert w.getnframes() == audio.size
+    headers, streamed = post_tts(stack.gateway_url, {**body, "stream": True})
+    assert headers["Transfer-Encoding"] == "chunked"
+    check_decodes_like(streamed, fmt, audio)
+
+
+def test_websocket_sends_the_bytes_of_one_file_per_session(stack):
+    async def session(fmt: str) -> tuple[dict, bytes]:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+            async with http.ws_connect(stack.gateway_url + "/v1/tts/ws") as ws:
+                await ws.send_json({"type": "start", "voice_id": "default", "seed": SEED, "format": fmt, "text": TEXT})
+                await ws.send_json({"type": "end"})
+                started, data = await ws.receive_json(), b""
+                while True:
+                    message = await ws.receive()
+                    if message.type == aiohttp.WSMsgType.BINARY:
+                        data += message.data
+                    elif message.json()["type"] == "end":
+                        return started, data
+                    else:
+                        assert message.json()["type"] == "segment", message.data
+
+    started, raw = asyncio.run(session("pcm_f32"))
+    assert (started["format"], started["sample_rate"]) == ("pcm_f32", RATE)
+    audio = np.frombuffer(raw, "<f4")  # the session's two segments, in order
+    for fmt in ("mp3", "opus", "aac", "flac", "wav", "pcm"):
+        started, data = asyncio.run(session(fmt))
+        assert started["format"] == fmt and started["sample_rate"] == (48000 if fmt == "opus" else RATE)
+        check_decodes_like(data, fmt, audio)
+
+
+def test_sdk_and_cli_formats(stack, audio, tmp_path, capsys):
+    from cosyvoice_triton.client import AsyncGatewayTTS, GatewayTTS
+    from cosyvoice_triton.client.cli import main as cli_main
+
+    with GatewayTTS(stack.gateway_url) as tts:
+        flac = tts.synthesize_file(TEXT, format="flac", voice_id="default", seed=SEED)
+    check_decodes_like(flac, "flac", audio, streamed=False)
+
+    async def aio() -> bytes:
+        async with AsyncGatewayTTS(stack.gateway_url) as tts:
+            return await tts.synthesize_file(TEXT, format="opus", voice_id="default", seed=SEED)
+
+    check_decodes_like(asyncio.run(aio()), "opus", audio, streamed=False)
+
+    # not streamed, the gateway encodes; streamed, the CLI encodes the chunks as they come
+    for extra, name, fmt, streamed in (([], "whole.mp3", "mp3", False), (["--stream"], "streamed.mp3", "mp3", True),
+                                       (["--format", "aac", "--ws"], "ws.audio", "aac", True)):
+        out = tmp_path / name
+        assert cli_main(["synth", "--url", stack.gateway_url, "--voice", "default", "--text", "Hello there.",
+                         "--seed", str(SEED), "--out", str(out), *extra]) == 0, capsys.readouterr().err
+        _, short = post_tts(stack.gateway_url, {"text": "Hello there.", "voice_id": "default", "seed": SEED,
+                                                "format": "pcm_f32"})
+        check_decodes_like(out.read_bytes(), fmt, np.frombuffer(short, "<f4"), streamed=streamed)
+    with pytest.raises(SystemExit, match="--float"):
+        cli_main(["synth", "--url", stack.gateway_url, "--text", "Hi.", "--float", "--out", str(tmp_path / "a.mp3")])
