@@ -8,7 +8,7 @@ throughput (audio seconds per second) and the playback stalls of its streams (`s
 a listener that starts at the first chunk, and one that starts `start_buffer_s` after it).
 
 Targets, one per path (`make_target`):
-- `grpc`, `TritonTarget("host:8001")`: the `cosyvoice2` decoupled model through `AsyncTritonTTS` (one
+- `grpc`, `GrpcTarget("host:8001")`: the `cosyvoice2` decoupled model through `AsyncTritonTTS` (one
   `ModelStreamInfer` call per request).
 - `http`, `GatewayTarget("http://host:8080")`: `POST /v1/tts` with `stream: true` through `AsyncGatewayTTS`.
 - `ws`, `GatewayWsTarget("http://host:8080")`: a `WS /v1/tts/ws` session per request through
@@ -75,7 +75,7 @@ class LevelResult:
         return {**out, **stall_summary(self.ok, self.start_buffer_s)}
 
 
-class TritonTarget:
+class GrpcTarget:
     """Direct gRPC to the `cosyvoice2` model."""
 
     def __init__(self, url: str, timeout_s: float = 600.0):
@@ -134,7 +134,7 @@ class GatewayWsTarget(GatewayTarget):
 def make_target(path: str, url: str, api_key: str | None = None):
     """The target of `path` (one of `PATHS`) at `url` (host:port for grpc, the gateway's base URL otherwise)."""
     if path == "grpc":
-        return TritonTarget(url)
+        return GrpcTarget(url)
     if path == "http":
         return GatewayTarget(url, api_key=api_key)
     if path == "ws":
