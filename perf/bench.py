@@ -8,6 +8,7 @@ cosyvoice-triton bench --start --quick                 # its own tritonserver on
 cosyvoice-triton bench --start --quick --path ws       # ... behind a gateway started in this process
 cosyvoice-triton bench --start --compare chunk_policy  # variants side by side in one report
 cosyvoice-triton bench --gateway http://localhost:8080 --compare chunk_policy   # ... through the gateway
+cosyvoice-triton bench --start --compare adaptive_chunks --start-buffer-ms 200  # fixed vs adaptive, interleaved
 ```
 Exactly one target: `--triton host:port` (gRPC), `--gateway URL`, or `--start` (a tritonserver started
 here through the launcher on `--model-dir`, default the tiny random folder, on free ports, stopped at the
@@ -18,7 +19,8 @@ the started server (it shares this process's CPU with the load generator).
 
 `--compare AXIS` runs the same scenario, levels and seeds for each variant of one axis and writes one
 report: `voice_cache` (voice id vs prompt audio with every request), `chunk_policy` (per-request chunk
-overrides, on any path), `llm_batching` (llm_max_batch 8 vs 1) and `engine` (torch vs onnxruntime,
+overrides, on any path), `adaptive_chunks` (the fixed vs the adaptive chunk policy, per request, the
+two interleaved level by level on one server), `llm_batching` (llm_max_batch 8 vs 1) and `engine` (torch vs onnxruntime,
 + tensorrt with `--device cuda`); the last two start one server per variant, in turn, and need
 `--start`. See compare.py.
 
@@ -123,7 +125,7 @@ def run(args) -> int:
     out = args.out or RESULTS_DIR / time.strftime("%Y%m%d-%H%M%S")
     scenario = scenarios.build(args.scenario, quick=args.quick)
     if args.compare:
-        load = compare.Load(scenario, concurrency, requests, args.warmup)
+        load = compare.Load(scenario, concurrency, requests, args.warmup, args.start_buffer_ms / 1000)
         return compare.run(args.compare, settings, load, voice_mode=args.voice_mode, model=_model_label(args),
                            out=out)
     return run_single(args, settings, scenario, concurrency, requests, out)

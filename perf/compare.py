@@ -6,6 +6,9 @@ in one run and one report.
 - `chunk_policy`: the server's chunk policy / a small first chunk / large fixed chunks, sent as the
   per-request overrides `chunk_first_hop`, `chunk_hop_scale`, `chunk_max_hop` (gRPC inputs, or fields of
   the gateway's /v1/tts body and WebSocket start message); one server.
+- `adaptive_chunks`: the `fixed` (official) chunk schedule / the `adaptive` one, sent as the per-request
+  `chunk_policy`; one server, the variants interleaved level by level (fixed then adaptive at each
+  concurrency), so that both see the same load on the machine.
 - `llm_batching`: `llm_max_batch` 8 (the default) / 1; one server per variant, in turn.
 - `engine`: token2wav on torch / ONNX Runtime (/ TensorRT with `--device cuda`); one server per variant,
   in turn.
@@ -25,8 +28,9 @@ from pathlib import Path
 from cosyvoice_triton.perf import loadgen, report, serving
 from cosyvoice_triton.perf.scenarios import Scenario
 
-AXES = ("voice_cache", "chunk_policy", "llm_batching", "engine")
+AXES = ("voice_cache", "chunk_policy", "adaptive_chunks", "llm_batching", "engine")
 SERVER_AXES = ("llm_batching", "engine")  # variants that differ in how the server is started
+INTERLEAVED_AXES = ("adaptive_chunks",)  # variants take turns at each level instead of running one after another
 
 # (name, what it is, per-request overrides of the `cosyvoice2` model; see runtime/chunk_policy.py)
 CHUNK_POLICIES = (
@@ -60,6 +64,11 @@ def plan(axis: str, *, device: str = "cpu", voice_mode: str = "id") -> list[Vari
     if axis == "chunk_policy":
         return [Variant(name, description, voice_mode, options=dict(options))
                 for name, description, options in CHUNK_POLICIES]
+    if axis == "adaptive_chunks":
+        return [Variant("fixed", "the official schedule: first hop 25 tokens (+ pad), then x2 up to 100", voice_mode,
+                        options={"chunk_policy": "fixed"}),
+                Variant("adaptive", "hops grow while the listener is ahead (up to 400), go back to 25 when its "
+                        "lead runs low", voice_mode, options={"chunk_policy": "adaptive"})]
     if axis == "llm_batching":
         from cosyvoice_triton.server.launcher import ServeOptions
 
@@ -113,6 +122,7 @@ class Load:
     concurrency: list[int]
     requests: int
     warmup: int
+    start_buffer_s: float = loadgen.DEFAULT_START_BUFFER_S  # of the second stall figure
 
 
 def _describe(variant: Variant) -> str:
@@ -121,18 +131,33 @@ def _describe(variant: Variant) -> str:
     return ", ".join(parts)
 
 
-def _measure(endpoint: serving.Endpoint, variant: Variant, load: Load) -> VariantResult:
+def _measure(endpoint: serving.Endpoint, variant: Variant, load: Load, concurrency: list[int] | None = None,
+             warmup: int | None = None) -> VariantResult:
     print(f"variant {variant.name} ({_describe(variant)}) on {endpoint.describe()}", file=sys.stderr, flush=True)
-    levels = loadgen.measure(endpoint.target, list(load.scenario.cases), load.concurrency, load.requests,
-                             voice_mode=variant.voice_mode, warmup=load.warmup, options=variant.options,
+    levels = loadgen.measure(endpoint.target, list(load.scenario.cases), concurrency or load.concurrency,
+                             load.requests, voice_mode=variant.voice_mode,
+                             warmup=load.warmup if warmup is None else warmup, options=variant.options,
                              on_level=lambda level: print(f"[{variant.name}] {loadgen.progress_line(level)}",
-                                                          flush=True))
+                                                          flush=True), start_buffer_s=load.start_buffer_s)
     return VariantResult(variant, [level.summary() for level in levels], endpoint.describe(),
                          endpoint.server_version, serving.engine_warnings(endpoint.server_log))
 
 
-def run_variants(settings: serving.Settings, variants: list[Variant], load: Load, work_dir: Path
-                 ) -> list[VariantResult]:
+def _measure_interleaved(endpoint: serving.Endpoint, variants: list[Variant], load: Load) -> list[VariantResult]:
+    """Level by level, every variant in turn at each level (the warm-up before the first level only); the
+    seeds of a level are the same for every variant."""
+    results = [VariantResult(v, target=endpoint.describe(), server_version=endpoint.server_version)
+               for v in variants]
+    for n, concurrency in enumerate(load.concurrency):
+        for result in results:
+            one = _measure(endpoint, result.variant, load, [concurrency], warmup=load.warmup if n == 0 else 0)
+            result.levels += one.levels
+            result.notes = one.notes
+    return results
+
+
+def run_variants(settings: serving.Settings, variants: list[Variant], load: Load, work_dir: Path,
+                 interleave: bool = False) -> list[VariantResult]:
     """Every variant in order, each group on its own deployment (server folders under `work_dir`).
     A variant that cannot run (its server or gateway did not start, its voice did not register) is
     marked failed, with the variants after it in its group; the other groups still run."""
@@ -144,8 +169,11 @@ def run_variants(settings: serving.Settings, variants: list[Variant], load: Load
         done = len(results)
         try:
             with serving.deployment(settings, work_dir / f"server-{n}", server) as endpoint:
-                for variant in group:
-                    results.append(_measure(endpoint, variant, load))
+                if interleave:
+                    results += _measure_interleaved(endpoint, group, load)
+                else:
+                    for variant in group:
+                        results.append(_measure(endpoint, variant, load))
         except (CosyVoiceError, TTSError, TimeoutError) as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             first_line = next(iter(str(exc).splitlines()), "")  # TritonStartError appends the log's tail
@@ -164,7 +192,7 @@ def run(axis: str, settings: serving.Settings, load: Load, *, voice_mode: str, m
     print(f"compare {axis} on {load.scenario.name}: {', '.join(v.name for v in variants)}; concurrency "
           f"{load.concurrency}, {load.requests} requests per level", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="cosyvoice-bench-") as tmp:
-        results = run_variants(settings, variants, load, Path(tmp))
+        results = run_variants(settings, variants, load, Path(tmp), interleave=axis in INTERLEAVED_AXES)
     where = "servers started here" if settings.start else settings.url
     env = report.environment(scenario=load.scenario.name, scenario_description=load.scenario.description,
                              compare=axis, target=f"{settings.path} path, {where}",
