@@ -85,6 +85,17 @@ class RateLimited(GatewayError):
         super().__init__(message, headers={"Retry-After": str(max(1, retry_after_s))})
 
 
+class SessionTimeout(GatewayError):
+    """A WebSocket session closed for a time limit: `idle_timeout` (no client message and nothing in
+    flight) or `session_timeout` (its whole length)."""
+
+    status, kind = 408, "invalid_request_error"
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 class ServiceUnavailable(GatewayError):
     status, code, kind = 503, "unavailable", "server_error"
 

@@ -18,6 +18,11 @@ Server -> client:
   {"type": "end", "segments", "audio_seconds", "first_chunk_ms", "elapsed_ms"}  then close (1000)
   {"type": "error", "status", "code", "param", "message"}  then close (1008 for 4xx, 1011 otherwise)
 
+Time limits (`Limits`): a session with no client message for `ws_idle_timeout_s` while nothing is in
+flight (no segment waiting, synthesizing or being sent; after "end" the server finishes on its own) gets
+{"type": "error", "status": 408, "code": "idle_timeout"} and is closed, freeing its stream slot; a session
+longer than `ws_session_timeout_s` ends the same way with "session_timeout".
+
 Segments are separate Triton requests, routed one by one; up to `ws_pipeline_depth` run ahead of the one
 being sent, and their audio is sent strictly in order. Segment i uses seed + 1000 * i; every segment has
 the start message's voice, mode and chunk policy. A client that goes away (or closes) cancels every
@@ -41,7 +46,7 @@ from cosyvoice_triton.messages import SEED_LIMIT
 from cosyvoice_triton.audio_out import AudioEncoder, audio_format
 
 from .auth import limit_key
-from .errors import BadRequest, GatewayError, PayloadTooLarge, as_gateway_error, ws_error
+from .errors import BadRequest, GatewayError, PayloadTooLarge, SessionTimeout, as_gateway_error, ws_error
 from .routes_tts import check_format
 from .state import CONFIG, COSTS, LIMITER, METRICS, WEBSOCKETS
 from .synthesis import TTS_FIELDS, Synthesis, decode_base64, prepare, stream_audio
@@ -128,6 +133,7 @@ class Session:
         self.order: asyncio.Queue[Segment | None] = asyncio.Queue()  # started segments, in order
         self.ahead = asyncio.Semaphore(max(1, self.config.ws_pipeline_depth))
         self.segments: list[Segment] = []
+        self.sent = 0  # segments whose audio is all sent
         self.received_chars = 0
         self.started = time.monotonic()
         self.first_chunk_ms: float | None = None
@@ -263,6 +269,7 @@ class Session:
             seconds = samples / self.config.sample_rate
             self.audio_seconds += seconds
             self.ahead.release()
+            self.sent += 1
             await self.ws.send_json({"type": "segment", "index": segment.index, "text": segment.text,
                                      "audio_seconds": seconds, "first_chunk_ms": first_ms})
         await self._send_audio(self.encoder.finish())
@@ -275,8 +282,20 @@ class Session:
             await self.ws.send_bytes(data)
 
     # ---- helpers ------------------------------------------------------------------------------------------
+    async def _receive(self):
+        """The next client message; SessionTimeout after `ws_idle_timeout_s` without one while nothing is
+        in flight (the wait goes on while segments are pending or unsent, and without limit after end)."""
+        idle_s = self.config.limits.ws_idle_timeout_s
+        while True:
+            try:
+                return await asyncio.wait_for(self.ws.receive(), None if self.ended else idle_s)
+            except asyncio.TimeoutError:
+                if self.pending.empty() and self.sent == len(self.segments):
+                    raise SessionTimeout("idle_timeout", f"no message for {idle_s:g} s and nothing to "
+                                                         "synthesize: the session is closed") from None
+
     async def _receive_json(self) -> dict:
-        message = await self.ws.receive()
+        message = await self._receive()
         if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
             raise _ClientGone()
         if message.type != WSMsgType.TEXT:
@@ -319,8 +338,12 @@ async def tts_ws(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(heartbeat=config.ws_heartbeat_s, max_msg_size=config.limits.max_upload_bytes * 2)
         await ws.prepare(request)
         app[WEBSOCKETS].add(ws)
+        session = Session(request, ws)
         try:
-            await Session(request, ws).run()
+            await asyncio.wait_for(session.run(), config.limits.ws_session_timeout_s)
+        except asyncio.TimeoutError:
+            await session._fail(SessionTimeout("session_timeout", "the session is longer than "
+                                               f"{config.limits.ws_session_timeout_s:g} s: it is closed"))
         finally:
             app[WEBSOCKETS].discard(ws)
             if not ws.closed:
