@@ -6,7 +6,9 @@ compared with the 16-bit PCM of the same text and seed."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
+import json
 import struct
 import wave
 
@@ -130,6 +132,21 @@ def test_streamed_wav_is_read_to_its_end_and_a_whole_wav_has_exact_lengths(clien
         assert (w.getnframes(), w.getframerate(), w.getsampwidth()) == (pcm.size, RATE, 2)
     assert sf.info(io.BytesIO(whole.content)).frames == pcm.size
     check_decodes_like(whole.content, "wav", audio, streamed=False)
+
+
+def test_server_sent_events_carry_the_encoded_file(stack, audio):
+    async def events() -> list[dict]:
+        body = {"model": "tts-1", "voice": "default", "input": TEXT, "stream_format": "sse", "seed": SEED}
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            async with session.post(stack.gateway_url + "/v1/audio/speech", json=body) as response:
+                assert response.headers["Content-Type"].startswith("text/event-stream")
+                text = (await response.read()).decode()
+        return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+
+    got = asyncio.run(events())
+    assert [e["type"] for e in got[:-1]] == ["speech.audio.delta"] * (len(got) - 1) and len(got) > 2
+    assert got[-1]["type"] == "speech.audio.done"
+    check_decodes_like(b"".join(base64.b64decode(e["audio"]) for e in got[:-1]), "mp3", audio)  # the default
 
 
 def test_speed_other_than_one_and_unknown_formats_are_refused_naming_the_field(client):
