@@ -8,14 +8,14 @@ poisoning a batch it shares with other streams.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from cosyvoice_triton.errors import InvalidInput
 
 
-def check_finite(field: str, values: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
-    """`values` unless it holds a NaN or an infinity (InvalidInput naming `field`)."""
-    finite = bool(torch.isfinite(values).all()) if isinstance(values, torch.Tensor) else bool(np.isfinite(values).all())
+def check_finite(field: str, values):
+    """`values` (a numpy array or a torch tensor) unless it holds a NaN or an infinity (InvalidInput naming
+    `field`)."""
+    finite = bool(values.isfinite().all()) if hasattr(values, "isfinite") else bool(np.isfinite(values).all())
     if not finite:
         raise InvalidInput(field, "contains NaN or infinite values")
     return values
