@@ -87,7 +87,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--model-dir", default=None,
                    help="model folder or hub id (default: a tiny random model made on first use)")
     p.add_argument("--run-dir", type=Path, default=None, help="where the rendered repository and log go")
-    p.add_argument("--address", default="0.0.0.0")
+    p.add_argument("--address", default="127.0.0.1",
+                   help="address tritonserver listens on (default loopback: Triton has no keys or limits, so "
+                        "clients go through the gateway; 0.0.0.0 only on a private network)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)

@@ -58,7 +58,7 @@ class ServeOptions:
     model_dir: Path | None = None  # None: the tiny random folder, made on first use
     run_dir: Path | None = None  # None: a fresh folder under $COSYVOICE_HOME/runs
     repository: Path = DEFAULT_REPOSITORY  # the templates
-    address: str = "0.0.0.0"
+    address: str = "127.0.0.1"  # loopback: only this machine reaches Triton (which has no keys or limits)
     http_port: int | None = 8000  # None: a free port
     grpc_port: int | None = 8001
     metrics_port: int | None = 8002
@@ -169,7 +169,7 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
     providers = options.ort_providers or ""
     synthesis = {"model_dir": model_dir, "voice_store": voice_store, "instances": options.instances,
                  "max_workers": options.workers, "max_pending": options.max_pending,
-                 "max_text_chars": options.max_text_chars,
+                 "max_text_chars": options.max_text_chars, "max_seq_len": options.llm_max_seq_len,
                  "token2wav_backends": ",".join(backend_spec(b) for b in options.backends),
                  "token2wav_timeout_s": options.token2wav_timeout_s, "chunk_policy": options.chunk_policy}
     prompt_step = {"model_dir": model_dir, "instances": options.instances, "max_batch": options.prompt_max_batch,
@@ -191,7 +191,8 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
         "speaker_embedding": {**prompt_step, "engine": campplus_engine, "device": campplus_device,
                               "onnx_dir": onnx_dir, "ort_providers": providers},
         "audio_tokenizer": {**prompt_step, "device": onnx_device},
-        "register_voice": {"model_dir": model_dir, "voice_store": voice_store, "instances": options.instances},
+        "register_voice": {"model_dir": model_dir, "voice_store": voice_store, "instances": options.instances,
+                           "max_seq_len": options.llm_max_seq_len},
     }
 
 
