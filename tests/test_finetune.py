@@ -54,3 +54,160 @@ def test_flow_loss_equals_the_official_loss(golden_model_dir, official, case):
         out = flow_loss(model, batch, noise, torch.from_numpy(official[f"flow{case}_prompt_frames"]),
                         bool(official[f"flow{case}_streaming"]), config.sigma_min, config.training_cfg_rate)
     assert abs(out.loss.item() - float(official[f"flow{case}_loss"])) < LOSS_TOLERANCE
+
+
+# --- fine-tuning end to end on a tiny synthetic data set ---------------------------------------------
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.", "A stitch in time saves nine.",
+    "She sells sea shells by the sea shore.", "The rain in Spain stays mainly in the plain.",
+    "Every good boy deserves fruit.", "How much wood would a woodchuck chuck?",
+    "Peter Piper picked a peck of pickled peppers.", "All that glitters is not gold.",
+    "The early bird catches the worm.", "Actions speak louder than words.",
+    "Better late than never.", "Birds of a feather flock together.",
+    "Fortune favours the bold.", "Knowledge is power.", "Practice makes perfect.",
+    "Time flies like an arrow.", "Where there is a will, there is a way.",
+    "Honesty is the best policy.", "Look before you leap.", "Two heads are better than one.",
+]
+TRAIN_ARGS = ["--batch-size", "4", "--grad-accum", "1", "--lr", "1e-3", "--val-share", "0.15", "--no-progress",
+              "--device", "cpu"]
+
+
+def metrics(out: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (out / "finetune" / "metrics.jsonl").read_text().splitlines()]
+
+
+def val_losses(out: Path, part: str) -> list[float]:
+    return [r[f"val/{part}_loss"] for r in metrics(out) if f"val/{part}_loss" in r]
+
+
+def train_losses(out: Path, part: str) -> dict[int, float]:
+    return {r["step"]: r[f"train/{part}_loss"] for r in metrics(out) if f"train/{part}_loss" in r}
+
+
+@pytest.fixture(scope="module")
+def recordings(tmp_path_factory) -> Path:
+    """20 espeak-ng sentences (22.05 kHz wav; the feature code resamples) in metadata.csv, plus three bad
+    entries: an undecodable file, a missing file and an empty transcript."""
+    import shutil
+    import subprocess
+
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (scripts/setup.sh installs it)")
+    data = tmp_path_factory.mktemp("recordings")
+    lines = []
+    for i, sentence in enumerate(SENTENCES):
+        subprocess.run(["espeak-ng", "-w", str(data / f"s{i:02d}.wav"), sentence], check=True)
+        lines.append(f"s{i:02d}.wav|{sentence}")
+    (data / "broken.wav").write_bytes(b"RIFF not really a wave file")
+    lines += ["broken.wav|This file is broken.", "missing.wav|This file does not exist.", "s00.wav|"]
+    (data / "metadata.csv").write_text("\n".join(lines) + "\n")
+    return data
+
+
+@pytest.fixture(scope="module")
+def base_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir
+
+
+def finetune(*args: str) -> int:
+    from cosyvoice_triton.cli import main
+
+    return main(["finetune", *args])
+
+
+def reuse_features(source: Path, out: Path) -> None:
+    """Copy a run's feature cache into a new output folder (the cache is keyed by content, not by run)."""
+    import shutil
+
+    shutil.copytree(source / "finetune" / "features", out / "finetune" / "features")
+
+
+@pytest.fixture(scope="module")
+def resumed_run(recordings, base_dir, tmp_path_factory) -> Path:
+    """Both parts, full fine-tuning: 4 steps, then resumed to 8."""
+    out = tmp_path_factory.mktemp("finetuned") / "both"
+    common = ["--data", str(recordings), "--model-dir", str(base_dir), "--out", str(out), "--part", "both",
+              "--val-every", "2", "--save-every", "2", *TRAIN_ARGS]
+    assert finetune(*common, "--max-steps", "4") == 0
+    assert finetune(*common, "--max-steps", "8", "--resume") == 0
+    return out
+
+
+def test_bad_recordings_are_reported_by_name_and_reason_and_skipped(resumed_run, capsys):
+    skipped = dict(line.split("\t") for line in (resumed_run / "finetune" / "skipped.tsv").read_text().splitlines())
+    assert skipped.keys() == {"broken.wav", "missing.wav", "s00.wav"}
+    assert "decoded" in skipped["broken.wav"]
+    assert "not found" in skipped["missing.wav"]
+    assert skipped["s00.wav"] == "empty transcript"
+    features = list((resumed_run / "finetune" / "features").glob("*.npz"))
+    assert len(features) == len(SENTENCES)  # one cache entry per usable recording, none for the bad ones
+
+
+def test_validation_loss_falls_and_the_folder_loads_strictly(resumed_run, base_dir):
+    for part in ("llm", "flow"):
+        losses = val_losses(resumed_run, part)
+        assert len(losses) == 5  # steps 0, 2, 4 (first run), 6, 8 (resumed)
+        assert losses[-1] < losses[0], (part, losses)
+    llm = SpeechLM.from_model_dir(resumed_run)  # strict
+    flow = FlowModel.from_model_dir(resumed_run)
+    for name, model in (("llm.pt", llm), ("flow.pt", flow)):
+        base = torch.load(base_dir / name, weights_only=True)
+        assert model.state_dict().keys() == base.keys()
+        assert any(not torch.equal(model.state_dict()[k], base[k]) for k in base), f"{name} did not change"
+    assert (resumed_run / "hift.pt").read_bytes() == (base_dir / "hift.pt").read_bytes()
+
+
+def test_resume_continues_the_step_counter_and_the_loss_curve(resumed_run, recordings, base_dir, tmp_path):
+    steps = [r["step"] for r in metrics(resumed_run)]
+    assert steps == list(range(0, 9)), steps  # no step twice, none missing: resumed at 5, not at 1
+    # The same 8 steps without an interruption give the same losses: optimizer, schedule, data order
+    # and random draws all continued from the checkpoint.
+    straight = tmp_path / "straight"
+    reuse_features(resumed_run, straight)
+    assert finetune("--data", str(recordings), "--model-dir", str(base_dir), "--out", str(straight), "--part",
+                    "both", "--val-every", "2", "--save-every", "8", "--max-steps", "8", *TRAIN_ARGS) == 0
+    for part in ("llm", "flow"):
+        resumed, uninterrupted = train_losses(resumed_run, part), train_losses(straight, part)
+        assert resumed.keys() == uninterrupted.keys() == set(range(1, 9))
+        np.testing.assert_allclose([resumed[s] for s in range(5, 9)], [uninterrupted[s] for s in range(5, 9)],
+                                   rtol=1e-5)
+
+
+def test_lora_run_merges_into_the_released_keys(recordings, base_dir, resumed_run, tmp_path):
+    out = tmp_path / "lora"
+    reuse_features(resumed_run, out)
+    assert finetune("--data", str(recordings), "--model-dir", str(base_dir), "--out", str(out), "--part", "llm",
+                    "--lora", "--lora-rank", "8", "--max-steps", "12", "--val-every", "6", "--save-every", "6",
+                    "--average", "2", *TRAIN_ARGS) == 0
+    losses = val_losses(out, "llm")
+    assert losses[-1] < losses[0], losses
+    state = torch.load(out / "llm.pt", weights_only=True)
+    base = torch.load(base_dir / "llm.pt", weights_only=True)
+    assert state.keys() == base.keys()  # adapters merged: no lora_A / lora_B / base_layer keys
+    changed = {k for k in base if not torch.equal(state[k], base[k])}
+    assert changed and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj") for k in changed), changed
+    assert (out / "flow.pt").read_bytes() == (base_dir / "flow.pt").read_bytes()  # --part llm: flow copied
+    SpeechLM.from_model_dir(out)
+
+
+def test_a_second_run_into_the_same_folder_needs_resume(recordings, base_dir, resumed_run, capsys):
+    assert finetune("--data", str(recordings), "--model-dir", str(base_dir), "--out", str(resumed_run),
+                    "--part", "both", "--max-steps", "20", *TRAIN_ARGS) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_the_service_serves_the_fine_tuned_folder(resumed_run, recordings, tmp_path):
+    from cosyvoice_triton.client import TritonTTS
+    from web.stack import triton_server
+
+    with triton_server(tmp_path, model_dir=resumed_run) as (server, _, _):
+        configs = "".join(p.read_text() for p in (tmp_path / "run" / "repo").glob("*/config.pbtxt"))
+        assert str(resumed_run) in configs
+        with TritonTTS(server.grpc_url) as tts:
+            audio = tts.synthesize("Knowledge is power.", prompt_audio=str(recordings / "s01.wav"),
+                                   prompt_text=SENTENCES[1], seed=1, offline=True)
+    assert audio.size > 0 and np.isfinite(audio).all()
