@@ -80,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                          "(of each variant)")
     p.add_argument("--start-buffer-ms", type=float, default=1000 * loadgen.DEFAULT_START_BUFFER_S,
                    help="the second stall figure: playback starts this long after the first chunk (default 200)")
+    p.add_argument("--token-text-ratio", type=float, default=None,
+                   help="with --start: the random LLM speaks at most this many speech tokens per text token "
+                        "(default: the model's 20; --quick: 3), to keep full-size runs short")
     p.add_argument("--quick", action="store_true", help="concurrency 1 2, 2 requests each, short texts")
     p.add_argument("--out", type=Path, default=None, help="report folder (default perf/results/<timestamp>/)")
 
@@ -103,7 +106,8 @@ def settings_from_args(args, concurrency: list[int]) -> serving.Settings:
     threads = args.torch_threads if args.torch_threads is not None else (1 if args.quick else 0)
     return serving.Settings(path=_path(args), start=args.start, url=args.triton or args.gateway,
                             api_key=args.api_key, model_dir=args.model_dir, device=args.device,
-                            torch_threads=threads, quick=args.quick, max_concurrency=max(concurrency))
+                            torch_threads=threads, quick=args.quick, token_text_ratio=args.token_text_ratio,
+                            max_concurrency=max(concurrency))
 
 
 def _model_label(args) -> str:

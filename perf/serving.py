@@ -39,6 +39,7 @@ class Settings:
     device: str = "cpu"
     torch_threads: int = 0
     quick: bool = False
+    token_text_ratio: float | None = None  # with start: the LLM's cap on speech tokens per text token
     max_concurrency: int = 16  # sizes the started gateway's per-client stream limit
 
 
@@ -65,7 +66,7 @@ def serve_options(settings: Settings, run_dir: Path, server_overrides: dict | No
     options = ServeOptions(model_dir=settings.model_dir, run_dir=run_dir, address="127.0.0.1", http_port=None,
                            grpc_port=None, metrics_port=None, device=settings.device,
                            voice_store=str(run_dir / "voices.sqlite"),
-                           max_token_text_ratio=QUICK_RATIO if settings.quick else None,
+                           max_token_text_ratio=settings.token_text_ratio or (QUICK_RATIO if settings.quick else None),
                            torch_threads=settings.torch_threads, startup_timeout_s=STARTUP_TIMEOUT_S)
     return dataclasses.replace(options, **(server_overrides or {}))
 

@@ -287,3 +287,15 @@ def test_adaptive_chunks_are_interleaved_level_by_level(monkeypatch, tmp_path):
                      ("adaptive", [4], 0, 0.3)]
     assert [[level["concurrency"] for level in r.levels] for r in results] == [[1, 4], [1, 4]]
     assert "adaptive_chunks" in compare.INTERLEAVED_AXES
+
+
+def test_token_text_ratio_reaches_the_started_server(tmp_path):
+    from cosyvoice_triton.perf import bench
+
+    parser = __import__("argparse").ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--start", "--token-text-ratio", "6"])
+    settings = bench.settings_from_args(args, [1])
+    assert serving.serve_options(settings, tmp_path).max_token_text_ratio == 6.0
+    quick = bench.settings_from_args(parser.parse_args(["--start", "--quick"]), [1])
+    assert serving.serve_options(quick, tmp_path).max_token_text_ratio == serving.QUICK_RATIO
