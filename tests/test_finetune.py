@@ -211,3 +211,22 @@ def test_the_service_serves_the_fine_tuned_folder(resumed_run, recordings, tmp_p
             audio = tts.synthesize("Knowledge is power.", prompt_audio=str(recordings / "s01.wav"),
                                    prompt_text=SENTENCES[1], seed=1, offline=True)
     assert audio.size > 0 and np.isfinite(audio).all()
+
+
+def test_torchrun_trains_with_two_processes(recordings, base_dir, resumed_run, tmp_path):
+    """DistributedDataParallel over gloo on the CPU: the README's torchrun command with 2 processes."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "ddp"
+    reuse_features(resumed_run, out)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "cosyvoice_triton.training", "--data", str(recordings), "--model-dir", str(base_dir),
+               "--out", str(out), "--max-steps", "4", "--val-every", "2", "--save-every", "4", *TRAIN_ARGS]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "world size 2" in result.stderr
+    assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3, 4]
+    losses = val_losses(out, "llm")
+    assert losses[-1] < losses[0], losses
+    SpeechLM.from_model_dir(out)  # strict

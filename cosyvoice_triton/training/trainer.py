@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import os
 import sys
@@ -199,8 +200,10 @@ class Run:
         self.model: nn.Module = self.module
         if ddp.world_size > 1:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = nn.parallel.DistributedDataParallel(self.module, device_ids=device_ids,
-                                                             broadcast_buffers=False)
+            # buffers (RoPE tables, KV caches, the flow's fixed noise) are equal on every rank: no syncing
+            quiet = ("forward_sync_buffers" if "forward_sync_buffers" in
+                     inspect.signature(nn.parallel.DistributedDataParallel).parameters else "broadcast_buffers")
+            self.model = nn.parallel.DistributedDataParallel(self.module, device_ids=device_ids, **{quiet: False})
         self.parameters = {name: [p for p in getattr(self.module, name).parameters() if p.requires_grad]
                            for name in options.parts}
         self.optimizer = torch.optim.Adam([p for ps in self.parameters.values() for p in ps], lr=options.lr)
@@ -282,6 +285,10 @@ class Run:
                 (sum(losses.values()) / self.options.grad_accum).backward()
             for name, loss in losses.items():
                 totals[name] += loss.item() / self.options.grad_accum
+        if self.ddp.world_size > 1:  # log the mean over ranks
+            values = torch.tensor(list(totals.values()), dtype=torch.float64, device=self.device)
+            dist.all_reduce(values)
+            totals = dict(zip(totals, (values / self.ddp.world_size).tolist()))
         for params in self.parameters.values():  # clipped per part, as when the parts train apart
             torch.nn.utils.clip_grad_norm_(params, self.options.grad_clip)
         self.optimizer.step()
