@@ -81,7 +81,10 @@ async def register(app: web.Application, audio: bytes, text: str, voice_id: str 
 
 async def _form(request: web.Request) -> dict:
     if request.content_type == "application/json":
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError:  # JSON, UTF-8
+            raise BadRequest("body", "is not valid JSON") from None
         if not isinstance(body, dict):
             raise BadRequest("body", "must be a JSON object")
         body = dict(body)
