@@ -48,10 +48,11 @@ RUN python3 -m pip install -c deploy/docker/constraints.txt -e ".[gpu]" \
  && cosyvoice-triton --help > /dev/null
 
 VOLUME ["/var/lib/cosyvoice"]
-# 8000 Triton HTTP, 8001 Triton gRPC, 8002 Triton metrics, 8080 gateway (HTTP, WebSocket, /metrics)
+# 8080 gateway (HTTP, WebSocket, /metrics): the one port to publish. 8000-8002 (Triton HTTP, gRPC,
+# metrics) are used by `serve --address 0.0.0.0` containers of the split deployment, on a private network.
 EXPOSE 8000 8001 8002 8080
 
 ENTRYPOINT ["cosyvoice-triton"]
-# --triton-address 0.0.0.0: `up` binds tritonserver to 127.0.0.1 by default; in a container the
-# exposed Triton ports (and Prometheus scraping 8002) need it on every interface.
-CMD ["up", "--port", "8080", "--device", "cuda", "--triton-address", "0.0.0.0"]
+# `up` binds tritonserver to 127.0.0.1: Triton has no keys or limits, so clients reach it only through
+# the gateway on 8080 (Triton's metrics: `docker exec ... curl -s 127.0.0.1:8002/metrics`).
+CMD ["up", "--port", "8080", "--device", "cuda"]
