@@ -8,7 +8,7 @@ each with its options after a colon as `key=value` pairs separated by semicolons
 
 `choose_providers` keeps, in order, those that the installed onnxruntime has
 (`onnxruntime.get_available_providers()`); the ones it lacks are named in one warning line that says
-which package has them and which provider is used instead. If it has none of them, that is an
+which package has them and which provider is used instead (once per process and list, not per graph). If it has none of them, that is an
 `EngineUnavailable` naming what is missing. ONNX Runtime itself runs nodes that no listed provider
 supports on the CPU provider.
 
@@ -29,6 +29,7 @@ import torch
 from .base import EngineUnavailable
 
 log = logging.getLogger(__name__)
+_warned: set[tuple[str, ...]] = set()  # provider lists whose fallback has been logged
 
 # short name -> ONNX Runtime's provider name
 PROVIDER_NAMES = {
@@ -110,7 +111,8 @@ def choose_providers(wanted: tuple[Provider, ...] | str, available: list[str] | 
     if not usable:
         raise EngineUnavailable(f"none of the ONNX Runtime providers {', '.join(p.name for p in wanted)} is "
                                 f"installed ({where}; {packages})")
-    if missing:
+    if missing and tuple(missing) not in _warned:
+        _warned.add(tuple(missing))
         log.warning("ONNX Runtime providers %s are not available (%s; %s); using %s", ", ".join(missing), where,
                     packages, ", ".join(p.name for p in usable))
     return usable
