@@ -64,7 +64,7 @@ class StepGate:
         self.opened = threading.Event()
         llm.step_logits = self  # the instance attribute shadows the method
 
-    def __call__(self, x: Tensor, input_pos: Tensor, slots: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, input_pos: Tensor, slots: Tensor, kv_len: int | None = None) -> Tensor:
         shape = (x.shape[0], x.shape[1])
         self.calls.append(shape)
         if not self.opened.is_set():
@@ -72,7 +72,7 @@ class StepGate:
             self.permits.acquire()
         if self.fail_when(x):
             raise RuntimeError("injected fault")
-        return self.inner(x, input_pos, slots)
+        return self.inner(x, input_pos, slots, kv_len)
 
     def next_call(self) -> tuple[int, int]:
         """Wait until the engine blocks in its next model call; return that call's (B, T)."""

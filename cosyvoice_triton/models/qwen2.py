@@ -3,10 +3,12 @@
 The parameter names equal those of the Hugging Face checkpoint (`embed_tokens`, `layers.N.self_attn.q_proj`,
 ..., `norm`), so CosyVoice2's `llm.pt` loads with `strict=True`. Two ways to run it:
 
-- `forward(x, input_pos, slots)`: cached. Row b of the batch writes its keys/values into cache slot
-  `slots[b]` at positions `input_pos[b]` and attends to every cached position j <= its own position.
-  The same call does prefill (T > 1) and decode (T = 1), and it never reads a value back to the host,
-  so a fixed-shape decode step can be captured in a CUDA graph.
+- `forward(x, input_pos, slots, kv_len)`: cached. Row b of the batch writes its keys/values into cache
+  slot `slots[b]` at positions `input_pos[b]` and attends to every cached position j <= its own position
+  among the first `kv_len` (the used prefix, rounded up to a bucket by `kv_bucket`, so a step costs
+  what its context needs, not the whole static cache). The same call does prefill (T > 1) and decode
+  (T = 1), and it never reads a value back to the host, so a fixed-shape decode step (one per bucket)
+  can be captured in a CUDA graph.
 - `forward_full(x)`: no cache, causal attention over the whole sequence (one-shot scoring).
 """
 from __future__ import annotations
@@ -52,6 +54,15 @@ class Qwen2Config:
         return cls(**{name: data[name] for name in names if name in data})
 
 
+KV_BUCKET = 128  # attention spans the used cache prefix rounded up to a multiple of this
+
+
+def kv_bucket(used: int, max_seq_len: int) -> int:
+    """Cache positions a step attends over when positions [0, used) are in use: `used` rounded up to a
+    multiple of KV_BUCKET, at most `max_seq_len`."""
+    return min(max_seq_len, -(-used // KV_BUCKET) * KV_BUCKET)
+
+
 def rope_tables(config: Qwen2Config, num_positions: int) -> tuple[Tensor, Tensor]:
     """cos and sin of the rotary angles, each (num_positions, head_dim); halves repeat (non-interleaved)."""
     half = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
@@ -65,9 +76,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x (B, H, T, hd) by angles whose cos/sin are (B, T, hd) or (T, hd)."""
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd): broadcast over heads
-    first, second = x.chunk(2, dim=-1)
+    x32 = x.float()  # rotated in float32 whatever the activations' dtype (a no-op in fp32)
+    first, second = x32.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
-    return x * cos + rotated * sin
+    return (x32 * cos + rotated * sin).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -92,15 +104,17 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, slots: Tensor, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v (B, Hkv, T, hd) at (slots (B,), input_pos (B, T)); return the rows' full caches
-        (B, Hkv, S, hd)."""
+    def update(self, slots: Tensor, input_pos: Tensor, k: Tensor, v: Tensor,
+               kv_len: int) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, Hkv, T, hd) at (slots (B,), input_pos (B, T)); return the rows' first `kv_len`
+        cache positions (B, Hkv, kv_len, hd)."""
         # Index pairs (slot, position) broadcast to (B, T); the head axis left as `:` then comes after
         # them, so the destination is laid out (B, T, Hkv, hd).
         rows = slots[:, None]
         self.k[rows, :, input_pos] = k.transpose(1, 2)  # (B, T, Hkv, hd): time before heads
         self.v[rows, :, input_pos] = v.transpose(1, 2)  # (B, T, Hkv, hd): time before heads
-        return self.k.index_select(0, slots), self.v.index_select(0, slots)
+        return (self.k[:, :, :kv_len].index_select(0, slots),
+                self.v[:, :, :kv_len].index_select(0, slots))
 
 
 class Attention(nn.Module):
@@ -118,7 +132,8 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 slots: Tensor | None, input_pos: Tensor | None) -> Tensor:
         """x (B, T, D) -> (B, T, D). With `slots`/`input_pos` the cache is used and `mask`
-        (B, 1, T, S) says which cache positions each query sees; without them attention is causal."""
+        (B, 1, T, S') says which of the first S' cache positions each query sees; without them attention
+        is causal."""
         batch, length, _ = x.shape
         # (B, T, H*hd) -> (B, T, H, hd) -> (B, H, T, hd): heads before time for attention
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
@@ -127,7 +142,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if slots is not None:
             assert self.kv_cache is not None, "call setup_caches() before a cached forward"
-            k, v = self.kv_cache.update(slots, input_pos, k, v)  # (B, Hkv, S, hd)
+            k, v = self.kv_cache.update(slots, input_pos, k, v, mask.shape[-1])  # (B, Hkv, S', hd)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=self.num_heads != self.num_kv_heads)
         y = y.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)  # (B, T, H*hd): time first again
@@ -188,13 +203,17 @@ class Qwen2Decoder(nn.Module):
             layer.self_attn.kv_cache = KVCache(max_batch, self.config.num_key_value_heads, self.max_seq_len,
                                                self.config.head_dim, weight.dtype, weight.device)
 
-    def forward(self, x: Tensor, input_pos: Tensor, slots: Tensor) -> Tensor:
+    def forward(self, x: Tensor, input_pos: Tensor, slots: Tensor, kv_len: int | None = None) -> Tensor:
         """Cached forward. x (B, T, D), input_pos (B, T) int64, slots (B,) int64 -> hidden (B, T, D).
 
+        Attention spans cache positions [0, kv_len) (default: the whole cache); every input position
+        must lie below kv_len (the caller knows them: `kv_bucket(max position + 1, max_seq_len)`).
         A key at cache position j is visible to a query at position p iff j <= p; positions a row has
         not written in this request must therefore lie above its current position (write from 0 up)."""
+        kv_len = self.max_seq_len if kv_len is None else kv_len
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (B, T, hd)
-        mask = self.cache_positions[None, None, None, :] <= input_pos[:, None, :, None]  # (B, 1, T, S)
+        positions = self.cache_positions[:kv_len]  # (S',)
+        mask = positions[None, None, None, :] <= input_pos[:, None, :, None]  # (B, 1, T, S')
         for layer in self.layers:
             x = layer(x, cos, sin, mask, slots, input_pos)
         return self.norm(x)

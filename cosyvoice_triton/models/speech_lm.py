@@ -18,7 +18,8 @@ from torch import Tensor, nn
 from cosyvoice_triton.config import ModelPaths, read_qwen_config, read_yaml
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import SamplingParams
-from cosyvoice_triton.models.qwen2 import Qwen2Config, Qwen2Decoder, Qwen2ForCausalLM
+from cosyvoice_triton.models.llm_precision import activation_dtype, check_llm_precision, quantize_linears
+from cosyvoice_triton.models.qwen2 import Qwen2Config, Qwen2Decoder, Qwen2ForCausalLM, rope_tables
 
 SOS_INDEX = 0  # rows of `llm_embedding`
 TASK_ID_INDEX = 1
@@ -79,6 +80,7 @@ class SpeechLM(nn.Module):
         self.llm = _Qwen2Encoder(config.qwen, max_seq_len)
         self.llm_decoder = nn.Linear(config.llm_output_size, config.num_speech_classes)
         self.speech_embedding = nn.Embedding(config.num_speech_classes, config.llm_input_size)
+        self.precision = "fp32"
 
     @property
     def backbone(self) -> Qwen2Decoder:
@@ -90,15 +92,36 @@ class SpeechLM(nn.Module):
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: torch.device | str = "cpu", max_batch: int = 1,
-                       max_seq_len: int = 2048) -> SpeechLM:
-        """Load `llm.pt` strictly and allocate a KV cache of `max_batch` slots x `max_seq_len` positions."""
+                       max_seq_len: int = 2048, precision: str = "fp32") -> SpeechLM:
+        """Load `llm.pt` strictly, set the backbone's `precision` and allocate a KV cache of `max_batch`
+        slots x `max_seq_len` positions."""
         paths = ModelPaths(Path(model_dir))
         model = cls(SpeechLMConfig.from_model_dir(model_dir), max_seq_len)
         state = torch.load(paths.llm, weights_only=True, map_location="cpu")
         model.load_state_dict(state, strict=True)
         model.to(device).eval()
+        model.set_precision(precision)
         model.setup_caches(max_batch)
         return model
+
+    def set_precision(self, precision: str) -> None:
+        """Run the backbone in `precision` (fp32 | bf16 | int8: models/llm_precision.py), once, from fp32.
+        The speech head and the rotary tables stay float32; call setup_caches() afterwards (the KV cache
+        takes the embeddings' dtype)."""
+        check_llm_precision(precision)
+        if self.precision != "fp32":
+            raise RuntimeError(f"the LLM is already in {self.precision}")
+        self.precision = precision
+        if precision == "fp32":
+            return
+        backbone = self.backbone
+        dtype = activation_dtype(precision, self.llm_decoder.weight.device)
+        if precision == "int8":
+            quantize_linears(backbone.layers, dtype)
+        for module in (self.llm_embedding, self.speech_embedding, backbone):
+            module.to(dtype)
+        cos, sin = rope_tables(self.config.qwen, backbone.max_seq_len)
+        backbone.rope_cos, backbone.rope_sin = cos.to(backbone.rope_cos.device), sin.to(backbone.rope_sin.device)
 
     def setup_caches(self, max_batch: int) -> None:
         self.backbone.setup_caches(max_batch)
@@ -147,14 +170,15 @@ class SpeechLM(nn.Module):
         return self.speech_embedding(tokens)
 
     @torch.inference_mode()
-    def step_logits(self, x: Tensor, input_pos: Tensor, slots: Tensor) -> Tensor:
-        """Cached forward (prefill or decode) -> speech logits (B, V) of each row's last column.
+    def step_logits(self, x: Tensor, input_pos: Tensor, slots: Tensor, kv_len: int | None = None) -> Tensor:
+        """Cached forward (prefill or decode) -> float32 speech logits (B, V) of each row's last column.
 
-        x (B, T, D), input_pos (B, T) int64, slots (B,) int64. No host synchronisation."""
-        hidden = self.backbone(x, input_pos, slots)  # (B, T, D)
-        return self.llm_decoder(hidden[:, -1])
+        x (B, T, D), input_pos (B, T) int64, slots (B,) int64; attention over the first `kv_len` cache
+        positions (`qwen2.kv_bucket`; default all). No host synchronisation."""
+        hidden = self.backbone(x, input_pos, slots, kv_len)  # (B, T, D)
+        return self.llm_decoder(hidden[:, -1].float())
 
     @torch.inference_mode()
     def logits_full(self, x: Tensor) -> Tensor:
         """Cache-free causal scoring: x (B, T, D) -> speech logits (B, T, V) at every position."""
-        return self.llm_decoder(self.backbone.forward_full(x))
+        return self.llm_decoder(self.backbone.forward_full(x).float())

@@ -5,6 +5,7 @@ Each loop round (gpt-fast style, over the model's static KV cache of `max_batch`
 2. admit waiting requests, oldest first, into free slots; each is prefilled on its own (B = 1), since
    `step_logits` returns only the last column of a row;
 3. one decode step for all live streams (B = live streams, each row at its own position and slot);
+   Attention spans the cache prefix the batch uses (the highest position, rounded up to a `kv_bucket`).
 4. sample every row with the request's own generator, push the token to its stream, retire streams
    on a stop token, at max_len, or on error.
 
@@ -34,6 +35,7 @@ from torch import Tensor
 
 from ..errors import CosyVoiceError, InvalidInput, Unavailable
 from ..messages import LLMRequest, SamplingParams, check_seed
+from ..models.qwen2 import kv_bucket
 from ..models.speech_lm import SpeechLM
 from .llm_stream import LLMStream
 from .sampling import RasSampler, make_generator
@@ -246,7 +248,8 @@ class LLMEngine:
             x = self.llm.build_prompt(_ids(request.text_tokens, device), _ids(request.prompt_text_tokens, device),
                                       _ids(request.prompt_speech_tokens, device))  # (1, L, D)
             input_pos = torch.arange(live.prompt_len, device=device)[None]  # (1, L)
-            logits = self.llm.step_logits(x, input_pos, torch.tensor([live.slot], device=device))  # (1, V)
+            kv_len = kv_bucket(live.prompt_len, self.llm.max_seq_len)
+            logits = self.llm.step_logits(x, input_pos, torch.tensor([live.slot], device=device), kv_len)  # (1, V)
             logp = _host_log_probs(logits)  # (1, V)
         except Exception as exc:
             self._fail([live], "prefill", exc)
@@ -261,7 +264,8 @@ class LLMEngine:
             tokens = torch.tensor([[live.decoded[-1]] for live in batch], device=device)  # (B, 1)
             input_pos = torch.tensor([[live.next_pos] for live in batch], device=device)  # (B, 1)
             slots = torch.tensor([live.slot for live in batch], device=device)  # (B,)
-            logits = self.llm.step_logits(self.llm.embed_speech(tokens), input_pos, slots)  # (B, V)
+            kv_len = kv_bucket(max(live.next_pos for live in batch) + 1, self.llm.max_seq_len)
+            logits = self.llm.step_logits(self.llm.embed_speech(tokens), input_pos, slots, kv_len)  # (B, V)
             logp = _host_log_probs(logits)  # (B, V)
         except Exception as exc:
             self._fail(batch, "decode step", exc)
