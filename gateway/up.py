@@ -34,6 +34,7 @@ from cosyvoice_triton.gateway.config import (TritonTarget, add_gateway_arguments
                                              voice_store_url)
 from cosyvoice_triton.server.launcher import (ENGINES, PRECISIONS, ServeOptions, default_model_dir, prepare,
                                               resolve_voice_store)
+from cosyvoice_triton.server.ports import check_ports_free
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ def _port(value: int) -> int | None:
 
 
 def up(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    check_up_ports(args)
     if args.frontends or args.backends:
         return up_split(args, out)
     model_dir = resolve_model_dir(args)
@@ -100,6 +102,17 @@ def up(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     finally:
         code = server.stop()
         print(f"tritonserver stopped (exit code {code})", file=out, flush=True)
+
+
+def check_up_ports(args: argparse.Namespace) -> None:
+    """Every port this command was told to listen on is free (a second `up` stops here, naming the port
+    and its process, before it makes anything)."""
+    check_ports_free(args.host or "0.0.0.0", {"the gateway's port (--port)": _port(args.port)})
+    if not (args.frontends or args.backends):  # split mode puts its servers on free ports
+        check_ports_free(args.triton_address, {
+            "tritonserver's HTTP port (--triton-http-port)": _port(args.triton_http_port),
+            "tritonserver's gRPC port (--triton-grpc-port)": _port(args.triton_grpc_port),
+            "tritonserver's metrics port (--triton-metrics-port)": _port(args.triton_metrics_port)})
 
 
 def up_split(args: argparse.Namespace, out: TextIO) -> int:

@@ -111,6 +111,19 @@ def default_model_dir() -> Path:
     return target
 
 
+def check_model_folder(model_dir: Path) -> None:
+    """Raise ModelFolderError naming what `model_dir` lacks of the released layout."""
+    from cosyvoice_triton.config import ModelPaths
+    from cosyvoice_triton.errors import ModelFolderError
+
+    if not model_dir.is_dir():
+        raise ModelFolderError(f"model folder {model_dir} does not exist")
+    missing = ModelPaths(model_dir).missing()
+    if missing:
+        raise ModelFolderError(f"{model_dir} is not a CosyVoice2 model folder (the released CosyVoice2-0.5B "
+                               f"layout): missing {', '.join(missing)}")
+
+
 def default_onnx_dir(model_dir: Path, run_dir: Path) -> Path | None:
     """Where the graph engines export to when `--onnx-dir` is not given: None (the models' default,
     `<model_dir>/onnx`) if that can be written, else `<run_dir>/onnx` (a read-only model folder)."""
@@ -222,6 +235,7 @@ def prepare(options: ServeOptions, **process_kwargs) -> TritonProcess:
         parse_providers(options.ort_providers)  # a malformed list fails now; availability is checked at load
     model_dir = Path(resolve_model_dir(str(options.model_dir))) if options.model_dir else default_model_dir()
     model_dir = model_dir.resolve()
+    check_model_folder(model_dir)  # now, not after tritonserver has tried to load it
     run_dir = Path(options.run_dir) if options.run_dir else new_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     if options.onnx_dir is not None:

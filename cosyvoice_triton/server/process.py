@@ -46,6 +46,7 @@ from pathlib import Path
 
 from cosyvoice_triton.errors import CosyVoiceError
 from cosyvoice_triton.server.binary import TritonBinary, find_tritonserver, stage_backend_directory
+from cosyvoice_triton.server.ports import check_ports_free
 from cosyvoice_triton.server.python_env import PythonEnv, server_environment
 from cosyvoice_triton.targets import TritonTarget
 
@@ -225,6 +226,10 @@ class TritonProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         backend_dir = stage_backend_directory(self.binary, self.workdir / "backends", self.python_env.version)
         _warn_if_small_dev_shm()
+        http, grpc, metrics = self._requested_ports  # a taken one would answer for another server
+        check_ports_free(self.address or "0.0.0.0", {"tritonserver's HTTP port": http,
+                                                     "tritonserver's gRPC port": grpc,
+                                                     "tritonserver's metrics port": metrics})
         auto_ports = [p is None for p in self._requested_ports]
         for attempt in range(3):
             self._pick_ports()
