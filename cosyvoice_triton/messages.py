@@ -120,11 +120,13 @@ class PromptFeatures:
 
 @dataclass
 class FlowPrompt:
-    """The flow-side prompt of a voice, as token2wav takes it."""
+    """The flow-side prompt of a voice, as token2wav takes it: numpy arrays from the voice to the wire;
+    token2wav turns them into torch tensors once, when a stream opens (`runtime.token2wav.prompt_tensors`;
+    torch tensors are taken as they are)."""
 
-    speech_tokens: torch.Tensor  # (1, P) int32
-    mel: torch.Tensor  # (1, 2P, 80) float32
-    embedding: torch.Tensor  # (1, 192) float32
+    speech_tokens: np.ndarray | torch.Tensor  # (1, P) int32
+    mel: np.ndarray | torch.Tensor  # (1, 2P, 80) float32
+    embedding: np.ndarray | torch.Tensor  # (1, 192) float32
 
 
 # ---- requests -----------------------------------------------------------------------------------------

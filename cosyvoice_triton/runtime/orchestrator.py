@@ -42,14 +42,12 @@ class Token2WavBackend(Protocol):
 
 
 def flow_prompt_of(voice) -> FlowPrompt:
-    """The flow-side prompt (tokens, mel, embedding) of a voice's PromptFeatures, as (1, ...) tensors."""
-    import torch
-
-    # np.array copies: stored voices are shared read-only arrays, and torch wants writable memory
+    """The flow-side prompt (tokens, mel, embedding) of a voice's PromptFeatures, as (1, ...) numpy arrays
+    (views of the voice's arrays; token2wav copies them into torch once)."""
     return FlowPrompt(
-        speech_tokens=torch.from_numpy(np.array(voice.speech_tokens, dtype=np.int32))[None],
-        mel=torch.from_numpy(np.array(voice.mel, dtype=np.float32))[None],
-        embedding=torch.from_numpy(np.array(voice.embedding, dtype=np.float32)).reshape(1, -1),
+        speech_tokens=np.asarray(voice.speech_tokens, dtype=np.int32)[None],
+        mel=np.asarray(voice.mel, dtype=np.float32)[None],
+        embedding=np.asarray(voice.embedding, dtype=np.float32).reshape(1, -1),
     )
 
 

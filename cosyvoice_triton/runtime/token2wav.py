@@ -15,6 +15,16 @@ from ..models.hift import HiFTGenerator
 from .vocoder_stream import VocoderStream
 
 
+def prompt_tensors(prompt: FlowPrompt) -> FlowPrompt:
+    """The prompt as host torch tensors of the dtypes given. numpy arrays are copied (stored voices are
+    read-only shared arrays, and torch wants writable memory); tensors are taken as they are."""
+    def tensor(values) -> torch.Tensor:
+        return values if isinstance(values, torch.Tensor) else torch.from_numpy(np.array(values))
+
+    return FlowPrompt(speech_tokens=tensor(prompt.speech_tokens), mel=tensor(prompt.mel),
+                      embedding=tensor(prompt.embedding))
+
+
 class Token2Wav:
     """The flow + HiFT pair shared by all streams of one model instance."""
 
@@ -46,7 +56,7 @@ class Token2Wav:
 
     def stream(self, prompt: FlowPrompt, noise, lookahead: int | None = None) -> "Token2WavStream":
         lookahead = self.flow.config.pre_lookahead_len if lookahead is None else lookahead
-        return Token2WavStream(self, prompt, noise, lookahead)
+        return Token2WavStream(self, prompt_tensors(prompt), noise, lookahead)
 
 
 class Token2WavStream:

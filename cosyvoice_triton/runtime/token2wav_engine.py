@@ -38,6 +38,7 @@ from ..models.flow import FlowModel
 from ..models.hift import HiFTGenerator
 from ..models.hift_source import GeneratorNoise, StackedNoise
 from ..messages import MIN_HOP_TOKENS, ChunkRequest, FlowPrompt, check_seed
+from .token2wav import prompt_tensors
 from .vocoder_stream import VocoderStream
 
 log = logging.getLogger(__name__)
@@ -217,7 +218,8 @@ class Token2WavEngine:
             raise InvalidInput(field, f"speech tokens must be in [0, {vocab})")
 
     def _check_prompt(self, prompt: FlowPrompt) -> FlowPrompt:
-        """Shapes and values checked; moved to the flow's device."""
+        """Shapes and values checked; as torch tensors on the flow's device (the one conversion)."""
+        prompt = prompt_tensors(prompt)
         config = self.flow.config
         P = prompt.speech_tokens.shape[-1]
         expected = {"prompt.speech_tokens": (prompt.speech_tokens, (1, P)),

@@ -160,9 +160,9 @@ def chunk_inputs(chunk: ChunkRequest) -> dict[str, np.ndarray]:
         values["seed"] = np.array([[chunk.seed]], dtype=np.uint64)
     if chunk.prompt is not None:
         prompt = chunk.prompt
-        values["prompt_speech_tokens"] = prompt.speech_tokens.cpu().numpy().astype(np.int32).reshape(1, -1)
-        values["prompt_mel"] = prompt.mel.cpu().numpy().astype(np.float32)  # (1, 2P, 80)
-        values["embedding"] = prompt.embedding.cpu().numpy().astype(np.float32).reshape(1, -1)
+        values["prompt_speech_tokens"] = np.asarray(prompt.speech_tokens, dtype=np.int32).reshape(1, -1)
+        values["prompt_mel"] = np.asarray(prompt.mel, dtype=np.float32)  # (1, 2P, 80)
+        values["embedding"] = np.asarray(prompt.embedding, dtype=np.float32).reshape(1, -1)
     return values
 
 
@@ -171,9 +171,7 @@ def token2wav_cancel_inputs(stream_id: str) -> dict[str, np.ndarray]:
 
 
 def parse_chunk(reader: TensorReader) -> ChunkRequest | StreamCancel:
-    """A batched token2wav request (reader.batched is True)."""
-    import torch
-
+    """A batched token2wav request (reader.batched is True); the prompt stays numpy (token2wav converts it)."""
     stream_id = reader.string("stream_id", required=True)
     if not stream_id:
         raise InvalidInput("stream_id", "must not be empty")
@@ -189,9 +187,7 @@ def parse_chunk(reader: TensorReader) -> ChunkRequest | StreamCancel:
         tokens = reader.array("prompt_speech_tokens", np.int32, 1)
         mel = reader.array("prompt_mel", np.float32, 2)
         embedding = reader.array("embedding", np.float32, 1)
-        prompt = FlowPrompt(speech_tokens=torch.from_numpy(np.array(tokens))[None],
-                            mel=torch.from_numpy(np.array(mel))[None],
-                            embedding=torch.from_numpy(np.array(embedding))[None])
+        prompt = FlowPrompt(speech_tokens=tokens[None], mel=mel[None], embedding=embedding[None])
     return ChunkRequest(stream_id=stream_id, tokens=reader.token_ids("tokens"),
                         finalize=reader.boolean("finalize"), prompt=prompt,
                         seed=reader.integer("seed", low=0, high=SEED_LIMIT - 1))
