@@ -21,11 +21,17 @@ def check_llm_precision(precision: str) -> str:
     return precision
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX); without them bf16 is emulated."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
 def activation_dtype(precision: str, device: torch.device) -> torch.dtype:
     """The dtype the backbone computes in for `precision` on `device`."""
     if precision == "fp32":
         return torch.float32
-    if precision == "int8" and device.type == "cpu" and not torch.backends.mkldnn.is_bf16_supported():
+    if precision == "int8" and device.type == "cpu" and not cpu_has_bf16():
         return torch.float32
     return torch.bfloat16
 

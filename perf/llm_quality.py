@@ -1,0 +1,132 @@
+"""Quality and speed of the LLM precisions (fp32 | bf16 | int8) against the fp32 reference.
+
+    python -m cosyvoice_triton.perf.llm_quality --model-dir DIR [--steps 250] [--text-tokens 40]
+        [--prompt-tokens 75] [--timing-steps 10] [--json OUT]
+
+Teacher-forced: one fixed sequence (random text, prompt text and prompt speech ids, then `--steps`
+forced speech tokens, seeded) is scored by every precision in one cache-free causal pass; at each of
+the steps + 1 positions the next-token distributions are compared with fp32's:
+- mean KL(p_fp32 || p_x) per step, in nats (the default precision must stay <= 1e-3);
+- top-1 agreement (share of steps whose most likely token is fp32's);
+- max |delta log p| over the steps, of the tokens fp32 gives p >= 1e-3 (rarer tokens are almost
+  never drawn and their log-probs are dominated by rounding).
+Then the time of one cached decode step at the prompt's context (median of `--timing-steps`), the
+precisions interleaved step by step, with the load average; ratios are against fp32.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from cosyvoice_triton.models.llm_precision import LLM_PRECISIONS, cpu_has_bf16
+from cosyvoice_triton.models.qwen2 import kv_bucket
+from cosyvoice_triton.models.speech_lm import SpeechLM
+
+PROBABLE = 1e-3  # max |delta log p| counts tokens fp32 gives at least this probability
+
+
+@dataclass(frozen=True)
+class Quality:
+    precision: str
+    mean_kl: float  # nats per step, KL(fp32 || this)
+    top1_agreement: float  # share of steps
+    max_abs_dlogp: float  # over tokens with p_fp32 >= PROBABLE
+
+
+@torch.inference_mode()
+def forced_sequence(llm: SpeechLM, steps: int, text_tokens: int, prompt_tokens: int,
+                    seed: int = 0) -> tuple[torch.Tensor, int]:
+    """The fp32 decoder input (1, L + steps, D) of a seeded random request and its prompt length L."""
+    rng = torch.Generator().manual_seed(seed)
+    config = llm.config
+    text = torch.randint(config.qwen.vocab_size, (1, text_tokens), generator=rng)
+    prompt_text = torch.randint(config.qwen.vocab_size, (1, max(1, text_tokens // 4)), generator=rng)
+    prompt_speech = torch.randint(config.speech_token_size, (1, prompt_tokens), generator=rng)
+    forced = torch.randint(config.speech_token_size, (1, steps), generator=rng)
+    prompt = llm.build_prompt(text, prompt_text, prompt_speech)  # (1, L, D)
+    return torch.cat([prompt, llm.embed_speech(forced)], dim=1), prompt.shape[1]
+
+
+@torch.inference_mode()
+def step_log_probs(llm: SpeechLM, x: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Log-probs (steps + 1, V) of the next token after the prompt and after each forced token."""
+    logits = llm.logits_full(x.to(llm.speech_embedding.weight.dtype))[0, prompt_len - 1:]  # (steps + 1, V)
+    return logits.float().log_softmax(dim=-1)
+
+
+def compare(precision: str, reference: torch.Tensor, candidate: torch.Tensor) -> Quality:
+    """reference, candidate: log-probs (N, V) of the same N steps."""
+    kl = (reference.exp() * (reference - candidate)).sum(dim=-1)  # (N,)
+    agree = (reference.argmax(dim=-1) == candidate.argmax(dim=-1)).float().mean()
+    probable = reference >= torch.log(torch.tensor(PROBABLE))
+    dlogp = (reference - candidate).abs()[probable]
+    return Quality(precision, float(kl.mean()), float(agree), float(dlogp.max()))
+
+
+@torch.inference_mode()
+def decode_step_ms(models: dict[str, SpeechLM], x: torch.Tensor, prompt_len: int, repeats: int) -> dict[str, float]:
+    """Median ms of one cached decode step at context prompt_len, the precisions interleaved."""
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for name, llm in models.items():  # prefill each cache once
+        llm.step_logits(x[:, :prompt_len].to(llm.speech_embedding.weight.dtype), torch.arange(prompt_len)[None],
+                        torch.tensor([0]), kv_bucket(prompt_len, llm.max_seq_len))
+    step_input = x[:, prompt_len:prompt_len + 1]
+    for _ in range(repeats + 1):  # the first round is a warm-up
+        for name, llm in models.items():
+            start = time.perf_counter()
+            llm.step_logits(step_input.to(llm.speech_embedding.weight.dtype), torch.tensor([[prompt_len]]),
+                            torch.tensor([0]), kv_bucket(prompt_len + 1, llm.max_seq_len))
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t[1:]) for name, t in times.items()}
+
+
+def quality_table(model_dir: str, precisions: tuple[str, ...] = LLM_PRECISIONS, steps: int = 250,
+                  text_tokens: int = 40, prompt_tokens: int = 75) -> tuple[list[Quality], dict[str, SpeechLM], tuple]:
+    max_seq_len = kv_bucket(3 + text_tokens + text_tokens // 4 + prompt_tokens + steps, 1 << 20)
+    models = {p: SpeechLM.from_model_dir(model_dir, max_seq_len=max_seq_len, precision=p) for p in precisions}
+    reference = models["fp32"]
+    x, prompt_len = forced_sequence(reference, steps, text_tokens, prompt_tokens)
+    ref_logp = step_log_probs(reference, x, prompt_len)
+    rows = [compare(p, ref_logp, step_log_probs(llm, x, prompt_len)) for p, llm in models.items()]
+    return rows, models, (x, prompt_len)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--text-tokens", type=int, default=40)
+    parser.add_argument("--prompt-tokens", type=int, default=75)
+    parser.add_argument("--timing-steps", type=int, default=10, help="0: no timing")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows, models, (x, prompt_len) = quality_table(args.model_dir, steps=args.steps, text_tokens=args.text_tokens,
+                                                  prompt_tokens=args.prompt_tokens)
+    load_before = os.getloadavg()[0]
+    ms = decode_step_ms(models, x, prompt_len, args.timing_steps) if args.timing_steps else {}
+    load = (load_before, os.getloadavg()[0])
+    print(f"model {args.model_dir}; {args.steps} teacher-forced steps, context {prompt_len}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; bf16 CPU support {cpu_has_bf16()}; "
+          f"load average {load[0]:.1f} -> {load[1]:.1f}")
+    print("| precision | mean KL (nats/step) | top-1 agreement | max abs d log p | decode step (ms) | / fp32 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for row in rows:
+        step = ms.get(row.precision)
+        timing = f"{step:.1f} | {step / ms['fp32']:.2f}" if step else "- | -"
+        print(f"| {row.precision} | {row.mean_kl:.2e} | {100 * row.top1_agreement:.1f} % | {row.max_abs_dlogp:.3f} | {timing} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": [asdict(r) for r in rows], "decode_step_ms": ms, "load_average": load,
+                       "context": prompt_len, "steps": args.steps}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
