@@ -7,8 +7,9 @@ in one run and one report.
   per-request overrides `chunk_first_hop`, `chunk_hop_scale`, `chunk_max_hop` (gRPC inputs, or fields of
   the gateway's /v1/tts body and WebSocket start message); one server.
 - `adaptive_chunks`: the `fixed` (official) chunk schedule / the `adaptive` one, sent as the per-request
-  `chunk_policy`; one server, the variants interleaved level by level (fixed then adaptive at each
-  concurrency), so that both see the same load on the machine.
+  `chunk_policy`; one server, the variants interleaved round by round (at each concurrency c: c requests
+  of fixed, then the same c seeds with adaptive, and again), so that both see the same load on a shared
+  machine.
 - `llm_batching`: `llm_max_batch` 8 (the default) / 1; one server per variant, in turn.
 - `engine`: token2wav on torch / ONNX Runtime (/ TensorRT with `--device cuda`); one server per variant,
   in turn.
@@ -131,12 +132,10 @@ def _describe(variant: Variant) -> str:
     return ", ".join(parts)
 
 
-def _measure(endpoint: serving.Endpoint, variant: Variant, load: Load, concurrency: list[int] | None = None,
-             warmup: int | None = None) -> VariantResult:
+def _measure(endpoint: serving.Endpoint, variant: Variant, load: Load) -> VariantResult:
     print(f"variant {variant.name} ({_describe(variant)}) on {endpoint.describe()}", file=sys.stderr, flush=True)
-    levels = loadgen.measure(endpoint.target, list(load.scenario.cases), concurrency or load.concurrency,
-                             load.requests, voice_mode=variant.voice_mode,
-                             warmup=load.warmup if warmup is None else warmup, options=variant.options,
+    levels = loadgen.measure(endpoint.target, list(load.scenario.cases), load.concurrency, load.requests,
+                             voice_mode=variant.voice_mode, warmup=load.warmup, options=variant.options,
                              on_level=lambda level: print(f"[{variant.name}] {loadgen.progress_line(level)}",
                                                           flush=True), start_buffer_s=load.start_buffer_s)
     return VariantResult(variant, [level.summary() for level in levels], endpoint.describe(),
@@ -144,15 +143,24 @@ def _measure(endpoint: serving.Endpoint, variant: Variant, load: Load, concurren
 
 
 def _measure_interleaved(endpoint: serving.Endpoint, variants: list[Variant], load: Load) -> list[VariantResult]:
-    """Level by level, every variant in turn at each level (the warm-up before the first level only); the
-    seeds of a level are the same for every variant."""
-    results = [VariantResult(v, target=endpoint.describe(), server_version=endpoint.server_version)
-               for v in variants]
+    """Level by level and, in each level, round by round: `concurrency` requests of each variant in turn,
+    with the same seeds, until each variant has made `requests` (the warm-up before its first round only)."""
+    results = [VariantResult(v, target=endpoint.describe(), server_version=endpoint.server_version,
+                             notes=serving.engine_warnings(endpoint.server_log)) for v in variants]
+    cases = list(load.scenario.cases)
     for n, concurrency in enumerate(load.concurrency):
-        for result in results:
-            one = _measure(endpoint, result.variant, load, [concurrency], warmup=load.warmup if n == 0 else 0)
-            result.levels += one.levels
-            result.notes = one.notes
+        merged = [loadgen.LevelResult(concurrency, 0.0, [], load.start_buffer_s) for _ in variants]
+        for done in range(0, load.requests, concurrency):
+            for variant, level in zip(variants, merged):
+                (one,) = loadgen.measure(endpoint.target, cases, [concurrency], min(concurrency, load.requests - done),
+                                         voice_mode=variant.voice_mode, options=variant.options,
+                                         warmup=load.warmup if n == done == 0 else 0,
+                                         start_buffer_s=load.start_buffer_s, seed=100_000 * (n + 1) + done)
+                level.wall_s += one.wall_s
+                level.requests += one.requests
+        for result, level in zip(results, merged):
+            print(f"[{result.variant.name}] {loadgen.progress_line(level)}", flush=True)
+            result.levels.append(level.summary())
     return results
 
 

@@ -200,9 +200,10 @@ def progress_line(level: LevelResult) -> str:
 async def run_load(target, cases: list[Case], concurrencies: list[int], requests: int, *, voice_mode: str = "id",
                    warmup: int = 1, options: dict | None = None,
                    on_level: Callable[[LevelResult], None] | None = None,
-                   start_buffer_s: float = DEFAULT_START_BUFFER_S) -> list[LevelResult]:
+                   start_buffer_s: float = DEFAULT_START_BUFFER_S, seed: int | None = None) -> list[LevelResult]:
     """Every level in turn (after `warmup` unmeasured requests); `on_level` sees each as it finishes.
-    Level n uses seeds 100000 * (n + 1) + k, so runs with the same levels send the same seeds."""
+    Level n uses seeds 100000 * (n + 1) + k (or, given `seed`, seed + 100000 * n + k), so runs with the
+    same levels send the same seeds."""
     if voice_mode not in VOICE_MODES:
         raise ValueError(f"voice_mode must be one of {', '.join(VOICE_MODES)}, got {voice_mode!r}")
     voice_ids: list[str | None] = [None] * len(cases)
@@ -217,7 +218,8 @@ async def run_load(target, cases: list[Case], concurrencies: list[int], requests
         await one_request(target, cases[k % len(cases)], voice_ids[k % len(cases)], 10_000 + k, options)
     levels = []
     for n, concurrency in enumerate(concurrencies):
-        level = await run_level(target, cases, voice_ids, concurrency, requests, seed=100_000 * (n + 1),
+        first = 100_000 * (n + 1) if seed is None else seed + 100_000 * n
+        level = await run_level(target, cases, voice_ids, concurrency, requests, seed=first,
                                 options=options, start_buffer_s=start_buffer_s)
         levels.append(level)
         if on_level is not None:
@@ -228,14 +230,14 @@ async def run_load(target, cases: list[Case], concurrencies: list[int], requests
 def measure(make: Callable[[], object], cases: list[Case], concurrencies: list[int], requests: int, *,
             voice_mode: str = "id", warmup: int = 1, options: dict | None = None,
             on_level: Callable[[LevelResult], None] | None = None,
-            start_buffer_s: float = DEFAULT_START_BUFFER_S) -> list[LevelResult]:
+            start_buffer_s: float = DEFAULT_START_BUFFER_S, seed: int | None = None) -> list[LevelResult]:
     """`run_load` in an event loop of its own, on a target that `make()` builds inside that loop (gRPC
     and aiohttp clients belong to the loop that made them) and that is closed at the end."""
     async def go() -> list[LevelResult]:
         target = make()
         try:
             return await run_load(target, cases, concurrencies, requests, voice_mode=voice_mode, warmup=warmup,
-                                  options=options, on_level=on_level, start_buffer_s=start_buffer_s)
+                                  options=options, on_level=on_level, start_buffer_s=start_buffer_s, seed=seed)
         finally:
             await target.close()
 

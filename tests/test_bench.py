@@ -264,9 +264,10 @@ def test_a_server_that_does_not_start_fails_its_variants_only(monkeypatch, tmp_p
     assert results[1].levels == [measured.summary()]
 
 
-def test_adaptive_chunks_are_interleaved_level_by_level(monkeypatch, tmp_path):
-    """`--compare adaptive_chunks`: one server; at each level fixed then adaptive (per-request
-    chunk_policy), the warm-up only before the first level, the start buffer passed on."""
+def test_adaptive_chunks_are_interleaved_round_by_round(monkeypatch, tmp_path):
+    """`--compare adaptive_chunks`: one server; at each level, rounds of `concurrency` requests of fixed then
+    adaptive (per-request chunk_policy) with the same seeds, the warm-up only before each variant's first round, the
+    start buffer passed on; each variant's rounds make one level."""
     @contextmanager
     def deployment(settings, run_dir, server):
         assert server == {}  # one server for both variants
@@ -275,17 +276,20 @@ def test_adaptive_chunks_are_interleaved_level_by_level(monkeypatch, tmp_path):
     calls = []
 
     def measure(make, cases, concurrency, requests, **kwargs):
-        calls.append((kwargs["options"]["chunk_policy"], concurrency, kwargs["warmup"], kwargs["start_buffer_s"]))
-        return [loadgen.LevelResult(concurrency[0], 1.0, [loadgen.RequestResult(0.1, None, 0.5, 2.0, 1)])]
+        calls.append((kwargs["options"]["chunk_policy"], concurrency, requests, kwargs["warmup"],
+                      kwargs["start_buffer_s"], kwargs["seed"]))
+        return [loadgen.LevelResult(concurrency[0], 1.0, [loadgen.RequestResult(0.1, None, 0.5, 2.0, 1)] * requests)]
 
     monkeypatch.setattr(serving, "deployment", deployment)
     monkeypatch.setattr(loadgen, "measure", measure)
     load = compare.Load(scenarios.build("fast_clone", quick=True), [1, 4], 2, 1, start_buffer_s=0.3)
     results = compare.run_variants(serving.Settings(path="grpc", start=True), compare.plan("adaptive_chunks"),
                                    load, tmp_path, interleave=True)
-    assert calls == [("fixed", [1], 1, 0.3), ("adaptive", [1], 1, 0.3), ("fixed", [4], 0, 0.3),
-                     ("adaptive", [4], 0, 0.3)]
-    assert [[level["concurrency"] for level in r.levels] for r in results] == [[1, 4], [1, 4]]
+    assert calls == [("fixed", [1], 1, 1, 0.3, 100_000), ("adaptive", [1], 1, 1, 0.3, 100_000),
+                     ("fixed", [1], 1, 0, 0.3, 100_001), ("adaptive", [1], 1, 0, 0.3, 100_001),
+                     ("fixed", [4], 2, 0, 0.3, 200_000), ("adaptive", [4], 2, 0, 0.3, 200_000)]
+    assert [[(level["concurrency"], level["requests"], level["wall_s"]) for level in r.levels] for r in results] \
+        == [[(1, 2, 2.0), (4, 2, 1.0)]] * 2
     assert "adaptive_chunks" in compare.INTERLEAVED_AXES
 
 
