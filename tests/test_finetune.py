@@ -56,6 +56,44 @@ def test_flow_loss_equals_the_official_loss(golden_model_dir, official, case):
     assert abs(out.loss.item() - float(official[f"flow{case}_loss"])) < LOSS_TOLERANCE
 
 
+# --- pieces of the run -------------------------------------------------------------------------------
+
+
+def test_kaldi_layout_is_read_and_an_utterance_without_transcript_is_reported(tmp_path):
+    from cosyvoice_triton.training.data_prep import read_manifest
+
+    (tmp_path / "wav.scp").write_text("utt1 clips/a.wav\nutt2 /abs/b.flac\nutt3 clips/c.wav\n")
+    (tmp_path / "text").write_text("utt1 First sentence.\nutt2 Second one.\n")
+    utterances, skipped = read_manifest(tmp_path)
+    assert [(u.name, u.audio_path, u.text) for u in utterances] == [
+        ("utt1", tmp_path / "clips" / "a.wav", "First sentence."), ("utt2", Path("/abs/b.flac"), "Second one.")]
+    assert [(s.name, s.reason) for s in skipped] == [("utt3", "no transcript in text")]
+
+
+def test_batches_respect_both_limits_and_ranks_share_them_out():
+    from cosyvoice_triton.training.dataset import epoch_batches
+
+    lengths = [10, 50, 20, 40, 30, 60, 10, 25, 35, 45]
+    batches = epoch_batches(lengths, epoch=0, seed=1, batch_size=3, max_tokens=100)
+    assert sorted(i for b in batches for i in b) == list(range(10))  # every example once per epoch
+    assert all(len(b) <= 3 and len(b) * max(lengths[i] for i in b) <= 100 or len(b) == 1 for b in batches)
+    assert epoch_batches(lengths, 1, 1, 3, 100) != batches  # reshuffled each epoch
+    assert epoch_batches(lengths, 0, 1, 3, 100) == batches  # ... the same way on every rank and rerun
+    rank0, rank1 = (epoch_batches(lengths, 0, 1, 3, 100, rank=r, world_size=2) for r in (0, 1))
+    assert len(rank0) == len(rank1) == len(batches) // 2
+    assert not {i for b in rank0 for i in b} & {i for b in rank1 for i in b}
+
+
+def test_warmup_schedule_is_the_recipes_warmuplr():
+    from cosyvoice_triton.training.trainer import lr_factor
+
+    assert lr_factor(0, 0) == lr_factor(5000, 0) == 1.0  # constant: the recipe's fine-tuning setting
+    warmup = 100
+    assert lr_factor(warmup - 1, warmup) == pytest.approx(1.0)  # peak at step `warmup`
+    assert lr_factor(9, warmup) == pytest.approx(10 / warmup)  # linear rise
+    assert lr_factor(4 * warmup - 1, warmup) == pytest.approx(0.5)  # then 1/sqrt decay
+
+
 # --- fine-tuning end to end on a tiny synthetic data set ---------------------------------------------
 
 SENTENCES = [

@@ -15,7 +15,6 @@ import contextlib
 import copy
 import inspect
 import json
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -27,16 +26,16 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from cosyvoice_triton.config import ModelPaths, read_yaml
-from cosyvoice_triton.errors import CosyVoiceError
 from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.training import PARTS, checkpoints
 from cosyvoice_triton.training.data_prep import (DataError, Example, prepare_examples, read_manifest,
                                                  report_skipped)
 from cosyvoice_triton.training.dataset import Batch, collate, epoch_batches, split_train_val
+from cosyvoice_triton.training.devices import Distributed, FinetuneError, autocast_dtype, pick_device
 from cosyvoice_triton.training.lora import FLOW_TARGETS, LLM_TARGETS, LoraOptions, add_lora, merge_lora
-from cosyvoice_triton.training.losses import (FlowLossConfig, draw_flow_noise, draw_prompt_frames, draw_streaming,
-                                              flow_loss, llm_label_smoothing, lm_loss)
+from cosyvoice_triton.training.losses import (FlowLossConfig, FlowNoise, draw_flow_noise, draw_prompt_frames,
+                                              draw_streaming, flow_loss, llm_label_smoothing, lm_loss)
 from cosyvoice_triton.training.model_folder import RUN_FOLDER, write_model_folder
 
 VALIDATION_SEED = 12345  # the same draws at every validation, so its losses are comparable
@@ -77,13 +76,9 @@ class FinetuneOptions:
         return ("llm", "flow") if self.part == "both" else (self.part,)
 
 
-class FinetuneError(CosyVoiceError):
-    pass
-
-
 @dataclass
 class FlowDraws:
-    noise: object  # losses.FlowNoise
+    noise: FlowNoise
     prompt_frames: Tensor
     streaming: bool
 
@@ -107,49 +102,6 @@ class TrainModule(nn.Module):
             losses["flow"] = flow_loss(self.flow, batch.flow, draws.noise, draws.prompt_frames, draws.streaming,
                                        self.flow_config.sigma_min, self.flow_config.training_cfg_rate).loss
         return losses
-
-
-@dataclass
-class Distributed:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @classmethod
-    def from_env(cls) -> Distributed:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size == 1:
-            return cls()
-        return cls(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world_size)
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
-
-
-def pick_device(name: str, ddp: Distributed) -> torch.device:
-    if name == "auto":
-        return torch.device(f"cuda:{ddp.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device(f"cuda:{ddp.local_rank}")
-    return device
-
-
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast where the device supports it (auto: CUDA with bf16), else None (fp32)."""
-    if precision == "fp32":
-        return None
-    supported = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
-    if precision == "bf16" and not supported:
-        raise FinetuneError(f"--precision bf16: {device} does not support bfloat16")
-    if precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" and supported else None
-    return torch.bfloat16
 
 
 def lr_factor(step: int, warmup_steps: int) -> float:
