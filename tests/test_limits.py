@@ -128,3 +128,27 @@ def test_readyz_reports_a_voice_store_that_stops_answering(tmp_path):
             assert listing.status_code == 503 and listing.json()["error"]["code"] == "unavailable"
     finally:
         server.stop()
+
+
+def test_keys_come_from_files_and_the_environment_and_argv_keys_warn(tmp_path, monkeypatch, caplog):
+    import argparse
+
+    from cosyvoice_triton.gateway.config import add_gateway_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_gateway_arguments(parser)
+    keys, admin = tmp_path / "keys.txt", tmp_path / "admin.txt"
+    keys.write_text("# one key a line\nkey-from-file\n\n  other-key  \n")
+    admin.write_text("admin-from-file\n")
+    monkeypatch.setenv("COSYVOICE_API_KEYS", "env-key, second-env-key")
+    monkeypatch.setenv("COSYVOICE_ADMIN_KEYS", "env-admin")
+    args = parser.parse_args(["--api-key-file", str(keys), "--admin-key-file", str(admin)])
+    with caplog.at_level("WARNING"):
+        config = config_from_args(args)
+    assert config.api_keys == {"key-from-file", "other-key", "env-key", "second-env-key"}
+    assert config.admin_keys == {"admin-from-file", "env-admin"}
+    assert "ps" not in caplog.text
+    with caplog.at_level("WARNING"):
+        config = config_from_args(parser.parse_args(["--api-key", "visible-key"]))
+    assert "visible-key" in config.api_keys and "`ps` shows them" in caplog.text
+    assert config.limits.request_burst == 2 * int(config.limits.requests_per_second)
