@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_triton.audio_out import FORMATS, AudioEncoder
+from cosyvoice_triton.messages import CHUNK_POLICIES
 
 from .common import SAMPLE_RATE, TTSError, write_wav
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each later chunk is the previous one times X (1 to 16)")
     p.add_argument("--chunk-max-hop", type=int, default=None, metavar="TOKENS",
                    help="chunks never grow beyond this many tokens")
+    p.add_argument("--chunk-policy", choices=CHUNK_POLICIES, default=None,
+                   help="fixed: the official schedule; adaptive: hops follow the listener's lead (default: the "
+                        "server's)")
     p.add_argument("--out", required=True, type=Path, help="the audio file to write (24 kHz; opus 48 kHz)")
     p.add_argument("--format", choices=tuple(FORMATS), default=None,
                    help="the file's format (default: from the --out suffix, else wav: 16-bit)")
@@ -110,7 +114,7 @@ def _synth(args) -> int:
     text = sys.stdin.read() if args.text == "-" else args.text
     options = {"mode": args.mode, "instruct": args.instruct, "seed": args.seed,
                "chunk_first_hop": args.chunk_first_hop, "chunk_hop_scale": args.chunk_hop_scale,
-               "chunk_max_hop": args.chunk_max_hop}  # None: not sent, on either path
+               "chunk_max_hop": args.chunk_max_hop, "chunk_policy": args.chunk_policy}  # None: not sent
     if args.prompt_wav is not None:
         options.update(prompt_audio=args.prompt_wav.read_bytes(), prompt_text=args.prompt_text)
     else:

@@ -8,7 +8,8 @@ async with AsyncGatewayTTS("http://localhost:8080") as tts:
     async with await tts.stream_ws(llm_tokens()) as chunks:        # text in from an async iterator
         async for chunk in chunks: ...
 ```
-Options (voice, mode, seed, the chunk policy `chunk_first_hop`, `chunk_hop_scale`, `chunk_max_hop`) are
+Options (voice, mode, seed, the chunk policy `chunk_first_hop`, `chunk_hop_scale`, `chunk_max_hop`,
+`chunk_policy`) are
 those of `GatewayTTS` (`tts_body`). `stream()` and `stream_ws()` are awaited once (the request is sent
 and its answer begun) and then iterated; `aclose()` (or leaving `async with`) before the end cancels
 the synthesis on the server.

@@ -16,7 +16,8 @@ with GatewayTTS("http://localhost:8080") as tts:
 ```
 Options of synthesize/stream/stream_ws: voice_id | prompt_audio (+ prompt_sample_rate for samples) +
 prompt_text, mode, instruct, seed, and the chunk policy `chunk_first_hop`, `chunk_hop_scale`,
-`chunk_max_hop` (as `TritonTTS` takes them; e.g. `chunk_first_hop=10` for earlier first audio).
+`chunk_max_hop`, `chunk_policy` ("fixed" | "adaptive") (as `TritonTTS` takes them; e.g. `chunk_first_hop=10`
+for earlier first audio).
 Audio comes as float32 numpy arrays (the gateway's `pcm_f32`). Leaving a `with` block (or `close()`)
 before the end closes the connection, and the gateway cancels the synthesis on Triton. Errors raise
 `TTSError` with the gateway's `param` as `field`, its `code` and the HTTP status.
@@ -54,7 +55,8 @@ def _prompt_file(audio: PromptAudio, sample_rate: int | None) -> bytes:
 def tts_body(text: str | None, *, voice_id: str | None = None, prompt_audio: PromptAudio | None = None,
              prompt_sample_rate: int | None = None, prompt_text: str | None = None, mode: str | None = None,
              instruct: str | None = None, seed: int | None = None, chunk_first_hop: int | None = None,
-             chunk_hop_scale: float | None = None, chunk_max_hop: int | None = None) -> dict:
+             chunk_hop_scale: float | None = None, chunk_max_hop: int | None = None,
+             chunk_policy: str | None = None) -> dict:
     """The JSON of a /v1/tts request (or, without `format`/`stream`, of a WebSocket start message).
     Options left None are not sent: the gateway's (or the server's) default applies."""
     body: dict = {} if text is None else {"text": text}
@@ -66,7 +68,7 @@ def tts_body(text: str | None, *, voice_id: str | None = None, prompt_audio: Pro
         body["prompt_audio"] = base64.b64encode(_prompt_file(prompt_audio, prompt_sample_rate)).decode("ascii")
     for name, value in (("prompt_text", prompt_text), ("mode", mode), ("instruct", instruct), ("seed", seed),
                         ("chunk_first_hop", chunk_first_hop), ("chunk_hop_scale", chunk_hop_scale),
-                        ("chunk_max_hop", chunk_max_hop)):
+                        ("chunk_max_hop", chunk_max_hop), ("chunk_policy", chunk_policy)):
         if value is not None:
             body[name] = value
     return body

@@ -12,6 +12,7 @@ Body (JSON):
                 the first chunk (int >= 4; smaller: earlier first audio), the growth of each later chunk
                 (number in [1, 16]) and its cap (int >= the first hop). The chunking changes where the flow
                 model's chunks fall, so the audio may differ slightly from the default's
+  chunk_policy  fixed (the official schedule) | adaptive (hops follow the listener's lead; default: the server's)
   format        wav (default, 16-bit) | mp3 | opus | aac | flac | pcm (16-bit little-endian) | pcm_f32 (the
                 model's float32 samples); pcm_s16le is an older name of pcm. cosyvoice_triton/audio_out.py
                 lists codecs, rates and media types (opus is 48 kHz; X-Sample-Rate says the rate)
@@ -45,7 +46,7 @@ from .synthesis import TTS_FIELDS, Synthesis, decode_base64, prepare, stream_aud
 log = logging.getLogger(__name__)
 
 TTS_KEYS = frozenset({"text", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
-                      "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "format", "stream"})
+                      "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "format", "stream"})
 TTS_FORMATS = (*FORMATS, *ALIASES)  # the formats of /v1/tts and the WebSocket
 
 
@@ -153,7 +154,8 @@ async def tts(request: web.Request) -> web.StreamResponse:
                               prompt_audio=prompt_audio, prompt_text=body.get("prompt_text"), mode=body.get("mode"),
                               instruct=body.get("instruct"), seed=body.get("seed"),
                               chunk_first_hop=body.get("chunk_first_hop"), chunk_hop_scale=body.get("chunk_hop_scale"),
-                              chunk_max_hop=body.get("chunk_max_hop"), fields=TTS_FIELDS)
+                              chunk_max_hop=body.get("chunk_max_hop"), chunk_policy=body.get("chunk_policy"),
+                              fields=TTS_FIELDS)
     with app[LIMITER].slot(limit_key(request)):
         return await send_audio(request, synthesis, fmt, stream, route="tts")
 

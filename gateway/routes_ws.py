@@ -2,7 +2,7 @@
 
 Client -> server (JSON text frames):
   {"type": "start", "voice_id" | "prompt_audio" (+ "prompt_text"), "mode", "instruct", "seed",
-   "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop" (as in POST /v1/tts),
+   "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy" (as in POST /v1/tts),
    "format": "pcm_f32" (default) | any format of POST /v1/tts, "text" (optional)}   first, once
   {"type": "text", "text": "Hello there. How"}   any number: text is buffered, and each complete
                                                  sentence (end mark + space, or a CJK end mark, or a
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 SEGMENT_SEED_STRIDE = 1000
 START_KEYS = frozenset({"type", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
-                        "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "format", "text"})
+                        "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "format", "text"})
 # A sentence is complete at an end mark followed by white space, a CJK end mark, or a newline.
 _BOUNDARY = re.compile(r"[.!?;]+[\"'”’)\]]*\s+|[。！？；…]+[\"”’」』）)]*\s*|\n+")
 _DONE = object()
@@ -191,7 +191,8 @@ class Session:
                                   instruct=message.get("instruct"), seed=message.get("seed"),
                                   chunk_first_hop=message.get("chunk_first_hop"),
                                   chunk_hop_scale=message.get("chunk_hop_scale"),
-                                  chunk_max_hop=message.get("chunk_max_hop"), fields=TTS_FIELDS)
+                                  chunk_max_hop=message.get("chunk_max_hop"),
+                                  chunk_policy=message.get("chunk_policy"), fields=TTS_FIELDS)
         await self.ws.send_json({"type": "started", "request_id": self.request_id,
                                  "sample_rate": self.fmt.output_rate(self.config.sample_rate),
                                  "format": self.fmt.name, "seed": self.base.seed})

@@ -5,8 +5,8 @@ called (`Fields`: `text` for /v1/tts, `input` for the OpenAI route, ...). Errors
 are mapped back to the same names. A request without a seed gets one here, so a retry on another
 server gives the same audio.
 
-The chunk-policy overrides (`chunk_first_hop`, `chunk_hop_scale`, `chunk_max_hop`; /v1/tts and the
-WebSocket start message) are checked with the library's `ChunkPolicy` against its defaults, and sent to
+The chunk-policy overrides (`chunk_first_hop`, `chunk_hop_scale`, `chunk_max_hop`, `chunk_policy`; /v1/tts
+and the WebSocket start message) are checked with the library's `ChunkPolicy` against its defaults, and sent to
 the model only when given (the model checks them again against its own policy).
 """
 from __future__ import annotations
@@ -64,6 +64,7 @@ class Fields:
     chunk_first_hop: str = "chunk_first_hop"
     chunk_hop_scale: str = "chunk_hop_scale"
     chunk_max_hop: str = "chunk_max_hop"
+    chunk_policy: str = "chunk_policy"
 
     def of_model_input(self, name: str | None) -> str | None:
         """The API field behind a cosyvoice2 input named in a Triton error."""
@@ -71,7 +72,8 @@ class Fields:
                 "reference_wav": self.prompt_audio, "reference_sample_rate": self.prompt_audio,
                 "reference_text": self.prompt_text, "instruct_text": self.instruct, "mode": self.mode,
                 "seed": self.seed, "chunk_first_hop": self.chunk_first_hop,
-                "chunk_hop_scale": self.chunk_hop_scale, "chunk_max_hop": self.chunk_max_hop}.get(name or "", name)
+                "chunk_hop_scale": self.chunk_hop_scale, "chunk_max_hop": self.chunk_max_hop,
+                "chunk_policy": self.chunk_policy}.get(name or "", name)
 
 
 TTS_FIELDS = Fields()
@@ -94,13 +96,15 @@ class Synthesis:
     chunk_first_hop: int | None = None  # chunk-policy overrides; None: the server's policy
     chunk_hop_scale: float | None = None
     chunk_max_hop: int | None = None
+    chunk_policy: str | None = None  # fixed | adaptive; None: the server's
 
     def inputs(self, seed: int | None = None) -> dict[str, np.ndarray]:
         """The cosyvoice2 request (contracts.py), with `seed` instead of the request's when given."""
         return synthesis_inputs(self.text, voice_id=self.voice_id, audio_file=self.prompt_audio,
                                 reference_text=self.prompt_text, mode=self.mode, instruct_text=self.instruct or None,
                                 seed=self.seed if seed is None else seed, chunk_first_hop=self.chunk_first_hop,
-                                chunk_hop_scale=self.chunk_hop_scale, chunk_max_hop=self.chunk_max_hop)
+                                chunk_hop_scale=self.chunk_hop_scale, chunk_max_hop=self.chunk_max_hop,
+                                chunk_policy=self.chunk_policy)
 
     def with_text(self, text: str, seed: int, cost: float) -> Synthesis:
         """The same voice and settings (chunk policy included) for another text (WebSocket segments)."""
@@ -155,24 +159,27 @@ def optional_number(value: object, field: str) -> float | None:
     return float(value)
 
 
-def check_chunk_policy(first_hop: object, hop_scale: object, max_hop: object,
-                       fields: Fields) -> dict[str, int | float | None]:
+def check_chunk_policy(first_hop: object, hop_scale: object, max_hop: object, fields: Fields,
+                       kind: object = None) -> dict[str, int | float | str | None]:
     """The overrides checked as the model will check them: types here, ranges by `ChunkPolicy` (its errors
     name the model input, chunk_*, mapped to the API's field). Returns them as `Synthesis` fields."""
     first_hop = optional_int32(first_hop, fields.chunk_first_hop)
     hop_scale = optional_number(hop_scale, fields.chunk_hop_scale)
     max_hop = optional_int32(max_hop, fields.chunk_max_hop)
+    kind = optional_string(kind, fields.chunk_policy)
     try:
-        ChunkPolicy().with_overrides(first_hop=first_hop, hop_scale=hop_scale, max_hop=max_hop)
+        ChunkPolicy().with_overrides(first_hop=first_hop, hop_scale=hop_scale, max_hop=max_hop, kind=kind)
     except InvalidInput as exc:
         raise BadRequest(fields.of_model_input(exc.field), exc.problem) from None
-    return {"chunk_first_hop": first_hop, "chunk_hop_scale": hop_scale, "chunk_max_hop": max_hop}
+    return {"chunk_first_hop": first_hop, "chunk_hop_scale": hop_scale, "chunk_max_hop": max_hop,
+            "chunk_policy": kind}
 
 
 async def prepare(app: web.Application, *, text: object, voice_id: object = None, prompt_audio: bytes | None = None,
                   prompt_text: object = None, mode: object = "zero_shot", instruct: object = None,
                   seed: object = None, chunk_first_hop: object = None, chunk_hop_scale: object = None,
-                  chunk_max_hop: object = None, fields: Fields = TTS_FIELDS, check_text: bool = True) -> Synthesis:
+                  chunk_max_hop: object = None, chunk_policy: object = None, fields: Fields = TTS_FIELDS,
+                  check_text: bool = True) -> Synthesis:
     """Check a request and resolve its voice (no voice given: "default"). `check_text` False: settings
     for texts that come later (a WebSocket start message)."""
     if not check_text:
@@ -190,7 +197,7 @@ async def prepare(app: web.Application, *, text: object, voice_id: object = None
         raise BadRequest(fields.instruct, "is required in instruct2 mode")
     prompt_text = optional_string(prompt_text, fields.prompt_text)
     seed = check_seed(seed, fields.seed)
-    chunk = check_chunk_policy(chunk_first_hop, chunk_hop_scale, chunk_max_hop, fields)
+    chunk = check_chunk_policy(chunk_first_hop, chunk_hop_scale, chunk_max_hop, fields, chunk_policy)
     if voice_id is not None and prompt_audio is not None:
         raise BadRequest(fields.voice, f"give {fields.voice} or {fields.prompt_audio}, not both")
     if prompt_audio is not None:

@@ -36,8 +36,8 @@ CHANNEL_OPTIONS = [
 # Inputs of cosyvoice2 and register_voice: an error message starting with one of them names that field.
 MODEL_INPUTS = frozenset({
     "target_text", "mode", "reference_audio_id", "reference_wav", "reference_sample_rate", "reference_audio",
-    "reference_text", "instruct_text", "seed", "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "top_p",
-    "top_k", "win_size", "tau_r", "voice_id", "name",
+    "reference_text", "instruct_text", "seed", "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy",
+    "top_p", "top_k", "win_size", "tau_r", "voice_id", "name",
 })
 _FIELD_MESSAGE = re.compile(r"^([a-z_]+): (.+)$", re.DOTALL)
 _BUSY_WORDS = ("busy", "queue is full", "unavailable", "no free", "limit reached")

@@ -101,3 +101,21 @@ def test_the_in_process_pipeline_follows_the_request_policy(tiny_model_dir, prom
     fixed, adaptive = chunks("fixed"), chunks("adaptive")
     assert len(fixed) >= 3 and sum(fixed) == sum(adaptive)
     assert adaptive[0] == fixed[0] and adaptive[1] * 2 == fixed[1]
+
+
+def test_the_gateway_and_the_sdk_carry_the_policy():
+    """The gateway checks `chunk_policy` as the model will (its error names the field) and sends it on;
+    the SDKs put it in the request (None: not sent, the server's policy)."""
+    from cosyvoice_triton.client.gateway_client import tts_body
+    from cosyvoice_triton.client.triton_client import synthesis_inputs
+    from cosyvoice_triton.gateway.errors import BadRequest
+    from cosyvoice_triton.gateway.synthesis import TTS_FIELDS, check_chunk_policy
+
+    assert check_chunk_policy(None, None, None, TTS_FIELDS, "adaptive")["chunk_policy"] == "adaptive"
+    with pytest.raises(BadRequest, match="^chunk_policy: must be one of fixed, adaptive"):
+        check_chunk_policy(None, None, None, TTS_FIELDS, "eager")
+    assert tts_body("Hi.", chunk_policy="adaptive")["chunk_policy"] == "adaptive"
+    assert "chunk_policy" not in tts_body("Hi.")
+    tensors = synthesis_inputs("Hi.", voice_id="v", chunk_policy="adaptive")
+    assert tensors["chunk_policy"].tolist() == [b"adaptive"]
+    assert "chunk_policy" not in synthesis_inputs("Hi.", voice_id="v", chunk_policy=None)

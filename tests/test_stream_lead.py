@@ -57,3 +57,15 @@ def test_lead_is_observed_at_every_chunk_and_the_server_policy_applies(adaptive_
     assert metric_value(after, LEAD + "_count", **labels) == want
     assert metric_value(after, LEAD + "_bucket", le="+Inf", **labels) == want
     assert metric_value(after, LEAD + "_bucket", le="0", **labels) >= 1
+
+
+def test_a_request_names_its_chunk_policy(adaptive_server):
+    """The per-request `chunk_policy` input wins over the server's: the same seed and text cut by the
+    fixed schedule (second hop 50 tokens) and by the server's adaptive one (25), the same audio in all;
+    an unknown policy is refused naming the input."""
+    adaptive = chunks(adaptive_server, chunk_policy="adaptive")
+    fixed = chunks(adaptive_server, chunk_policy="fixed")
+    assert len(fixed) >= 3 and adaptive[0].size == fixed[0].size and fixed[1].size == 2 * adaptive[1].size
+    assert sum(c.size for c in fixed) == sum(c.size for c in adaptive)
+    with pytest.raises(AssertionError, match="chunk_policy"):
+        chunks(adaptive_server, chunk_policy="eager")

@@ -18,6 +18,7 @@ cosyvoice2 (decoupled) and cosyvoice2_offline (its non-decoupled twin, same temp
        chunk_first_hop        INT32 [1]  opt  chunk policy overrides (ChunkPolicy.first_hop, ...)
        chunk_hop_scale        FP32 [1]   opt
        chunk_max_hop          INT32 [1]  opt
+       chunk_policy           STRING [1] opt  fixed | adaptive (ChunkPolicy.kind; default: the server's)
        top_p FP32, top_k INT32, win_size INT32, tau_r FP32   [1] opt  sampling overrides (default: the yaml's)
   out  waveform               FP32 [-1]       24 kHz audio: one response per chunk (decoupled, then an
                                               empty final response), or the whole waveform (twin)
@@ -93,7 +94,7 @@ CHUNK_FIELDS = {"chunk_first_hop": "first_hop", "chunk_hop_scale": "hop_scale", 
 # The per-request overrides of cosyvoice2 (sampling, then chunk policy) and their tensor types.
 OPTION_TYPES: dict[str, type] = {"top_p": np.float32, "top_k": np.int32, "win_size": np.int32, "tau_r": np.float32,
                                  "chunk_first_hop": np.int32, "chunk_hop_scale": np.float32,
-                                 "chunk_max_hop": np.int32}
+                                 "chunk_max_hop": np.int32, "chunk_policy": str}
 
 
 # ---- sampling overrides (cosyvoice2 and llm) -------------------------------------------------------
@@ -291,6 +292,9 @@ def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParam
         value = reader.real(name) if attr == "hop_scale" else reader.integer(name)
         if value is not None:
             overrides[attr] = value
+    kind = reader.string("chunk_policy")
+    if kind is not None:
+        overrides["kind"] = kind
     return SynthesisInputs(text=text, mode=mode, instruct_text=reader.string("instruct_text", default=""),
                            voice_id=voice_id, audio=audio, reference_text=reader.string("reference_text"),
                            seed=reader.integer("seed", low=0, high=SEED_LIMIT - 1),
@@ -336,7 +340,8 @@ def synthesis_inputs(text: str, *, voice_id: str | None = None, samples: np.ndar
         elif name not in OPTION_TYPES:
             raise TypeError(f"unknown option {name!r}; known: {', '.join(OPTION_TYPES)}")
         elif value is not None:
-            values[name] = np.array([value], OPTION_TYPES[name])
+            kind = OPTION_TYPES[name]
+            values[name] = string_array(value) if kind is str else np.array([value], kind)
     return values
 
 
