@@ -114,6 +114,10 @@ def test_the_gateway_and_the_sdk_carry_the_policy():
     assert check_chunk_policy(None, None, None, TTS_FIELDS, "adaptive")["chunk_policy"] == "adaptive"
     with pytest.raises(BadRequest, match="^chunk_policy: must be one of fixed, adaptive"):
         check_chunk_policy(None, None, None, TTS_FIELDS, "eager")
+    from cosyvoice_triton.gateway.routes_tts import TTS_KEYS
+    from cosyvoice_triton.gateway.routes_ws import START_KEYS
+
+    assert "chunk_policy" in TTS_KEYS and "chunk_policy" in START_KEYS  # fields /v1/tts and the WebSocket take
     assert tts_body("Hi.", chunk_policy="adaptive")["chunk_policy"] == "adaptive"
     assert "chunk_policy" not in tts_body("Hi.")
     tensors = synthesis_inputs("Hi.", voice_id="v", chunk_policy="adaptive")
