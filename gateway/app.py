@@ -26,6 +26,7 @@ from contextlib import suppress
 
 from aiohttp import web
 
+from cosyvoice_triton.random_folder.marker import NOTE as RANDOM_NOTE, is_random
 from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.targets import Resolver, resolve_ips
 
@@ -190,8 +191,13 @@ async def readyz(request: web.Request) -> web.Response:
     servers = {b.name: b.healthy for b in router.backends}
     store_error = await voice_store_error(request.app[STORE])
     ready = any(servers.values()) and voice.settled and store_error is None
-    body = {"ready": ready, "servers": servers, "default_voice": voice.state,
+    waiting = [*(f"tritonserver {name}" for name, ok in servers.items() if not ok),
+               *([] if voice.settled else ["the default voice"]), *([] if store_error is None else ["the voice store"])]
+    body = {"status": "ready" if ready else "starting", "waiting_for": [] if ready else waiting, "ready": ready,
+            "servers": servers, "default_voice": voice.state,
             "voice_store": "ok" if store_error is None else "unavailable"}
+    if is_random(request.app[CONFIG].model_dir):
+        body["model"] = RANDOM_NOTE
     if voice.error:
         body["default_voice_error"] = voice.error
     if store_error is not None:

@@ -27,6 +27,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import TextIO
 
@@ -34,11 +36,15 @@ from cosyvoice_triton.gateway.config import (TritonTarget, add_gateway_arguments
                                              voice_store_url)
 from cosyvoice_triton.server.launcher import (ENGINES, PRECISIONS, ServeOptions, default_model_dir, prepare,
                                               resolve_voice_store)
+from cosyvoice_triton.random_folder.marker import NOTE as RANDOM_NOTE, is_random
+from cosyvoice_triton.server import free_port
 from cosyvoice_triton.server.ports import check_ports_free
+from cosyvoice_triton.server.templates import model_names
 
 log = logging.getLogger(__name__)
 
 TRITON_WATCH_S = 1.0
+PROGRESS_EVERY_S = 10.0
 
 
 def add_command(sub) -> None:
@@ -86,22 +92,71 @@ def up(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     check_up_ports(args)
     if args.frontends or args.backends:
         return up_split(args, out)
-    model_dir = resolve_model_dir(args)
+    args = with_fixed_triton_ports(args)  # the gateway needs Triton's address before Triton is up
+    model_dir = resolve_model_dir(args, out)
     voice_store = resolve_voice_store(voice_store_url(args))
     options = serve_options(args, model_dir, voice_store)
     server = prepare(options, die_with_parent=True)  # one service: tritonserver never outlives the gateway
     print(f"starting tritonserver (log: {server.workdir / 'tritonserver.log'}) ...", file=out, flush=True)
+    startup = TritonStartup(server, out)
     try:
-        server.start()
-        lines = [f"  triton   grpc {server.grpc_url}, metrics {server.metrics_url}",
-                 f"  voices   {voice_store}", f"  log      {server.log_path}"]
-        code = run_gateway(args, (server.target,), model_dir, voice_store, lines, lambda: not server.is_running(), out)
-        if code:
+        startup.begin()  # the gateway listens at once and answers 503 "starting" until Triton is ready
+        lines = [f"  triton   grpc {server.grpc_url}, metrics {server.metrics_url} (starting: /readyz answers 503 "
+                 f"until it is ready)", f"  voices   {voice_store}", f"  log      {server.log_path}"]
+        code = run_gateway(args, (server.target,), model_dir, voice_store, lines, startup.gone, out)
+        if code and startup.error is None:
             print(f"tritonserver exited; log {server.log_path}:\n{server.log_tail(20)}", file=sys.stderr)
         return code
     finally:
         code = server.stop()
         print(f"tritonserver stopped (exit code {code})", file=out, flush=True)
+
+
+class TritonStartup:
+    """tritonserver started in a thread, so the gateway answers (503 "starting") while it loads; a progress
+    line every PROGRESS_EVERY_S (models loaded of the repository's, elapsed), one when it is ready."""
+
+    def __init__(self, server, out: TextIO):
+        self.server, self.out = server, out
+        self.finished = threading.Event()
+        self.error: Exception | None = None
+
+    def begin(self) -> None:
+        threading.Thread(target=self._start, name="tritonserver-start", daemon=True).start()
+        threading.Thread(target=self._report, name="tritonserver-progress", daemon=True).start()
+
+    def gone(self) -> bool:
+        """It failed to start, or exited after it started."""
+        return self.finished.is_set() and (self.error is not None or not self.server.is_running())
+
+    def _start(self) -> None:
+        started = time.monotonic()
+        try:
+            self.server.start()
+            print(f"tritonserver ready after {time.monotonic() - started:.0f} s: the gateway serves",
+                  file=self.out, flush=True)
+        except Exception as exc:  # noqa: BLE001 - reported here, and the gateway stops (gone())
+            self.error = exc
+            print(f"tritonserver did not start: {exc}", file=sys.stderr, flush=True)
+        finally:
+            self.finished.set()
+
+    def _report(self) -> None:
+        started = time.monotonic()
+        models = model_names(self.server.model_repository)
+        while not self.finished.wait(PROGRESS_EVERY_S):
+            loaded = self.server.loaded_models()
+            waiting = [m for m in models if m not in loaded]
+            print(f"  tritonserver loading models: {len(loaded)} of {len(models)} loaded after "
+                  f"{time.monotonic() - started:.0f} s (waiting for {', '.join(waiting) or 'the ports'})",
+                  file=self.out, flush=True)
+
+
+def with_fixed_triton_ports(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with each Triton port given as 0 replaced by a port free now."""
+    fixed = {name: getattr(args, name) or free_port(args.triton_address)
+             for name in ("triton_http_port", "triton_grpc_port", "triton_metrics_port")}
+    return argparse.Namespace(**{**vars(args), **fixed})
 
 
 def check_up_ports(args: argparse.Namespace) -> None:
@@ -151,11 +206,24 @@ def up_split(args: argparse.Namespace, out: TextIO) -> int:
         print("tritonservers stopped", file=out, flush=True)
 
 
-def resolve_model_dir(args: argparse.Namespace) -> Path:
-    """`--model-dir` (a folder or a hub id), or the tiny random folder made on first use."""
-    from cosyvoice_triton.model_hub import resolve_model_dir as resolve_hub_id
+def resolve_model_dir(args: argparse.Namespace, out: TextIO = sys.stdout) -> Path:
+    """`--model-dir` (a folder or a hub id); without it the released model where one is available
+    (model_hub.default_model: $COSYVOICE_MODEL_DIR, the hub caches, a download), and only then the tiny
+    random folder, made on first use."""
+    from cosyvoice_triton.model_hub import default_model, resolve_model_dir as resolve_hub_id
 
-    return Path(resolve_hub_id(args.model_dir)) if args.model_dir else default_model_dir()
+    if args.model_dir:
+        return Path(resolve_hub_id(args.model_dir))
+    choice = default_model(log=lambda line: print(line, file=out, flush=True))
+    if choice.path is not None:
+        print(f"model: {choice.path} (from {choice.source})", file=out, flush=True)
+        return choice.path
+    print("model: no released CosyVoice2-0.5B here ($COSYVOICE_MODEL_DIR, the ModelScope and Hugging Face "
+          "caches, a download): the tiny random folder ...", file=out, flush=True)
+    started = time.monotonic()
+    folder = default_model_dir()
+    print(f"model: {folder} ({time.monotonic() - started:.0f} s)", file=out, flush=True)
+    return folder
 
 
 def serve_options(args: argparse.Namespace, model_dir: Path, voice_store: str | None) -> ServeOptions:
@@ -183,7 +251,8 @@ def run_gateway(args, targets: tuple[TritonTarget, ...], model_dir: Path, voice_
     exited: list[bool] = []
     app.cleanup_ctx.append(_watch(servers_gone, exited))
     host = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
-    print(f"cosyvoice-triton: serving {args.model_dir or 'the tiny random model'}\n"
+    note = f"\n  WARNING  {RANDOM_NOTE}" if is_random(model_dir) else ""
+    print(f"cosyvoice-triton: serving {model_dir}{note}\n"
           f"  gateway  http://{host}:{config.port}   (POST /v1/tts, WS /v1/tts/ws, POST /v1/audio/speech, "
           f"/v1/voices)\n" + "\n".join(lines) + "\nPress Ctrl-C to stop.", file=out, flush=True)
     run(config, app, print_fn=lambda *a, **k: None)

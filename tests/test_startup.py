@@ -2,14 +2,20 @@
 error naming the cause, at once, before any tritonserver starts."""
 from __future__ import annotations
 
+import io
+import json
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
 from cosyvoice_triton.server import free_port
+from cli_harness import CliProcess
 from triton_harness import tritonserver_or_skip
 
 pytestmark = pytest.mark.timeout(300)
@@ -87,3 +93,137 @@ def test_a_folder_that_is_not_a_model_folder_is_refused_at_once(command, tiny_mo
     assert "llm.pt" not in message.split("missing")[1]  # present, so not named
     assert "Traceback" not in message and _no_tritonserver_started(tmp_path / "home")
     print(f"{command}: refused in {time.monotonic() - started:.1f} s")
+
+
+def _get(url: str, body: dict | None = None) -> tuple[int, dict, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, dict(response.headers), json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), json.loads(error.read() or b"{}")
+
+
+def test_the_gateway_answers_while_tritonserver_starts_and_says_the_model_is_random(tiny_model_dir, tmp_path):
+    """The port opens at once: 503 "starting" naming what it waits for (also on synthesis, with Retry-After),
+    progress lines while the models load, then ready; a random folder is called noise in the banner and
+    on /readyz."""
+    tritonserver_or_skip()
+    port = free_port()
+    command = [sys.executable, "-m", "cosyvoice_triton.cli", "up", "--model-dir", str(tiny_model_dir),
+               "--host", "127.0.0.1", "--port", str(port), "--triton-http-port", "0", "--triton-grpc-port", "0",
+               "--triton-metrics-port", "0", "--workers", "2", "--torch-threads", "1"]
+    up = CliProcess(command, {**os.environ, "COSYVOICE_HOME": str(tmp_path / "home")})
+    url = f"http://127.0.0.1:{port}"
+    answers = []
+    try:
+        deadline = time.monotonic() + 280
+        while not answers or answers[-1][0] != 200:
+            assert up.running(), up.output()
+            assert time.monotonic() < deadline, "not ready in time:\n" + up.output()
+            try:
+                answers.append(_get(url + "/readyz"))
+            except OSError:
+                assert not answers, "the gateway stopped answering:\n" + up.output()
+            if len(answers) == 1 and answers[0][0] == 503:
+                status, headers, body = _get(url + "/v1/tts", {"text": "Too early.", "voice_id": "default"})
+                assert status == 503 and headers.get("Retry-After"), (status, body)
+            time.sleep(0.5)
+        assert up.interrupt(timeout_s=60) == 0
+    finally:
+        up.kill()
+    first_status, _, first = answers[0]
+    assert first_status == 503 and first["status"] == "starting", answers[0]
+    assert any(w.startswith("tritonserver 127.0.0.1:") for w in first["waiting_for"]), first
+    last = answers[-1][2]
+    assert last["status"] == "ready" and last["waiting_for"] == [] and last["model"].startswith("random weights")
+    output = up.output()
+    assert "WARNING  random weights: it speaks noise; point --model-dir at the released folder" in output
+    assert re.search(r"tritonserver ready after \d+ s", output), output
+
+
+# ---- the default model (no --model-dir): stand-in hub packages and caches, no network ----------------------
+
+@pytest.fixture
+def bare_home(tmp_path, monkeypatch):
+    """A home with no hub caches and no hub packages importable (stand-ins are added per test)."""
+    home = tmp_path / "user"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("COSYVOICE_MODEL_DIR", "MODELSCOPE_CACHE", "HF_HOME", "HF_HUB_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    site = tmp_path / "stand_in_site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    for name in ("modelscope", "huggingface_hub"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        stand_in(site, name, "    raise ConnectionError('no network in this test')\n")
+    return home, site
+
+
+def stand_in(site, package: str, body: str) -> None:
+    """A `package` whose snapshot_download(model_id, cache_dir=None) runs `body`."""
+    (site / package).mkdir(exist_ok=True)
+    (site / package / "__init__.py").write_text("calls = []\ndef snapshot_download(model_id, cache_dir=None):\n"
+                                                "    calls.append(model_id)\n" + body)
+    sys.modules.pop(package, None)
+
+
+def released(folder):
+    folder.mkdir(parents=True)
+    (folder / "cosyvoice2.yaml").write_text("# stand-in\n")
+    return folder
+
+
+def test_the_default_model_is_the_one_cosyvoice_model_dir_names(bare_home, tmp_path, monkeypatch):
+    from cosyvoice_triton.model_hub import default_model
+
+    folder = released(tmp_path / "mine")
+    released(bare_home[0] / ".cache" / "modelscope" / "hub" / "iic" / "CosyVoice2-0.5B")
+    monkeypatch.setenv("COSYVOICE_MODEL_DIR", str(folder))
+    choice = default_model()
+    assert (choice.path, choice.source) == (folder.resolve(), "COSYVOICE_MODEL_DIR")
+
+
+def test_the_default_model_comes_from_the_modelscope_cache_before_hugging_face(bare_home):
+    from cosyvoice_triton.model_hub import default_model
+
+    home, _ = bare_home
+    snapshot = released(home / ".cache" / "huggingface" / "hub" / "models--FunAudioLLM--CosyVoice2-0.5B"
+                        / "snapshots" / "0123abc")
+    assert default_model().path == snapshot and default_model().source == "Hugging Face cache"
+    modelscope = released(home / ".cache" / "modelscope" / "hub" / "iic" / "CosyVoice2-0.5B")
+    assert (default_model().path, default_model().source) == (modelscope, "ModelScope cache")
+
+
+def test_the_default_model_is_downloaded_when_a_hub_answers(bare_home, tmp_path):
+    from cosyvoice_triton.model_hub import default_model
+
+    _, site = bare_home
+    downloaded = released(tmp_path / "downloaded")
+    stand_in(site, "huggingface_hub", f"    return {str(downloaded)!r}\n")  # ModelScope fails, then this
+    lines = []
+    choice = default_model(log=lines.append)
+    assert (choice.path, choice.source) == (downloaded, "downloaded")
+    import huggingface_hub
+    import modelscope
+
+    assert modelscope.calls == ["iic/CosyVoice2-0.5B"] and huggingface_hub.calls == ["FunAudioLLM/CosyVoice2-0.5B"]
+    assert any("modelscope could not download iic/CosyVoice2-0.5B: ConnectionError" in line for line in lines)
+
+
+def test_without_any_released_model_the_default_is_the_random_folder_and_up_says_so(bare_home, tmp_path,
+                                                                                    monkeypatch):
+    import argparse
+
+    from cosyvoice_triton.gateway.up import resolve_model_dir
+    from cosyvoice_triton.model_hub import default_model
+    from cosyvoice_triton.random_folder.marker import is_random
+
+    assert default_model(log=lambda line: None).source == "random"
+    out = io.StringIO()
+    monkeypatch.setenv("COSYVOICE_HOME", str(tmp_path / "cvhome"))
+    folder = resolve_model_dir(argparse.Namespace(model_dir=None), out)
+    assert is_random(folder) and folder == tmp_path / "cvhome" / "models" / "tiny"
+    assert "no released CosyVoice2-0.5B here" in out.getvalue()

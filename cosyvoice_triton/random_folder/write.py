@@ -22,6 +22,7 @@ from ..models.speech_lm import SpeechLM, SpeechLMConfig
 from .model_yaml import SIZES, qwen_config, render_model_yaml
 from .onnx_standins import write_campplus_standin, write_speech_tokenizer_standin
 from .tokenizer_standin import write_tokenizer_standin
+from .marker import mark_random
 
 # The released Qwen2.5 vocabulary; the tiny size uses the stand-in tokenizer's own size instead.
 FULL_TEXT_VOCAB = 151936
@@ -49,6 +50,7 @@ def write_random_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, b
                                                       "eos_token_id": text_vocab - 1, "max_new_tokens": 2048})
     (out / "config.json").write_text("{}")
     (out / "configuration.json").write_text('{"framework":"Pytorch","task":"text-to-speech"}')
+    mark_random(out)
 
     torch.manual_seed(seed)
     llm = SpeechLM(SpeechLMConfig.from_model_dir(out), max_seq_len=8)

@@ -95,8 +95,12 @@ class ServeOptions:
 
 def default_model_dir() -> Path:
     """The tiny random model folder, written on first use (atomically: a half-written one never shows)."""
+    from cosyvoice_triton.random_folder.marker import is_random, mark_random
+
     target = cosyvoice_home() / "models" / "tiny"
     if (target / "cosyvoice2.yaml").exists() and (target / "speech_tokenizer_v2.onnx").exists():
+        if not is_random(target):  # made before random folders said so
+            mark_random(target)
         return target
     from cosyvoice_triton.random_folder.write import write_random_model
 

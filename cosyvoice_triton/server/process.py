@@ -30,6 +30,7 @@ import atexit
 import ctypes.util
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -61,6 +62,9 @@ _PORT_CLASH = "already in use"
 
 class TritonStartError(CosyVoiceError, RuntimeError):
     """tritonserver exited or did not become ready in time. The message ends with the log's tail."""
+
+
+_LOADED = re.compile(r"successfully loaded '([^']+)'")
 
 
 def free_port(address: str = "127.0.0.1") -> int:
@@ -332,6 +336,12 @@ class TritonProcess:
         with open(self.log_path, "rb") as f:
             f.seek(self._log_offset)
             return f.read().decode("utf-8", errors="replace")
+
+    def loaded_models(self) -> list[str]:
+        """The models this launch's log reports loaded so far (tritonserver opens its ports after all)."""
+        if self._proc is None or not self.log_path.exists():
+            return []
+        return _LOADED.findall(self._log_since_launch())
 
     def log_tail(self, lines: int = 60) -> str:
         if self.workdir is None or not self.log_path.exists():
