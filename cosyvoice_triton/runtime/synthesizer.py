@@ -7,7 +7,9 @@ This is the reference pipeline. The Triton models run the same steps, split acro
 4. token2wav: flow + HiFT, chunk by chunk when streaming.
 Steps 1, 3 and 4 are the `Orchestrator`; here it runs with in-process backends. `engine`,
 `precision` and `ort_providers` choose where token2wav's graphs and CAM++ run, as `serve` does
-(engines/select.py); `device` is checked first (engines/providers.py).
+(engines/select.py); `device` is checked first (engines/providers.py). `llm_precision` (fp32 | bf16 |
+int8, models/llm_precision.py) is the LLM backbone's. `exact_speech_tokens(n)` is a benchmark knob: every
+sentence then decodes exactly n speech tokens, stop tokens masked (perf/bench_official.py).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from ..errors import ModelFolderError
 from ..frontend.prompt import PromptEncoder, PromptFeatures
 from ..frontend.text import TextFrontend
 from ..models.speech_lm import SpeechLM
-from .orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav
+from .llm_generate import generate
+from .orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav, _GeneratorStream
 from .request import SynthesisRequest
 from .token2wav import Token2Wav
 
@@ -45,7 +48,7 @@ class CosyVoice2:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str = "cpu", *, engine: str = "torch",
                        precision: str = "fp32", ort_providers: str | None = None,
-                       onnx_dir: str | Path | None = None) -> "CosyVoice2":
+                       onnx_dir: str | Path | None = None, llm_precision: str = "fp32") -> "CosyVoice2":
         paths = ModelPaths(Path(model_dir))
         missing = paths.missing()
         if missing:
@@ -56,10 +59,15 @@ class CosyVoice2:
         if engine != "torch":  # CAM++ on the same engine, on the CPU as the official frontend (or TensorRT's GPU)
             prompt_encoder.campplus = open_campplus(paths.root, engine, device if engine == "tensorrt" else "cpu",
                                                     precision=precision, ort_providers=ort_providers)
-        llm = SpeechLM.from_model_dir(paths.root, device=device, max_seq_len=4096)
+        llm = SpeechLM.from_model_dir(paths.root, device=device, max_seq_len=4096, precision=llm_precision)
         flow, hift = build_token2wav(paths.root, engine, device, precision=precision, onnx_dir=onnx_dir,
                                      ort_providers=ort_providers)
         return cls(paths.root, frontend, prompt_encoder, llm, Token2Wav(flow, hift))
+
+    def exact_speech_tokens(self, n: int | None) -> None:
+        """Benchmarks only: every sentence decodes exactly `n` speech tokens (None: as the model says)."""
+        llm = ReferenceLLM(self.llm) if n is None else ExactLengthLLM(self.llm, n)
+        self.orchestrator.llm = llm
 
     def encode_voice(self, samples: np.ndarray, sample_rate: int, prompt_text: str) -> PromptFeatures:
         return self.prompt_encoder.encode(samples, sample_rate, prompt_text)
@@ -68,3 +76,22 @@ class CosyVoice2:
                    is_cancelled: Callable[[], bool] = lambda: False) -> Iterator[np.ndarray]:
         """Yield float32 audio chunks at `sample_rate`. Offline mode yields one chunk per sentence."""
         return self.orchestrator.run(request, stream=stream, is_cancelled=is_cancelled)
+
+
+class ExactLengthLLM(ReferenceLLM):
+    """ReferenceLLM whose streams are exactly `n` tokens long, stop tokens masked (benchmarks only)."""
+
+    def __init__(self, llm: SpeechLM, n: int):
+        super().__init__(llm)
+        self.n = n
+
+    def stream(self, request):
+        import torch
+
+        def as_tensor(ids: list[int]) -> torch.Tensor:
+            return torch.tensor([ids], dtype=torch.int64).reshape(1, -1)
+
+        tokens = generate(self.llm, as_tensor(request.text_tokens), as_tensor(request.prompt_text_tokens),
+                          as_tensor(request.prompt_speech_tokens), request.sampling,
+                          torch.Generator().manual_seed(request.seed), exact_len=self.n)
+        return _GeneratorStream(tokens)

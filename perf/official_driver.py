@@ -1,0 +1,149 @@
+"""The official side of `bench_official`: runs in the official code's own virtualenv, never imported.
+
+    OFFICIAL_VENV/bin/python perf/official_driver.py --official-src DIR --model-dir DIR --inputs NPZ \
+        --speech-tokens N [--threads 2]
+
+Builds `CosyVoice2Model` from the model folder's `cosyvoice2.yaml` (hyperpyyaml, as the official
+`CosyVoice2` class does) and loads `llm.pt`, `flow.pt`, `hift.pt` with `CosyVoice2Model.load` (strict).
+A folder without backbone weights (`export --no-backbone-weights`) gets its Qwen2 built from its
+`config.json`; `llm.pt` then sets every weight. Every call decodes exactly N speech tokens: the stop
+tokens are masked and min_len = max_len = N. Then it serves the parent on stdin/stdout, one JSON line
+each way: {"concurrency": c} -> {"streams": [{"first_s", "total_s", "audio_s", "chunks"}...], "wall_s"}.
+c threads call `CosyVoice2Model.tts(stream=True)` at once, as the official server does.
+`token_hop_len` is reset to 25 before each round (`tts()` never resets it).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import json
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TOKEN_HOP_LEN = 25  # CosyVoice2Model's initial value
+UNUSED_MODULES = ("torchaudio", "torchaudio.compliance", "torchaudio.compliance.kaldi", "torchaudio.transforms",
+                  "whisper", "whisper.tokenizer", "tiktoken", "pyworld", "pyarrow", "pyarrow.parquet")
+
+
+def stub_unused_imports() -> None:
+    """Modules the official package imports at load time that synthesis from features never calls."""
+    for name in UNUSED_MODULES:
+        try:
+            __import__(name)
+            continue
+        except ImportError:
+            pass
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        module.__path__ = []
+        sys.modules.setdefault(name, module)
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, module)
+    if not hasattr(sys.modules["torchaudio.transforms"], "Spectrogram"):
+        sys.modules["torchaudio.transforms"].Spectrogram = lambda *args, **kwargs: torch.nn.Identity()
+    if not hasattr(sys.modules["whisper.tokenizer"], "Tokenizer"):
+        sys.modules["whisper.tokenizer"].Tokenizer = object
+
+
+def build_model(official: Path, model_dir: Path):
+    sys.path[:0] = [str(official), str(official / "third_party" / "Matcha-TTS")]
+    stub_unused_imports()
+    import transformers
+    from hyperpyyaml import load_hyperpyyaml
+
+    from cosyvoice.cli.model import CosyVoice2Model
+
+    qwen_dir = model_dir / "CosyVoice-BlankEN"
+    if not any(qwen_dir.glob("*.safetensors")) and not any(qwen_dir.glob("*.bin")):
+        def from_config(path, *args, **kwargs):  # llm.pt holds every backbone weight
+            return transformers.Qwen2ForCausalLM._from_config(transformers.AutoConfig.from_pretrained(path))
+        transformers.Qwen2ForCausalLM.from_pretrained = from_config
+    with open(model_dir / "cosyvoice2.yaml") as f:
+        configs = load_hyperpyyaml(f, overrides={"qwen_pretrain_path": str(qwen_dir)})
+    model = CosyVoice2Model(configs["llm"], configs["flow"], configs["hift"], fp16=False)
+    model.load(str(model_dir / "llm.pt"), str(model_dir / "flow.pt"), str(model_dir / "hift.pt"))
+    return model
+
+
+def force_exact_length(llm, n: int) -> None:
+    """Exactly n tokens per call: every stop token masked, min_len = max_len = n."""
+    stop = [llm.speech_token_size + i for i in range(3)]
+    sampling_ids, wrapper = llm.sampling_ids, llm.inference_wrapper
+
+    def masked_sampling_ids(weighted_scores, decoded_tokens, sampling, ignore_eos=True):
+        weighted_scores[stop] = -float("inf")
+        return sampling_ids(weighted_scores, decoded_tokens, sampling, ignore_eos=False)
+
+    llm.sampling_ids = masked_sampling_ids
+    llm.inference_wrapper = lambda lm_input, sampling, min_len, max_len, uuid: wrapper(lm_input, sampling, n, n, uuid)
+
+
+def one_stream(model, inputs: dict[str, torch.Tensor], sample_rate: int, result: dict) -> None:
+    start = time.perf_counter()
+    first, samples, chunks = None, 0, 0
+    for out in model.tts(text=inputs["text"], flow_embedding=inputs["embedding"], llm_embedding=inputs["embedding"],
+                         prompt_text=inputs["prompt_text"], llm_prompt_speech_token=inputs["prompt_speech"],
+                         flow_prompt_speech_token=inputs["prompt_speech"], prompt_speech_feat=inputs["mel"],
+                         stream=True):
+        size = out["tts_speech"].numel()
+        if size and first is None:
+            first = time.perf_counter() - start
+        samples += size
+        chunks += 1
+    result.update(first_s=first, total_s=time.perf_counter() - start, audio_s=samples / sample_rate, chunks=chunks)
+
+
+def run_round(model, inputs: dict[str, torch.Tensor], sample_rate: int, concurrency: int) -> dict:
+    model.token_hop_len = TOKEN_HOP_LEN
+    torch.manual_seed(0)
+    results = [{} for _ in range(concurrency)]
+    threads = [threading.Thread(target=one_stream, args=(model, inputs, sample_rate, r)) for r in results]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"streams": results, "wall_s": time.perf_counter() - start}
+
+
+def load_inputs(path: Path) -> dict[str, torch.Tensor]:
+    data = np.load(path)
+    return {"text": torch.tensor(data["text_tokens"], dtype=torch.int32)[None],
+            "prompt_text": torch.tensor(data["prompt_text_tokens"], dtype=torch.int32)[None],
+            "prompt_speech": torch.tensor(data["prompt_speech_tokens"], dtype=torch.int32)[None],
+            "embedding": torch.tensor(data["embedding"], dtype=torch.float32).reshape(1, -1),
+            "mel": torch.tensor(data["mel"], dtype=torch.float32)[None]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--official-src", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--inputs", type=Path, required=True)
+    parser.add_argument("--speech-tokens", type=int, required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    protocol = sys.stdout
+    sys.stdout = sys.stderr  # the official code prints; only protocol lines go to the parent
+    model = build_model(args.official_src.resolve(), args.model_dir.resolve())
+    force_exact_length(model.llm, args.speech_tokens)
+    inputs = load_inputs(args.inputs)
+    sample_rate = int(model.hift.sampling_rate) if hasattr(model.hift, "sampling_rate") else 24000
+    protocol.write(json.dumps({"ready": True, "torch": torch.__version__}) + "\n")
+    protocol.flush()
+    for line in sys.stdin:
+        command = json.loads(line)
+        protocol.write(json.dumps(run_round(model, inputs, sample_rate, int(command["concurrency"]))) + "\n")
+        protocol.flush()
+
+
+if __name__ == "__main__":
+    main()
