@@ -53,6 +53,7 @@ class RoutingConfig:
     first_chunk_timeout_s: float = 60.0  # a stream with no audio by then fails (and is retried elsewhere)
     chunk_timeout_s: float = 60.0  # longest wait between two chunks once audio flows
     register_timeout_s: float = 60.0
+    offline_timeout_s: float = 300.0  # a non-streamed request: the whole audio in one call to the offline model
     max_attempts: int = 3  # servers tried for a request that fails before its first byte
     discovery_interval_s: float = 10.0  # re-resolution of the dns:// specs (GatewayConfig.discovery)
 
@@ -76,6 +77,7 @@ class GatewayConfig:
     shutdown_timeout_s: float = 10.0
     static_dir: Path = STATIC_DIR
     synthesis_model: str = "cosyvoice2"
+    offline_model: str = "cosyvoice2_offline"  # non-streamed requests: one full-attention flow pass per sentence
     register_model: str = "register_voice"
     sample_rate: int = 24000
 

@@ -16,7 +16,9 @@ Body (JSON):
   format        wav (default, 16-bit) | mp3 | opus | aac | flac | pcm (16-bit little-endian) | pcm_f32 (the
                 model's float32 samples); pcm_s16le is an older name of pcm. cosyvoice_triton/audio_out.py
                 lists codecs, rates and media types (opus is 48 kHz; X-Sample-Rate says the rate)
-  stream        false (default): the whole file with Content-Length and exact lengths in its header;
+  stream        false (default): the whole file with Content-Length and exact lengths in its header, made by
+                the offline model (cosyvoice2_offline: each sentence in one full-attention flow pass, as the
+                official non-streamed inference; the chunk_* fields then change nothing);
                 true: chunked transfer, each audio chunk encoded as Triton makes it and written as soon as
                 the encoder gives bytes (a streamed wav's header says "unknown length", as FFmpeg writes
                 it on a pipe)
@@ -32,7 +34,6 @@ import time
 import uuid
 from contextlib import aclosing
 
-import numpy as np
 from aiohttp import web
 
 from cosyvoice_triton.audio_out import ALIASES, FORMATS, AudioEncoder, AudioFormat, audio_format, encode
@@ -41,7 +42,7 @@ from .auth import limit_key
 from .errors import BadRequest, GatewayError
 from .request_keys import ABORTED
 from .state import CONFIG, LIMITER, METRICS
-from .synthesis import TTS_FIELDS, Synthesis, decode_base64, prepare, stream_audio
+from .synthesis import TTS_FIELDS, Synthesis, decode_base64, prepare, stream_audio, whole_audio
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +82,16 @@ async def send_audio(request: web.Request, synthesis: Synthesis, fmt: AudioForma
     request_id = uuid.uuid4().hex
     accepted = time.monotonic()
     headers = {**audio_headers(request_id, synthesis, fmt, rate), "Content-Type": fmt.media_type}
+    if not stream:  # the offline model: one full-attention flow pass per sentence, as the official offline path
+        audio = await whole_audio(app, synthesis, request_id)
+        metrics.first_chunk.labels(route).observe(time.monotonic() - accepted)
+        metrics.audio_seconds.labels(route).inc(audio.size / rate)
+        body = await asyncio.to_thread(encode, audio, fmt, rate)
+        return web.Response(body=body, headers=headers)
     chunks = stream_audio(app, synthesis, request_id)
     async with aclosing(chunks):
         first = await anext(chunks, None)
         metrics.first_chunk.labels(route).observe(time.monotonic() - accepted)
-        if not stream:
-            parts = [first] if first is not None else []
-            parts += [chunk async for chunk in chunks]
-            audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-            metrics.audio_seconds.labels(route).inc(audio.size / rate)
-            body = await asyncio.to_thread(encode, audio, fmt, rate)
-            return web.Response(body=body, headers=headers)
-
         response = web.StreamResponse(headers={**headers, "Cache-Control": "no-store"})
         response.enable_chunked_encoding()
         await response.prepare(request)

@@ -119,7 +119,7 @@ def decode_base64(value: object, field: str, max_bytes: int) -> bytes:
     except (binascii.Error, ValueError):
         raise BadRequest(field, "is not valid base64") from None
     if len(data) > max_bytes:
-        raise PayloadTooLarge(f"{field}: {len(data)} bytes is more than the limit of {max_bytes}", field)
+        raise PayloadTooLarge.upload(field, len(data), max_bytes, field)
     return data
 
 
@@ -286,9 +286,22 @@ async def stream_audio(app: web.Application, synthesis: Synthesis, request_id: s
                             request_id, backend.name, exc.message)
 
 
+async def whole_audio(app: web.Application, synthesis: Synthesis, request_id: str) -> np.ndarray:
+    """The request's whole float32 24 kHz waveform from the offline model (`cosyvoice2_offline`: each sentence's
+    tokens in one full-attention flow pass, as the official non-streamed path), retried elsewhere on transport
+    errors. Raises a GatewayError."""
+    try:
+        outputs = await call_model(app, app[CONFIG].offline_model, synthesis.inputs(), synthesis.cost,
+                                   app[CONFIG].routing.offline_timeout_s, request_id)
+    except TritonCallError as exc:
+        raise gateway_error(exc, synthesis.fields) from None
+    return np.asarray(outputs["waveform"], dtype=np.float32).reshape(-1)
+
+
 async def call_model(app: web.Application, model: str, inputs: dict[str, np.ndarray], cost: float,
-                     timeout_s: float) -> dict[str, np.ndarray]:
-    """A unary call (register_voice) on the least-loaded server, retried elsewhere on transport errors."""
+                     timeout_s: float, request_id: str = "") -> dict[str, np.ndarray]:
+    """A unary call (register_voice, cosyvoice2_offline) on the least-loaded server, retried elsewhere on
+    transport errors."""
     router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
     tried = []
     while True:
@@ -297,7 +310,7 @@ async def call_model(app: web.Application, model: str, inputs: dict[str, np.ndar
         metrics.routed.labels(backend.name).inc()
         with router.lease(backend, cost):
             try:
-                return await backend.client.infer(model, inputs, timeout_s)
+                return await backend.client.infer(model, inputs, timeout_s, request_id)
             except TritonCallError as exc:
                 metrics.errors.labels(f"triton_{exc.kind}").inc()
                 if exc.kind == "unreachable":

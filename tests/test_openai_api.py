@@ -53,13 +53,23 @@ def post_tts(url: str, body: dict) -> tuple[dict, bytes]:
     return asyncio.run(post())
 
 
+def pcm_f32(url: str, text: str, stream: bool) -> np.ndarray:
+    _, raw = post_tts(url, {"text": text, "voice_id": "default", "seed": SEED, "format": "pcm_f32", "stream": stream})
+    return np.frombuffer(raw, "<f4")
+
+
 @pytest.fixture(scope="module")
 def audio(stack) -> np.ndarray:
-    """The model's float32 samples for TEXT with SEED."""
-    _, raw = post_tts(stack.gateway_url, {"text": TEXT, "voice_id": "default", "seed": SEED, "format": "pcm_f32"})
-    samples = np.frombuffer(raw, "<f4")
+    """The model's streamed float32 samples for TEXT with SEED."""
+    samples = pcm_f32(stack.gateway_url, TEXT, stream=True)
     assert samples.size > RATE // 2
     return samples
+
+
+@pytest.fixture(scope="module")
+def whole_audio(stack) -> np.ndarray:
+    """The same, not streamed (the offline model's audio: one flow pass per sentence)."""
+    return pcm_f32(stack.gateway_url, TEXT, stream=False)
 
 
 def decode(data: bytes) -> tuple[np.ndarray, int, str]:
@@ -115,7 +125,7 @@ def test_every_response_format_decodes_with_its_decoder(client, audio, fmt):
     check_decodes_like(b"".join(reads), fmt, audio)
 
 
-def test_streamed_wav_is_read_to_its_end_and_a_whole_wav_has_exact_lengths(client, audio):
+def test_streamed_wav_is_read_to_its_end_and_a_whole_wav_has_exact_lengths(client, audio, whole_audio):
     pcm = np.frombuffer(encode(audio, "pcm"), "<i2").astype(np.int32)
     streamed = client.audio.speech.create(model="tts-1", voice="default", input=TEXT, response_format="wav",
                                           extra_body={"seed": SEED}).content
@@ -131,7 +141,7 @@ def test_streamed_wav_is_read_to_its_end_and_a_whole_wav_has_exact_lengths(clien
     with wave.open(io.BytesIO(whole.content)) as w:
         assert (w.getnframes(), w.getframerate(), w.getsampwidth()) == (pcm.size, RATE, 2)
     assert sf.info(io.BytesIO(whole.content)).frames == pcm.size
-    check_decodes_like(whole.content, "wav", audio, streamed=False)
+    check_decodes_like(whole.content, "wav", whole_audio, streamed=False)
 
 
 def test_server_sent_events_carry_the_encoded_file(stack, audio):
@@ -163,14 +173,14 @@ def test_speed_other_than_one_and_unknown_formats_are_refused_naming_the_field(c
 # ---- the gateway's own routes, the SDK and the CLI --------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
-def test_v1_tts_whole_and_streamed(stack, audio, fmt):
+def test_v1_tts_whole_and_streamed(stack, audio, whole_audio, fmt):
     body = {"text": TEXT, "voice_id": "default", "seed": SEED, "format": fmt}
     headers, whole = post_tts(stack.gateway_url, {**body, "stream": False})
     assert int(headers["Content-Length"]) == len(whole) and headers["X-Audio-Format"] == fmt
-    check_decodes_like(whole, fmt, audio, streamed=False)
+    check_decodes_like(whole, fmt, whole_audio, streamed=False)
     if fmt == "wav":  # not streamed: the exact sample count in the header
         with wave.open(io.BytesIO(whole)) as w:
-            assert w.getnframes() == audio.size
+            assert w.getnframes() == whole_audio.size
     headers, streamed = post_tts(stack.gateway_url, {**body, "stream": True})
     assert headers["Transfer-Encoding"] == "chunked"
     check_decodes_like(streamed, fmt, audio)
@@ -201,19 +211,19 @@ def test_websocket_sends_the_bytes_of_one_file_per_session(stack):
         check_decodes_like(data, fmt, audio)
 
 
-def test_sdk_and_cli_formats(stack, audio, tmp_path, capsys):
+def test_sdk_and_cli_formats(stack, whole_audio, tmp_path, capsys):
     from cosyvoice_triton.client import AsyncGatewayTTS, GatewayTTS
     from cosyvoice_triton.client.cli import main as cli_main
 
     with GatewayTTS(stack.gateway_url) as tts:
         flac = tts.synthesize_file(TEXT, format="flac", voice_id="default", seed=SEED)
-    check_decodes_like(flac, "flac", audio, streamed=False)
+    check_decodes_like(flac, "flac", whole_audio, streamed=False)
 
     async def aio() -> bytes:
         async with AsyncGatewayTTS(stack.gateway_url) as tts:
             return await tts.synthesize_file(TEXT, format="opus", voice_id="default", seed=SEED)
 
-    check_decodes_like(asyncio.run(aio()), "opus", audio, streamed=False)
+    check_decodes_like(asyncio.run(aio()), "opus", whole_audio, streamed=False)
 
     # not streamed, the gateway encodes; streamed, the CLI encodes the chunks as they come
     for extra, name, fmt, streamed in (([], "whole.mp3", "mp3", False), (["--stream"], "streamed.mp3", "mp3", True),
@@ -221,8 +231,7 @@ def test_sdk_and_cli_formats(stack, audio, tmp_path, capsys):
         out = tmp_path / name
         assert cli_main(["synth", "--url", stack.gateway_url, "--voice", "default", "--text", "Hello there.",
                          "--seed", str(SEED), "--out", str(out), *extra]) == 0, capsys.readouterr().err
-        _, short = post_tts(stack.gateway_url, {"text": "Hello there.", "voice_id": "default", "seed": SEED,
-                                                "format": "pcm_f32"})
-        check_decodes_like(out.read_bytes(), fmt, np.frombuffer(short, "<f4"), streamed=streamed)
+        short = pcm_f32(stack.gateway_url, "Hello there.", stream=streamed)
+        check_decodes_like(out.read_bytes(), fmt, short, streamed=streamed)
     with pytest.raises(SystemExit, match="--float"):
         cli_main(["synth", "--url", stack.gateway_url, "--text", "Hi.", "--float", "--out", str(tmp_path / "a.mp3")])
