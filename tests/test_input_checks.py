@@ -1,6 +1,7 @@
 """Library input checks that every boundary relies on: request text, prompt recordings, id echoes."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 
@@ -98,8 +99,11 @@ def test_the_prompt_budget_refuses_transcripts_that_leave_no_room_for_a_sentence
     assert speech_tokens_of(48000, 16000) == 75
     assert budget.transcript_limit(75) == 4096 - 2 - SENTENCE_ROOM - 75
     budget.check("a short transcript", 75, "reference_text")
-    with pytest.raises(InvalidInput, match="positions") as caught:
+    with pytest.raises(InvalidInput, match="characters long") as caught:  # capped before it is normalized
         budget.check(" ".join(["a long transcript that never ends"] * 300), 75, "reference_text")
     assert caught.value.field == "reference_text"
+    with pytest.raises(InvalidInput, match="positions"):  # within the characters, over the positions
+        dataclasses.replace(budget, max_seq_len=500).check(" ".join(["a long transcript"] * 100), 75,
+                                                           "reference_text")
     with pytest.raises(InvalidInput):  # a smaller LLM cache leaves less room
         PromptBudget(400, budget.frontend).check("word " * 60, 750 // 10 * 2, "reference_text")

@@ -21,6 +21,7 @@ SPEECH_TOKENS_PER_SECOND = 25
 PREFILL_EXTRA = 2  # sos and the task id
 MIN_TOKEN_TEXT_RATIO = 2  # SpeechLMConfig.min_token_text_ratio of CosyVoice2
 SENTENCE_ROOM = TOKEN_MAX_N * (1 + MIN_TOKEN_TEXT_RATIO)  # one sentence's text tokens and its shortest speech
+MAX_TRANSCRIPT_CHARS = 2000  # as request text; longer ones are refused before the (slow) normalization
 
 
 def speech_tokens_of(samples: int, sample_rate: int) -> int:
@@ -41,6 +42,9 @@ class PromptBudget:
         """InvalidInput naming `field` unless a voice with this transcript leaves room for a sentence."""
         if not transcript:
             return
+        if len(transcript) > MAX_TRANSCRIPT_CHARS:
+            raise InvalidInput(field, f"is {len(transcript)} characters long; a transcript takes at most "
+                                      f"{MAX_TRANSCRIPT_CHARS}")
         tokens = len(self.frontend.tokenizer.encode(self.frontend.normalize(transcript)))
         limit = self.transcript_limit(prompt_speech_tokens)
         if tokens > limit:
