@@ -50,7 +50,7 @@ def _run_synth(args) -> int:
     import numpy as np
     import soundfile as sf
 
-    from .frontend.audio import decode_audio
+    from .preprocess.audio import decode_audio
     from .model_hub import resolve_model_dir
     from .runtime.synthesizer import CosyVoice2, SynthesisRequest
 

@@ -115,7 +115,7 @@ class PromptFeatures:
     speech_tokens: np.ndarray  # (N,) int32, values in [0, 6561)
     mel: np.ndarray  # (token_mel_ratio * N, 80) float32
     text: str  # the prompt transcript as given
-    audio_sha256: str  # `frontend.voice_features.audio_sha256` of the recording
+    audio_sha256: str  # `preprocess.voice_features.audio_sha256` of the recording
 
 
 @dataclass

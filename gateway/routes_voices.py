@@ -25,9 +25,9 @@ import numpy as np
 from aiohttp import web
 
 from cosyvoice_triton.errors import InvalidInput, NotFound
-from cosyvoice_triton.frontend.audio import load_prompt_audio
-from cosyvoice_triton.frontend.text import text_problem
-from cosyvoice_triton.frontend.voice_features import audio_sha256
+from cosyvoice_triton.preprocess.audio import load_prompt_audio
+from cosyvoice_triton.preprocess.text import text_problem
+from cosyvoice_triton.preprocess.voice_features import audio_sha256
 from cosyvoice_triton.runtime.voice_store import VoiceInfo, check_voice_id, visible_to
 
 from .auth import RateLimiter, Tenant, current_tenant

@@ -61,7 +61,7 @@ class CostModel:
         if model_dir is None:
             return cls()
         from cosyvoice_triton.config import ModelPaths
-        from cosyvoice_triton.frontend.tokenizer import TextTokenizer
+        from cosyvoice_triton.preprocess.tokenizer import TextTokenizer
 
         try:
             return cls(TextTokenizer.from_dir(ModelPaths(Path(model_dir)).qwen_dir))

@@ -24,8 +24,8 @@ import numpy as np
 from aiohttp import web
 
 from cosyvoice_triton.errors import InvalidInput, NotFound
-from cosyvoice_triton.frontend.audio import load_prompt_audio
-from cosyvoice_triton.frontend.text import text_problem, validate_text
+from cosyvoice_triton.preprocess.audio import load_prompt_audio
+from cosyvoice_triton.preprocess.text import text_problem, validate_text
 from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
 from cosyvoice_triton.messages import MODES, SEED_LIMIT
 from cosyvoice_triton.runtime.voice_store import check_voice_id, visible_to

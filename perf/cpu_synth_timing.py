@@ -22,7 +22,7 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing 
 
 def text_with_tokens(tts: CosyVoice2, tokens: int) -> str:
     words: list[str] = []
-    while len(tts.frontend.tokenizer.encode(" ".join(words))) < tokens:
+    while len(tts.preprocessor.tokenizer.encode(" ".join(words))) < tokens:
         words.append(WORDS[len(words) % len(WORDS)])
     return " ".join(words)
 

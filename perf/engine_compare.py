@@ -103,7 +103,7 @@ def module_runners(model_dir: Path, onnx_dir: Path, threads: int, ep_python: str
     import torch
 
     from cosyvoice_triton.config import ModelPaths
-    from cosyvoice_triton.engines.base import EngineUnavailable
+    from cosyvoice_triton.engines.base import SchedulerUnavailable
     from cosyvoice_triton.engines.onnx_export import token2wav_onnx
     from cosyvoice_triton.engines.onnx_graphs import campplus_spec, example_inputs, token2wav_specs
     from cosyvoice_triton.engines.openvino_runner import OPENVINO_PRECISIONS, OpenVINORunner
@@ -133,7 +133,7 @@ def module_runners(model_dir: Path, onnx_dir: Path, threads: int, ep_python: str
             try:
                 engines[f"openvino {precision}"] = OpenVINORunner(paths[name], spec, precision=precision,
                                                                   threads=threads)
-            except EngineUnavailable as exc:
+            except SchedulerUnavailable as exc:
                 unavailable[f"openvino {precision}"] = str(exc)
         if worker is not None:
             feeds = work / f"{name}.inputs.npz"
@@ -195,7 +195,7 @@ def time_pipelines(model_dir: Path, onnx_dir: Path, rounds: int, seconds: float)
     import numpy as np
 
     from cosyvoice_triton.engines.select import build_token2wav, open_campplus
-    from cosyvoice_triton.frontend.prompt import PromptEncoder
+    from cosyvoice_triton.preprocess.prompt import PromptEncoder
     from cosyvoice_triton.messages import SynthesisRequest
     from cosyvoice_triton.perf.cpu_synth_timing import run_once, text_with_tokens
     from cosyvoice_triton.random_folder.sample_prompt import speech_like
@@ -208,7 +208,7 @@ def time_pipelines(model_dir: Path, onnx_dir: Path, rounds: int, seconds: float)
         prompt_encoder = PromptEncoder.from_model_dir(model_dir)
         prompt_encoder.campplus = open_campplus(model_dir, engine, "cpu")
         flow, hift = build_token2wav(model_dir, engine, onnx_dir=onnx_dir)
-        pipelines[engine] = CosyVoice2(base.model_dir, base.frontend, prompt_encoder, base.llm, Token2Wav(flow, hift))
+        pipelines[engine] = CosyVoice2(base.model_dir, base.preprocessor, prompt_encoder, base.llm, Token2Wav(flow, hift))
     prompt = speech_like(3.0, 16000)
     text = text_with_tokens(base, round(seconds * 25 / 20))
     requests = {engine: SynthesisRequest(text=text, voice=tts.encode_voice(prompt, 16000, "hello there"), seed=1)

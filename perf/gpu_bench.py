@@ -4,9 +4,9 @@
     python -m cosyvoice_triton.perf.gpu_bench --device cpu --size tiny --quick      # a smoke run on a CPU
 
 What runs is the `cosyvoice2` model's serving path without its transport: the shared `Orchestrator`
-(sentences -> LLM token streams -> token2wav chunks) over `LLMEngine` (in-flight batching of the LLM
-streams in its own thread, as the `llm` model runs it) and `Token2WavEngine` (flow + HiFT batched across
-streams) behind `BatchingToken2Wav`, which gathers waiting chunks into one engine call as Triton's dynamic
+(sentences -> LLM token streams -> token2wav chunks) over `LLMScheduler` (in-flight batching of the LLM
+streams in its own thread, as the `llm` model runs it) and `Token2WavScheduler` (flow + HiFT batched across
+streams) behind `BatchingToken2WavStage`, which gathers waiting chunks into one scheduler call as Triton's dynamic
 batcher does for the `token2wav` model. Each concurrency level has N client threads; each sends a request,
 reads its chunks to the end and sends the next, until the level's requests are done. Left out: gRPC, BLS
 hops and tensor copies between models, and the cosyvoice2 worker pool (each client runs its own request).
@@ -31,18 +31,18 @@ from pathlib import Path
 import torch
 
 from cosyvoice_triton.engines.select import build_token2wav, resolve_engine, unavailable_reason
-from cosyvoice_triton.frontend.prompt import PromptEncoder
-from cosyvoice_triton.frontend.text import TextFrontend
+from cosyvoice_triton.preprocess.prompt import PromptEncoder
+from cosyvoice_triton.preprocess.text import TextPreprocessor
 from cosyvoice_triton.messages import SynthesisRequest
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.perf import scenarios
 from cosyvoice_triton.perf.gpu_report import RANDOM_LLM_NOTE, environment, progress_line, write_outputs
 from cosyvoice_triton.perf.stats import RequestResult, percentile
 from cosyvoice_triton.random_folder.write import write_random_model
-from cosyvoice_triton.runtime.engine_backends import BatchingToken2Wav, EngineLLM
-from cosyvoice_triton.runtime.llm_engine import LLMEngine
+from cosyvoice_triton.runtime.local_stages import BatchingToken2WavStage, LocalLLMStage
+from cosyvoice_triton.runtime.llm_scheduler import LLMScheduler
 from cosyvoice_triton.runtime.orchestrator import Orchestrator
-from cosyvoice_triton.runtime.token2wav_engine import Token2WavEngine
+from cosyvoice_triton.runtime.token2wav_scheduler import Token2WavScheduler
 from cosyvoice_triton.server.launcher import ServeOptions
 
 QUICK_RATIO = 3.0  # --quick: at most 3 speech tokens per text token, so the random LLM stops early
@@ -52,7 +52,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # ---- packages the GPU image lacks -------------------------------------------------------------------
 
 class UnchangedText:
-    """A text normalizer that leaves the text as written: the text frontend's normalizers where wetext is
+    """A text normalizer that leaves the text as written: the text preprocessor's normalizers where wetext is
     not installed."""
 
     def normalize(self, text: str) -> str:
@@ -60,13 +60,13 @@ class UnchangedText:
 
 
 def check_packages() -> tuple[tuple[UnchangedText, UnchangedText] | None, list[str]]:
-    """(normalizers for the text frontend, None meaning wetext's; one report note per missing package).
+    """(normalizers for the text preprocessor, None meaning wetext's; one report note per missing package).
     The GPU image has neither wetext nor soundfile: the library imports wetext only to build its
     normalizers and soundfile only to decode file bytes, which this benchmark never does (it passes
     prompt samples)."""
     normalizers, notes = None, []
     try:
-        import wetext  # noqa: F401 - loads its FSTs, which the text frontend then uses
+        import wetext  # noqa: F401 - loads its FSTs, which the text preprocessor then uses
     except ImportError:
         normalizers = (UnchangedText(), UnchangedText())
         notes.append("wetext is not installed: text normalization (number and symbol spelling) is skipped; "
@@ -83,49 +83,49 @@ class Stack:
     """Everything one run serves with."""
 
     orchestrator: Orchestrator
-    llm_engine: LLMEngine
-    t2w_engine: Token2WavEngine
-    batcher: BatchingToken2Wav
+    llm_scheduler: LLMScheduler
+    t2w_scheduler: Token2WavScheduler
+    batcher: BatchingToken2WavStage
     prompt_encoder: PromptEncoder
     sampling: object  # runtime.sampling.SamplingParams: the model's defaults
     sample_rate: int
     settings: dict
 
     def close(self) -> None:
-        self.llm_engine.stop()
+        self.llm_scheduler.stop()
         self.batcher.close()
 
 
 def open_stack(model_dir: Path, args: argparse.Namespace, device: torch.device, onnx_dir: Path,
                normalizers: tuple | None) -> Stack:
     """The engines and the orchestrator on `device`, set up as the Triton models set them up (the text
-    frontend with `normalizers`, None: wetext's)."""
+    preprocessor with `normalizers`, None: wetext's)."""
     llm = SpeechLM.from_model_dir(model_dir, device=device, max_batch=args.llm_max_batch,
                                   max_seq_len=args.llm_max_seq_len)
     if args.max_token_text_ratio is not None:
         llm.config.max_token_text_ratio = args.max_token_text_ratio
-    llm_engine = LLMEngine(llm, max_batch=args.llm_max_batch, max_seq_len=args.llm_max_seq_len,
+    llm_scheduler = LLMScheduler(llm, max_batch=args.llm_max_batch, max_seq_len=args.llm_max_seq_len,
                            max_queue=args.llm_max_queue)
     engine = resolve_engine(args.engine, device)  # a fallback is one warning line from engines/select.py
     flow, hift = build_token2wav(model_dir, engine, device, precision=args.precision, onnx_dir=onnx_dir,
                                  max_streams=args.t2w_max_batch)
-    t2w_engine = Token2WavEngine(flow, hift, max_streams=args.t2w_max_streams, max_batch=args.t2w_max_batch)
+    t2w_scheduler = Token2WavScheduler(flow, hift, max_streams=args.t2w_max_streams, max_batch=args.t2w_max_batch)
     engine_line = engine if engine == args.engine else \
         f"{engine} ({args.engine} unavailable: {unavailable_reason(args.engine, device)})"
     settings = {
-        "llm": f"LLMEngine on {device}: {args.llm_max_batch} slots, max_seq_len {args.llm_max_seq_len}, "
+        "llm": f"LLMScheduler on {device}: {args.llm_max_batch} slots, max_seq_len {args.llm_max_seq_len}, "
                f"queue {args.llm_max_queue}; max speech tokens per text token "
                f"{llm.config.max_token_text_ratio:g}",
         "token2wav": f"{engine_line}, precision {args.precision if engine == 'tensorrt' else 'fp32'}; "
-                     f"Token2WavEngine max_batch {args.t2w_max_batch}, max_streams {args.t2w_max_streams}; "
+                     f"Token2WavScheduler max_batch {args.t2w_max_batch}, max_streams {args.t2w_max_streams}; "
                      f"batcher delay {args.queue_delay_us} us"}
     prompt_encoder = PromptEncoder.from_model_dir(model_dir)
-    frontend = TextFrontend.from_model_dir(model_dir, normalizers=normalizers)
+    preprocessor = TextPreprocessor.from_model_dir(model_dir, normalizers=normalizers)
     # The two threads start last: nothing after them can fail and leave them running.
-    batcher = BatchingToken2Wav(t2w_engine, args.t2w_max_batch, args.queue_delay_us / 1e6)
-    llm_engine.start()
-    orchestrator = Orchestrator(frontend, EngineLLM(llm_engine), batcher)
-    return Stack(orchestrator=orchestrator, llm_engine=llm_engine, t2w_engine=t2w_engine, batcher=batcher,
+    batcher = BatchingToken2WavStage(t2w_scheduler, args.t2w_max_batch, args.queue_delay_us / 1e6)
+    llm_scheduler.start()
+    orchestrator = Orchestrator(preprocessor, LocalLLMStage(llm_scheduler), batcher)
+    return Stack(orchestrator=orchestrator, llm_scheduler=llm_scheduler, t2w_scheduler=t2w_scheduler, batcher=batcher,
                  prompt_encoder=prompt_encoder, sampling=llm.config.sampling,
                  sample_rate=hift.config.sampling_rate, settings=settings)
 
@@ -200,18 +200,18 @@ def summarize(concurrency: int, planned: int, results: list[RequestResult], wall
     return out
 
 
-def flow_rows(engine: Token2WavEngine) -> tuple[int, float]:
+def flow_rows(scheduler: Token2WavScheduler) -> tuple[int, float]:
     """(flow calls, rows in them) so far, to get a level's mean flow batch from two readings."""
-    stats = engine.stats
+    stats = scheduler.stats
     return stats.flow_calls, stats.mean_flow_batch * stats.flow_calls
 
 
 def measure(stack: Stack, cases: list, voices: dict, concurrency: int, requests: int, deadline: float,
             seed: int) -> dict:
     """Run one level and summarize it, with the mean flow batch of its token2wav calls."""
-    calls0, rows0 = flow_rows(stack.t2w_engine)
+    calls0, rows0 = flow_rows(stack.t2w_scheduler)
     results, wall = run_level(stack, cases, voices, concurrency, requests, deadline, seed)
-    calls1, rows1 = flow_rows(stack.t2w_engine)
+    calls1, rows1 = flow_rows(stack.t2w_scheduler)
     return summarize(concurrency, requests, results, wall, (rows1 - rows0) / (calls1 - calls0)
                      if calls1 > calls0 else None)
 

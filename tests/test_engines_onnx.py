@@ -2,7 +2,7 @@
 
 Each exported graph runs in ONNX Runtime on inputs of another batch and length than it was traced with
 (so the dynamic axes are real), with the streaming flag on and off, on the tiny random folder and on the
-golden folder. Then the whole token2wav path (`Token2Wav`, `Token2WavEngine`) built by `build_token2wav`
+golden folder. Then the whole token2wav path (`Token2Wav`, `Token2WavScheduler`) built by `build_token2wav`
 with ONNX Runtime against the torch one. TensorRT cannot run here: its fallback, profile shapes and cache
 keys are checked.
 
@@ -30,21 +30,21 @@ import onnx
 import pytest
 import torch
 
-from cosyvoice_triton.engines.base import EngineUnavailable, RunnerModule
+from cosyvoice_triton.engines.base import SchedulerUnavailable, RunnerModule
 from cosyvoice_triton.engines.onnx_precision import mixed_precision
 from cosyvoice_triton.engines.ort_runner import OrtRunner
 from cosyvoice_triton.engines.select import (RunnerHiFT, build_token2wav, open_campplus, open_runner,
                                              resolve_engine)
 from cosyvoice_triton.engines.torch_runner import TorchRunner
-from cosyvoice_triton.engines.trt_build import (build_engine, declared_input_shapes, engine_cache_key,
-                                                engine_file, profile_shapes, token2wav_dim_ranges)
+from cosyvoice_triton.engines.trt_build import (build_plan, declared_input_shapes, plan_cache_key,
+                                                plan_file, profile_shapes, token2wav_dim_ranges)
 from cosyvoice_triton.engines.onnx_export import MANIFEST, token2wav_onnx
 from cosyvoice_triton.engines.onnx_graphs import HiFTDecodeGraph, example_inputs, token2wav_specs
 from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise, ZeroNoise
 from cosyvoice_triton.runtime.token2wav import FlowPrompt, Token2Wav
-from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest, Token2WavEngine
+from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest, Token2WavScheduler
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GRAPH_TOL = {"flow_encoder": 1e-4, "flow_estimator": 1e-4, "hift_decode": 1e-5}
@@ -183,14 +183,14 @@ def test_token2wav_engine_batch_with_onnxruntime(token2wav_pair, golden):
     tokens = golden["flow_token"][0].tolist()
     results = {}
     for engine, token2wav in token2wav_pair.items():
-        batcher = Token2WavEngine(token2wav.flow, token2wav.hift)
+        batcher = Token2WavScheduler(token2wav.flow, token2wav.hift)
         first = [ChunkRequest(sid, tokens[:30 + 5 * k], False, golden_prompt(golden), seed=7 + k)
                  for k, sid in enumerate(["a", "b"])]
         final = [ChunkRequest(sid, tokens[30 + 5 * k:], True, None, None) for k, sid in enumerate(["a", "b"])]
         results[engine] = batcher.run(first) + batcher.run(final)
         assert batcher.stats.max_flow_batch == 2 and batcher.stats.active_streams == 0
     for i, (ort_audio, torch_audio) in enumerate(zip(results["onnxruntime"], results["torch"], strict=True)):
-        report(f"Token2WavEngine chunk {i}, onnxruntime vs torch", ort_audio, torch_audio, WAVE_TOL)
+        report(f"Token2WavScheduler chunk {i}, onnxruntime vs torch", ort_audio, torch_audio, WAVE_TOL)
 
 
 def test_seeded_noise_is_drawn_in_torch_for_every_engine(token2wav_pair, golden):
@@ -300,21 +300,21 @@ def test_tensorrt_cache_key_changes_with_everything_an_engine_depends_on():
     profile = {"x": ((1, 80, 1), (8, 80, 400), (32, 80, 3000))}
     base = dict(onnx_sha256="a" * 64, gpu_name="NVIDIA H200", trt_version="10.13.0", precision="fp16",
                 profiles=profile)
-    key = engine_cache_key(**base)
-    assert key == engine_cache_key(**base)
+    key = plan_cache_key(**base)
+    assert key == plan_cache_key(**base)
     changes = [{"onnx_sha256": "b" * 64}, {"gpu_name": "NVIDIA H100 80GB HBM3"}, {"trt_version": "10.14.1"},
                {"precision": "fp32"}, {"profiles": {"x": ((1, 80, 1), (8, 80, 400), (16, 80, 3000))}}]
-    assert len({key, *(engine_cache_key(**{**base, **change}) for change in changes)}) == 1 + len(changes)
-    assert engine_file("/cache", "/m/onnx/flow_estimator.onnx", "fp16", key) == \
+    assert len({key, *(plan_cache_key(**{**base, **change}) for change in changes)}) == 1 + len(changes)
+    assert plan_file("/cache", "/m/onnx/flow_estimator.onnx", "fp16", key) == \
         Path(f"/cache/flow_estimator.fp16.{key[:16]}.plan")
 
 
 def test_tensorrt_is_a_clear_error_without_tensorrt_or_cuda(folder):
     _, model_dir, paths = folder
     spec = token2wav_specs(FlowModel.from_model_dir(model_dir).config)["flow_estimator"]
-    with pytest.raises(EngineUnavailable, match="tensorrt|CUDA"):
-        build_engine(paths["flow_estimator"], spec, {"B": (2, 8, 32), "T": (1, 400, 3000)}, device="cpu")
-    with pytest.raises(EngineUnavailable, match="tensorrt|CUDA"):
+    with pytest.raises(SchedulerUnavailable, match="tensorrt|CUDA"):
+        build_plan(paths["flow_estimator"], spec, {"B": (2, 8, 32), "T": (1, 400, 3000)}, device="cpu")
+    with pytest.raises(SchedulerUnavailable, match="tensorrt|CUDA"):
         open_runner(paths["flow_estimator"], spec, "tensorrt", "cpu", ranges={"B": (2, 8, 32), "T": (1, 4, 9)})
 
 

@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from cosyvoice_triton.engines.base import EngineUnavailable, RunnerModule
+from cosyvoice_triton.engines.base import SchedulerUnavailable, RunnerModule
 from cosyvoice_triton.engines.onnx_export import token2wav_onnx
 from cosyvoice_triton.engines.onnx_graphs import example_inputs, token2wav_specs
 from cosyvoice_triton.engines.select import RunnerHiFT, build_token2wav, open_campplus, resolve_engine
@@ -21,7 +21,7 @@ from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import ZeroNoise
 from cosyvoice_triton.runtime.token2wav import Token2Wav
-from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest, Token2WavEngine
+from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest, Token2WavScheduler
 from test_engines_onnx import GRAPH_TOL, MEL_TOL, WAVE_TOL, golden_flow_call, golden_prompt, report
 
 openvino = pytest.importorskip("openvino", reason="the openvino extra is not installed")
@@ -81,14 +81,14 @@ def test_token2wav_audio_and_batches_with_openvino(golden_model_dir, golden_onnx
     report("token2wav offline, openvino vs official", offline, golden["e2e_nonstream"][0], WAVE_TOL)
     results = {}
     for engine, pipeline in token2wav.items():
-        batcher = Token2WavEngine(pipeline.flow, pipeline.hift)
+        batcher = Token2WavScheduler(pipeline.flow, pipeline.hift)
         first = [ChunkRequest(sid, tokens[:30 + 5 * k], False, golden_prompt(golden), seed=7 + k)
                  for k, sid in enumerate(["a", "b"])]
         final = [ChunkRequest(sid, tokens[30 + 5 * k:], True, None, None) for k, sid in enumerate(["a", "b"])]
         results[engine] = batcher.run(first) + batcher.run(final)
         assert batcher.stats.max_flow_batch == 2 and batcher.stats.active_streams == 0
     for i, (ov_audio, torch_audio) in enumerate(zip(results["openvino"], results["torch"], strict=True)):
-        report(f"Token2WavEngine chunk {i}, openvino vs torch", ov_audio, torch_audio, WAVE_TOL)
+        report(f"Token2WavScheduler chunk {i}, openvino vs torch", ov_audio, torch_audio, WAVE_TOL)
 
 
 def test_campplus_on_openvino(golden_model_dir, golden, caplog):
@@ -112,10 +112,10 @@ def test_precisions_this_cpu_lacks_are_a_clear_error(folder):
         if capability in capabilities:
             assert OpenVINORunner(paths["hift_decode"], spec, precision=precision).precision == precision
         else:
-            with pytest.raises(EngineUnavailable, match=f"cannot compute in {precision}: it offers FP32"):
+            with pytest.raises(SchedulerUnavailable, match=f"cannot compute in {precision}: it offers FP32"):
                 OpenVINORunner(paths["hift_decode"], spec, precision=precision)
     if "NPU" not in core.available_devices:
-        with pytest.raises(EngineUnavailable, match="no device 'NPU'"):
+        with pytest.raises(SchedulerUnavailable, match="no device 'NPU'"):
             compile_config(core, "NPU", "fp32", 1)
     with pytest.raises(ValueError, match="precision must be one of"):
         compile_config(core, "CPU", "int4", 1)

@@ -165,8 +165,8 @@ def error_param(body: bytes | dict) -> tuple[str, str]:
 
 def shipped_default_voice(voice: dict) -> dict:
     """`voice` if it was registered from the recording that ships in gateway/assets (else an assertion)."""
-    from cosyvoice_triton.frontend.audio import load_prompt_audio
-    from cosyvoice_triton.frontend.voice_features import audio_sha256
+    from cosyvoice_triton.preprocess.audio import load_prompt_audio
+    from cosyvoice_triton.preprocess.voice_features import audio_sha256
     from cosyvoice_triton.gateway.default_voice import RECORDING, TRANSCRIPT
 
     samples, rate = load_prompt_audio(RECORDING.read_bytes(), "audio")

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from cosyvoice_triton.perf import gpu_bench
-from cosyvoice_triton.runtime.engine_backends import BatchingToken2Wav
-from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
+from cosyvoice_triton.runtime.local_stages import BatchingToken2WavStage
+from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest
 from polling import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def test_runs_as_on_the_gpu_image_without_wetext_and_soundfile(tiny_model_dir, t
 
 
 class FakeEngine:
-    """Token2WavEngine's run/cancel: answers each chunk with its stream id's number; the first call waits
+    """Token2WavScheduler's run/cancel: answers each chunk with its stream id's number; the first call waits
     for `release`, so the chunks sent meanwhile queue up in the batcher."""
 
     def __init__(self):
@@ -99,7 +99,7 @@ def chunk(stream_id: str) -> ChunkRequest:
 @pytest.mark.parametrize("max_batch, batches", [(16, [["0"], ["1", "2", "3"]]), (2, [["0"], ["1", "2"], ["3"]])])
 def test_batcher_gathers_waiting_chunks_into_one_engine_call(max_batch, batches):
     engine = FakeEngine()
-    batcher = BatchingToken2Wav(engine, max_batch=max_batch, queue_delay_s=0.0)
+    batcher = BatchingToken2WavStage(engine, max_batch=max_batch, queue_delay_s=0.0)
     got: dict[str, np.ndarray] = {}
 
     def send(stream_id: str) -> None:
@@ -123,7 +123,7 @@ def test_batcher_gathers_waiting_chunks_into_one_engine_call(max_batch, batches)
 def test_batcher_passes_cancels_and_per_chunk_errors():
     engine = FakeEngine()
     engine.release.set()
-    batcher = BatchingToken2Wav(engine, max_batch=4, queue_delay_s=0.0)
+    batcher = BatchingToken2WavStage(engine, max_batch=4, queue_delay_s=0.0)
     batcher.cancel("7")
     with pytest.raises(ValueError, match="bad chunk"):
         batcher.chunk(chunk("bad"))

@@ -1,4 +1,4 @@
-"""IdleSweeper over a real Token2WavEngine whose clock the test sets: frees abandoned streams, then wakes."""
+"""IdleSweeper over a real Token2WavScheduler whose clock the test sets: frees abandoned streams, then wakes."""
 from __future__ import annotations
 
 import threading
@@ -11,7 +11,7 @@ from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.runtime.idle_sweeper import IdleSweeper
 from cosyvoice_triton.runtime.token2wav import FlowPrompt
-from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest, Token2WavEngine
+from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest, Token2WavScheduler
 from polling import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,18 +31,18 @@ def models(golden_model_dir) -> tuple[FlowModel, HiFTGenerator]:
 
 
 @pytest.fixture
-def engine(models) -> Token2WavEngine:
-    """An engine with stream s0 opened at clock 0 and s1 at clock 5 (each idle 10 s later)."""
-    engine = Token2WavEngine(*models, idle_timeout_s=10.0, clock=FakeClock())
+def scheduler(models) -> Token2WavScheduler:
+    """An scheduler with stream s0 opened at clock 0 and s1 at clock 5 (each idle 10 s later)."""
+    scheduler = Token2WavScheduler(*models, idle_timeout_s=10.0, clock=FakeClock())
     rng = torch.Generator().manual_seed(0)
     for i in range(2):
-        engine.clock.now = 5.0 * i
+        scheduler.clock.now = 5.0 * i
         prompt = FlowPrompt(torch.randint(0, 6561, (1, 6), dtype=torch.int32, generator=rng),
                             torch.randn(1, 12, 80, generator=rng), torch.randn(1, 192, generator=rng))
-        (audio,) = engine.run([ChunkRequest(f"s{i}", list(range(10 + i, 20 + i)), False, prompt, seed=i)])
+        (audio,) = scheduler.run([ChunkRequest(f"s{i}", list(range(10 + i, 20 + i)), False, prompt, seed=i)])
         assert isinstance(audio, np.ndarray)
-    assert engine.stats.active_streams == 2
-    return engine
+    assert scheduler.stats.active_streams == 2
+    return scheduler
 
 
 class Wakes:
@@ -56,46 +56,46 @@ class Wakes:
             raise RuntimeError("the server is shutting down")
 
 
-def test_sweep_once_frees_idle_streams_then_wakes(engine):
+def test_sweep_once_frees_idle_streams_then_wakes(scheduler):
     wakes = Wakes()
-    sweeper = IdleSweeper(engine.sweep_idle, wakes, interval_s=1.0)
-    engine.clock.now = 9.0
+    sweeper = IdleSweeper(scheduler.sweep_idle, wakes, interval_s=1.0)
+    scheduler.clock.now = 9.0
     assert sweeper.sweep_once() == [] and wakes.count == 0  # nothing idle yet: no wake
-    engine.clock.now = 20.5
+    scheduler.clock.now = 20.5
     assert sorted(sweeper.sweep_once()) == ["s0", "s1"] and wakes.count == 1  # one wake for both
-    assert engine.stats.active_streams == 0 and engine.stats.freed["idle"] == 2
+    assert scheduler.stats.active_streams == 0 and scheduler.stats.freed["idle"] == 2
     assert sweeper.sweep_once() == [] and wakes.count == 1
 
 
-def test_the_lock_is_held_while_freeing_not_while_waking(engine):
+def test_the_lock_is_held_while_freeing_not_while_waking(scheduler):
     lock = threading.Lock()
     held = []
 
     def free_idle():
         held.append(("free", lock.locked()))
-        return engine.sweep_idle()
+        return scheduler.sweep_idle()
 
     sweeper = IdleSweeper(free_idle, lambda: held.append(("wake", lock.locked())), interval_s=1.0, lock=lock)
-    engine.clock.now = 11.0
+    scheduler.clock.now = 11.0
     assert sweeper.sweep_once() == ["s0"]
     assert held == [("free", True), ("wake", False)]
 
 
-def test_the_timer_sweeps_until_stopped_and_survives_a_failed_wake(engine):
-    wakes, lock = Wakes(fail=True), threading.Lock()  # the lock: the engine has one caller at a time
-    sweeper = IdleSweeper(engine.sweep_idle, wakes, interval_s=0.01, lock=lock)
+def test_the_timer_sweeps_until_stopped_and_survives_a_failed_wake(scheduler):
+    wakes, lock = Wakes(fail=True), threading.Lock()  # the lock: the scheduler has one caller at a time
+    sweeper = IdleSweeper(scheduler.sweep_idle, wakes, interval_s=0.01, lock=lock)
     sweeper.start()
     try:
         with lock:
-            engine.clock.now = 10.5
-        wait_until(lambda: wakes.count == 1, 30)  # s0 freed by the timer, nobody calling the engine
-        assert engine.stats.freed["idle"] == 1 and engine.stats.active_streams == 1
+            scheduler.clock.now = 10.5
+        wait_until(lambda: wakes.count == 1, 30)  # s0 freed by the timer, nobody calling the scheduler
+        assert scheduler.stats.freed["idle"] == 1 and scheduler.stats.active_streams == 1
         with lock:
-            engine.clock.now = 15.5
+            scheduler.clock.now = 15.5
         wait_until(lambda: wakes.count == 2, 30)  # the failed wake did not end the timer
     finally:
         sweeper.stop()
-    assert engine.stats.freed["idle"] == 2 and engine.stats.active_streams == 0
+    assert scheduler.stats.freed["idle"] == 2 and scheduler.stats.active_streams == 0
     assert not sweeper._thread.is_alive()
 
 

@@ -10,8 +10,8 @@ import pytest
 import soundfile as sf
 
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.frontend.audio import load_prompt_audio, spectral_flatness
-from cosyvoice_triton.frontend.text import validate_text
+from cosyvoice_triton.preprocess.audio import load_prompt_audio, spectral_flatness
+from cosyvoice_triton.preprocess.text import validate_text
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.runtime.voice_store import check_voice_id, short_repr
 
@@ -92,10 +92,10 @@ def test_nan_and_inf_are_refused_at_model_boundaries():
 
 
 def test_the_prompt_budget_refuses_transcripts_that_leave_no_room_for_a_sentence(tiny_model_dir):
-    from cosyvoice_triton.frontend.text import TextFrontend
+    from cosyvoice_triton.preprocess.text import TextPreprocessor
     from cosyvoice_triton.runtime.prompt_budget import SENTENCE_ROOM, PromptBudget, speech_tokens_of
 
-    budget = PromptBudget(4096, TextFrontend.from_model_dir(tiny_model_dir))
+    budget = PromptBudget(4096, TextPreprocessor.from_model_dir(tiny_model_dir))
     assert speech_tokens_of(48000, 16000) == 75
     assert budget.transcript_limit(75) == 4096 - 2 - SENTENCE_ROOM - 75
     budget.check("a short transcript", 75, "reference_text")
@@ -106,4 +106,4 @@ def test_the_prompt_budget_refuses_transcripts_that_leave_no_room_for_a_sentence
         dataclasses.replace(budget, max_seq_len=500).check(" ".join(["a long transcript"] * 100), 75,
                                                            "reference_text")
     with pytest.raises(InvalidInput):  # a smaller LLM cache leaves less room
-        PromptBudget(400, budget.frontend).check("word " * 60, 750 // 10 * 2, "reference_text")
+        PromptBudget(400, budget.preprocessor).check("word " * 60, 750 // 10 * 2, "reference_text")

@@ -1,4 +1,4 @@
-"""The library's layers import one way: base → models → engines → frontend → runtime → triton → server → cli.
+"""The library's layers import one way: base → models → engines → preprocess → runtime → triton → server → cli.
 
 The rule this test encodes, read from the source with `ast` (nothing imported; every `import` and
 `from ... import`, relative ones resolved, those under `if TYPE_CHECKING:` included):
@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 
 LIBRARY = Path(__file__).resolve().parents[1] / "cosyvoice_triton"
-LAYERS = ("base", "models", "engines", "frontend", "runtime", "triton", "server", "cli")
+LAYERS = ("base", "models", "engines", "preprocess", "runtime", "triton", "server", "cli")
 PLACED = {  # library packages outside the named layers, at the layer whose imports they may make
-    "random_folder": "runtime",  # writes random model folders from models + frontend; serve uses it
-    "training": "runtime",  # fine-tuning data and losses over models + frontend; a command uses it
+    "random_folder": "runtime",  # writes random model folders from models + preprocess; serve uses it
+    "training": "runtime",  # fine-tuning data and losses over models + preprocess; a command uses it
 }
 TOOLS = ("client", "gateway", "perf", "export")
 

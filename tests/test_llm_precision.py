@@ -3,7 +3,7 @@
 - a bucketed cached forward equals the whole-cache one (fp32, to 1e-6) across bucket boundaries;
 - bf16 and int8 run, stay within the default's KL bound against fp32 on the tiny folder (teacher-forced,
   perf/llm_quality.py's measure) and decode deterministically;
-- a seed's tokens do not depend on the batch the engine decodes them in, in every precision;
+- a seed's tokens do not depend on the batch the scheduler decodes them in, in every precision;
 - `generate(exact_len=N)` yields exactly N tokens, with stop tokens masked.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from cosyvoice_triton.models.qwen2 import KV_BUCKET, kv_bucket
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.perf.llm_quality import quality_table
 from cosyvoice_triton.random_folder.write import write_random_model
-from cosyvoice_triton.runtime.llm_engine import LLMEngine
+from cosyvoice_triton.runtime.llm_scheduler import LLMScheduler
 from cosyvoice_triton.runtime.llm_generate import generate
 
 pytestmark = pytest.mark.timeout(300)
@@ -92,13 +92,13 @@ def request(llm: SpeechLM, name: str, text_len: int, speech_len: int, seed: int)
 
 
 def run_engine(llm: SpeechLM, requests: list[LLMRequest], max_batch: int) -> list[list[int]]:
-    engine = LLMEngine(llm, max_batch=max_batch, max_seq_len=MAX_SEQ_LEN)
-    streams = [engine.submit(r) for r in requests]
-    engine.start()
+    scheduler = LLMScheduler(llm, max_batch=max_batch, max_seq_len=MAX_SEQ_LEN)
+    streams = [scheduler.submit(r) for r in requests]
+    scheduler.start()
     try:
         return [[token for chunk in stream for token in chunk] for stream in streams]
     finally:
-        engine.stop()
+        scheduler.stop()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])

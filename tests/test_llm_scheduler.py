@@ -1,8 +1,8 @@
-"""The LLM in-flight batching engine against `llm_generate.generate`, the single-stream reference.
+"""The LLM in-flight batching scheduler against `llm_generate.generate`, the single-stream reference.
 
-The engine's pace is set by `StepGate`, which wraps `step_logits`: while it is closed, every model call
+The scheduler's pace is set by `StepGate`, which wraps `step_logits`: while it is closed, every model call
 waits for the test to release it, so the test knows which rounds have run and reads stats while the
-engine thread stands still. No test depends on timing.
+scheduler thread stands still. No test depends on timing.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch import Tensor
 from cosyvoice_triton.errors import InvalidInput, Unavailable
 from cosyvoice_triton.random_folder.write import write_random_model
 from cosyvoice_triton.models.speech_lm import SpeechLM
-from cosyvoice_triton.runtime.llm_engine import (EngineUnavailable, LLMEngine, LLMRequest, LLMStepError,
+from cosyvoice_triton.runtime.llm_scheduler import (SchedulerUnavailable, LLMScheduler, LLMRequest, LLMStepError,
                                                   LLMStream)
 from cosyvoice_triton.runtime.llm_generate import generate
 from cosyvoice_triton.runtime.sampling import SamplingParams
@@ -40,15 +40,15 @@ def llm(model_dir: Path) -> SpeechLM:
 
 
 @pytest.fixture
-def engines() -> list[LLMEngine]:
+def schedulers() -> list[LLMScheduler]:
     """Engines made by a test; stopped after it whatever happened (a gate left closed is opened first)."""
-    made: list[LLMEngine] = []
+    made: list[LLMScheduler] = []
     yield made
-    for engine in made:
-        gate = vars(engine.llm).get("step_logits")
+    for scheduler in made:
+        gate = vars(scheduler.llm).get("step_logits")
         if isinstance(gate, StepGate):
             gate.open()
-        engine.stop()
+        scheduler.stop()
 
 
 class StepGate:
@@ -75,7 +75,7 @@ class StepGate:
         return self.inner(x, input_pos, slots, kv_len)
 
     def next_call(self) -> tuple[int, int]:
-        """Wait until the engine blocks in its next model call; return that call's (B, T)."""
+        """Wait until the scheduler blocks in its next model call; return that call's (B, T)."""
         return self.arrivals.get()
 
     def release(self) -> None:
@@ -102,7 +102,7 @@ def make_request(llm: SpeechLM, name: str, text_len: int, prompt_text_len: int =
 
 
 def solo(llm: SpeechLM, request: LLMRequest) -> list[int]:
-    """The reference: `generate` alone, seeded as the engine must seed it."""
+    """The reference: `generate` alone, seeded as the scheduler must seed it."""
     tokens = [torch.tensor([ids], dtype=torch.int64).reshape(1, -1)
               for ids in (request.text_tokens, request.prompt_text_tokens, request.prompt_speech_tokens)]
     return list(generate(llm, *tokens, sampling=request.sampling,
@@ -128,35 +128,35 @@ def requests_of_all_shapes(llm: SpeechLM) -> list[LLMRequest]:
             make_request(llm, "zero-shot-c", 3, 8, 20, seed=6, sampling=SamplingParams(win_size=5, tau_r=0.3))]
 
 
-def test_each_request_alone_equals_generate(llm: SpeechLM, engines: list[LLMEngine]) -> None:
+def test_each_request_alone_equals_generate(llm: SpeechLM, schedulers: list[LLMScheduler]) -> None:
     requests = requests_of_all_shapes(llm)
     expected = [solo(llm, request) for request in requests]
-    engine = LLMEngine(llm, max_batch=4)
-    engines.append(engine)
-    engine.start()
+    scheduler = LLMScheduler(llm, max_batch=4)
+    schedulers.append(scheduler)
+    scheduler.start()
     for request, tokens in zip(requests, expected):
-        stream = engine.submit(request)
+        stream = scheduler.submit(request)
         assert read_all(stream) == tokens
         assert stream.get() is None  # the end stays
         assert stream.finished and stream.reason == solo_reason(llm, request, tokens)
-    assert engine.stats.peak_batch_size == 1
-    assert engine.stats.tokens_total == sum(map(len, expected))
+    assert scheduler.stats.peak_batch_size == 1
+    assert scheduler.stats.tokens_total == sum(map(len, expected))
 
 
 def test_concurrent_streams_with_cancellation_equal_their_solo_runs(llm: SpeechLM,
-                                                                     engines: list[LLMEngine]) -> None:
+                                                                     schedulers: list[LLMScheduler]) -> None:
     requests = requests_of_all_shapes(llm)
     expected = [solo(llm, request) for request in requests]
-    engine = LLMEngine(llm, max_batch=4)
-    engines.append(engine)
+    scheduler = LLMScheduler(llm, max_batch=4)
+    schedulers.append(scheduler)
     gate = StepGate(llm)
-    streams = [engine.submit(request) for request in requests]  # before start: admission order is fixed
-    engine.start()
+    streams = [scheduler.submit(request) for request in requests]  # before start: admission order is fixed
+    scheduler.start()
     for _ in range(4):  # round 1: four prefills (B = 1) ...
         assert gate.next_call()[0] == 1
         gate.release()
     assert gate.next_call() == (4, 1)  # ... then one decode step for all four
-    stats = engine.stats
+    stats = scheduler.stats
     assert (stats.active_streams, stats.queued, stats.slots_free) == (4, 2, 0)
 
     cancelled = streams[1:3]
@@ -166,7 +166,7 @@ def test_concurrent_streams_with_cancellation_equal_their_solo_runs(llm: SpeechL
         stream.cancel()  # idempotent
     gate.release()  # the decode step still serves them; the next round retires them and admits two more
     assert gate.next_call()[0] == 1  # prefill of the first waiting request
-    stats = engine.stats
+    stats = scheduler.stats
     assert (stats.active_streams, stats.queued) == (3, 1)  # two slots freed, one already refilled
     for stream in cancelled:
         assert stream.finished and stream.reason == "cancelled"
@@ -176,109 +176,109 @@ def test_concurrent_streams_with_cancellation_equal_their_solo_runs(llm: SpeechL
     for index in (0, 3, 4, 5):
         assert read_all(streams[index]) == expected[index], requests[index].request_id
         assert streams[index].reason == solo_reason(llm, requests[index], expected[index])
-    assert max(gate.decode_sizes()) == 4 and engine.stats.peak_batch_size == 4
-    stats = engine.stats
+    assert max(gate.decode_sizes()) == 4 and scheduler.stats.peak_batch_size == 4
+    stats = scheduler.stats
     assert (stats.active_streams, stats.queued, stats.slots_free) == (0, 0, 4)
     assert stats.tokens_total == sum(len(expected[i]) for i in (0, 3, 4, 5)) + 2 * 2
 
 
 def test_a_request_that_arrives_while_others_decode_joins_the_batch(llm: SpeechLM,
-                                                                     engines: list[LLMEngine]) -> None:
+                                                                     schedulers: list[LLMScheduler]) -> None:
     first = make_request(llm, "first", 4, 3, 10, seed=7)
     late = make_request(llm, "late", 2, 5, 6, seed=8)
     expected_first, expected_late = solo(llm, first), solo(llm, late)
-    engine = LLMEngine(llm, max_batch=2)
-    engines.append(engine)
+    scheduler = LLMScheduler(llm, max_batch=2)
+    schedulers.append(scheduler)
     gate = StepGate(llm)
-    engine.start()
-    stream_first = engine.submit(first)
+    scheduler.start()
+    stream_first = scheduler.submit(first)
     assert gate.next_call()[0] == 1  # prefill
     gate.release()
     assert gate.next_call() == (1, 1)  # decoding alone
-    stream_late = engine.submit(late)
+    stream_late = scheduler.submit(late)
     with pytest.raises(TimeoutError):
-        stream_late.get(timeout=0.01)  # nothing yet: the engine is inside the other stream's step
+        stream_late.get(timeout=0.01)  # nothing yet: the scheduler is inside the other stream's step
     gate.release()
     assert gate.next_call()[0] == 1  # the late request's prefill, before the next decode step
     gate.release()
     assert gate.next_call() == (2, 1)  # one step for both
-    assert engine.stats.active_streams == 2 and not stream_first.finished
+    assert scheduler.stats.active_streams == 2 and not stream_first.finished
     gate.open()
     assert read_all(stream_first) == expected_first
     assert read_all(stream_late) == expected_late
-    assert engine.stats.peak_batch_size == 2
+    assert scheduler.stats.peak_batch_size == 2
 
 
-def test_eos_waits_for_min_len_then_stops_the_stream(llm: SpeechLM, engines: list[LLMEngine]) -> None:
+def test_eos_waits_for_min_len_then_stops_the_stream(llm: SpeechLM, schedulers: list[LLMScheduler]) -> None:
     with torch.no_grad():
         llm.llm_decoder.bias[llm.config.eos_token] += 100.0  # EOS wins as soon as it is allowed
     request = make_request(llm, "eos", 3, 2, 5, seed=9)
     expected = solo(llm, request)
     assert len(expected) == llm.length_limits(3)[0]
-    engine = LLMEngine(llm, max_batch=2)
-    engines.append(engine)
-    engine.start()
-    stream = engine.submit(request)
+    scheduler = LLMScheduler(llm, max_batch=2)
+    schedulers.append(scheduler)
+    scheduler.start()
+    stream = scheduler.submit(request)
     assert read_all(stream) == expected
     assert stream.reason == "stop_token"
-    assert engine.stats.slots_free == 2
+    assert scheduler.stats.slots_free == 2
 
 
-def test_a_failing_step_fails_only_its_streams(llm: SpeechLM, engines: list[LLMEngine]) -> None:
+def test_a_failing_step_fails_only_its_streams(llm: SpeechLM, schedulers: list[LLMScheduler]) -> None:
     bad = make_request(llm, "bad", 3, 0, 7, seed=10)
     good = make_request(llm, "good", 2, 1, 4, seed=11)
     expected_good = solo(llm, good)
     bad_prefill_len = 2 + len(bad.text_tokens) + len(bad.prompt_speech_tokens)
-    engine = LLMEngine(llm, max_batch=2)
-    engines.append(engine)
+    scheduler = LLMScheduler(llm, max_batch=2)
+    schedulers.append(scheduler)
     StepGate(llm, fail_when=lambda x: x.shape[1] == bad_prefill_len).open()
-    streams = [engine.submit(bad), engine.submit(good)]
-    engine.start()
+    streams = [scheduler.submit(bad), scheduler.submit(good)]
+    scheduler.start()
     with pytest.raises(LLMStepError, match="prefill failed for request bad"):
         read_all(streams[0])
     assert streams[0].reason == "error"
     assert read_all(streams[1]) == expected_good
-    again = engine.submit(replace(good, request_id="again"))  # the engine lives on
+    again = scheduler.submit(replace(good, request_id="again"))  # the scheduler lives on
     assert read_all(again) == expected_good
-    assert engine.stats.slots_free == 2
+    assert scheduler.stats.slots_free == 2
 
 
 def test_stop_fails_live_and_waiting_streams_and_ends_the_thread(llm: SpeechLM,
-                                                                  engines: list[LLMEngine]) -> None:
-    engine = LLMEngine(llm, max_batch=1)
-    engines.append(engine)
+                                                                  schedulers: list[LLMScheduler]) -> None:
+    scheduler = LLMScheduler(llm, max_batch=1)
+    schedulers.append(scheduler)
     gate = StepGate(llm)
-    live = engine.submit(make_request(llm, "live", 3, seed=12))
-    waiting = engine.submit(make_request(llm, "waiting", 3, seed=13))
-    engine.start()
+    live = scheduler.submit(make_request(llm, "live", 3, seed=12))
+    waiting = scheduler.submit(make_request(llm, "waiting", 3, seed=13))
+    scheduler.start()
     gate.next_call()
     gate.release()
-    gate.next_call()  # the engine is inside a decode step
-    stopper = threading.Thread(target=engine.stop, daemon=True)
+    gate.next_call()  # the scheduler is inside a decode step
+    stopper = threading.Thread(target=scheduler.stop, daemon=True)
     stopper.start()
     for stream in (live, waiting):  # stop() fails them at once, without waiting for the step
-        with pytest.raises(EngineUnavailable, match="stopped"):
+        with pytest.raises(SchedulerUnavailable, match="stopped"):
             read_all(stream)
         assert stream.reason == "error"
     gate.open()
-    stopper.join()  # stop() returns once the engine thread has exited
-    assert not [t for t in threading.enumerate() if t.name == "llm-engine" and t.is_alive()]
-    stats = engine.stats
+    stopper.join()  # stop() returns once the scheduler thread has exited
+    assert not [t for t in threading.enumerate() if t.name == "llm-scheduler" and t.is_alive()]
+    stats = scheduler.stats
     assert (stats.active_streams, stats.queued, stats.slots_free) == (0, 0, 1)
-    with pytest.raises(EngineUnavailable):
-        engine.submit(make_request(llm, "late", 3))
+    with pytest.raises(SchedulerUnavailable):
+        scheduler.submit(make_request(llm, "late", 3))
 
 
 def test_a_full_queue_refuses_requests(llm: SpeechLM) -> None:
-    engine = LLMEngine(llm, max_batch=1, max_queue=2)
-    queued = [engine.submit(make_request(llm, f"r{i}", 2, seed=i)) for i in range(2)]
-    with pytest.raises(EngineUnavailable, match="queue is full") as caught:
-        engine.submit(make_request(llm, "r2", 2))
+    scheduler = LLMScheduler(llm, max_batch=1, max_queue=2)
+    queued = [scheduler.submit(make_request(llm, f"r{i}", 2, seed=i)) for i in range(2)]
+    with pytest.raises(SchedulerUnavailable, match="queue is full") as caught:
+        scheduler.submit(make_request(llm, "r2", 2))
     assert isinstance(caught.value, Unavailable)  # what the Triton model maps to UNAVAILABLE
-    assert engine.stats.queued == 2
-    engine.stop()  # never started: the queued streams fail all the same
+    assert scheduler.stats.queued == 2
+    scheduler.stop()  # never started: the queued streams fail all the same
     for stream in queued:
-        with pytest.raises(EngineUnavailable):
+        with pytest.raises(SchedulerUnavailable):
             stream.get()
 
 
@@ -295,9 +295,9 @@ def test_a_full_queue_refuses_requests(llm: SpeechLM) -> None:
     ({"prompt_speech_tokens": [0] * MAX_SEQ_LEN}, "text_tokens"),  # does not fit the cache
 ])
 def test_invalid_requests_name_the_field(llm: SpeechLM, changes: dict, field: str) -> None:
-    engine = LLMEngine(llm, max_batch=1)
+    scheduler = LLMScheduler(llm, max_batch=1)
     request = replace(make_request(llm, "ok", 2), **changes)
     with pytest.raises(InvalidInput) as caught:
-        engine.submit(request)
+        scheduler.submit(request)
     assert caught.value.field == field
-    assert engine.stats.queued == 0
+    assert scheduler.stats.queued == 0

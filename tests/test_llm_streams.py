@@ -1,7 +1,7 @@
-"""LLMStreamForwarder (the llm model's streaming loop) with a real LLMEngine and a plain fake sender.
+"""LLMStreamForwarder (the llm model's streaming loop) with a real LLMScheduler and a plain fake sender.
 
-`Gate` holds the engine inside its next model call until the test opens it, so the test knows where the
-engine stands when it cancels or stops; no test depends on timing.
+`Gate` holds the scheduler inside its next model call until the test opens it, so the test knows where the
+scheduler stands when it cancels or stops; no test depends on timing.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import LLMRequest, SamplingParams
 from cosyvoice_triton.models.speech_lm import SpeechLM
-from cosyvoice_triton.runtime.llm_engine import EngineUnavailable, LLMEngine
+from cosyvoice_triton.runtime.llm_scheduler import SchedulerUnavailable, LLMScheduler
 from cosyvoice_triton.triton.llm_streams import LLMStreamForwarder
 from polling import wait_until
 
@@ -91,7 +91,7 @@ def make_forwarder(golden_model_dir: Path):
         llm = SpeechLM.from_model_dir(golden_model_dir, max_batch=max_batch, max_seq_len=MAX_SEQ_LEN)
         gate = Gate(llm) if gated else None
         ends: list[str] = []
-        forwarder = LLMStreamForwarder(LLMEngine(llm, max_batch=max_batch, max_seq_len=MAX_SEQ_LEN, max_queue=4),
+        forwarder = LLMStreamForwarder(LLMScheduler(llm, max_batch=max_batch, max_seq_len=MAX_SEQ_LEN, max_queue=4),
                                        on_end=ends.append, cancel_check_s=0.02)
         forwarder.start()
         made.append((forwarder, gate))
@@ -105,19 +105,19 @@ def make_forwarder(golden_model_dir: Path):
 
 
 def engine_tokens(golden_model_dir: Path, request: LLMRequest) -> list[int]:
-    """The same request read straight from an engine stream of its own."""
+    """The same request read straight from an scheduler stream of its own."""
     llm = SpeechLM.from_model_dir(golden_model_dir, max_batch=1, max_seq_len=MAX_SEQ_LEN)
-    engine = LLMEngine(llm, max_batch=1, max_seq_len=MAX_SEQ_LEN)
-    engine.start()
+    scheduler = LLMScheduler(llm, max_batch=1, max_seq_len=MAX_SEQ_LEN)
+    scheduler.start()
     try:
-        return [t for piece in engine.submit(request) for t in piece]
+        return [t for piece in scheduler.submit(request) for t in piece]
     finally:
-        engine.stop()
+        scheduler.stop()
 
 
 def test_tokens_are_forwarded_in_order_then_one_final(make_forwarder, golden_model_dir):
     forwarder, _, ends = make_forwarder()
-    requests = [make_request(forwarder.engine.llm, f"s{i}", text_len=3 + i, seed=i) for i in range(2)]
+    requests = [make_request(forwarder.scheduler.llm, f"s{i}", text_len=3 + i, seed=i) for i in range(2)]
     senders = [FakeSender() for _ in requests]
     for request, sender in zip(requests, senders):
         forwarder.open(request, sender)
@@ -127,54 +127,54 @@ def test_tokens_are_forwarded_in_order_then_one_final(make_forwarder, golden_mod
         assert sender.finals == [("final", None)] and sender.events[-1] == ("final", None)
     wait_until(lambda: len(ends) == 2, 30)
     assert set(ends) <= {"stop_token", "max_len"}
-    assert forwarder.open_streams == 0 and forwarder.engine.stats.slots_free == 2
+    assert forwarder.open_streams == 0 and forwarder.scheduler.stats.slots_free == 2
 
 
 def test_cancel_by_request_frees_the_slot_and_sends_one_final(make_forwarder):
     forwarder, gate, ends = make_forwarder(gated=True)
     sender = FakeSender()
-    forwarder.open(make_request(forwarder.engine.llm, "long", text_len=200), sender)
-    assert gate.arrived.wait(30)  # the engine is in the stream's prefill
+    forwarder.open(make_request(forwarder.scheduler.llm, "long", text_len=200), sender)
+    assert gate.arrived.wait(30)  # the scheduler is in the stream's prefill
     assert forwarder.cancel("long")
     gate.go.set()
     sender.wait()
     assert sender.finals == [("final", None)] and sender.events[-1] == ("final", None)
     assert len(sender.tokens) < 2 * 200  # ended long before its minimum length
     wait_until(lambda: ends == ["cancelled"], 30)
-    assert forwarder.engine.stats.slots_free == 2 and forwarder.open_streams == 0
+    assert forwarder.scheduler.stats.slots_free == 2 and forwarder.open_streams == 0
     assert not forwarder.cancel("long")  # gone once ended
 
 
 def test_client_going_away_while_waiting_for_a_slot(make_forwarder):
     forwarder, gate, ends = make_forwarder(max_batch=1, gated=True)
     holder, waiter = FakeSender(), FakeSender()
-    forwarder.open(make_request(forwarder.engine.llm, "holder", text_len=3), holder)
-    assert gate.arrived.wait(30)  # the holder takes the only slot; the engine stands in its prefill
-    forwarder.open(make_request(forwarder.engine.llm, "waiter", text_len=3, seed=1), waiter)
+    forwarder.open(make_request(forwarder.scheduler.llm, "holder", text_len=3), holder)
+    assert gate.arrived.wait(30)  # the holder takes the only slot; the scheduler stands in its prefill
+    forwarder.open(make_request(forwarder.scheduler.llm, "waiter", text_len=3, seed=1), waiter)
     waiter.cancelled = True
-    wait_until(lambda: waiter.checks >= 2, 30)  # the job has seen the cancel and passed it to the engine
+    wait_until(lambda: waiter.checks >= 2, 30)  # the job has seen the cancel and passed it to the scheduler
     gate.go.set()
     waiter.wait()
     holder.wait()
     assert waiter.events == [("final", None)]  # no token, one final
     assert holder.tokens and holder.finals == [("final", None)]
     wait_until(lambda: len(ends) == 2, 30)
-    assert "cancelled" in ends and forwarder.engine.stats.slots_free == 1 and forwarder.engine.stats.queued == 0
+    assert "cancelled" in ends and forwarder.scheduler.stats.slots_free == 1 and forwarder.scheduler.stats.queued == 0
 
 
 def test_a_stream_id_that_is_streaming_is_refused(make_forwarder):
     forwarder, gate, _ = make_forwarder(gated=True)
     first, second = FakeSender(), FakeSender()
-    forwarder.open(make_request(forwarder.engine.llm, "same", text_len=3), first)
+    forwarder.open(make_request(forwarder.scheduler.llm, "same", text_len=3), first)
     with pytest.raises(InvalidInput) as refused:
-        forwarder.open(make_request(forwarder.engine.llm, "same", text_len=4), second)
+        forwarder.open(make_request(forwarder.scheduler.llm, "same", text_len=4), second)
     assert refused.value.field == "stream_id"
-    assert forwarder.engine.stats.queued + forwarder.engine.stats.active_streams == 1
+    assert forwarder.scheduler.stats.queued + forwarder.scheduler.stats.active_streams == 1
     gate.go.set()
     first.wait()
     assert first.finals == [("final", None)] and second.events == []
     again = FakeSender()
-    forwarder.open(make_request(forwarder.engine.llm, "same", text_len=3), again)  # free once ended
+    forwarder.open(make_request(forwarder.scheduler.llm, "same", text_len=3), again)  # free once ended
     again.wait()
     assert again.finals == [("final", None)]
 
@@ -183,19 +183,19 @@ def test_stop_ends_every_stream_with_one_final_error(make_forwarder):
     forwarder, gate, ends = make_forwarder(max_batch=1, gated=True)
     senders = [FakeSender(), FakeSender()]
     for i, sender in enumerate(senders):  # one holds the slot (held in its prefill), one waits for it
-        forwarder.open(make_request(forwarder.engine.llm, f"s{i}", text_len=3, seed=i), sender)
+        forwarder.open(make_request(forwarder.scheduler.llm, f"s{i}", text_len=3, seed=i), sender)
     assert gate.arrived.wait(30)
     stopping = threading.Thread(target=forwarder.stop)
     stopping.start()
     for sender in senders:
-        sender.wait()  # the finals go out while the engine thread still stands in the gate
+        sender.wait()  # the finals go out while the scheduler thread still stands in the gate
     gate.go.set()
     stopping.join(60)
     assert not stopping.is_alive()
     for sender in senders:
         ((kind, error),) = sender.finals
-        assert kind == "error" and isinstance(error, EngineUnavailable)
+        assert kind == "error" and isinstance(error, SchedulerUnavailable)
         assert sender.events[-1][0] == "error"
     assert ends == ["error", "error"]
-    with pytest.raises(EngineUnavailable):
-        forwarder.open(make_request(forwarder.engine.llm, "late", text_len=3), FakeSender())
+    with pytest.raises(SchedulerUnavailable):
+        forwarder.open(make_request(forwarder.scheduler.llm, "late", text_len=3), FakeSender())

@@ -9,7 +9,7 @@ import pytest
 import soundfile as sf
 
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.frontend.audio import (decode_audio, load_prompt_audio, resample, to_mono,
+from cosyvoice_triton.preprocess.audio import (decode_audio, load_prompt_audio, resample, to_mono,
                                              validate_prompt_audio)
 
 FIELD = "reference_audio"

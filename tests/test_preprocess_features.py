@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cosyvoice_triton.config import read_yaml
-from cosyvoice_triton.frontend.features import (MelConfig, kaldi_fbank, kaldi_mel_banks, prompt_mel,
+from cosyvoice_triton.preprocess.features import (MelConfig, kaldi_fbank, kaldi_mel_banks, prompt_mel,
                                                 slaney_mel_filterbank, speaker_fbank, whisper_log_mel)
 
 

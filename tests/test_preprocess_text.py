@@ -9,10 +9,10 @@ import pytest
 
 from cosyvoice_triton.errors import InvalidInput, ModelFolderError
 from cosyvoice_triton.random_folder.tokenizer_standin import write_tokenizer_standin
-from cosyvoice_triton.frontend.text import (TextFrontend, TextNormalizer, clean_chinese, cut_at_punctuation,
+from cosyvoice_triton.preprocess.text import (TextPreprocessor, TextNormalizer, clean_chinese, cut_at_punctuation,
                                             is_only_punctuation, merge_pieces, spell_out_integer,
                                             spell_out_numbers, validate_text)
-from cosyvoice_triton.frontend.tokenizer import COSYVOICE2_SPECIAL_TOKENS, TextTokenizer
+from cosyvoice_triton.preprocess.tokenizer import COSYVOICE2_SPECIAL_TOKENS, TextTokenizer
 
 VOCAB_SIZE = 1000
 
@@ -153,12 +153,12 @@ def test_long_english_paragraph_splits_by_tokens(normalizer: TextNormalizer,
 
 
 def test_frontend_validates_and_splits(qwen_dir: Path) -> None:
-    frontend = TextFrontend.from_model_dir(qwen_dir.parent)
-    assert frontend.split("你好，世界。今天是3月5日。") == ["你好，世界。今天是三月五日。"]
-    assert frontend.normalize("I have 2 cats") == "I have two cats"
+    preprocessor = TextPreprocessor.from_model_dir(qwen_dir.parent)
+    assert preprocessor.split("你好，世界。今天是3月5日。") == ["你好，世界。今天是三月五日。"]
+    assert preprocessor.normalize("I have 2 cats") == "I have two cats"
     for text, problem in [("   ", "empty"), ("?!。", "nothing to speak"), ("a" * 2001, "limit")]:
         with pytest.raises(InvalidInput, match=problem) as error:
-            frontend.split(text, field="tts_text")
+            preprocessor.split(text, field="tts_text")
         assert error.value.field == "tts_text"
 
 

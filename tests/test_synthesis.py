@@ -9,7 +9,7 @@ import soundfile as sf
 
 from cosyvoice_triton.errors import Cancelled, InvalidInput
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
-from cosyvoice_triton.frontend.audio import load_prompt_audio
+from cosyvoice_triton.preprocess.audio import load_prompt_audio
 from cosyvoice_triton.runtime.request import SynthesisRequest
 from cosyvoice_triton.runtime.synthesizer import CosyVoice2
 
@@ -50,7 +50,7 @@ def test_modes_give_different_llm_prompts(tts, voice):
     instruct = tts.orchestrator.llm_requests(request, "r", 1)[0]
     assert zero_shot.prompt_speech_tokens == [int(t) for t in voice.speech_tokens]
     assert zero_shot.prompt_text_tokens and not cross.prompt_text_tokens and not cross.prompt_speech_tokens
-    end_of_prompt = tts.frontend.tokenizer.token_to_id("<|endofprompt|>")
+    end_of_prompt = tts.preprocessor.tokenizer.token_to_id("<|endofprompt|>")
     assert instruct.prompt_text_tokens[-1] == end_of_prompt and not instruct.prompt_speech_tokens
     assert zero_shot.text_tokens == cross.text_tokens == instruct.text_tokens
 
@@ -73,7 +73,7 @@ def test_same_seed_same_audio_other_seed_other_audio(tts, voice):
 
 def test_long_text_is_split_into_sentences_spoken_in_order(tts, voice):
     text = "这是第一句话，我们说得比较长一些，为了测试分句的功能是否正常。" * 4
-    sentences = tts.frontend.split(text)
+    sentences = tts.preprocessor.split(text)
     assert len(sentences) > 1
     chunks = synth(tts, voice, text)
     assert len(chunks) == len(sentences)

@@ -1,4 +1,4 @@
-"""Token2WavEngine: many streams batched through one flow call; each stream equals its solo Token2WavStream.
+"""Token2WavScheduler: many streams batched through one flow call; each stream equals its solo Token2WavStream.
 
 Six streams with different prompts (slices of the golden prompt and random ones), token sequences, seeds and
 chunk schedules are cut into chunks exactly where the solo reference emitted audio; `run` calls then mix
@@ -18,7 +18,7 @@ from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise
 from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy, ChunkSchedule
 from cosyvoice_triton.runtime.token2wav import FlowPrompt, Token2Wav
-from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest, Token2WavEngine
+from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest, Token2WavScheduler
 
 WAVE_TOL = 1e-3
 
@@ -35,7 +35,7 @@ class Voice:
 
 @dataclass(frozen=True)
 class Reference:
-    """The solo run of a voice, and the engine's chunks cut at the same token boundaries."""
+    """The solo run of a voice, and the scheduler's chunks cut at the same token boundaries."""
 
     audio: list[np.ndarray]  # one array per chunk
     chunks: list[ChunkRequest]
@@ -163,12 +163,12 @@ def test_mixed_streams_equal_solo_runs(flow, hift, voices, references, monkeypat
     expected_errors = {(1, 0): (NotFound, "stream_id"), (1, 1): (InvalidInput, "tokens"),
                        (1, 3): (InvalidInput, "tokens"), (1, 6): (InvalidInput, "prompt.mel"),
                        (3, 3): (NotFound, "stream_id")}
-    engine = Token2WavEngine(flow, hift)
+    scheduler = Token2WavScheduler(flow, hift)
     audio: dict[str, list[np.ndarray]] = {stream_id: [] for stream_id in voices}
     for c, call in enumerate(calls):
         if c == 3:
-            assert engine.cancel("cancelled") and not engine.cancel("cancelled")
-        results = engine.run(call)
+            assert scheduler.cancel("cancelled") and not scheduler.cancel("cancelled")
+        results = scheduler.run(call)
         assert len(results) == len(call)
         for k, (chunk, result) in enumerate(zip(call, results)):
             if (c, k) in expected_errors:
@@ -180,7 +180,7 @@ def test_mixed_streams_equal_solo_runs(flow, hift, voices, references, monkeypat
     worst = max(assert_audio_equal(audio[s], refs[s].audio) for s in ("s0", "s1", "s2", "s3", "s4"))
     assert_audio_equal(audio["cancelled"], refs["cancelled"].audio[:2])
     print(f"max abs difference to the solo references: {worst:.2e}")
-    stats = engine.stats
+    stats = scheduler.stats
     assert stats.max_flow_batch > 1 and stats.mean_flow_batch > 1
     assert max(vocoder_batches) > 1  # rows of equal length shared a HiFT call
     assert stats.flow_calls < sum(len(r.chunks) for r in refs.values())
@@ -188,15 +188,15 @@ def test_mixed_streams_equal_solo_runs(flow, hift, voices, references, monkeypat
     assert stats.freed == {"finalize": 5, "cancel": 1, "idle": 0}
     assert stats.chunks_failed == len(expected_errors)
     assert stats.chunks_served == sum(len(a) for a in audio.values())
-    assert isinstance(engine.run([refs["s0"].chunks[1]])[0], NotFound)  # gone after its final chunk
+    assert isinstance(scheduler.run([refs["s0"].chunks[1]])[0], NotFound)  # gone after its final chunk
 
 
 def test_first_chunks_go_first(flow, hift, references, monkeypatch):
     """max_batch 2: three first chunks and two later ones in one call take three flow batches. The clock
     stands still, so s1 and s2 are still ahead of their listeners (their deadlines lie after now)."""
     refs = references
-    engine = Token2WavEngine(flow, hift, max_batch=2, clock=FakeClock())
-    assert all(isinstance(r, np.ndarray) for r in engine.run([refs["s1"].chunks[0], refs["s2"].chunks[0]]))
+    scheduler = Token2WavScheduler(flow, hift, max_batch=2, clock=FakeClock())
+    assert all(isinstance(r, np.ndarray) for r in scheduler.run([refs["s1"].chunks[0], refs["s2"].chunks[0]]))
     batches: list[list[int]] = []  # prompt lengths of each flow call's rows; they tell the streams apart
     inference = flow.inference
 
@@ -206,25 +206,25 @@ def test_first_chunks_go_first(flow, hift, references, monkeypatch):
 
     monkeypatch.setattr(flow, "inference", spy)
     order = [("s1", 1), ("s2", 1), ("s0", 0), ("s3", 0), ("cancelled", 0)]  # (stream, chunk index)
-    results = engine.run([refs[stream_id].chunks[j] for stream_id, j in order])
+    results = scheduler.run([refs[stream_id].chunks[j] for stream_id, j in order])
     assert batches == [[20, 30], [16, 15], [12]]  # s0, s3 (first) | cancelled (first), s1 | s2
     for (stream_id, j), result in zip(order, results):
         assert_audio_equal([result], [refs[stream_id].audio[j]])
-    assert engine.stats.last_flow_batch == 1 and engine.stats.active_streams == 5
+    assert scheduler.stats.last_flow_batch == 1 and scheduler.stats.active_streams == 5
 
 
 def test_chunks_go_by_deadline(flow, hift, references, monkeypatch):
     """max_batch 1: a stream whose listener ran dry goes before a new stream (deadline now), which goes
     before a stream that is still ahead; streams with equal deadlines keep their input order."""
     refs, clock = references, FakeClock()
-    engine = Token2WavEngine(flow, hift, max_batch=1, clock=clock)
-    engine.run([refs["s1"].chunks[0]])
+    scheduler = Token2WavScheduler(flow, hift, max_batch=1, clock=clock)
+    scheduler.run([refs["s1"].chunks[0]])
     clock.now = 10.0
-    engine.run([refs["s2"].chunks[0]])
+    scheduler.run([refs["s2"].chunks[0]])
     audio_s = {sid: refs[sid].audio[0].size / hift.config.sampling_rate for sid in ("s1", "s2")}
-    assert engine.deadline("s1", clock.now) == pytest.approx(0.0 + audio_s["s1"])  # first audio + audio made
-    assert engine.deadline("s2", clock.now) == pytest.approx(10.0 + audio_s["s2"])
-    assert engine.deadline("new", clock.now) == clock.now
+    assert scheduler.deadline("s1", clock.now) == pytest.approx(0.0 + audio_s["s1"])  # first audio + audio made
+    assert scheduler.deadline("s2", clock.now) == pytest.approx(10.0 + audio_s["s2"])
+    assert scheduler.deadline("new", clock.now) == clock.now
     clock.now = 10.0 + audio_s["s2"] / 2  # s1 ran dry long ago; s2 is still ahead
     prompt_lengths: list[int] = []
     inference = flow.inference
@@ -235,45 +235,45 @@ def test_chunks_go_by_deadline(flow, hift, references, monkeypatch):
 
     monkeypatch.setattr(flow, "inference", spy)
     order = [("s2", 1), ("s3", 0), ("s1", 1), ("s0", 0)]  # input order: ahead, new, dry, new
-    results = engine.run([refs[stream_id].chunks[j] for stream_id, j in order])
+    results = scheduler.run([refs[stream_id].chunks[j] for stream_id, j in order])
     assert prompt_lengths == [15, 30, 20, 12]  # s1 (dry) | s3, s0 (new, in input order) | s2 (ahead)
     for (stream_id, j), result in zip(order, results):
         assert_audio_equal([result], [refs[stream_id].audio[j]])
     # s1's second chunk moved its deadline on by that chunk's audio
     later = refs["s1"].audio[1].size / hift.config.sampling_rate
-    assert engine.deadline("s1", clock.now) == pytest.approx(audio_s["s1"] + later)
+    assert scheduler.deadline("s1", clock.now) == pytest.approx(audio_s["s1"] + later)
 
 
 def test_idle_streams_are_swept(flow, hift, references):
     refs, clock = references, FakeClock()
-    engine = Token2WavEngine(flow, hift, idle_timeout_s=120.0, clock=clock)
-    engine.run([refs["s0"].chunks[0], refs["s1"].chunks[0]])
+    scheduler = Token2WavScheduler(flow, hift, idle_timeout_s=120.0, clock=clock)
+    scheduler.run([refs["s0"].chunks[0], refs["s1"].chunks[0]])
     clock.now = 100.0
-    assert isinstance(engine.run([refs["s0"].chunks[1]])[0], np.ndarray)
+    assert isinstance(scheduler.run([refs["s0"].chunks[1]])[0], np.ndarray)
     clock.now = 130.0  # s1 idle for 130 s, s0 for 30 s
-    assert engine.sweep_idle() == ["s1"]
-    assert isinstance(engine.run([refs["s1"].chunks[1]])[0], NotFound)
+    assert scheduler.sweep_idle() == ["s1"]
+    assert isinstance(scheduler.run([refs["s1"].chunks[1]])[0], NotFound)
     clock.now = 250.5  # s0 idle for 150.5 s: run() sweeps it before serving
-    result = engine.run([refs["s0"].chunks[2]])[0]
+    result = scheduler.run([refs["s0"].chunks[2]])[0]
     assert isinstance(result, NotFound) and "s0" in str(result)
-    assert engine.stats.active_streams == 0 and engine.stats.freed["idle"] == 2
+    assert scheduler.stats.active_streams == 0 and scheduler.stats.freed["idle"] == 2
 
 
 def test_stream_limit(flow, hift, voices, references):
     refs = references
-    engine = Token2WavEngine(flow, hift, max_streams=2)
+    scheduler = Token2WavScheduler(flow, hift, max_streams=2)
     first_chunks = [refs[s].chunks[0] for s in ("s1", "s2", "s3")]
-    ok_1, ok_2, refused = engine.run(first_chunks)
+    ok_1, ok_2, refused = scheduler.run(first_chunks)
     assert isinstance(ok_1, np.ndarray) and isinstance(ok_2, np.ndarray)
     assert isinstance(refused, Unavailable) and "max_streams=2" in str(refused)
     # A stream that ends frees its slot; one without tokens at all gives empty audio.
-    engine.cancel("s2")
+    scheduler.cancel("s2")
     empty = ChunkRequest("empty", [], finalize=True, prompt=voices["s0"].prompt, seed=None)
-    assert engine.run([empty])[0].shape == (0,)
-    assert isinstance(engine.run([refs["s3"].chunks[0]])[0], np.ndarray)
-    assert engine.stats.active_streams == 2
+    assert scheduler.run([empty])[0].shape == (0,)
+    assert isinstance(scheduler.run([refs["s3"].chunks[0]])[0], np.ndarray)
+    assert scheduler.stats.active_streams == 2
 
 
 def test_lookahead_below_the_flow_is_refused(flow, hift):
     with pytest.raises(ValueError, match="lookahead"):
-        Token2WavEngine(flow, hift, lookahead=flow.config.pre_lookahead_len - 1)
+        Token2WavScheduler(flow, hift, lookahead=flow.config.pre_lookahead_len - 1)

@@ -84,7 +84,7 @@ def reference_chunks(engine_model, prompt) -> list[np.ndarray]:
     try:
         tts = CosyVoice2.from_model_dir(engine_model)
         tts.llm.config.max_token_text_ratio = RATIO
-        orchestrator = Orchestrator(tts.frontend, ReferenceLLM(tts.llm), ReferenceToken2Wav(tts.token2wav))
+        orchestrator = Orchestrator(tts.preprocessor, ReferenceLLM(tts.llm), ReferenceToken2Wav(tts.token2wav))
         request = SynthesisRequest(text=TEXT, voice=tts.encode_voice(prompt, RATE, PROMPT_TEXT), seed=SEED,
                                    sampling=tts.llm.config.sampling, chunk_policy=ChunkPolicy())
         return [chunk for chunk in orchestrator.run(request, stream=True) if chunk.size]

@@ -79,7 +79,7 @@ class Reference:
         torch.set_num_threads(1)
         self.tts = CosyVoice2.from_model_dir(model_dir)
         self.tts.llm.config.max_token_text_ratio = RATIO
-        self.orchestrator = Orchestrator(self.tts.frontend, ReferenceLLM(self.tts.llm),
+        self.orchestrator = Orchestrator(self.tts.preprocessor, ReferenceLLM(self.tts.llm),
                                          ReferenceToken2Wav(self.tts.token2wav))
         self.lock = threading.Lock()
 
@@ -150,7 +150,7 @@ def work_done(text: str) -> tuple[float, float]:
 def test_streams_a_long_text_in_chunks_equal_to_the_library(cv_server, reference):
     wav = prompt_wav(0)
     values = synthesis_inputs(LONG_TEXT, samples=wav, sample_rate=RATE, reference_text=PROMPT_TEXT, seed=11)
-    sentences = len(reference.tts.frontend.split(LONG_TEXT))
+    sentences = len(reference.tts.preprocessor.split(LONG_TEXT))
     assert sentences >= 2
     chunks0, ended0 = work_done(scrape(cv_server.metrics_url))
     with GrpcStream(cv_server.grpc_url, timeout_s=120) as stream:
@@ -521,7 +521,7 @@ def test_token2wav_frees_a_stream_left_idle(t2w_server):
     from tritonclient.utils import InferenceServerException
 
     from cosyvoice_triton.runtime.token2wav import FlowPrompt
-    from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
+    from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest
     from cosyvoice_triton.triton.contracts import chunk_inputs
 
     generator = torch.Generator().manual_seed(0)

@@ -14,10 +14,10 @@ import torch
 
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
-from cosyvoice_triton.runtime.llm_engine import LLMRequest
+from cosyvoice_triton.runtime.llm_scheduler import LLMRequest
 from cosyvoice_triton.runtime.sampling import SamplingParams
 from cosyvoice_triton.runtime.token2wav import FlowPrompt
-from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
+from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest
 from cosyvoice_triton.server.launcher import DEFAULT_REPOSITORY, ServeOptions, repository_values
 from cosyvoice_triton.server.templates import model_names, render_template
 from cosyvoice_triton.triton import contracts
@@ -274,7 +274,7 @@ def test_errors_map_to_triton_codes():
 
 
 def test_align_prompt_features_matches_the_prompt_encoder(tiny):
-    from cosyvoice_triton.frontend.prompt import PromptEncoder, audio_sha256
+    from cosyvoice_triton.preprocess.prompt import PromptEncoder, audio_sha256
 
     encoder = PromptEncoder.from_model_dir(tiny)
     wav = speech_like(1.3, RATE, seed=3)
@@ -415,7 +415,7 @@ def reference(tiny):
 
     tts = CosyVoice2.from_model_dir(tiny)
     tts.llm.config.max_token_text_ratio = 3
-    return tts, Orchestrator(tts.frontend, ReferenceLLM(tts.llm), ReferenceToken2Wav(tts.token2wav))
+    return tts, Orchestrator(tts.preprocessor, ReferenceLLM(tts.llm), ReferenceToken2Wav(tts.token2wav))
 
 
 def _reference_chunks(reference, text, wav, seed, stream=True):

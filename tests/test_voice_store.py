@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from cosyvoice_triton.errors import InvalidInput, NotFound, Unavailable
-from cosyvoice_triton.frontend.prompt import PromptFeatures, audio_sha256
+from cosyvoice_triton.preprocess.prompt import PromptFeatures, audio_sha256
 from cosyvoice_triton.runtime.voice_store import (CorruptVoice, VoiceStore, decode_features, encode_features,
                                                   generated_voice_id, open_voice_store, register_once)
 from cosyvoice_triton.runtime.voice_store_redis import voice_key

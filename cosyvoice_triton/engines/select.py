@@ -1,7 +1,7 @@
 """Engine choice: which engine runs token2wav and CAM++, and the fallback when it cannot run here.
 
     flow, hift = build_token2wav(model_dir, engine="tensorrt", device="cuda:0", precision="fp16")
-    Token2WavEngine(flow, hift, ...)  # or Token2Wav(flow, hift): same interface as the torch modules
+    Token2WavScheduler(flow, hift, ...)  # or Token2Wav(flow, hift): same interface as the torch modules
 
 `engine` is one of ENGINES: "torch" (the reference), "onnxruntime" (CPU, CUDA with IOBinding, or the
 execution providers of `ort_providers`, engines/providers.py), "openvino" (the OpenVINO runtime on the
@@ -33,7 +33,7 @@ from ..models.flow import FlowModel
 from ..models.hift import HiFTGenerator
 from .base import ENGINES, PRECISIONS, GraphSpec, Runner, RunnerModule
 from .onnx_session import CUDA_PROVIDER
-from .trt_build import DimRanges, build_engine, campplus_dim_ranges, token2wav_dim_ranges
+from .trt_build import DimRanges, build_plan, campplus_dim_ranges, token2wav_dim_ranges
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def open_runner(onnx_path: str | Path, spec: GraphSpec, engine: str, device: str
 
         if ranges is None:
             raise ValueError(f"{spec.name}: a TensorRT engine needs profile ranges")
-        return TensorRTRunner(build_engine(onnx_path, spec, ranges, precision, cache_dir, device), spec, device)
+        return TensorRTRunner(build_plan(onnx_path, spec, ranges, precision, cache_dir, device), spec, device)
     raise ValueError(f"open_runner runs ONNX graphs on 'onnxruntime', 'openvino' or 'tensorrt', not {engine!r}")
 
 

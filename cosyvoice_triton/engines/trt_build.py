@@ -30,7 +30,7 @@ import onnx
 import torch
 
 from ..models.flow import FlowConfig
-from .base import PRECISIONS, EngineUnavailable, GraphSpec, sha256_file
+from .base import PRECISIONS, SchedulerUnavailable, GraphSpec, sha256_file
 from .onnx_precision import LOW_PRECISION_OPS, mixed_precision
 
 log = logging.getLogger(__name__)
@@ -43,11 +43,11 @@ FBANK_FRAMES_PER_SECOND = 100  # CAM++ input: Kaldi fbank, 10 ms shift
 
 
 def import_tensorrt():
-    """The `tensorrt` module, or EngineUnavailable saying how to get it."""
+    """The `tensorrt` module, or SchedulerUnavailable saying how to get it."""
     try:
         import tensorrt
     except ImportError as error:
-        raise EngineUnavailable("the tensorrt Python package is not installed (pip install tensorrt, "
+        raise SchedulerUnavailable("the tensorrt Python package is not installed (pip install tensorrt, "
                                 "or the project's [gpu] extra)") from error
     return tensorrt
 
@@ -93,7 +93,7 @@ def profile_shapes(spec: GraphSpec, input_shapes: Mapping[str, Sequence[int]], r
     return profiles
 
 
-def engine_cache_key(onnx_sha256: str, gpu_name: str, trt_version: str, precision: str,
+def plan_cache_key(onnx_sha256: str, gpu_name: str, trt_version: str, precision: str,
                      profiles: ProfileShapes) -> str:
     """A hex key that changes with anything an engine depends on."""
     identity = {"onnx": onnx_sha256, "gpu": gpu_name, "tensorrt": trt_version, "precision": precision,
@@ -101,7 +101,7 @@ def engine_cache_key(onnx_sha256: str, gpu_name: str, trt_version: str, precisio
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
-def engine_file(cache_dir: str | Path, onnx_path: str | Path, precision: str, key: str) -> Path:
+def plan_file(cache_dir: str | Path, onnx_path: str | Path, precision: str, key: str) -> Path:
     return Path(cache_dir) / f"{Path(onnx_path).stem}.{precision}.{key[:16]}.plan"
 
 
@@ -112,7 +112,7 @@ def declared_input_shapes(onnx_path: str | Path) -> dict[str, tuple[int, ...]]:
             for x in graph.input}
 
 
-def build_engine(onnx_path: str | Path, spec: GraphSpec, ranges: DimRanges, precision: str = "fp32",
+def build_plan(onnx_path: str | Path, spec: GraphSpec, ranges: DimRanges, precision: str = "fp32",
                  cache_dir: str | Path | None = None, device: str | torch.device = "cuda",
                  optimization_level: int | None = None) -> Path:
     """The engine file for `onnx_path` on this GPU: from the cache (default `<onnx dir>/trt`), or built."""
@@ -121,7 +121,7 @@ def build_engine(onnx_path: str | Path, spec: GraphSpec, ranges: DimRanges, prec
     trt = import_tensorrt()
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
-        raise EngineUnavailable(f"TensorRT needs a CUDA device; got {device} (CUDA available: "
+        raise SchedulerUnavailable(f"TensorRT needs a CUDA device; got {device} (CUDA available: "
                                 f"{torch.cuda.is_available()})")
     onnx_path = Path(onnx_path)
     cache_dir = Path(cache_dir) if cache_dir is not None else onnx_path.parent / "trt"
@@ -129,8 +129,8 @@ def build_engine(onnx_path: str | Path, spec: GraphSpec, ranges: DimRanges, prec
     # The reduced-precision graph is made from the ONNX file by the LOW_PRECISION_OPS policy: key on both.
     recipe = precision if precision == "fp32" else f"{precision}:{','.join(LOW_PRECISION_OPS)}"
     gpu = torch.cuda.get_device_name(device)
-    path = engine_file(cache_dir, onnx_path, precision,
-                       engine_cache_key(sha256_file(onnx_path), gpu, trt.__version__, recipe, profiles))
+    path = plan_file(cache_dir, onnx_path, precision,
+                       plan_cache_key(sha256_file(onnx_path), gpu, trt.__version__, recipe, profiles))
     if path.exists():
         return path
     log.info("building TensorRT %s engine for %s (profile %s)", precision, onnx_path.name, profiles)

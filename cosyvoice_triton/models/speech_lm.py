@@ -5,7 +5,7 @@ The module tree mirrors the official `Qwen2LM` so that `llm.pt` loads with `stri
 `llm_decoder` (hidden -> speech_token_size + 3 logits) and `speech_embedding` (speech token -> input).
 
 The model builds the prompt and gives logits; it does not sample. Decoding loops live in the runtime:
-`runtime.llm_generate.generate` (one stream, the reference) and `runtime.llm_engine` (in-flight batching).
+`runtime.llm_generate.generate` (one stream, the reference) and `runtime.llm_scheduler` (in-flight batching).
 """
 from __future__ import annotations
 

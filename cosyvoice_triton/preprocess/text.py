@@ -1,6 +1,6 @@
 """Text normalization and sentence splitting, with the semantics of the official CosyVoice2 frontend.
 
-Pipeline for one request text (`TextFrontend.split`, after `validate_text`):
+Pipeline for one request text (`TextPreprocessor.split`, after `validate_text`):
   1. Text containing `<|` and `|>` (SSML-like markup) is passed through untouched, as one piece.
   2. Chinese text (any CJK ideograph): wetext normalization (`lang="zh"`, erhua kept), then the
      clean-ups: newlines dropped, blanks between non-ASCII characters removed, `²`/`³` spelled,
@@ -27,7 +27,7 @@ from typing import Protocol
 
 from cosyvoice_triton.config import ModelPaths
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.frontend.tokenizer import TextTokenizer
+from cosyvoice_triton.preprocess.tokenizer import TextTokenizer
 
 DEFAULT_MAX_CHARS = 2000
 
@@ -264,7 +264,7 @@ class TextNormalizer:
         return [s for s in sentences if not is_only_punctuation(s)]
 
 
-class TextFrontend:
+class TextPreprocessor:
     """Request text in, sentences out: validation, normalization, splitting, and the tokenizer."""
 
     def __init__(self, tokenizer: TextTokenizer, max_chars: int = DEFAULT_MAX_CHARS,
@@ -275,7 +275,7 @@ class TextFrontend:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, max_chars: int = DEFAULT_MAX_CHARS,
-                       normalizers: tuple[Normalizer, Normalizer] | None = None) -> TextFrontend:
+                       normalizers: tuple[Normalizer, Normalizer] | None = None) -> TextPreprocessor:
         return cls(TextTokenizer.from_dir(ModelPaths(Path(model_dir)).qwen_dir), max_chars=max_chars,
                    normalizers=normalizers)
 

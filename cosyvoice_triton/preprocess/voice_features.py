@@ -1,7 +1,7 @@
 """The hash that identifies a voice's prompt recording (its features are `messages.PromptFeatures`).
 
 numpy only (no torch, no ONNX Runtime), so the voice stores and the gateway can use it without loading
-the models; `frontend/prompt.py` computes the features.
+the models; `preprocess/prompt.py` computes the features.
 """
 from __future__ import annotations
 

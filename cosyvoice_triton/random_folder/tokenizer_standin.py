@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from cosyvoice_triton.frontend.tokenizer import COSYVOICE2_SPECIAL_TOKENS, TextTokenizer, qwen2_pipeline
+from cosyvoice_triton.preprocess.tokenizer import COSYVOICE2_SPECIAL_TOKENS, TextTokenizer, qwen2_pipeline
 
 # Added tokens of the Qwen2 base tokenizer, right after the BPE vocabulary.
 QWEN2_ADDED_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

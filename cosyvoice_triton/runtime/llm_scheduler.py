@@ -1,4 +1,4 @@
-"""In-flight batching for the speech LM: one thread per engine decodes every live stream together.
+"""In-flight batching for the speech LM: one thread per scheduler decodes every live stream together.
 
 Each loop round (gpt-fast style, over the model's static KV cache of `max_batch` slots):
 1. retire cancelled streams and free their slots;
@@ -15,7 +15,7 @@ before min_len, stop tokens not yielded), so a stream's tokens do not depend on 
 The step's log-probs (B, V) are read to the host once per round, the round's only device -> host read:
 the repetition-aware sampler needs the tokens decoded so far and a CPU generator per request, and the
 tokens have to reach the host to be streamed anyway. (On a GPU, `generate` runs the sampler's softmax
-and sort on the device, the engine on the host; the two agree up to rounding.)
+and sort on the device, the scheduler on the host; the two agree up to rounding.)
 
 This module is the scheduler; the hand-over of one stream's tokens to its consumer is `llm_stream`.
 """
@@ -45,12 +45,12 @@ log = logging.getLogger(__name__)
 RATE_WINDOW_S = 5.0  # LLMStats.tokens_per_s averages over this many seconds
 
 
-class EngineUnavailable(Unavailable):
-    """The engine takes no request now: its queue is full or it has stopped. Maps to UNAVAILABLE."""
+class SchedulerUnavailable(Unavailable):
+    """The scheduler takes no request now: its queue is full or it has stopped. Maps to UNAVAILABLE."""
 
 
 class LLMStepError(CosyVoiceError):
-    """A prefill, decode step or draw failed for this stream; the engine carries on. Maps to INTERNAL."""
+    """A prefill, decode step or draw failed for this stream; the scheduler carries on. Maps to INTERNAL."""
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,8 @@ class _Live:
         return self.prompt_len + len(self.decoded) - 1
 
 
-class LLMEngine:
-    """Batches the live streams of one SpeechLM, which the engine owns (its KV cache is re-allocated)."""
+class LLMScheduler:
+    """Batches the live streams of one SpeechLM, which the scheduler owns (its KV cache is re-allocated)."""
 
     def __init__(self, llm: SpeechLM, max_batch: int = 8, max_seq_len: int = 4096,
                  device: torch.device | str | None = None, max_queue: int = 64):
@@ -100,9 +100,9 @@ class LLMEngine:
         self.max_queue = max_queue
         self._eos = llm.config.eos_token
         self._stop_tokens = frozenset(llm.config.stop_tokens)
-        self._cond = threading.Condition()  # guards everything below; the engine waits on it when idle
+        self._cond = threading.Condition()  # guards everything below; the scheduler waits on it when idle
         self._waiting: deque[LLMStream] = deque()
-        self._live: dict[int, _Live] = {}  # slot -> stream; written by the engine thread only
+        self._live: dict[int, _Live] = {}  # slot -> stream; written by the scheduler thread only
         self._free_slots = list(range(max_batch - 1, -1, -1))  # pop() hands out slot 0 first
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -116,26 +116,26 @@ class LLMEngine:
     def start(self) -> None:
         with self._cond:
             if self._thread is not None or self._closed:
-                raise RuntimeError("an LLMEngine starts once")
-            self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+                raise RuntimeError("an LLMScheduler starts once")
+            self._thread = threading.Thread(target=self._run, name="llm-scheduler", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Refuse new requests, fail every waiting and live stream with EngineUnavailable, join the thread."""
-        self._close(EngineUnavailable("the LLM engine stopped"))
+        """Refuse new requests, fail every waiting and live stream with SchedulerUnavailable, join the thread."""
+        self._close(SchedulerUnavailable("the LLM scheduler stopped"))
         if self._thread is not None:
             self._thread.join()
 
     def submit(self, request: LLMRequest) -> LLMStream:
-        """Queue a request (thread-safe). Raises InvalidInput naming the bad field, EngineUnavailable
-        when the queue is full or the engine has stopped."""
+        """Queue a request (thread-safe). Raises InvalidInput naming the bad field, SchedulerUnavailable
+        when the queue is full or the scheduler has stopped."""
         self._validate(request)
         stream = LLMStream(request)
         with self._cond:
             if self._closed:
-                raise EngineUnavailable("the LLM engine has stopped")
+                raise SchedulerUnavailable("the LLM scheduler has stopped")
             if len(self._waiting) >= self.max_queue:
-                raise EngineUnavailable(f"the LLM request queue is full ({self.max_queue} waiting)")
+                raise SchedulerUnavailable(f"the LLM request queue is full ({self.max_queue} waiting)")
             self._waiting.append(stream)
             self._cond.notify()
         return stream
@@ -173,15 +173,15 @@ class LLMEngine:
                                               f"{len(request.prompt_speech_tokens)}); the cache holds "
                                               f"{self.max_seq_len}")
 
-    # ---- the engine thread -----------------------------------------------------------------------
+    # ---- the scheduler thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        error: Exception = EngineUnavailable("the LLM engine stopped")
+        error: Exception = SchedulerUnavailable("the LLM scheduler stopped")
         try:
             self._loop()
         except Exception as exc:  # a fault of the loop itself: fail every stream rather than leave it hanging
-            log.exception("the LLM engine loop failed")
-            error = LLMStepError(f"the LLM engine failed: {exc}")
+            log.exception("the LLM scheduler loop failed")
+            error = LLMStepError(f"the LLM scheduler failed: {exc}")
             error.__cause__ = exc
         finally:
             self._close(error)
@@ -198,13 +198,13 @@ class LLMEngine:
                 self._decode()
 
     def _wait_for_work(self) -> bool:
-        """Block while there is nothing to do; False once the engine is closed."""
+        """Block while there is nothing to do; False once the scheduler is closed."""
         with self._cond:
             self._cond.wait_for(lambda: self._closed or self._live or self._waiting)
             return not self._closed
 
     def _close(self, error: Exception) -> None:
-        """Refuse new requests and fail every stream not yet finished (the engine frees the slots)."""
+        """Refuse new requests and fail every stream not yet finished (the scheduler frees the slots)."""
         with self._cond:
             self._closed = True
             streams = [live.stream for live in self._live.values()] + list(self._waiting)

@@ -1,8 +1,8 @@
-"""`LLMStream`: the speech tokens of one LLM request, handed from the engine thread to one consumer.
+"""`LLMStream`: the speech tokens of one LLM request, handed from the scheduler thread to one consumer.
 
-The engine pushes each sampled token and finishes the stream once (stop token, length limit,
+The scheduler pushes each sampled token and finishes the stream once (stop token, length limit,
 cancellation or error); the consumer reads the tokens in pieces with `get` and sees the end as None (or
-the stream's error raised). This module holds only that hand-over; the scheduler is `llm_engine`.
+the stream's error raised). This module holds only that hand-over; the scheduler is `llm_scheduler`.
 """
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ _END = object()  # the last item of a stream's queue
 
 
 class LLMStream:
-    """The speech tokens of one request, as the engine samples them. Read from one consumer thread."""
+    """The speech tokens of one request, as the scheduler samples them. Read from one consumer thread."""
 
     def __init__(self, request: LLMRequest):
         self.request = request
         self.reason: str | None = None  # "stop_token" | "max_len" | "cancelled" | "error", once finished
         self.error: Exception | None = None
         self._cancel = threading.Event()
-        self._lock = threading.Lock()  # orders the engine's pushes against a finish from stop()
+        self._lock = threading.Lock()  # orders the scheduler's pushes against a finish from stop()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # token ids, then _END
 
     @property
@@ -35,7 +35,7 @@ class LLMStream:
         return self._cancel.is_set()
 
     def cancel(self) -> None:
-        """Ask the engine to end this stream; it frees the slot and ends the stream at its next round."""
+        """Ask the scheduler to end this stream; it frees the slot and ends the stream at its next round."""
         self._cancel.set()
 
     def get(self, timeout: float | None = None) -> list[int] | None:

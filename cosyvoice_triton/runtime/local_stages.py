@@ -1,7 +1,7 @@
-"""The orchestrator's backends over the serving engines in this process, for many client threads.
+"""The orchestrator's backends over the serving schedulers in this process, for many client threads.
 
-`EngineLLM` (over a started `LLMEngine`) and `BatchingToken2Wav` (over a `Token2WavEngine`, gathering the
-chunks that wait into one engine call as Triton's dynamic batcher does for the `token2wav` model) let the
+`LocalLLMStage` (over a started `LLMScheduler`) and `BatchingToken2WavStage` (over a `Token2WavScheduler`, gathering the
+chunks that wait into one scheduler call as Triton's dynamic batcher does for the `token2wav` model) let the
 same `Orchestrator` that the `cosyvoice2` model drives over BLS run without Triton: the GPU benchmark
 (`perf/gpu_bench.py`) measures the serving path this way where no tritonserver is at hand.
 """
@@ -13,21 +13,21 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from cosyvoice_triton.runtime.llm_engine import LLMEngine, LLMRequest, LLMStream
-from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest, Token2WavEngine
+from cosyvoice_triton.runtime.llm_scheduler import LLMScheduler, LLMRequest, LLMStream
+from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest, Token2WavScheduler
 
 CHUNK_TIMEOUT_S = 300.0  # a chunk that waits longer fails its stream instead of hanging the client
 
 
-class EngineLLM:
-    """The orchestrator's LLMBackend over a started `LLMEngine`: an `LLMStream` is already a TokenStream
-    (iterates token lists, `cancel()` frees the slot at the engine's next round)."""
+class LocalLLMStage:
+    """The orchestrator's LLMStage over a started `LLMScheduler`: an `LLMStream` is already a TokenStream
+    (iterates token lists, `cancel()` frees the slot at the scheduler's next round)."""
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, scheduler: LLMScheduler):
+        self.scheduler = scheduler
 
     def stream(self, request: LLMRequest) -> LLMStream:
-        return self.engine.submit(request)
+        return self.scheduler.submit(request)
 
 
 @dataclass(frozen=True)
@@ -35,15 +35,15 @@ class _Cancel:
     stream_id: str
 
 
-class BatchingToken2Wav:
-    """The orchestrator's Token2WavBackend for many client threads. `chunk()` queues the chunk and waits;
-    one thread takes what is waiting into one `Token2WavEngine.run`, as Triton's dynamic batcher does for
+class BatchingToken2WavStage:
+    """The orchestrator's Token2WavStage for many client threads. `chunk()` queues the chunk and waits;
+    one thread takes what is waiting into one `Token2WavScheduler.run`, as Triton's dynamic batcher does for
     the token2wav model: once a request has come it waits up to `queue_delay_s` for more, up to
-    `max_batch`. Cancels go through the same thread, since the engine takes one caller at a time."""
+    `max_batch`. Cancels go through the same thread, since the scheduler takes one caller at a time."""
 
-    def __init__(self, engine: Token2WavEngine, max_batch: int, queue_delay_s: float,
+    def __init__(self, scheduler: Token2WavScheduler, max_batch: int, queue_delay_s: float,
                  chunk_timeout_s: float = CHUNK_TIMEOUT_S):
-        self.engine = engine
+        self.scheduler = scheduler
         self.max_batch = max_batch
         self.queue_delay_s = queue_delay_s
         self.chunk_timeout_s = chunk_timeout_s
@@ -89,12 +89,12 @@ class BatchingToken2Wav:
         chunks = [(item, future) for item, future in batch if isinstance(item, ChunkRequest)]
         for item, future in batch:
             if isinstance(item, _Cancel):
-                self.engine.cancel(item.stream_id)
+                self.scheduler.cancel(item.stream_id)
                 future.set_result(None)
         if not chunks:
             return
         try:
-            results = self.engine.run([chunk for chunk, _ in chunks])
+            results = self.scheduler.run([chunk for chunk, _ in chunks])
         except Exception as exc:  # noqa: BLE001 - run() answers per chunk; anything else fails its batch
             results = [exc] * len(chunks)
         for (_, future), result in zip(chunks, results):

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..audio_out import SAMPLE_RATE
 from ..errors import Cancelled
-from ..frontend.text import TextFrontend
+from ..preprocess.text import TextPreprocessor
 from ..messages import ChunkRequest, FlowPrompt, LLMRequest, SynthesisRequest
 from .chunk_policy import ChunkSchedule
 from .llm_generate import generate
@@ -31,11 +31,11 @@ class TokenStream(Protocol):
     def cancel(self) -> None: ...
 
 
-class LLMBackend(Protocol):
+class LLMStage(Protocol):
     def stream(self, request: LLMRequest) -> TokenStream: ...
 
 
-class Token2WavBackend(Protocol):
+class Token2WavStage(Protocol):
     def chunk(self, chunk: ChunkRequest) -> np.ndarray: ...
 
     def cancel(self, stream_id: str) -> None: ...
@@ -52,18 +52,18 @@ def flow_prompt_of(voice) -> FlowPrompt:
 
 
 class Orchestrator:
-    def __init__(self, frontend: TextFrontend, llm: LLMBackend, token2wav: Token2WavBackend):
-        self.frontend = frontend
+    def __init__(self, preprocessor: TextPreprocessor, llm: LLMStage, token2wav: Token2WavStage):
+        self.preprocessor = preprocessor
         self.llm = llm
         self.token2wav = token2wav
 
     def llm_requests(self, request: SynthesisRequest, request_id: str, seed: int) -> list[LLMRequest]:
         """Normalize and split the text; lay out each sentence's LLM prompt by mode."""
-        encode = self.frontend.tokenizer.encode
-        pieces = self.frontend.split(request.text, field="target_text")
+        encode = self.preprocessor.tokenizer.encode
+        pieces = self.preprocessor.split(request.text, field="target_text")
         prompt_text, prompt_speech = "", []
         if request.mode == "zero_shot":
-            prompt_text = self.frontend.normalize(request.voice.text)
+            prompt_text = self.preprocessor.normalize(request.voice.text)
             prompt_speech = [int(t) for t in request.voice.speech_tokens]
         elif request.mode == "instruct2":
             prompt_text = request.instruct_text.strip()
@@ -146,7 +146,7 @@ class _GeneratorStream:
 
 
 class ReferenceLLM:
-    """LLMBackend that runs `llm_generate.generate` in the caller's thread, one stream at a time."""
+    """LLMStage that runs `llm_generate.generate` in the caller's thread, one stream at a time."""
 
     def __init__(self, llm):
         self.llm = llm
@@ -164,7 +164,7 @@ class ReferenceLLM:
 
 
 class ReferenceToken2Wav:
-    """Token2WavBackend over single-stream `Token2WavStream`s, one flow call per chunk."""
+    """Token2WavStage over single-stream `Token2WavStream`s, one flow call per chunk."""
 
     def __init__(self, token2wav):
         self.token2wav = token2wav

@@ -5,17 +5,17 @@ One LLM stream holds `max_seq_len` positions (the llm model's KV cache): its pre
 generates follows. A voice whose transcript and recording leave no room for a sentence fails every
 synthesis ("the prompt takes N positions; the cache holds M"), so it is refused when it is made, naming
 the transcript's field. The room kept for the sentence is one full merged sentence of text
-(`TOKEN_MAX_N` tokens, where the text frontend stops merging) and the fewest speech tokens the LLM makes
+(`TOKEN_MAX_N` tokens, where the text preprocessor stops merging) and the fewest speech tokens the LLM makes
 for it (`min_token_text_ratio` per text token, the official 2).
 
-The transcript is counted as synthesis counts it: normalized by the text frontend, then tokenized.
+The transcript is counted as synthesis counts it: normalized by the text preprocessor, then tokenized.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.frontend.text import TOKEN_MAX_N, TextFrontend
+from cosyvoice_triton.preprocess.text import TOKEN_MAX_N, TextPreprocessor
 
 SPEECH_TOKENS_PER_SECOND = 25
 PREFILL_EXTRA = 2  # sos and the task id
@@ -32,7 +32,7 @@ def speech_tokens_of(samples: int, sample_rate: int) -> int:
 @dataclass(frozen=True)
 class PromptBudget:
     max_seq_len: int  # positions of one LLM stream (the llm model's max_seq_len)
-    frontend: TextFrontend
+    preprocessor: TextPreprocessor
 
     def transcript_limit(self, prompt_speech_tokens: int) -> int:
         """Most transcript tokens that leave a sentence's room next to `prompt_speech_tokens`."""
@@ -45,7 +45,7 @@ class PromptBudget:
         if len(transcript) > MAX_TRANSCRIPT_CHARS:
             raise InvalidInput(field, f"is {len(transcript)} characters long; a transcript takes at most "
                                       f"{MAX_TRANSCRIPT_CHARS}")
-        tokens = len(self.frontend.tokenizer.encode(self.frontend.normalize(transcript)))
+        tokens = len(self.preprocessor.tokenizer.encode(self.preprocessor.normalize(transcript)))
         limit = self.transcript_limit(prompt_speech_tokens)
         if tokens > limit:
             raise InvalidInput(field, f"the transcript takes {tokens} tokens; with the recording's "

@@ -23,8 +23,8 @@ from ..config import ModelPaths
 from ..engines.providers import check_torch_device
 from ..engines.select import build_token2wav, open_campplus
 from ..errors import ModelFolderError
-from ..frontend.prompt import PromptEncoder, PromptFeatures
-from ..frontend.text import TextFrontend
+from ..preprocess.prompt import PromptEncoder, PromptFeatures
+from ..preprocess.text import TextPreprocessor
 from ..models.speech_lm import SpeechLM
 from .llm_generate import generate
 from .orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav, _GeneratorStream
@@ -35,15 +35,15 @@ from .token2wav import Token2Wav
 class CosyVoice2:
     """All modules of one model folder, loaded once. Not thread-safe: one request at a time."""
 
-    def __init__(self, model_dir: Path, frontend: TextFrontend, prompt_encoder: PromptEncoder, llm: SpeechLM,
+    def __init__(self, model_dir: Path, preprocessor: TextPreprocessor, prompt_encoder: PromptEncoder, llm: SpeechLM,
                  token2wav: Token2Wav):
         self.model_dir = model_dir
-        self.frontend = frontend
+        self.preprocessor = preprocessor
         self.prompt_encoder = prompt_encoder
         self.llm = llm
         self.token2wav = token2wav
         self.sample_rate = token2wav.hift.config.sampling_rate
-        self.orchestrator = Orchestrator(frontend, ReferenceLLM(llm), ReferenceToken2Wav(token2wav))
+        self.orchestrator = Orchestrator(preprocessor, ReferenceLLM(llm), ReferenceToken2Wav(token2wav))
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str = "cpu", *, engine: str = "torch",
@@ -54,15 +54,15 @@ class CosyVoice2:
         if missing:
             raise ModelFolderError(f"{model_dir} is not a CosyVoice2 model folder: missing {', '.join(missing)}")
         check_torch_device(device)
-        frontend = TextFrontend.from_model_dir(paths.root)
+        preprocessor = TextPreprocessor.from_model_dir(paths.root)
         prompt_encoder = PromptEncoder.from_model_dir(paths.root)
-        if engine != "torch":  # CAM++ on the same engine, on the CPU as the official frontend (or TensorRT's GPU)
+        if engine != "torch":  # CAM++ on the same engine, on the CPU as the official CosyVoice (or TensorRT's GPU)
             prompt_encoder.campplus = open_campplus(paths.root, engine, device if engine == "tensorrt" else "cpu",
                                                     precision=precision, ort_providers=ort_providers)
         llm = SpeechLM.from_model_dir(paths.root, device=device, max_seq_len=4096, precision=llm_precision)
         flow, hift = build_token2wav(paths.root, engine, device, precision=precision, onnx_dir=onnx_dir,
                                      ort_providers=ort_providers)
-        return cls(paths.root, frontend, prompt_encoder, llm, Token2Wav(flow, hift))
+        return cls(paths.root, preprocessor, prompt_encoder, llm, Token2Wav(flow, hift))
 
     def exact_speech_tokens(self, n: int | None) -> None:
         """Benchmarks only: every sentence decodes exactly `n` speech tokens (None: as the model says)."""

@@ -1,7 +1,7 @@
 """Token2wav for many streams at once: chunks of different streams share one flow call.
 
-The Triton `token2wav` model hands `Token2WavEngine.run` the chunks that its dynamic batcher gathered,
-each the next piece of one stream. The engine keeps the state of every live stream by id (prompt, tokens
+The Triton `token2wav` model hands `Token2WavScheduler.run` the chunks that its dynamic batcher gathered,
+each the next piece of one stream. The scheduler keeps the state of every live stream by id (prompt, tokens
 so far, token offset, vocoder caches) and gives each stream exactly the audio of a solo `Token2WavStream`
 with the same chunk boundaries and vocoder seed:
 
@@ -85,7 +85,7 @@ class _Row:
     new_offset: int
 
 
-class Token2WavEngine:
+class Token2WavScheduler:
     def __init__(self, flow: FlowModel, hift: HiFTGenerator, *, max_streams: int = 64, max_batch: int = 16,
                  idle_timeout_s: float = 120.0, lookahead: int | None = None,
                  clock: Callable[[], float] = time.monotonic):

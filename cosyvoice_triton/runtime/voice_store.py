@@ -49,7 +49,7 @@ from typing import Protocol
 import numpy as np
 
 from cosyvoice_triton.errors import CosyVoiceError, InvalidInput, NotFound
-from cosyvoice_triton.frontend.voice_features import PromptFeatures
+from cosyvoice_triton.preprocess.voice_features import PromptFeatures
 
 EMBEDDING_DIM = 192
 MEL_BINS = 80

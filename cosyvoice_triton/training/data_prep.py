@@ -4,7 +4,7 @@ Two layouts of DIR are read (paths relative to DIR, or absolute):
 - `metadata.csv`: one `file|text` line per recording (LJSpeech style; no header; `#` lines are comments);
 - Kaldi style: `wav.scp` (`utt_id path`) and `text` (`utt_id transcript`).
 
-For each recording the prompt encoder of the base model folder (`frontend/prompt.py`) computes the
+For each recording the prompt encoder of the base model folder (`preprocess/prompt.py`) computes the
 speaker embedding (CAM++), the speech tokens (S3 tokenizer) and the 24 kHz mel, aligned as at synthesis.
 They are cached as `<cache_dir>/<key>.npz`, the key being the sha256 of the audio file's bytes and of
 the feature model (both ONNX files and the mel parameters), so a second run, or a run on another base
@@ -24,9 +24,9 @@ from tqdm import tqdm
 
 from cosyvoice_triton.config import ModelPaths, read_yaml
 from cosyvoice_triton.errors import CosyVoiceError, InvalidInput
-from cosyvoice_triton.frontend.audio import decode_audio
-from cosyvoice_triton.frontend.prompt import PromptEncoder
-from cosyvoice_triton.frontend.tokenizer import TextTokenizer
+from cosyvoice_triton.preprocess.audio import decode_audio
+from cosyvoice_triton.preprocess.prompt import PromptEncoder
+from cosyvoice_triton.preprocess.tokenizer import TextTokenizer
 
 METADATA = "metadata.csv"
 KALDI_WAV_SCP = "wav.scp"

@@ -1,6 +1,6 @@
 """BLS clients of our models, for code running inside a Python-backend model (`pb` = pb_utils).
 
-`BlsLLM` and `BlsToken2Wav` are the orchestrator's `LLMBackend` and `Token2WavBackend`: the same
+`BlsLLM` and `BlsToken2Wav` are the orchestrator's `LLMStage` and `Token2WavStage`: the same
 `Orchestrator.run` that drives the in-process engines drives the `llm` and `token2wav` models.
 `BlsPromptEncoder` turns a reference recording into `PromptFeatures` through the `prompt_encoder`
 ensemble. Calls block the calling thread, so callers run them in their own worker threads (never in a
@@ -18,9 +18,9 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from cosyvoice_triton.frontend.prompt import PromptFeatures
-from cosyvoice_triton.runtime.llm_engine import LLMRequest
-from cosyvoice_triton.runtime.token2wav_engine import ChunkRequest
+from cosyvoice_triton.preprocess.prompt import PromptFeatures
+from cosyvoice_triton.runtime.llm_scheduler import LLMRequest
+from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest
 from cosyvoice_triton.triton import contracts
 from cosyvoice_triton.triton.tensors import RemoteError, output_tensors, response_arrays
 

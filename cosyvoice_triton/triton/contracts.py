@@ -274,7 +274,7 @@ class SynthesisInputs:
 
 def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParams,
                            max_chars: int) -> SynthesisInputs:
-    from cosyvoice_triton.frontend.text import validate_text
+    from cosyvoice_triton.preprocess.text import validate_text
 
     text = validate_text(reader.string("target_text", required=True), "target_text", max_chars)
     mode = reader.string("mode", default="zero_shot")

@@ -1,11 +1,11 @@
-"""Forwarding the LLM engine's streams to their clients: the decoupled `llm` model's streaming loop.
+"""Forwarding the LLM scheduler's streams to their clients: the decoupled `llm` model's streaming loop.
 
-`execute` only parses and calls `open`; the engine thread decodes every live stream together, and
+`execute` only parses and calls `open`; the scheduler thread decodes every live stream together, and
 one forwarding job per stream (a bounded pool; each blocks on its own stream's queue) hands the
 stream's tokens to its `TokenSender` as they are sampled and ends it with exactly one final send
 (`send_final`, or `send_error` for a failed stream). A cancel request (`cancel`), the client going
-away (`is_cancelled`), or `stop` cancels the engine stream, which frees its slot at the next round;
-the job keeps draining until the engine ends the stream, so the slot is free when the final is sent.
+away (`is_cancelled`), or `stop` cancels the scheduler stream, which frees its slot at the next round;
+the job keeps draining until the scheduler ends the stream, so the slot is free when the final is sent.
 
 No Triton types here: the model file adapts a response sender to `TokenSender`, so this loop is
 tested with a plain fake sender (tests/test_llm_streams.py).
@@ -20,7 +20,7 @@ from typing import Protocol
 
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import LLMRequest
-from cosyvoice_triton.runtime.llm_engine import LLMEngine
+from cosyvoice_triton.runtime.llm_scheduler import LLMScheduler
 from cosyvoice_triton.runtime.llm_stream import LLMStream
 
 log = logging.getLogger(__name__)
@@ -45,35 +45,35 @@ class TokenSender(Protocol):
 
 
 class LLMStreamForwarder:
-    """The live streams of one engine by stream_id, each forwarded to its sender by a job of its own.
+    """The live streams of one scheduler by stream_id, each forwarded to its sender by a job of its own.
 
-    Owns the engine's lifecycle from `start` to `stop`. `on_tokens()` runs after each send of tokens and
+    Owns the scheduler's lifecycle from `start` to `stop`. `on_tokens()` runs after each send of tokens and
     `on_end(reason)` after each final send (metrics), both on the forwarding job's thread."""
 
-    def __init__(self, engine: LLMEngine, on_tokens: Callable[[], None] = lambda: None,
+    def __init__(self, scheduler: LLMScheduler, on_tokens: Callable[[], None] = lambda: None,
                  on_end: Callable[[str], None] = lambda reason: None, cancel_check_s: float = CANCEL_CHECK_S):
-        self.engine = engine
+        self.scheduler = scheduler
         self._on_tokens = on_tokens
         self._on_end = on_end
         self._cancel_check_s = cancel_check_s
         self._streams: dict[str, LLMStream] = {}  # stream_id -> stream, from open until its final send
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        # One job per stream that holds a slot or waits for one; the engine refuses the rest.
-        self._jobs = ThreadPoolExecutor(max_workers=engine.max_batch + engine.max_queue,
+        # One job per stream that holds a slot or waits for one; the scheduler refuses the rest.
+        self._jobs = ThreadPoolExecutor(max_workers=scheduler.max_batch + scheduler.max_queue,
                                         thread_name_prefix="llm-forward")
 
     def start(self) -> None:
-        self.engine.start()
+        self.scheduler.start()
 
     def open(self, request: LLMRequest, sender: TokenSender) -> None:
         """Submit the request and forward its stream to `sender`. Raises InvalidInput for a stream_id
-        that is still streaming (or a bad field), EngineUnavailable when the engine takes no more;
+        that is still streaming (or a bad field), SchedulerUnavailable when the scheduler takes no more;
         nothing is sent to `sender` then."""
         with self._lock:
             if request.request_id in self._streams:
                 raise InvalidInput("stream_id", f"{request.request_id!r} is already streaming")
-            stream = self.engine.submit(request)
+            stream = self.scheduler.submit(request)
             self._streams[request.request_id] = stream
         self._jobs.submit(self._forward, stream, sender)
 
@@ -91,10 +91,10 @@ class LLMStreamForwarder:
             return len(self._streams)
 
     def stop(self) -> None:
-        """Stop the engine (it fails every open stream, so each ends with one final error) and wait for
+        """Stop the scheduler (it fails every open stream, so each ends with one final error) and wait for
         every forwarding job to send its final."""
         self._stopping.set()
-        self.engine.stop()
+        self.scheduler.stop()
         self._jobs.shutdown(wait=True)
 
     def _forward(self, stream: LLMStream, sender: TokenSender) -> None:
@@ -120,7 +120,7 @@ class LLMStreamForwarder:
             if tokens is None:
                 return
             if sender.is_cancelled() or self._stopping.is_set():
-                stream.cancel()  # the engine ends the stream at its next round; keep draining
+                stream.cancel()  # the scheduler ends the stream at its next round; keep draining
                 continue
             if tokens:
                 sender.send_tokens(tokens)

@@ -1,4 +1,4 @@
-"""token2wav on other Triton servers: the split deployment's `Token2WavBackend`, over Triton gRPC.
+"""token2wav on other Triton servers: the split deployment's `Token2WavStage`, over Triton gRPC.
 
 A frontend server (cosyvoice2, llm, prompt encoder) is given the addresses of one or more backend servers
 (token2wav). `RemoteToken2Wav` is what the orchestrator calls instead of the in-server BLS client:
@@ -113,7 +113,7 @@ class PoolStats:
 
 
 class RemoteToken2Wav:
-    """`Token2WavBackend` over the token2wav model of backend servers (see the module docstring)."""
+    """`Token2WavStage` over the token2wav model of backend servers (see the module docstring)."""
 
     def __init__(self, specs: Sequence[str], model: str = contracts.TOKEN2WAV, *, call_timeout_s: float = 60.0,
                  watch_interval_s: float = 2.0,
@@ -156,7 +156,7 @@ class RemoteToken2Wav:
         log.info("token2wav on %s (split deployment)", specs)
         return cls(specs.split(","), model, call_timeout_s=call_timeout_s)
 
-    # ---- the Token2WavBackend interface --------------------------------------------------------------
+    # ---- the Token2WavStage interface --------------------------------------------------------------
     def chunk(self, chunk: ChunkRequest) -> np.ndarray:
         inputs = contracts.chunk_inputs(chunk)
         with self._lock:

@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_triton.config import ModelPaths, read_yaml
-from cosyvoice_triton.frontend.audio import decode_audio, to_mono, validate_prompt_audio
-from cosyvoice_triton.frontend.prompt import PromptFeatures, audio_sha256
-from cosyvoice_triton.frontend.text import TextFrontend, check_clean_text
+from cosyvoice_triton.preprocess.audio import decode_audio, to_mono, validate_prompt_audio
+from cosyvoice_triton.preprocess.prompt import PromptFeatures, audio_sha256
+from cosyvoice_triton.preprocess.text import TextPreprocessor, check_clean_text
 from cosyvoice_triton.models.speech_lm import SpeechLMConfig
 from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
-from cosyvoice_triton.runtime.orchestrator import LLMBackend, Orchestrator, Token2WavBackend
+from cosyvoice_triton.runtime.orchestrator import LLMStage, Orchestrator, Token2WavStage
 from cosyvoice_triton.runtime.prompt_budget import PromptBudget, speech_tokens_of
 from cosyvoice_triton.runtime.request import SynthesisRequest
 from cosyvoice_triton.runtime.voice_store import VoiceInfo, VoiceStore, register_once
@@ -30,7 +30,7 @@ def token_mel_ratio(model_dir: str | Path) -> int:
 
 def prompt_budget(model_dir: str | Path, max_seq_len: int) -> PromptBudget:
     """The transcript check of a model folder's tokenizer for LLM streams of `max_seq_len` positions."""
-    return PromptBudget(max_seq_len, TextFrontend.from_model_dir(model_dir))
+    return PromptBudget(max_seq_len, TextPreprocessor.from_model_dir(model_dir))
 
 
 class Voices:
@@ -87,13 +87,13 @@ class Voices:
 class SynthesisService:
     """Parsed cosyvoice2 request -> float32 24 kHz chunks (the orchestrator with the given backends)."""
 
-    def __init__(self, model_dir: str | Path, voices: Voices, llm: LLMBackend, token2wav: Token2WavBackend,
+    def __init__(self, model_dir: str | Path, voices: Voices, llm: LLMStage, token2wav: Token2WavStage,
                  max_text_chars: int, chunk_policy: ChunkPolicy = ChunkPolicy()):
         self.chunk_policy = chunk_policy  # the server's; a request may override its fields
-        self.frontend = TextFrontend.from_model_dir(model_dir, max_chars=max_text_chars)
+        self.preprocessor = TextPreprocessor.from_model_dir(model_dir, max_chars=max_text_chars)
         self.default_sampling = SpeechLMConfig.from_model_dir(model_dir).sampling
         self.voices = voices
-        self.orchestrator = Orchestrator(self.frontend, llm, token2wav)
+        self.orchestrator = Orchestrator(self.preprocessor, llm, token2wav)
 
     def request(self, inputs: SynthesisInputs) -> SynthesisRequest:
         policy = self.chunk_policy.with_overrides(**inputs.chunk_overrides)  # errors name chunk_*

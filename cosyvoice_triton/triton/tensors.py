@@ -190,7 +190,7 @@ def classify(exc: BaseException) -> ErrorInfo:
         return ErrorInfo("NOT_FOUND", str(exc))
     if isinstance(exc, Cancelled):
         return ErrorInfo("CANCELLED", str(exc) or "cancelled")
-    if isinstance(exc, Unavailable) or type(exc).__name__ in ("EngineUnavailable", "StreamLimitReached"):
+    if isinstance(exc, Unavailable) or type(exc).__name__ in ("SchedulerUnavailable", "StreamLimitReached"):
         return ErrorInfo("UNAVAILABLE", str(exc))
     if isinstance(exc, CosyVoiceError):
         return ErrorInfo("INTERNAL", str(exc))

@@ -1,7 +1,7 @@
-"""`llm`: speech tokens streamed from the in-flight batching `LLMEngine` (contract: triton/contracts.py).
+"""`llm`: speech tokens streamed from the in-flight batching `LLMScheduler` (contract: triton/contracts.py).
 
 execute() only parses and hands each request to `LLMStreamForwarder` (triton/llm_streams.py), which
-forwards every engine stream's tokens to its response sender and ends it with one final flag. This file
+forwards every scheduler stream's tokens to its response sender and ends it with one final flag. This file
 is the adaptor: tensors in, a pb_utils response sender as a `TokenSender`, metrics out.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.models.speech_lm import SpeechLM
-from cosyvoice_triton.runtime.llm_engine import LLMEngine
+from cosyvoice_triton.runtime.llm_scheduler import LLMScheduler
 from cosyvoice_triton.triton import instance_device
 from cosyvoice_triton.triton.contracts import StreamCancel, parse_llm_request
 from cosyvoice_triton.triton.llm_streams import LLMStreamForwarder
@@ -59,10 +59,10 @@ class TritonPythonModel:
         if params.max_token_text_ratio is not None:
             llm.config.max_token_text_ratio = params.max_token_text_ratio
         self.default_sampling = llm.config.sampling
-        self.engine = LLMEngine(llm, max_batch=params.max_batch, max_seq_len=params.max_seq_len,
+        self.scheduler = LLMScheduler(llm, max_batch=params.max_batch, max_seq_len=params.max_seq_len,
                                 max_queue=params.max_queue)
         self.metrics = ModelMetrics(pb_utils, LLM_METRICS, instance_labels(args))
-        self.streams = LLMStreamForwarder(self.engine, on_tokens=self._refresh, on_end=self._count_end)
+        self.streams = LLMStreamForwarder(self.scheduler, on_tokens=self._refresh, on_end=self._count_end)
         self.streams.start()
         self._refresh()
 
@@ -87,11 +87,11 @@ class TritonPythonModel:
 
     def _refresh(self) -> None:
         def read():
-            stats = self.engine.stats
+            stats = self.scheduler.stats
             return {"active": stats.active_streams, "queued": stats.queued, "free_slots": stats.slots_free,
                     "batch": stats.last_batch_size, "tps": stats.tokens_per_s}
 
         self.metrics.set_gauges(read)
 
     def finalize(self):
-        self.streams.stop()  # stops the engine, which fails every open stream; waits for their finals
+        self.streams.stop()  # stops the scheduler, which fails every open stream; waits for their finals

@@ -11,9 +11,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.config import ModelPaths, read_yaml
-from cosyvoice_triton.frontend.audio import resample, validate_prompt_audio
-from cosyvoice_triton.frontend.features import MelConfig, prompt_mel
-from cosyvoice_triton.frontend.prompt import SPEAKER_RATE
+from cosyvoice_triton.preprocess.audio import resample, validate_prompt_audio
+from cosyvoice_triton.preprocess.features import MelConfig, prompt_mel
+from cosyvoice_triton.preprocess.prompt import SPEAKER_RATE
 from cosyvoice_triton.triton.contracts import read_prompt_audio
 from cosyvoice_triton.triton.params import PromptStepParams, parse_parameters
 from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each

@@ -10,7 +10,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.engines.select import open_campplus
-from cosyvoice_triton.frontend.prompt import PromptEncoder
+from cosyvoice_triton.preprocess.prompt import PromptEncoder
 from cosyvoice_triton.runtime.finite import check_finite
 from cosyvoice_triton.triton.logs import library_logs_to_triton
 from cosyvoice_triton.triton.params import SpeakerEmbeddingParams, parse_parameters

@@ -1,11 +1,11 @@
-"""`token2wav`: the chunk requests of one dynamic batch run through `Token2WavEngine.run` as one flow batch
-(contract: triton/contracts.py). Per-stream state lives in the engine, keyed by `stream_id`, and is freed
+"""`token2wav`: the chunk requests of one dynamic batch run through `Token2WavScheduler.run` as one flow batch
+(contract: triton/contracts.py). Per-stream state lives in the scheduler, keyed by `stream_id`, and is freed
 on the final chunk, on a `cancel` request and after `idle_timeout_s` without chunks (checked on every
 batch, and by an `IdleSweeper` timer while no chunks come).
 
 Metrics are updated only inside `execute`, on the stub's main thread: metric IPC from a background
 thread of this model is the suspect of a rare tritonserver crash (boost::interprocess::lock_exception in
-the Python backend). So when the idle sweeper frees streams it only changes the engine, then sends this
+the Python backend). So when the idle sweeper frees streams it only changes the scheduler, then sends this
 model a no-op request (a cancel of a stream id that no client uses, over BLS, the path that decoupled
 models use from their worker threads all the time) so that an execute publishes the frees at once,
 even on a server that gets no other traffic.
@@ -25,7 +25,7 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.engines.select import build_token2wav
 from cosyvoice_triton.runtime.idle_sweeper import IdleSweeper
-from cosyvoice_triton.runtime.token2wav_engine import Token2WavEngine
+from cosyvoice_triton.runtime.token2wav_scheduler import Token2WavScheduler
 from cosyvoice_triton.triton import instance_device
 from cosyvoice_triton.triton.bls import bls_request
 from cosyvoice_triton.runtime.finite import check_chunk_finite
@@ -52,13 +52,13 @@ class TritonPythonModel:
             flow, hift = build_token2wav(params.model_dir, params.engine, device, precision=params.precision,
                                          onnx_dir=params.onnx_dir, max_streams=params.max_batch,
                                          ort_providers=params.ort_providers)
-        self.engine = Token2WavEngine(flow, hift, max_streams=params.max_streams, max_batch=params.max_batch,
+        self.scheduler = Token2WavScheduler(flow, hift, max_streams=params.max_streams, max_batch=params.max_batch,
                                       idle_timeout_s=params.idle_timeout_s)
         self.metrics = ModelMetrics(pb_utils, TOKEN2WAV_METRICS, instance_labels(args))
-        self._lock = threading.Lock()  # the engine has one caller at a time: execute or the idle sweeper
+        self._lock = threading.Lock()  # the scheduler has one caller at a time: execute or the idle sweeper
         # The idle sweeper's no-op request: a cancel of this id (random, so no client stream can have it).
         self._tick_id = f"{self.name}-idle-sweep-{secrets.token_hex(8)}"
-        self._sweeper = IdleSweeper(self.engine.sweep_idle, self._publish_frees,
+        self._sweeper = IdleSweeper(self.scheduler.sweep_idle, self._publish_frees,
                                     interval_s=max(1.0, params.idle_timeout_s / 4), lock=self._lock,
                                     name="token2wav-idle")
         self._sweeper.start()
@@ -79,7 +79,7 @@ class TritonPythonModel:
                     if item.stream_id == self._tick_id:
                         ticks += 1
                     else:
-                        self.engine.cancel(item.stream_id)
+                        self.scheduler.cancel(item.stream_id)
                     responses[i] = self._waveform(np.zeros(0, dtype=np.float32))
                 else:
                     chunks.append(item)
@@ -87,7 +87,7 @@ class TritonPythonModel:
             if len(requests) > ticks:  # the idle sweeper's own requests are not client traffic
                 self.metrics["batch"].observe(len(requests) - ticks)
             if chunks:
-                for i, result in zip(chunk_index, self.engine.run(chunks)):
+                for i, result in zip(chunk_index, self.scheduler.run(chunks)):
                     if isinstance(result, Exception):
                         responses[i] = error_response(pb_utils, result, self.name)
                     else:
@@ -113,7 +113,7 @@ class TritonPythonModel:
 
     def _refresh(self) -> None:
         """Hold self._lock, on the main thread (execute or initialize)."""
-        stats = self.engine.stats
+        stats = self.scheduler.stats
         self.metrics.set_gauges(lambda: {"active": stats.active_streams, "flow_batch": stats.last_flow_batch})
         for reason, count in stats.freed.items():
             self.metrics.follow_counter("freed", count, reason)
