@@ -165,6 +165,42 @@ def _run_finetune(args) -> int:
     return run(args)
 
 
+def _add_voices(sub) -> None:
+    p = sub.add_parser("voices", help="manage the voice store")
+    commands = p.add_subparsers(dest="voices_command", required=True)
+    imp = commands.add_parser("import", help="store the speakers of an official spk2info.pt (add_zero_shot_spk + "
+                                             "save_spkinfo) as voices named by their speaker ids")
+    imp.add_argument("spk2info", type=Path)
+    imp.add_argument("--model-dir", type=Path, required=True,
+                     help="the model folder whose tokenizer decodes the saved prompt transcripts")
+    imp.add_argument("--voice-store", default=None,
+                     help="sqlite path or redis://host:port/db (default: $COSYVOICE_HOME/voices.sqlite)")
+    owner = imp.add_mutually_exclusive_group()
+    owner.add_argument("--owner", metavar="KEY", default=None,
+                       help="the API key the voices belong to (as if registered with it)")
+    owner.add_argument("--shared", action="store_true", help="shared voices, seen by every key (the default)")
+    imp.set_defaults(func=_run_voices_import)
+
+
+def _run_voices_import(args) -> int:
+    from .preprocess.text import TextPreprocessor
+    from .runtime.spk2info import import_spk2info
+    from .runtime.voice_store import open_voice_store, owner_tag
+
+    tokenizer = TextPreprocessor.from_model_dir(args.model_dir).tokenizer
+    store = open_voice_store(args.voice_store)
+    try:
+        stored, skipped = import_spk2info(args.spk2info, store, tokenizer.decode,
+                                          owner=owner_tag(args.owner) if args.owner else None)
+    finally:
+        store.close()
+    for info in stored:
+        print(f"{info.voice_id}\t{info.tokens} prompt tokens")
+    if skipped:
+        print(f"skipped (no zero-shot prompt): {', '.join(skipped)}", file=sys.stderr)
+    return 0
+
+
 def _add_tool_commands(sub) -> None:
     """The tool folders' commands (`up` from gateway/, `bench` from perf/): each is an entry point in the
     `cosyvoice_triton.commands` group (pyproject.toml) naming a function that adds its subparser. The
@@ -181,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_synth(sub)
     _add_serve(sub)
     _add_finetune(sub)
+    _add_voices(sub)
     _add_tool_commands(sub)
     return parser
 

@@ -18,7 +18,6 @@ Limits (`StreamLimiter`, `RateLimiter`): 429 with `Retry-After` and a message th
 from __future__ import annotations
 
 import contextvars
-import hashlib
 import hmac
 import math
 import threading
@@ -30,17 +29,14 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from cosyvoice_triton.runtime.voice_store import owner_tag
+
 from .errors import RateLimited, TooManyStreams, Unauthorized
 from .request_keys import API_KEY, TENANT
 
 PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics", "/favicon.ico"})
 WEBSOCKET_PATH = "/v1/tts/ws"  # the one route that accepts ?api_key=
 KEYLESS = "keyless"  # the limit bucket of keyless use
-
-
-def owner_tag(key: str) -> str:
-    """The voice store's owner for voices registered with `key` (stable, and not the key)."""
-    return "key_" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:24]
 
 
 @dataclass(frozen=True)
