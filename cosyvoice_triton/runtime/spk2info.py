@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import InvalidInput
 from ..messages import PromptFeatures
-from .voice_store import VoiceInfo, VoiceStore
+from .voice_store import VoiceStore
 
 ZERO_SHOT_KEYS = ("prompt_text", "llm_prompt_speech_token", "prompt_speech_feat", "llm_embedding")
 
@@ -82,10 +82,9 @@ def prompt_features(speaker: SavedSpeaker, decode) -> PromptFeatures:
                           audio_sha256=speaker_sha256(speaker))
 
 
-def import_spk2info(path: str | Path, store: VoiceStore, decode, owner: str | None = None) -> tuple[list[VoiceInfo],
-                                                                                                   list[str]]:
+def import_spk2info(path: str | Path, store: VoiceStore, decode, owner: str | None = None) -> tuple[list, list[str]]:
     """Store every zero-shot speaker of `path` as a voice named by its speaker id (owner None: shared).
-    Returns (the voices stored, the ids skipped)."""
+    Returns (the voices stored, as `store.register` returns them; the ids skipped)."""
     speakers, skipped = read_spk2info(path)
     stored = [store.register(prompt_features(speaker, decode), voice_id=speaker.speaker_id,
                              name=speaker.speaker_id, owner=owner) for speaker in speakers]
