@@ -48,7 +48,7 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing 
 
 def text_with_tokens(tokenize, tokens: int) -> str:
     """The shortest text of WORDS whose tokenization has at least `tokens` ids."""
-    words: list[str] = []
+    words: list[str] = [WORDS[0]]
     while len(tokenize(" ".join(words))) < tokens:
         words.append(WORDS[len(words) % len(WORDS)])
     return " ".join(words)
@@ -63,9 +63,13 @@ def make_inputs(tts, text_tokens: int, prompt_tokens: int):
     voice = tts.encode_voice(speech_like(prompt_tokens / TOKENS_PER_S + 0.2, rate), rate, "hello there")
     tokens = np.asarray(voice.speech_tokens)[:prompt_tokens]
     voice = dataclasses.replace(voice, speech_tokens=tokens, mel=np.asarray(voice.mel)[:2 * len(tokens)])
-    text = text_with_tokens(tts.frontend.tokenizer.encode, text_tokens)
+
+    def sentences(text: str):  # the LLM requests the pipeline makes of `text` (normalized, split, tokenized)
+        return tts.orchestrator.llm_requests(SynthesisRequest(text=text, voice=voice, seed=1), "bench", 1)
+
+    text = text_with_tokens(lambda text: sentences(text)[0].text_tokens, text_tokens)
     request = SynthesisRequest(text=text, voice=voice, seed=1)
-    [llm_request] = tts.orchestrator.llm_requests(request, "bench", 1)
+    [llm_request] = sentences(text)
     arrays = {"text_tokens": np.asarray(llm_request.text_tokens, dtype=np.int32),
               "prompt_text_tokens": np.asarray(llm_request.prompt_text_tokens, dtype=np.int32),
               "prompt_speech_tokens": np.asarray(llm_request.prompt_speech_tokens, dtype=np.int32),
@@ -242,14 +246,19 @@ def side_by_side(args) -> dict:
     finally:
         ours.close()
         official.close()
-    result = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(),
-                       "torch_ours": ours.hello["torch"], "torch_official": official.hello["torch"],
-                       "threads": args.threads, "text_tokens": len(np.load(inputs)["text_tokens"]),
-                       "prompt_tokens": args.prompt_tokens, "speech_tokens": args.speech_tokens,
-                       "llm_precision": args.llm_precision, "load_min": min(loads), "load_max": max(loads),
-                       "model_dir": args.model_dir},
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(),
+            "torch_ours": ours.hello["torch"], "torch_official": official.hello["torch"], "threads": args.threads,
+            "text_tokens": len(np.load(inputs)["text_tokens"]), "prompt_tokens": args.prompt_tokens,
+            "speech_tokens": args.speech_tokens, "llm_precision": args.llm_precision, "load_min": min(loads),
+            "load_max": max(loads), "model_dir": args.model_dir}
+    return write_report(out, meta, args.concurrency, rounds)
+
+
+def write_report(out: Path, meta: dict, levels: list[int], rounds: dict[tuple[int, str], list[dict]]) -> dict:
+    """side_by_side.json and side_by_side.md under `out` from each (level, side)'s rounds."""
+    result = {"meta": meta,
               "levels": [{"concurrency": level, "official": summary(rounds[(level, "official")]),
-                          "ours": summary(rounds[(level, "our")])} for level in args.concurrency],
+                          "ours": summary(rounds[(level, "our")])} for level in levels],
               "rounds": {f"c{level}_{name}": r for (level, name), r in rounds.items()}}
     (out / "side_by_side.json").write_text(json.dumps(result, indent=1))
     (out / "side_by_side.md").write_text(markdown(result))

@@ -108,19 +108,33 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows, models, (x, prompt_len) = quality_table(args.model_dir, steps=args.steps, text_tokens=args.text_tokens,
-                                                  prompt_tokens=args.prompt_tokens)
-    load_before = os.getloadavg()[0]
-    ms = decode_step_ms(models, x, prompt_len, args.timing_steps) if args.timing_steps else {}
-    load = (load_before, os.getloadavg()[0])
+    # One reduced-precision model beside fp32 at a time (a full-size LLM takes a few GB).
+    max_seq_len = kv_bucket(3 + args.text_tokens + args.text_tokens // 4 + args.prompt_tokens + args.steps, 1 << 20)
+    reference = SpeechLM.from_model_dir(args.model_dir, max_seq_len=max_seq_len)
+    x, prompt_len = forced_sequence(reference, args.steps, args.text_tokens, args.prompt_tokens)
+    ref_logp = step_log_probs(reference, x, prompt_len)
+    rows, ms, loads = [compare("fp32", ref_logp, ref_logp)], {}, [os.getloadavg()[0]]
+    for precision in LLM_PRECISIONS[1:]:
+        candidate = SpeechLM.from_model_dir(args.model_dir, max_seq_len=max_seq_len, precision=precision)
+        rows.append(compare(precision, ref_logp, step_log_probs(candidate, x, prompt_len)))
+        if args.timing_steps:
+            pair = decode_step_ms({"fp32": reference, precision: candidate}, x, prompt_len, args.timing_steps)
+            ms.setdefault("fp32", []).append(pair["fp32"])
+            ms[precision] = [pair[precision] * 1.0]
+            ms[f"{precision}/fp32"] = [pair[precision] / pair["fp32"]]
+        del candidate
+        loads.append(os.getloadavg()[0])
+    ms = {key: statistics.median(values) for key, values in ms.items()}
+    load = (min(loads), max(loads))
     print(f"model {args.model_dir}; {args.steps} teacher-forced steps, context {prompt_len}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; bf16 CPU support {cpu_has_bf16()}; "
-          f"load average {load[0]:.1f} -> {load[1]:.1f}")
+          f"load average {load[0]:.1f}-{load[1]:.1f}; ratios against fp32 timed in the same pair")
     print("| precision | mean KL (nats/step) | top-1 agreement | max abs d log p | decode step (ms) | / fp32 |")
     print("|---|---:|---:|---:|---:|---:|")
     for row in rows:
         step = ms.get(row.precision)
-        timing = f"{step:.1f} | {step / ms['fp32']:.2f}" if step else "- | -"
+        ratio = ms.get(f"{row.precision}/fp32", 1.0)
+        timing = f"{step:.1f} | {ratio:.2f}" if step else "- | -"
         print(f"| {row.precision} | {row.mean_kl:.2e} | {100 * row.top1_agreement:.1f} % | {row.max_abs_dlogp:.3f} | {timing} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,71 @@
+"""perf/bench_official.py: our side's timing entry (exactly N tokens), the report from recorded official
+rounds, and, where the official checkout and its virtualenv are on the machine, the real side by side.
+
+The official side needs a checkout of the official repository and a virtualenv with its packages, named by
+COSYVOICE_OFFICIAL_SRC and COSYVOICE_OFFICIAL_VENV; making that venv from PyPI takes longer than a test
+may, so without them the last test is skipped and the report is checked on official rounds recorded by
+the tool itself (tests/data/official_rounds_tiny.json).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from cosyvoice_triton.perf import bench_official
+from cosyvoice_triton.random_folder.write import write_random_model
+
+pytestmark = pytest.mark.timeout(600)
+
+DATA = Path(__file__).parent / "data"
+OFFICIAL_SRC = Path(os.environ.get("COSYVOICE_OFFICIAL_SRC", "/nonexistent"))
+OFFICIAL_VENV = Path(os.environ.get("COSYVOICE_OFFICIAL_VENV", "/nonexistent"))
+N = 30  # speech tokens: more than the first chunk (25 + 3 lookahead with the prompt's padding)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_model(tmp_path_factory.mktemp("tiny") / "model", size="tiny", backbone_weights=False)
+
+
+def test_our_side_alone_prints_json_of_exactly_n_tokens(model_dir: Path, capsys) -> None:
+    bench_official.main(["--model-dir", str(model_dir), "--speech-tokens", str(N), "--text-tokens", "6",
+                         "--prompt-tokens", "20", "--concurrency", "1", "--repeats", "1", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert (result["speech_tokens"], result["prompt_tokens"]) == (N, 20)
+    assert result["text_tokens"] >= 6
+    [level] = result["levels"]
+    assert level["audio_s"] == pytest.approx(N / 25)  # exactly N tokens, 2 mel frames x 480 samples each
+    assert 0 < level["first_audio_s"] <= level["total_s"]
+
+
+def test_report_from_recorded_official_rounds(model_dir: Path, tmp_path: Path) -> None:
+    recorded = json.loads((DATA / "official_rounds_tiny.json").read_text())
+    meta = recorded["recorded"]
+    side = bench_official.OurSide(str(model_dir), meta["speech_tokens"], meta["text_tokens"], meta["prompt_tokens"])
+    rounds = {(1, "our"): [side.round(1)], (1, "official"): recorded["rounds"]["c1_official"]}
+    assert rounds[(1, "our")][0]["streams"][0]["audio_s"] == rounds[(1, "official")][0]["streams"][0]["audio_s"]
+    result = bench_official.write_report(tmp_path, meta, [1], rounds)
+    written = json.loads((tmp_path / "side_by_side.json").read_text())
+    assert written["levels"] == json.loads(json.dumps(result["levels"]))
+    official, ours = result["levels"][0]["official"], result["levels"][0]["ours"]
+    table = (tmp_path / "side_by_side.md").read_text()
+    ratio = ours["first_audio_s"] / official["first_audio_s"]
+    assert f"| 1 | first audio (median) | {official['first_audio_s']:.2f}s | {ours['first_audio_s']:.2f}s | {ratio:.2f} |" in table
+    assert f"exactly {meta['speech_tokens']} speech tokens" in table
+
+
+@pytest.mark.skipif(not (OFFICIAL_SRC / "cosyvoice").is_dir() or not (OFFICIAL_VENV / "bin" / "python").exists(),
+                    reason="no official checkout and virtualenv on this machine")
+def test_side_by_side_with_the_official_code(model_dir: Path, tmp_path: Path) -> None:
+    bench_official.main(["--model-dir", str(model_dir), "--official-src", str(OFFICIAL_SRC),
+                         "--official-venv", str(OFFICIAL_VENV), "--speech-tokens", str(N), "--text-tokens", "6",
+                         "--prompt-tokens", "20", "--concurrency", "1", "--repeats", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "side_by_side.json").read_text())
+    official, ours = result["rounds"]["c1_official"][0], result["rounds"]["c1_our"][0]
+    # the official code, given the same inputs, also decoded exactly N tokens
+    assert official["streams"][0]["audio_s"] == ours["streams"][0]["audio_s"] == pytest.approx(N / 25)
+    assert official["streams"][0]["chunks"] >= 2  # streamed: a first chunk before the final one
+    assert "| 1 | total per stream (median) |" in (tmp_path / "side_by_side.md").read_text()
