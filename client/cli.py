@@ -28,11 +28,10 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_triton.audio_out import FORMATS, AudioEncoder
-from cosyvoice_triton.messages import CHUNK_POLICIES
+from cosyvoice_triton.messages import CHUNK_POLICIES, MODES
 
 from .common import SAMPLE_RATE, TTSError, write_wav
 
-MODES = ("zero_shot", "cross_lingual", "instruct2")
 SUFFIX_FORMATS = {".mp3": "mp3", ".opus": "opus", ".ogg": "opus", ".aac": "aac", ".flac": "flac", ".pcm": "pcm",
                   ".wav": "wav"}
 

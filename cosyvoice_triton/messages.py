@@ -161,7 +161,7 @@ class SynthesisRequest:
 class LLMRequest:
     """One sentence for the speech LM."""
 
-    request_id: str
+    stream_id: str
     text_tokens: list[int]  # the sentence to speak
     prompt_text_tokens: list[int]  # empty in cross_lingual; instruction tokens in instruct2
     prompt_speech_tokens: list[int]  # empty outside zero_shot

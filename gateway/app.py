@@ -2,7 +2,8 @@
 
 ```
 from cosyvoice_triton.gateway.app import create_app, run
-from cosyvoice_triton.gateway.config import GatewayConfig, TritonTarget
+from cosyvoice_triton.gateway.config import GatewayConfig
+from cosyvoice_triton.targets import TritonTarget
 
 run(GatewayConfig(triton=(TritonTarget.parse("grpc://127.0.0.1:8001"),)))
 ```
@@ -112,7 +113,7 @@ async def _triton(app: web.Application):
     app[METRICS] = GatewayMetrics(router)
     router.on_leave = app[METRICS].forget_server
     await router.check_all()
-    for backend in router.backends:
+    for backend in router.servers:
         if not backend.healthy:
             log.warning("Triton %s is not ready yet; it joins the pool when it is", backend.name)
     tasks = [asyncio.create_task(router.run_health()), asyncio.create_task(router.run_scrapes())]
@@ -188,7 +189,7 @@ async def readyz(request: web.Request) -> web.Response:
     settled. `servers`: the pool's members now (with dns:// specs, what DNS names), healthy or not;
     `voice_store`: "ok", or why not (`voice_store_error`, e.g. Redis is down)."""
     router, voice = request.app[ROUTER], request.app[DEFAULT_VOICE]
-    servers = {b.name: b.healthy for b in router.backends}
+    servers = {b.name: b.healthy for b in router.servers}
     store_error = await voice_store_error(request.app[STORE])
     ready = any(servers.values()) and voice.settled and store_error is None
     waiting = [*(f"tritonserver {name}" for name, ok in servers.items() if not ok),

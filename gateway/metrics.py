@@ -12,7 +12,7 @@
   cosyvoice_gateway_server_inflight{server}             this gateway's in-flight requests per server
   cosyvoice_gateway_server_pending{server}              Triton's pending-request count (last scrape)
 
-Servers come and go with DNS discovery: the per-server gauges are read from `router.backends` at each
+Servers come and go with DNS discovery: the per-server gauges are read from `router.servers` at each
 scrape (a collector), so they list the pool's members now; `routed` drops a server's series when it
 leaves the pool (`forget_server`, called by the router), so departed pods do not pile up.
 """
@@ -43,7 +43,7 @@ class _RouterCollector:
                                          "Triton's pending requests of the synthesis model (last scrape)",
                                          labels=["server"]),
         }
-        for b in self.router.backends:
+        for b in self.router.servers:
             families["healthy"].add_metric([b.name], 1.0 if b.healthy else 0.0)
             families["cost"].add_metric([b.name], b.outstanding_cost)
             families["inflight"].add_metric([b.name], b.inflight)
@@ -72,7 +72,7 @@ class GatewayMetrics:
         self.routed = Counter("cosyvoice_gateway_routed", "Triton calls sent per server", ["server"],
                               registry=registry)
         registry.register(_RouterCollector(router))
-        for backend in router.backends:
+        for backend in router.servers:
             self.routed.labels(backend.name)
 
     def forget_server(self, backend) -> None:

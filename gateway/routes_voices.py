@@ -28,7 +28,7 @@ from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.preprocess.audio import load_prompt_audio
 from cosyvoice_triton.preprocess.text import text_problem
 from cosyvoice_triton.preprocess.voice_features import audio_sha256
-from cosyvoice_triton.runtime.voice_store import VoiceInfo, check_voice_id, visible_to
+from cosyvoice_triton.runtime.voice_store import VoiceRecord, check_voice_id, visible_to
 
 from .auth import RateLimiter, Tenant, current_tenant
 from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
@@ -54,7 +54,7 @@ def voice_json(info, created: bool | None = None) -> dict:
 
 async def register(app: web.Application, audio: bytes, text: str, voice_id: str | None = None,
                    name: str | None = None, *, owner: str | None):
-    """(VoiceInfo, created) for a registration through Triton, owned by `owner` (None: shared).
+    """(VoiceRecord, created) for a registration through Triton, owned by `owner` (None: shared).
     Raises GatewayError / TritonCallError."""
     store = app[STORE]
     try:
@@ -163,7 +163,7 @@ async def delete_voice(request: web.Request) -> web.Response:
     return web.json_response({"id": info.voice_id, "deleted": True})
 
 
-def check_may_delete(info: VoiceInfo, tenant: Tenant) -> None:
+def check_may_delete(info: VoiceRecord, tenant: Tenant) -> None:
     """A key deletes its own voices; shared ones need an admin key; without keys, any but `default`."""
     if not info.shared:
         return  # visible and owned: the caller's own (keyless callers own nothing but see everything)
@@ -181,7 +181,7 @@ def _voice_id(request: web.Request) -> str:
         raise BadRequest("id", exc.problem) from None
 
 
-async def _info(request: web.Request) -> VoiceInfo:
+async def _info(request: web.Request) -> VoiceRecord:
     """The voice named in the path if the caller may see it; else 404, the same as for no voice."""
     voice_id = _voice_id(request)
     try:

@@ -99,7 +99,7 @@ class Router:
         self._channels = asyncio.Lock()  # held by health checks and by channel closes
 
     @property
-    def backends(self) -> list[Server]:
+    def servers(self) -> list[Server]:
         """The servers in the pool now (fixed ones, and discovered ones while DNS names them)."""
         return self.pool.servers
 
@@ -157,7 +157,7 @@ class Router:
 
     async def check_all(self) -> None:
         async with self._channels:
-            await asyncio.gather(*(self.check(b) for b in self.backends))
+            await asyncio.gather(*(self.check(b) for b in self.servers))
 
     async def scrape(self, backend: Server, session: aiohttp.ClientSession) -> None:
         timeout = aiohttp.ClientTimeout(total=self.routing.health_timeout_s)
@@ -179,7 +179,7 @@ class Router:
     async def run_scrapes(self) -> None:
         async with aiohttp.ClientSession() as session:
             while True:
-                await asyncio.gather(*(self.scrape(b, session) for b in self.backends if b.healthy))
+                await asyncio.gather(*(self.scrape(b, session) for b in self.servers if b.healthy))
                 await asyncio.sleep(self.routing.metrics_interval_s)
 
     # ---- membership (dns:// specs) ------------------------------------------------------------------------

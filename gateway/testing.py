@@ -4,7 +4,7 @@
 with GatewayThread(config) as gateway:       # binds a free port on 127.0.0.1
     gateway.wait_ready()                     # /readyz answers 200
     requests.post(gateway.url + "/v1/tts", json={...})
-    gateway.call(lambda app: app[ROUTER].backends[0].healthy)   # run code on the gateway's loop
+    gateway.call(lambda app: app[ROUTER].servers[0].healthy)   # run code on the gateway's loop
 ```
 `GatewayThread(config, resolve=fn)` answers the DNS lookups of `dns://` servers with `fn(host, port)`.
 The gateway runs with `handler_cancellation=True`, as `run` serves it.

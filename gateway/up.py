@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from cosyvoice_triton.gateway.config import (TritonTarget, add_gateway_arguments, config_from_args, split_triton_specs,
-                                             voice_store_url)
+from cosyvoice_triton.gateway.config import add_gateway_arguments, config_from_args, split_triton_specs, voice_store_url
+from cosyvoice_triton.targets import TritonTarget
 from cosyvoice_triton.server.launcher import (ENGINES, PRECISIONS, ServeOptions, default_model_dir, prepare,
                                               resolve_voice_store)
 from cosyvoice_triton.random_folder.marker import NOTE as RANDOM_NOTE, is_random

@@ -88,7 +88,8 @@ def started_server(options) -> Iterator:
 def gateway_config(server, options, max_concurrency: int):
     """A gateway in front of `server` (started on `options`) alone, sharing its voice store, with limits
     that leave the measurement to the server: the bench is its only client."""
-    from cosyvoice_triton.gateway.config import GatewayConfig, Limits, RoutingConfig, TritonTarget
+    from cosyvoice_triton.gateway.config import GatewayConfig, Limits, RoutingConfig
+    from cosyvoice_triton.targets import TritonTarget
 
     return GatewayConfig(triton=(TritonTarget(server.grpc_url, server.metrics_url),), host="127.0.0.1", port=0,
                          voice_store=options.voice_store, home=Path(options.run_dir) / "gateway",

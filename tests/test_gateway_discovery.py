@@ -21,7 +21,6 @@ from cosyvoice_triton.gateway.__main__ import main as gateway_main
 from cosyvoice_triton.gateway.config import (
     GatewayConfig,
     RoutingConfig,
-    TritonTarget,
     add_gateway_arguments,
     config_from_args,
 )
@@ -30,6 +29,7 @@ from cosyvoice_triton.gateway.metrics import GatewayMetrics
 from cosyvoice_triton.gateway.routing import Router
 from cosyvoice_triton.gateway.state import ROUTER
 from cosyvoice_triton.server_pool import Server
+from cosyvoice_triton.targets import TritonTarget
 from cosyvoice_triton.gateway.testing import GatewayThread
 from polling import wait_until
 from triton_harness import metric_value, scrape
@@ -137,19 +137,19 @@ def dns_router(dns: Dns, servers: FakeServers, fixed: tuple[str, ...] = (), spec
 
 
 def members(router: Router) -> dict[str, bool]:
-    return {b.name: b.healthy for b in router.backends}
+    return {b.name: b.healthy for b in router.servers}
 
 
 def test_servers_join_after_their_first_health_check():
     async def scenario():
         dns, servers = Dns(tts=["10.0.0.1", "10.0.0.2"]), FakeServers("10.0.0.1:8001")
         router = dns_router(dns, servers)
-        assert router.backends == [] and router.healthy() == []
+        assert router.servers == [] and router.healthy() == []
         with pytest.raises(ServiceUnavailable):
             router.pick()
         await router.rediscover()
         assert members(router) == {"10.0.0.1:8001": True, "10.0.0.2:8001": False}  # checked at once
-        assert router.backends[1].target.metrics_url == "http://10.0.0.2:8002/metrics"
+        assert router.servers[1].target.metrics_url == "http://10.0.0.2:8002/metrics"
         assert {router.pick().name for _ in range(3)} == {"10.0.0.1:8001"}
         servers.ready.add("10.0.0.2:8001")
         await router.check_all()
@@ -169,7 +169,7 @@ def test_a_server_gone_from_dns_leaves_at_once_and_closes_after_its_last_request
         left = []
         router.on_leave = left.append
         await router.rediscover()
-        b = router.backends[1]
+        b = router.servers[1]
         dns.answers["tts"] = ["10.0.0.1"]
         with router.lease(b, 100.0):  # a request still streaming from the server that goes
             await router.rediscover()
@@ -234,10 +234,10 @@ def test_a_failed_or_empty_lookup_keeps_the_pool(hiccup):
         dns, servers = Dns(tts=["10.0.0.1", "10.0.0.2"]), FakeServers("10.0.0.1:8001", "10.0.0.2:8001")
         router = dns_router(dns, servers)
         await router.rediscover()
-        before = list(router.backends)
+        before = list(router.servers)
         dns.answers["tts"] = hiccup
         await router.rediscover()
-        assert router.backends == before and not any(c.closed for c in servers.clients)
+        assert router.servers == before and not any(c.closed for c in servers.clients)
         assert router.pick() in before
         await router.close()
 
@@ -251,7 +251,7 @@ def test_fixed_servers_stay_and_are_not_doubled_by_dns():
         await router.check_all()
         await router.rediscover()
         assert list(members(router)) == ["10.0.0.1:8001", "10.0.0.2:8001"]
-        assert router.backends[0].source is None and router.backends[1].source == SPEC
+        assert router.servers[0].source is None and router.servers[1].source == SPEC
         dns.answers["tts"] = ["10.0.0.3"]  # neither address is named any more: only the DNS one leaves
         await router.rediscover()
         assert list(members(router)) == ["10.0.0.1:8001", "10.0.0.3:8001"]
@@ -267,7 +267,7 @@ def test_each_dns_spec_keeps_its_servers_when_only_it_fails():
         router = dns_router(dns, servers, specs=specs)
         await router.rediscover()
         assert list(members(router)) == ["10.0.0.1:8001", "10.0.1.1:9001"]
-        assert router.backends[1].target.metrics_url == "http://10.0.1.1:9100/metrics"
+        assert router.servers[1].target.metrics_url == "http://10.0.1.1:9100/metrics"
         dns.answers.update(a=OSError("timeout"), b=["10.0.1.2"])
         await router.rediscover()
         assert list(members(router)) == ["10.0.0.1:8001", "10.0.1.2:9001"]
@@ -283,7 +283,7 @@ def test_metrics_follow_the_pool():
         metrics = GatewayMetrics(router)
         router.on_leave = metrics.forget_server
         await router.rediscover()
-        for backend in router.backends:
+        for backend in router.servers:
             metrics.routed.labels(backend.name).inc()
         text = metrics.render().decode()
         assert metric_value(text, "cosyvoice_gateway_server_healthy", server="10.0.0.2:8001") == 1

@@ -19,7 +19,8 @@ import pytest
 import soundfile as sf
 
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
-from cosyvoice_triton.gateway.config import GatewayConfig, RoutingConfig, TritonTarget
+from cosyvoice_triton.gateway.config import GatewayConfig, RoutingConfig
+from cosyvoice_triton.targets import TritonTarget
 from cosyvoice_triton.gateway.errors import ServiceUnavailable
 from cosyvoice_triton.gateway.routing import BASE_COST, ENCODE_COST, CostModel, Router
 from cosyvoice_triton.prometheus_text import metric_sum
@@ -74,7 +75,7 @@ def router(n: int = 2) -> Router:
 
 def test_least_outstanding_cost_wins_and_ties_alternate():
     r = router(2)
-    a, b = r.backends
+    a, b = r.servers
     assert [r.pick().name for _ in range(4)] == ["h0:8001", "h1:8001", "h0:8001", "h1:8001"]
     with r.lease(a, 1000.0):
         assert a.outstanding_cost == 1000.0 and a.inflight == 1
@@ -92,7 +93,7 @@ def test_least_outstanding_cost_wins_and_ties_alternate():
 
 def test_unhealthy_and_excluded_servers_are_skipped():
     r = router(3)
-    a, b, c = r.backends
+    a, b, c = r.servers
     r.set_health(b, False, "test")
     assert {r.pick(exclude=[a]).name for _ in range(3)} == {"h2:8001"}
     r.set_health(c, False, "test")
@@ -104,7 +105,7 @@ def test_unhealthy_and_excluded_servers_are_skipped():
 
 def test_a_server_that_leaves_the_pool_forgets_its_scraped_load():
     r = router(2)
-    a, b = r.backends
+    a, b = r.servers
     b.external, b.pending = 2, 1  # scraped while streams ran there
     r.set_health(b, False, "killed")
     r.set_health(b, True)  # restarted: those streams died with it
@@ -208,7 +209,7 @@ async def stream_bytes(session, url: str, text: str, seed: int, first_audio: asy
 def routed(gateway: GatewayThread) -> dict[str, float]:
     text = scrape(gateway.url + "/metrics")
     return {b.name: metric_value(text, "cosyvoice_gateway_routed_total", server=b.name) or 0.0
-            for b in gateway.call(lambda app: list(app[ROUTER].backends))}
+            for b in gateway.call(lambda app: list(app[ROUTER].servers))}
 
 
 def ok_count(server) -> float:
@@ -293,7 +294,7 @@ def test_streams_another_gateway_runs_steer_requests_away(gateways, servers):
     def scraped_view() -> tuple[float, float, set[str]]:
         def view(app):  # on R's loop: no scrape between reading the load and picking
             router = app[ROUTER]
-            by_name = {b.name: b for b in router.backends}
+            by_name = {b.name: b for b in router.servers}
             picks = {router.pick().name for _ in range(3)}  # equal loads would alternate between the two
             return by_name[t1.grpc_url].external, by_name[t2.grpc_url].external, picks
         return r.call(view)
@@ -318,7 +319,7 @@ def test_streams_another_gateway_runs_steer_requests_away(gateways, servers):
     assert external_t1 > 0 and external_t2 == 0, "R never scraped A's streams on t1"
     assert picks == {t2.grpc_url}
     # The cancelled streams end on t1 and R's next scrapes see it idle again (the next tests count on it).
-    wait_until(lambda: r.call(lambda app: [b.external for b in app[ROUTER].backends]) == [0, 0], WAIT_S)
+    wait_until(lambda: r.call(lambda app: [b.external for b in app[ROUTER].servers]) == [0, 0], WAIT_S)
 
 
 def test_requests_spread_over_both_servers_by_cost(gateways, servers):
@@ -358,9 +359,9 @@ def test_requests_spread_over_both_servers_by_cost(gateways, servers):
 
 def test_a_request_failing_before_its_first_byte_is_retried_on_another_server(gateways):
     d = gateways["D"]
-    dead = d.call(lambda app: app[ROUTER].backends[0])
+    dead = d.call(lambda app: app[ROUTER].servers[0])
     # The dead address is believed healthy (as a server that just died, before any health check):
-    d.call(lambda app: setattr(app[ROUTER].backends[0], "healthy", True))
+    d.call(lambda app: setattr(app[ROUTER].servers[0], "healthy", True))
     status, body = run(tts(d.url, SHORT, seed=3))
     assert status == 200 and body[:4] == b"RIFF"
     text = scrape(d.url + "/metrics")
@@ -384,7 +385,7 @@ def test_killing_a_server_mid_run_and_bringing_it_back(gateways, servers):
             started = [asyncio.Event(), asyncio.Event()]
             streams = [asyncio.create_task(stream_until_the_end(session, 404 + 2 * i, started[i])) for i in (0, 1)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-            inflight = {b_.name: b_.inflight for b_ in r.call(lambda app: list(app[ROUTER].backends))}
+            inflight = {b_.name: b_.inflight for b_ in r.call(lambda app: list(app[ROUTER].servers))}
             assert inflight == {t1.grpc_url: 1, t2.grpc_url: 1}  # one stream on each server
             os.killpg(t2.pid, signal.SIGKILL)
             done, pending = await asyncio.wait(streams, return_when=asyncio.FIRST_EXCEPTION, timeout=80)
@@ -458,7 +459,7 @@ def test_a_server_gone_from_dns_finishes_its_streams_and_leaves(servers, tiny_mo
     with GatewayThread(config, resolve=resolve) as g:
         g.wait_ready()
         wait_until(lambda: g.get_json("/readyz")[1]["servers"] == {t1.grpc_url: True, t2.grpc_url: True}, WAIT_S)
-        assert g.call(lambda app: [b.target.metrics_url for b in app[ROUTER].backends]) == [t1.metrics_url,
+        assert g.call(lambda app: [b.target.metrics_url for b in app[ROUTER].servers]) == [t1.metrics_url,
                                                                                             t2.metrics_url]
 
         async def scenario():
@@ -466,7 +467,7 @@ def test_a_server_gone_from_dns_finishes_its_streams_and_leaves(servers, tiny_mo
                 started = [asyncio.Event(), asyncio.Event()]
                 streams = [asyncio.create_task(stream(session, g.url, 500 + i, started[i])) for i in (0, 1)]
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-                inflight = {b.name: b.inflight for b in g.call(lambda app: list(app[ROUTER].backends))}
+                inflight = {b.name: b.inflight for b in g.call(lambda app: list(app[ROUTER].servers))}
                 assert inflight == {t1.grpc_url: 1, t2.grpc_url: 1}  # one stream on each server
                 addresses["t2"] = ["127.0.0.3"]
                 await asyncio.to_thread(g.call, lambda app: app[ROUTER].rediscover())

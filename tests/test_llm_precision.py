@@ -85,7 +85,7 @@ def test_reduced_precision_stays_within_the_kl_bound(model_dir: Path, precision:
 
 def request(llm: SpeechLM, name: str, text_len: int, speech_len: int, seed: int) -> LLMRequest:
     config = llm.config
-    return LLMRequest(request_id=name, text_tokens=ids(text_len, config.qwen.vocab_size, seed)[0].tolist(),
+    return LLMRequest(stream_id=name, text_tokens=ids(text_len, config.qwen.vocab_size, seed)[0].tolist(),
                       prompt_text_tokens=ids(3, config.qwen.vocab_size, seed + 50)[0].tolist(),
                       prompt_speech_tokens=ids(speech_len, config.speech_token_size, seed + 90)[0].tolist(),
                       sampling=SamplingParams(), seed=seed)

@@ -94,7 +94,7 @@ def make_request(llm: SpeechLM, name: str, text_len: int, prompt_text_len: int =
                  seed: int = 0, sampling: SamplingParams = SamplingParams()) -> LLMRequest:
     rng = torch.Generator().manual_seed(1000 + seed)
     vocab, speech = llm.config.qwen.vocab_size, llm.config.speech_token_size
-    return LLMRequest(request_id=name,
+    return LLMRequest(stream_id=name,
                       text_tokens=torch.randint(vocab, (text_len,), generator=rng).tolist(),
                       prompt_text_tokens=torch.randint(vocab, (prompt_text_len,), generator=rng).tolist(),
                       prompt_speech_tokens=torch.randint(speech, (prompt_speech_len,), generator=rng).tolist(),
@@ -174,7 +174,7 @@ def test_concurrent_streams_with_cancellation_equal_their_solo_runs(llm: SpeechL
     gate.open()
 
     for index in (0, 3, 4, 5):
-        assert read_all(streams[index]) == expected[index], requests[index].request_id
+        assert read_all(streams[index]) == expected[index], requests[index].stream_id
         assert streams[index].reason == solo_reason(llm, requests[index], expected[index])
     assert max(gate.decode_sizes()) == 4 and scheduler.stats.peak_batch_size == 4
     stats = scheduler.stats
@@ -238,7 +238,7 @@ def test_a_failing_step_fails_only_its_streams(llm: SpeechLM, schedulers: list[L
         read_all(streams[0])
     assert streams[0].reason == "error"
     assert read_all(streams[1]) == expected_good
-    again = scheduler.submit(replace(good, request_id="again"))  # the scheduler lives on
+    again = scheduler.submit(replace(good, stream_id="again"))  # the scheduler lives on
     assert read_all(again) == expected_good
     assert scheduler.stats.slots_free == 2
 
@@ -283,7 +283,7 @@ def test_a_full_queue_refuses_requests(llm: SpeechLM) -> None:
 
 
 @pytest.mark.parametrize("changes, field", [
-    ({"request_id": ""}, "request_id"),
+    ({"stream_id": ""}, "stream_id"),
     ({"text_tokens": []}, "text_tokens"),
     ({"text_tokens": [-1]}, "text_tokens"),
     ({"text_tokens": [1, 2.5]}, "text_tokens"),

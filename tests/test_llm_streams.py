@@ -78,7 +78,7 @@ class Gate:
 def make_request(llm: SpeechLM, name: str, text_len: int, seed: int = 0) -> LLMRequest:
     rng = torch.Generator().manual_seed(100 + seed)
     text = torch.randint(llm.config.qwen.vocab_size, (text_len,), generator=rng).tolist()
-    return LLMRequest(request_id=name, text_tokens=text, prompt_text_tokens=[], prompt_speech_tokens=[],
+    return LLMRequest(stream_id=name, text_tokens=text, prompt_text_tokens=[], prompt_speech_tokens=[],
                       sampling=SamplingParams(), seed=seed)
 
 

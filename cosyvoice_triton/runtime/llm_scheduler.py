@@ -154,8 +154,8 @@ class LLMScheduler:
 
     def _validate(self, request: LLMRequest) -> None:
         config = self.llm.config
-        if not isinstance(request.request_id, str) or not request.request_id:
-            raise InvalidInput("request_id", "must be a non-empty string")
+        if not isinstance(request.stream_id, str) or not request.stream_id:
+            raise InvalidInput("stream_id", "must be a non-empty string")
         _check_ids("text_tokens", request.text_tokens, config.qwen.vocab_size)
         _check_ids("prompt_text_tokens", request.prompt_text_tokens, config.qwen.vocab_size)
         _check_ids("prompt_speech_tokens", request.prompt_speech_tokens, config.speech_token_size)
@@ -301,10 +301,10 @@ class LLMScheduler:
         return live.sampler(logp, live.decoded, live.generator)
 
     def _fail(self, batch: Sequence[_Live], stage: str, exc: Exception) -> None:
-        ids = ", ".join(live.stream.request.request_id for live in batch)
+        ids = ", ".join(live.stream.request.stream_id for live in batch)
         log.error("LLM %s failed for request(s) %s", stage, ids, exc_info=exc)
         for live in batch:
-            error = LLMStepError(f"the LLM {stage} failed for request {live.stream.request.request_id}: {exc}")
+            error = LLMStepError(f"the LLM {stage} failed for request {live.stream.request.stream_id}: {exc}")
             error.__cause__ = exc
             self._retire(live, "error", error)
 

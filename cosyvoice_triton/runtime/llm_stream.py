@@ -44,7 +44,7 @@ class LLMStream:
         try:
             item = self._queue.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"no token for request {self.request.request_id} within {timeout} s") from None
+            raise TimeoutError(f"no token for request {self.request.stream_id} within {timeout} s") from None
         tokens: list[int] = []
         while item is not _END:  # hand over everything already sampled in one piece
             tokens.append(item)

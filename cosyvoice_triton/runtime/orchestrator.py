@@ -57,7 +57,7 @@ class Orchestrator:
         self.llm = llm
         self.token2wav = token2wav
 
-    def llm_requests(self, request: SynthesisRequest, request_id: str, seed: int) -> list[LLMRequest]:
+    def llm_requests(self, request: SynthesisRequest, stream_id: str, seed: int) -> list[LLMRequest]:
         """Normalize and split the text; lay out each sentence's LLM prompt by mode."""
         encode = self.preprocessor.tokenizer.encode
         pieces = self.preprocessor.split(request.text, field="target_text")
@@ -70,26 +70,26 @@ class Orchestrator:
             if not prompt_text.endswith(END_OF_PROMPT):
                 prompt_text += END_OF_PROMPT
         prompt_text_tokens = encode(prompt_text) if prompt_text else []
-        return [LLMRequest(request_id=f"{request_id}/{i}", text_tokens=encode(piece),
+        return [LLMRequest(stream_id=f"{stream_id}/{i}", text_tokens=encode(piece),
                            prompt_text_tokens=prompt_text_tokens, prompt_speech_tokens=prompt_speech,
                            sampling=request.sampling, seed=sentence_seeds(seed, i).llm)
                 for i, piece in enumerate(pieces)]
 
     def run(self, request: SynthesisRequest, stream: bool, is_cancelled: Callable[[], bool] = lambda: False,
-            request_id: str | None = None) -> Iterator[np.ndarray]:
+            stream_id: str | None = None) -> Iterator[np.ndarray]:
         """Yield float32 audio chunks in order. Offline (`stream=False`) yields one chunk per sentence."""
         request.validate()
-        request_id = request_id or uuid.uuid4().hex
+        stream_id = stream_id or uuid.uuid4().hex
         seed = request.seed if request.seed is not None else random_seed()
         prompt = flow_prompt_of(request.voice)
         playback = Playback()  # the listener of the whole request, sentence after sentence
-        for index, llm_request in enumerate(self.llm_requests(request, request_id, seed)):
+        for index, llm_request in enumerate(self.llm_requests(request, stream_id, seed)):
             yield from self._sentence(request, llm_request, prompt, sentence_seeds(seed, index).vocoder,
                                       stream, is_cancelled, playback)
 
     def _sentence(self, request: SynthesisRequest, llm_request: LLMRequest, prompt: FlowPrompt, vocoder_seed: int,
                   stream: bool, is_cancelled: Callable[[], bool], playback: Playback) -> Iterator[np.ndarray]:
-        stream_id = llm_request.request_id
+        stream_id = llm_request.stream_id
         schedule = ChunkSchedule(request.chunk_policy, prompt.speech_tokens.shape[1])
         tokens: list[int] = []
         sent = 0  # tokens already handed to token2wav

@@ -73,7 +73,7 @@ class CorruptVoice(CosyVoiceError):
 
 
 @dataclass(frozen=True)
-class VoiceInfo:
+class VoiceRecord:
     """What a voice is, without its arrays."""
 
     voice_id: str
@@ -89,7 +89,7 @@ class VoiceInfo:
         return self.owner is None
 
 
-def visible_to(info: VoiceInfo, owner: str | None) -> bool:
+def visible_to(info: VoiceRecord, owner: str | None) -> bool:
     """A tenant sees its own voices and the shared ones. `owner` None: keyless use, which sees every voice."""
     return owner is None or info.owner is None or info.owner == owner
 
@@ -113,15 +113,15 @@ class VoiceStoreStats:
 
 class VoiceStore(Protocol):
     def register(self, features: PromptFeatures, voice_id: str | None = None,
-                 name: str | None = None, owner: str | None = None) -> VoiceInfo: ...
+                 name: str | None = None, owner: str | None = None) -> VoiceRecord: ...
 
     def get(self, voice_id: str) -> PromptFeatures: ...
 
-    def info(self, voice_id: str) -> VoiceInfo: ...
+    def info(self, voice_id: str) -> VoiceRecord: ...
 
-    def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceInfo | None: ...
+    def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceRecord | None: ...
 
-    def list(self) -> list[VoiceInfo]: ...
+    def list(self) -> list[VoiceRecord]: ...
 
     def delete(self, voice_id: str) -> bool: ...
 
@@ -231,7 +231,7 @@ def check_name(name: str | None) -> str | None:
 class Registration:
     """One voice ready to be written: what a backend stores."""
 
-    info: VoiceInfo
+    info: VoiceRecord
     content_key: str
     revision: str  # random, new on every registration, even of the same id with the same audio
     blob: bytes
@@ -242,7 +242,7 @@ def prepare_registration(features: PromptFeatures, voice_id: str | None, name: s
     """Check the arguments of `register` and encode the voice."""
     blob = encode_features(features)  # checks the arrays, the text and the hash first
     owner = check_owner(owner)
-    info = VoiceInfo(voice_id=registration_id(features, voice_id, owner), text=features.text,
+    info = VoiceRecord(voice_id=registration_id(features, voice_id, owner), text=features.text,
                      audio_sha256=features.audio_sha256, tokens=int(features.speech_tokens.shape[0]),
                      created_at=time.time(), name=check_name(name), owner=owner)
     return Registration(info=info, content_key=content_key(features.audio_sha256, features.text, owner),
@@ -262,7 +262,7 @@ def id_taken(voice_id: str) -> InvalidInput:
 
 
 def register_once(store: VoiceStore, audio_sha256: str, text: str, encode: Callable[[], PromptFeatures],
-                  voice_id: str | None = None, name: str | None = None, owner: str | None = None) -> VoiceInfo:
+                  voice_id: str | None = None, name: str | None = None, owner: str | None = None) -> VoiceRecord:
     """Register the recording with hash `audio_sha256` and transcript `text`, computing its prompt
     features (`encode()`, the expensive part) only when the store does not hold that content yet: a
     repeat registration costs a lookup. Returns and raises what `store.register(encode(), voice_id,
@@ -387,11 +387,11 @@ class CachedVoiceStore(ABC):
         """(revision, blob) of `voice_id` read together, None if it does not exist."""
 
     @abstractmethod
-    def info(self, voice_id: str) -> VoiceInfo:
+    def info(self, voice_id: str) -> VoiceRecord:
         """What `voice_id` is; NotFound("reference_audio_id") if there is no such voice."""
 
     @abstractmethod
-    def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceInfo | None:
+    def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceRecord | None:
         """The voice `owner` registered for this recording and transcript (its content key), whatever its
         id; None if there is none."""
 

@@ -1,7 +1,7 @@
 """Voice store on Redis, for several servers that share voices.
 
 Keys (standalone Redis or a primary with replicas; not Redis Cluster, whose slots would split them):
-  cosyvoice:voice:<id>          hash: revision, blob (`encode_features`), info (VoiceInfo as JSON), content_key
+  cosyvoice:voice:<id>          hash: revision, blob (`encode_features`), info (VoiceRecord as JSON), content_key
                                 (an info written before voices had owners lacks "owner": a shared voice)
   cosyvoice:voice_ids           set of every voice id, for listing
   cosyvoice:voice_by_content    hash: content_key (sha256 of audio hash + text) → voice id
@@ -19,7 +19,7 @@ import redis
 
 from cosyvoice_triton.errors import NotFound, Unavailable
 from cosyvoice_triton.preprocess.voice_features import PromptFeatures
-from cosyvoice_triton.runtime.voice_store import (CachedVoiceStore, VoiceInfo, check_same_voice, check_voice_id,
+from cosyvoice_triton.runtime.voice_store import (CachedVoiceStore, VoiceRecord, check_same_voice, check_voice_id,
                                                   content_key, decode_features, id_taken, prepare_registration)
 
 PREFIX = "cosyvoice:"
@@ -75,7 +75,7 @@ class RedisVoiceStore(CachedVoiceStore):
         self._delete_script = self._redis.register_script(DELETE_LUA)
 
     def register(self, features: PromptFeatures, voice_id: str | None = None,
-                 name: str | None = None, owner: str | None = None) -> VoiceInfo:
+                 name: str | None = None, owner: str | None = None) -> VoiceRecord:
         """Store a voice, or return the one `owner` already stored for this recording and prompt text."""
         reg = prepare_registration(features, voice_id, name, owner)
         info = reg.info
@@ -93,7 +93,7 @@ class RedisVoiceStore(CachedVoiceStore):
         self._remember(info.voice_id, reg.revision, decode_features(reg.blob, info.voice_id))
         return info
 
-    def info(self, voice_id: str) -> VoiceInfo:
+    def info(self, voice_id: str) -> VoiceRecord:
         check_voice_id(voice_id)
         with _unavailable_when_unreachable():
             raw = self._redis.hget(voice_key(voice_id), "info")
@@ -101,14 +101,14 @@ class RedisVoiceStore(CachedVoiceStore):
             raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
         return _info_from_json(raw)
 
-    def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceInfo | None:
+    def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceRecord | None:
         """`owner`'s voice with this recording and transcript, whatever its id; None if there is none."""
         with _unavailable_when_unreachable():
             voice_id = self._redis.hget(CONTENT_KEY, content_key(audio_sha256, text, owner))
             raw = self._redis.hget(voice_key(voice_id.decode()), "info") if voice_id is not None else None
         return _info_from_json(raw) if raw is not None else None  # None too if deleted in between
 
-    def list(self) -> list[VoiceInfo]:
+    def list(self) -> list[VoiceRecord]:
         """Every voice, oldest first."""
         with _unavailable_when_unreachable():
             ids = sorted(member.decode() for member in self._redis.smembers(IDS_KEY))
@@ -156,5 +156,5 @@ def _unavailable_when_unreachable() -> Iterator[None]:
         raise Unavailable(f"the voice store (Redis) is unreachable: {exc}") from exc
 
 
-def _info_from_json(raw: bytes) -> VoiceInfo:
-    return VoiceInfo(**json.loads(raw))  # no "owner" (written before owners): the default, None, shared
+def _info_from_json(raw: bytes) -> VoiceRecord:
+    return VoiceRecord(**json.loads(raw))  # no "owner" (written before owners): the default, None, shared

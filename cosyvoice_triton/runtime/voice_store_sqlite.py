@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cosyvoice_triton.errors import NotFound
 from cosyvoice_triton.preprocess.voice_features import PromptFeatures
-from cosyvoice_triton.runtime.voice_store import (CachedVoiceStore, VoiceInfo, check_same_voice, check_voice_id,
+from cosyvoice_triton.runtime.voice_store import (CachedVoiceStore, VoiceRecord, check_same_voice, check_voice_id,
                                                   content_key, decode_features, id_taken, prepare_registration)
 
 SCHEMA = """
@@ -34,7 +34,7 @@ CREATE TABLE IF NOT EXISTS voices (
     blob         BLOB NOT NULL,          -- `encode_features`
     owner        TEXT                    -- tenant tag; NULL: a shared voice
 )"""
-INFO_COLUMNS = "voice_id, text, audio_sha256, tokens, created_at, name, owner"  # VoiceInfo's field order
+INFO_COLUMNS = "voice_id, text, audio_sha256, tokens, created_at, name, owner"  # VoiceRecord's field order
 
 
 class SqliteVoiceStore(CachedVoiceStore):
@@ -63,7 +63,7 @@ class SqliteVoiceStore(CachedVoiceStore):
                 db.execute("ALTER TABLE voices ADD COLUMN owner TEXT")
 
     def register(self, features: PromptFeatures, voice_id: str | None = None,
-                 name: str | None = None, owner: str | None = None) -> VoiceInfo:
+                 name: str | None = None, owner: str | None = None) -> VoiceRecord:
         """Store a voice, or return the one `owner` already stored for this recording and prompt text."""
         reg = prepare_registration(features, voice_id, name, owner)
         info = reg.info
@@ -71,7 +71,7 @@ class SqliteVoiceStore(CachedVoiceStore):
             existing = db.execute(f"SELECT {INFO_COLUMNS} FROM voices WHERE content_key = ?",
                                   (reg.content_key,)).fetchall()
             if existing:
-                found = VoiceInfo(*existing[0])
+                found = VoiceRecord(*existing[0])
                 check_same_voice(voice_id, found.voice_id)
                 return found
             if db.execute("SELECT 1 FROM voices WHERE voice_id = ?", (info.voice_id,)).fetchall():
@@ -83,23 +83,23 @@ class SqliteVoiceStore(CachedVoiceStore):
         self._remember(info.voice_id, reg.revision, decode_features(reg.blob, info.voice_id))
         return info
 
-    def info(self, voice_id: str) -> VoiceInfo:
+    def info(self, voice_id: str) -> VoiceRecord:
         check_voice_id(voice_id)
         rows = self._query(f"SELECT {INFO_COLUMNS} FROM voices WHERE voice_id = ?", (voice_id,))
         if not rows:
             raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
-        return VoiceInfo(*rows[0])
+        return VoiceRecord(*rows[0])
 
-    def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceInfo | None:
+    def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceRecord | None:
         """`owner`'s voice with this recording and transcript, whatever its id; None if there is none."""
         rows = self._query(f"SELECT {INFO_COLUMNS} FROM voices WHERE content_key = ?",
                            (content_key(audio_sha256, text, owner),))
-        return VoiceInfo(*rows[0]) if rows else None
+        return VoiceRecord(*rows[0]) if rows else None
 
-    def list(self) -> list[VoiceInfo]:
+    def list(self) -> list[VoiceRecord]:
         """Every voice, oldest first."""
         rows = self._query(f"SELECT {INFO_COLUMNS} FROM voices ORDER BY created_at, voice_id")
-        return [VoiceInfo(*row) for row in rows]
+        return [VoiceRecord(*row) for row in rows]
 
     def delete(self, voice_id: str) -> bool:
         """Remove a voice; False if there was none. Other instances see it at their next get."""

@@ -42,7 +42,7 @@ class BlsTokenStream:
     def __init__(self, pb, model: str, request: LLMRequest):
         self._pb = pb
         self._model = model
-        self.stream_id = request.request_id
+        self.stream_id = request.stream_id
         self._responses = bls_request(pb, model, contracts.llm_inputs(request), ["speech_tokens"]).exec(
             decoupled=True)
         self._ended = False

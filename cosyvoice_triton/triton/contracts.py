@@ -122,7 +122,7 @@ class StreamCancel:
 
 
 def llm_inputs(request: LLMRequest) -> dict[str, np.ndarray]:
-    values = {"stream_id": string_array(request.request_id),
+    values = {"stream_id": string_array(request.stream_id),
               "text_tokens": np.asarray(request.text_tokens, dtype=np.int32),
               "seed": np.array([request.seed], dtype=np.uint64)}
     if request.prompt_text_tokens:
@@ -144,7 +144,7 @@ def parse_llm_request(reader: TensorReader, default_sampling: SamplingParams) ->
     if reader.boolean("cancel"):
         return StreamCancel(stream_id)
     seed = reader.integer("seed", required=True, low=0, high=SEED_LIMIT - 1)
-    return LLMRequest(request_id=stream_id, text_tokens=reader.token_ids("text_tokens", required=True),
+    return LLMRequest(stream_id=stream_id, text_tokens=reader.token_ids("text_tokens", required=True),
                       prompt_text_tokens=reader.token_ids("prompt_text_tokens"),
                       prompt_speech_tokens=reader.token_ids("prompt_speech_tokens"),
                       sampling=read_sampling(reader, default_sampling), seed=seed)

@@ -71,10 +71,10 @@ class LLMStreamForwarder:
         that is still streaming (or a bad field), SchedulerUnavailable when the scheduler takes no more;
         nothing is sent to `sender` then."""
         with self._lock:
-            if request.request_id in self._streams:
-                raise InvalidInput("stream_id", f"{request.request_id!r} is already streaming")
+            if request.stream_id in self._streams:
+                raise InvalidInput("stream_id", f"{request.stream_id!r} is already streaming")
             stream = self.scheduler.submit(request)
-            self._streams[request.request_id] = stream
+            self._streams[request.stream_id] = stream
         self._jobs.submit(self._forward, stream, sender)
 
     def cancel(self, stream_id: str) -> bool:
@@ -107,7 +107,7 @@ class LLMStreamForwarder:
             stream.cancel()  # a send that failed leaves nobody to read the stream: free its slot
         finally:
             with self._lock:
-                self._streams.pop(stream.request.request_id, None)
+                self._streams.pop(stream.request.stream_id, None)
             self._send_final(stream, sender, error)
             self._on_end(stream.reason or "error")
 
@@ -134,4 +134,4 @@ class LLMStreamForwarder:
             else:
                 sender.send_error(error)
         except Exception as exc:  # noqa: BLE001 - e.g. the client has gone
-            log.warning("final response of %s not sent: %s", stream.request.request_id, exc)
+            log.warning("final response of %s not sent: %s", stream.request.stream_id, exc)

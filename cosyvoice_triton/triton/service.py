@@ -20,7 +20,7 @@ from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
 from cosyvoice_triton.runtime.orchestrator import LLMStage, Orchestrator, Token2WavStage
 from cosyvoice_triton.runtime.prompt_budget import PromptBudget, speech_tokens_of
 from cosyvoice_triton.runtime.request import SynthesisRequest
-from cosyvoice_triton.runtime.voice_store import VoiceInfo, VoiceStore, register_once
+from cosyvoice_triton.runtime.voice_store import VoiceRecord, VoiceStore, register_once
 from cosyvoice_triton.triton.contracts import RegisterInputs, SynthesisInputs, VoiceAudio
 
 
@@ -74,7 +74,7 @@ class Voices:
             return voice
         return self.from_audio(inputs.audio, inputs.reference_text or "")
 
-    def register(self, inputs: RegisterInputs) -> VoiceInfo:
+    def register(self, inputs: RegisterInputs) -> VoiceRecord:
         """Store the request's voice; the prompt encoder runs only when this recording and transcript are
         not stored yet (`register_once`)."""
         samples, rate = self.samples(inputs.audio)
@@ -102,6 +102,6 @@ class SynthesisService:
                                 chunk_policy=policy).validate()
 
     def run(self, inputs: SynthesisInputs, stream: bool, is_cancelled: Callable[[], bool],
-            request_id: str | None = None) -> Iterator[np.ndarray]:
+            stream_id: str | None = None) -> Iterator[np.ndarray]:
         request = self.request(inputs)
-        return self.orchestrator.run(request, stream=stream, is_cancelled=is_cancelled, request_id=request_id)
+        return self.orchestrator.run(request, stream=stream, is_cancelled=is_cancelled, stream_id=stream_id)

@@ -69,14 +69,14 @@ class TritonPythonModel:
             self.metrics.labelled("requests", "error").increment(1)
             sender.send(error_response(pb_utils, exc, self.name), flags=FINAL)
             return
-        request_id = _request_id(request)
+        stream_id = _request_id(request)
 
         def cancelled() -> bool:
             return sender.is_cancelled() or self.pool.stopping.is_set()
 
         def job() -> None:
             send = send_chunks if self.decoupled else send_whole
-            send(pb_utils, sender, lambda: self.service.run(inputs, self.decoupled, cancelled, request_id),
+            send(pb_utils, sender, lambda: self.service.run(inputs, self.decoupled, cancelled, stream_id),
                  model=self.name, received_at=received, metrics=self.metrics, is_cancelled=cancelled)
             self._follow_store()
             self._follow_backends()
