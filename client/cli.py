@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default=None)
     p.add_argument("--instruct", default=None, help="the instruction (instruct2 mode)")
     p.add_argument("--seed", type=int, default=None, help="same seed and inputs: same audio")
+    p.add_argument("--no-text-frontend", dest="text_frontend", action="store_const", const=False, default=None,
+                   help="speak the text as given: no normalization, no sentence splitting")
     p.add_argument("--chunk-first-hop", type=int, default=None, metavar="TOKENS",
                    help="speech tokens in the first streamed chunk (>= 4; default: the server's policy)")
     p.add_argument("--chunk-hop-scale", type=float, default=None, metavar="X",
@@ -111,7 +113,7 @@ def _triton(args):
 
 def _synth(args) -> int:
     text = sys.stdin.read() if args.text == "-" else args.text
-    options = {"mode": args.mode, "instruct": args.instruct, "seed": args.seed,
+    options = {"mode": args.mode, "instruct": args.instruct, "seed": args.seed, "text_frontend": args.text_frontend,
                "chunk_first_hop": args.chunk_first_hop, "chunk_hop_scale": args.chunk_hop_scale,
                "chunk_max_hop": args.chunk_max_hop, "chunk_policy": args.chunk_policy}  # None: not sent
     if args.prompt_wav is not None:

@@ -54,7 +54,8 @@ def _prompt_file(audio: PromptAudio, sample_rate: int | None) -> bytes:
 
 def tts_body(text: str | None, *, voice_id: str | None = None, prompt_audio: PromptAudio | None = None,
              prompt_sample_rate: int | None = None, prompt_text: str | None = None, mode: str | None = None,
-             instruct: str | None = None, seed: int | None = None, chunk_first_hop: int | None = None,
+             instruct: str | None = None, seed: int | None = None, text_frontend: bool | None = None,
+             chunk_first_hop: int | None = None,
              chunk_hop_scale: float | None = None, chunk_max_hop: int | None = None,
              chunk_policy: str | None = None) -> dict:
     """The JSON of a /v1/tts request (or, without `format`/`stream`, of a WebSocket start message).
@@ -66,7 +67,7 @@ def tts_body(text: str | None, *, voice_id: str | None = None, prompt_audio: Pro
         body["voice_id"] = voice_id
     if prompt_audio is not None:
         body["prompt_audio"] = base64.b64encode(_prompt_file(prompt_audio, prompt_sample_rate)).decode("ascii")
-    for name, value in (("prompt_text", prompt_text), ("mode", mode), ("instruct", instruct), ("seed", seed),
+    for name, value in (("prompt_text", prompt_text), ("mode", mode), ("instruct", instruct), ("seed", seed), ("text_frontend", text_frontend),
                         ("chunk_first_hop", chunk_first_hop), ("chunk_hop_scale", chunk_hop_scale),
                         ("chunk_max_hop", chunk_max_hop), ("chunk_policy", chunk_policy)):
         if value is not None:

@@ -142,6 +142,7 @@ class SynthesisRequest:
     seed: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chunk_policy: ChunkPolicy = field(default_factory=ChunkPolicy)
+    text_frontend: bool = True  # False: the text as given: no normalization, no sentence splitting (official text_frontend=False)
 
     def validate(self) -> SynthesisRequest:
         if self.mode not in MODES:

@@ -6,6 +6,7 @@ Body (JSON):
   prompt_audio  base64 of a WAV/FLAC/OGG file, with prompt_text (its transcript; zero_shot needs it)
   mode          zero_shot (default) | cross_lingual | instruct2
   instruct      the instruction (instruct2)
+  text_frontend false: the text as given: no normalization, no sentence splitting (official text_frontend=False; default true)
   seed          0 .. 2^63-1: the same seed and inputs give the same audio (default: random, echoed in X-Seed)
   chunk_first_hop, chunk_hop_scale, chunk_max_hop
                 the streaming chunk policy (runtime/chunk_policy.py; default: the server's): speech tokens in
@@ -47,7 +48,7 @@ from .synthesis import TTS_FIELDS, Synthesis, decode_base64, prepare, stream_aud
 log = logging.getLogger(__name__)
 
 TTS_KEYS = frozenset({"text", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
-                      "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "format", "stream"})
+                      "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "format", "stream"}) | {"text_frontend"}
 TTS_FORMATS = (*FORMATS, *ALIASES)  # the formats of /v1/tts and the WebSocket
 
 
@@ -153,7 +154,7 @@ async def tts(request: web.Request) -> web.StreamResponse:
                               prompt_audio=prompt_audio, prompt_text=body.get("prompt_text"), mode=body.get("mode"),
                               instruct=body.get("instruct"), seed=body.get("seed"),
                               chunk_first_hop=body.get("chunk_first_hop"), chunk_hop_scale=body.get("chunk_hop_scale"),
-                              chunk_max_hop=body.get("chunk_max_hop"), chunk_policy=body.get("chunk_policy"),
+                              chunk_max_hop=body.get("chunk_max_hop"), text_frontend=body.get("text_frontend"), chunk_policy=body.get("chunk_policy"),
                               fields=TTS_FIELDS)
     with app[LIMITER].slot(limit_key(request)):
         return await send_audio(request, synthesis, fmt, stream, route="tts")

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 SEGMENT_SEED_STRIDE = 1000
 START_KEYS = frozenset({"type", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
-                        "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "format", "text"})
+                        "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "format", "text"}) | {"text_frontend"}
 # A sentence is complete at an end mark followed by white space, a CJK end mark, or a newline.
 _BOUNDARY = re.compile(r"[.!?;]+[\"'”’)\]]*\s+|[。！？；…]+[\"”’」』）)]*\s*|\n+")
 _DONE = object()
@@ -191,7 +191,7 @@ class Session:
                                   instruct=message.get("instruct"), seed=message.get("seed"),
                                   chunk_first_hop=message.get("chunk_first_hop"),
                                   chunk_hop_scale=message.get("chunk_hop_scale"),
-                                  chunk_max_hop=message.get("chunk_max_hop"),
+                                  chunk_max_hop=message.get("chunk_max_hop"), text_frontend=message.get("text_frontend"),
                                   chunk_policy=message.get("chunk_policy"), fields=TTS_FIELDS)
         await self.ws.send_json({"type": "started", "request_id": self.request_id,
                                  "sample_rate": self.fmt.output_rate(self.config.sample_rate),

@@ -96,6 +96,7 @@ class Synthesis:
     chunk_first_hop: int | None = None  # chunk-policy overrides; None: the server's policy
     chunk_hop_scale: float | None = None
     chunk_max_hop: int | None = None
+    text_frontend: bool | None = None  # False: the text as given: no normalization, no sentence splitting; None: the default (true)
     chunk_policy: str | None = None  # fixed | adaptive; None: the server's
 
     def inputs(self, seed: int | None = None) -> dict[str, np.ndarray]:
@@ -103,7 +104,7 @@ class Synthesis:
         return synthesis_inputs(self.text, voice_id=self.voice_id, audio_file=self.prompt_audio,
                                 reference_text=self.prompt_text, mode=self.mode, instruct_text=self.instruct or None,
                                 seed=self.seed if seed is None else seed, chunk_first_hop=self.chunk_first_hop,
-                                chunk_hop_scale=self.chunk_hop_scale, chunk_max_hop=self.chunk_max_hop,
+                                chunk_hop_scale=self.chunk_hop_scale, chunk_max_hop=self.chunk_max_hop, text_frontend=self.text_frontend,
                                 chunk_policy=self.chunk_policy)
 
     def with_text(self, text: str, seed: int, cost: float) -> Synthesis:
@@ -178,7 +179,8 @@ def check_chunk_policy(first_hop: object, hop_scale: object, max_hop: object, fi
 async def prepare(app: web.Application, *, text: object, voice_id: object = None, prompt_audio: bytes | None = None,
                   prompt_text: object = None, mode: object = "zero_shot", instruct: object = None,
                   seed: object = None, chunk_first_hop: object = None, chunk_hop_scale: object = None,
-                  chunk_max_hop: object = None, chunk_policy: object = None, fields: Fields = TTS_FIELDS,
+                  chunk_max_hop: object = None, chunk_policy: object = None, text_frontend: object = None,
+                  fields: Fields = TTS_FIELDS,
                   check_text: bool = True) -> Synthesis:
     """Check a request and resolve its voice (no voice given: "default"). `check_text` False: settings
     for texts that come later (a WebSocket start message)."""
@@ -197,6 +199,8 @@ async def prepare(app: web.Application, *, text: object, voice_id: object = None
         raise BadRequest(fields.instruct, "is required in instruct2 mode")
     prompt_text = optional_string(prompt_text, fields.prompt_text)
     seed = check_seed(seed, fields.seed)
+    if text_frontend is not None and not isinstance(text_frontend, bool):
+        raise BadRequest("text_frontend", "must be true or false")
     chunk = check_chunk_policy(chunk_first_hop, chunk_hop_scale, chunk_max_hop, fields, chunk_policy)
     if voice_id is not None and prompt_audio is not None:
         raise BadRequest(fields.voice, f"give {fields.voice} or {fields.prompt_audio}, not both")
@@ -219,7 +223,7 @@ async def prepare(app: web.Application, *, text: object, voice_id: object = None
     cost = app[COSTS].estimate(text, prompt_tokens, prompt_audio is not None)
     return Synthesis(text=text, mode=mode, seed=seed, voice_id=voice_id,
                      prompt_audio=prompt_audio, prompt_text=prompt_text, instruct=instruct,
-                     prompt_tokens=prompt_tokens, cost=cost, fields=fields, **chunk)
+                     prompt_tokens=prompt_tokens, cost=cost, fields=fields, text_frontend=text_frontend, **chunk)
 
 
 async def voice_info(app: web.Application, voice_id: object, field: str):

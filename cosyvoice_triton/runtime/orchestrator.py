@@ -17,7 +17,7 @@ import numpy as np
 
 from ..audio_out import SAMPLE_RATE
 from ..errors import Cancelled
-from ..preprocess.text import TextPreprocessor
+from ..preprocess.text import TextPreprocessor, validate_text
 from ..messages import ChunkRequest, FlowPrompt, LLMRequest, SynthesisRequest
 from .chunk_policy import ChunkSchedule
 from .llm_generate import generate
@@ -60,10 +60,11 @@ class Orchestrator:
     def llm_requests(self, request: SynthesisRequest, stream_id: str, seed: int) -> list[LLMRequest]:
         """Normalize and split the text; lay out each sentence's LLM prompt by mode."""
         encode = self.preprocessor.tokenizer.encode
-        pieces = self.preprocessor.split(request.text, field="target_text")
+        pieces = self.preprocessor.split(request.text, field="target_text") if request.text_frontend \
+            else [validate_text(request.text, "target_text", self.preprocessor.max_chars)]  # as given: one piece
         prompt_text, prompt_speech = "", []
         if request.mode == "zero_shot":
-            prompt_text = self.preprocessor.normalize(request.voice.text)
+            prompt_text = self.preprocessor.normalize(request.voice.text) if request.text_frontend else request.voice.text
             prompt_speech = [int(t) for t in request.voice.speech_tokens]
         elif request.mode == "instruct2":
             prompt_text = request.instruct_text.strip()

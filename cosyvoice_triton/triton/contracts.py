@@ -18,6 +18,8 @@ cosyvoice2 (decoupled) and cosyvoice2_offline (its non-decoupled twin, same temp
        chunk_first_hop        INT32 [1]  opt  chunk policy overrides (ChunkPolicy.first_hop, ...)
        chunk_hop_scale        FP32 [1]   opt
        chunk_max_hop          INT32 [1]  opt
+       text_frontend          BOOL [1]   opt  false: the text as given: no normalization, no sentence splitting (nor of the prompt
+                                              transcript), as the official text_frontend=False (default true)
        chunk_policy           STRING [1] opt  fixed | adaptive (ChunkPolicy.kind; default: the server's)
        top_p FP32, top_k INT32, win_size INT32, tau_r FP32   [1] opt  sampling overrides (default: the yaml's)
   out  waveform               FP32 [-1]       24 kHz audio: one response per chunk (decoupled, then an
@@ -94,7 +96,7 @@ CHUNK_FIELDS = {"chunk_first_hop": "first_hop", "chunk_hop_scale": "hop_scale", 
 # The per-request overrides of cosyvoice2 (sampling, then chunk policy) and their tensor types.
 OPTION_TYPES: dict[str, type] = {"top_p": np.float32, "top_k": np.int32, "win_size": np.int32, "tau_r": np.float32,
                                  "chunk_first_hop": np.int32, "chunk_hop_scale": np.float32,
-                                 "chunk_max_hop": np.int32, "chunk_policy": str}
+                                 "chunk_max_hop": np.int32, "text_frontend": np.bool_, "chunk_policy": str}
 
 
 # ---- sampling overrides (cosyvoice2 and llm) -------------------------------------------------------
@@ -270,6 +272,7 @@ class SynthesisInputs:
     seed: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chunk_overrides: dict = field(default_factory=dict)  # ChunkPolicy field -> value
+    text_frontend: bool = True  # False: the text as given: no normalization, no sentence splitting
 
 
 def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParams,
@@ -298,7 +301,8 @@ def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParam
     return SynthesisInputs(text=text, mode=mode, instruct_text=reader.string("instruct_text", default=""),
                            voice_id=voice_id, audio=audio, reference_text=reader.string("reference_text"),
                            seed=reader.integer("seed", low=0, high=SEED_LIMIT - 1),
-                           sampling=read_sampling(reader, default_sampling), chunk_overrides=overrides)
+                           sampling=read_sampling(reader, default_sampling), chunk_overrides=overrides,
+                           text_frontend=reader.boolean("text_frontend", default=True))
 
 
 def voice_inputs(*, voice_id: str | None = None, samples: np.ndarray | None = None, sample_rate: int | None = None,

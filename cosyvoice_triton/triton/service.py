@@ -99,7 +99,8 @@ class SynthesisService:
         policy = self.chunk_policy.with_overrides(**inputs.chunk_overrides)  # errors name chunk_*
         return SynthesisRequest(text=inputs.text, voice=self.voices.resolve(inputs), mode=inputs.mode,
                                 instruct_text=inputs.instruct_text, seed=inputs.seed, sampling=inputs.sampling,
-                                chunk_policy=policy).validate()
+                                chunk_policy=policy,
+                                text_frontend=inputs.text_frontend).validate()
 
     def run(self, inputs: SynthesisInputs, stream: bool, is_cancelled: Callable[[], bool],
             stream_id: str | None = None) -> Iterator[np.ndarray]:
