@@ -63,7 +63,8 @@ def build_model(official: Path, model_dir: Path):
     qwen_dir = model_dir / "CosyVoice-BlankEN"
     if not any(qwen_dir.glob("*.safetensors")) and not any(qwen_dir.glob("*.bin")):
         def from_config(path, *args, **kwargs):  # llm.pt holds every backbone weight
-            return transformers.Qwen2ForCausalLM._from_config(transformers.AutoConfig.from_pretrained(path))
+            config = transformers.AutoConfig.from_pretrained(path)  # float32, as from_pretrained's default
+            return transformers.Qwen2ForCausalLM._from_config(config, torch_dtype=torch.float32)
         transformers.Qwen2ForCausalLM.from_pretrained = from_config
     with open(model_dir / "cosyvoice2.yaml") as f:
         configs = load_hyperpyyaml(f, overrides={"qwen_pretrain_path": str(qwen_dir)})
