@@ -72,7 +72,7 @@ def synthesis_inputs(text: str, *, voice_id: str | None = None, prompt_audio: Pr
     if unknown:
         raise TypeError(f"unknown option {unknown[0]!r}; known: {', '.join(contracts.OPTION_TYPES)}")
     return contracts.synthesis_inputs(text, voice_id=voice_id, **_prompt(prompt_audio, prompt_sample_rate),
-                                      reference_text=prompt_text, mode=mode, instruct_text=instruct, seed=seed,
+                                      prompt_text=prompt_text, mode=mode, instruct_text=instruct, seed=seed,
                                       **overrides)
 
 
@@ -100,7 +100,7 @@ def _register_result(response: service_pb2.ModelInferResponse, prompt_text: str 
 def _register_values(audio: PromptAudio, sample_rate: int | None, prompt_text: str | None, voice_id: str | None,
                      name: str | None) -> dict[str, np.ndarray]:
     return contracts.register_inputs(voice_id=voice_id, name=name, **_prompt(audio, sample_rate),
-                                     reference_text=prompt_text)
+                                     prompt_text=prompt_text)
 
 
 @dataclass

@@ -110,13 +110,13 @@ def _add_serve(sub) -> None:
                         "also run CAM++. One that cannot run here falls back (tensorrt -> onnxruntime -> torch, "
                         "openvino -> onnxruntime)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="precision of TensorRT engines and OpenVINO's hint (torch and onnxruntime run fp32)")
+                   help="precision of TensorRT plans and OpenVINO's hint (torch and onnxruntime run fp32)")
     p.add_argument("--ort-providers", default=None, metavar="LIST",
                    help="with --engine onnxruntime: execution providers, most preferred first, with options, e.g. "
                         "'OpenVINOExecutionProvider:device_type=CPU;precision=FP32,rocm,cpu'; missing ones fall "
                         "back to the next with one log line (default: CPU, or CUDA on a GPU)")
     p.add_argument("--onnx-dir", type=Path, default=None,
-                   help="exported ONNX graphs and TensorRT engines (default: MODEL_DIR/onnx, or RUN_DIR/onnx when "
+                   help="exported ONNX graphs and TensorRT plans (default: MODEL_DIR/onnx, or RUN_DIR/onnx when "
                         "the model folder is read-only)")
     p.add_argument("--role", choices=ROLES, default="all",
                    help="all: every model in this server; split deployment: frontend (cosyvoice2, llm, prompt "

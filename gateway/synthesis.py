@@ -102,7 +102,7 @@ class Synthesis:
     def inputs(self, seed: int | None = None) -> dict[str, np.ndarray]:
         """The cosyvoice2 request (contracts.py), with `seed` instead of the request's when given."""
         return synthesis_inputs(self.text, voice_id=self.voice_id, audio_file=self.prompt_audio,
-                                reference_text=self.prompt_text, mode=self.mode, instruct_text=self.instruct or None,
+                                prompt_text=self.prompt_text, mode=self.mode, instruct_text=self.instruct or None,
                                 seed=self.seed if seed is None else seed, chunk_first_hop=self.chunk_first_hop,
                                 chunk_hop_scale=self.chunk_hop_scale, chunk_max_hop=self.chunk_max_hop, text_frontend=self.text_frontend,
                                 chunk_policy=self.chunk_policy)

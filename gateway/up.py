@@ -72,9 +72,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--torch-threads", type=int, default=0, help="torch threads per llm/token2wav instance")
     t.add_argument("--engine", choices=ENGINES, default="torch", help="token2wav engine, as for `serve`")
     t.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="precision of TensorRT engines and OpenVINO's hint")
+                   help="precision of TensorRT plans and OpenVINO's hint")
     t.add_argument("--ort-providers", default=None, metavar="LIST", help="onnxruntime providers, as for `serve`")
-    t.add_argument("--onnx-dir", type=Path, default=None, help="exported ONNX graphs and TensorRT engines")
+    t.add_argument("--onnx-dir", type=Path, default=None, help="exported ONNX graphs and TensorRT plans")
     t.add_argument("--t2w-idle-timeout", type=float, default=120.0,
                    help="seconds after which a token2wav stream with no new chunk is freed")
     t.add_argument("--max-token-text-ratio", type=float, default=None, help=argparse.SUPPRESS)  # tests

@@ -333,7 +333,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine", choices=["torch", "onnxruntime", "tensorrt"], default=ServeOptions.engine,
                    help="token2wav engine; one that cannot run here falls back (tensorrt -> onnxruntime -> torch)")
     p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=ServeOptions.precision,
-                   help="of TensorRT engines")
+                   help="of TensorRT plans")
     p.add_argument("--llm-max-batch", type=int, help="LLM slots (default: the largest level, at least the "
                                                      f"server's {ServeOptions.llm_max_batch})")
     p.add_argument("--llm-max-seq-len", type=int, default=ServeOptions.llm_max_seq_len)

@@ -21,7 +21,7 @@
 #     reported unavailable, with the reason, and the rest of the check runs.
 #   - This project is installed from the working tree (editable, --no-index) when it is not importable.
 # Time: writing the full-size folder and exporting ONNX take about a minute; the first run builds
-# 2 x 4 TensorRT engines, which dominates (cached in the work folder for reruns on the same machine;
+# 2 x 4 TensorRT plans, which dominates (cached in the work folder for reruns on the same machine;
 # --precisions fp16 halves it). --dry-run stops after the ONNX export; --device cpu --size tiny runs the
 # whole check on a CPU.
 set -euo pipefail

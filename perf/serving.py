@@ -23,7 +23,7 @@ from cosyvoice_triton.perf import loadgen
 QUICK_RATIO = 3.0  # --quick: the random LLM stops after at most 3 speech tokens per text token
 # The bench's clients wait this long; a gateway started here must not give up on a stream earlier.
 CLIENT_TIMEOUT_S = 600.0
-# A server's first start may export ONNX graphs or build TensorRT engines (`--compare engine`).
+# A server's first start may export ONNX graphs or build TensorRT plans (`--compare engine`).
 STARTUP_TIMEOUT_S = 1800.0
 
 

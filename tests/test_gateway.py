@@ -255,7 +255,7 @@ def test_a_prompt_recording_instead_of_a_voice_id(gateway, triton):
             "seed": 21, "format": "pcm_f32"}
     status, headers, raw = run(post_json(gateway.url + "/v1/tts", body))
     assert status == 200, raw[:300]
-    want = direct(triton, text, 21, reference_text=PROMPT_TEXT,
+    want = direct(triton, text, 21, prompt_text=PROMPT_TEXT,
                   reference_audio=np.array([PROMPT_WAV], dtype=object))
     np.testing.assert_allclose(np.frombuffer(raw, "<f4"), np.concatenate(want), rtol=0, atol=ATOL)
 

@@ -36,7 +36,7 @@ def adaptive_server(tmp_path_factory):
 
 def chunks(server, **extra) -> list[np.ndarray]:
     values = synthesis_inputs(TEXT, samples=speech_like(2.0, RATE, seed=3), sample_rate=RATE,
-                              reference_text="a short voice prompt", seed=5)
+                              prompt_text="a short voice prompt", seed=5)
     values.update({k: np.array([v.encode()], dtype=object) for k, v in extra.items()})
     with GrpcStream(server.grpc_url, timeout_s=300) as stream:
         responses = stream.infer("cosyvoice2", values)

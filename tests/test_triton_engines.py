@@ -93,7 +93,7 @@ def reference_chunks(engine_model, prompt) -> list[np.ndarray]:
 
 
 def streamed(server, prompt: np.ndarray) -> list[np.ndarray]:
-    values = synthesis_inputs(TEXT, samples=prompt, sample_rate=RATE, reference_text=PROMPT_TEXT, seed=SEED)
+    values = synthesis_inputs(TEXT, samples=prompt, sample_rate=RATE, prompt_text=PROMPT_TEXT, seed=SEED)
     with GrpcStream(server.grpc_url, timeout_s=120) as stream:
         responses = stream.infer("cosyvoice2", values)
     errors = [r.error for r in responses if r.error]

@@ -64,7 +64,7 @@ def warm_up(server) -> None:
     """One synthesis by recording (the voice store is not read): the first calls are slow (lazy init)."""
     with GrpcStream(server.grpc_url, timeout_s=120) as stream:
         waveforms(stream.infer("cosyvoice2", synthesis_inputs("Warm up.", samples=prompt_wav(9), sample_rate=RATE,
-                                                              reference_text=PROMPT_TEXT, seed=0)))
+                                                              prompt_text=PROMPT_TEXT, seed=0)))
 
 
 class Reference:
@@ -149,7 +149,7 @@ def work_done(text: str) -> tuple[float, float]:
 
 def test_streams_a_long_text_in_chunks_equal_to_the_library(cv_server, reference):
     wav = prompt_wav(0)
-    values = synthesis_inputs(LONG_TEXT, samples=wav, sample_rate=RATE, reference_text=PROMPT_TEXT, seed=11)
+    values = synthesis_inputs(LONG_TEXT, samples=wav, sample_rate=RATE, prompt_text=PROMPT_TEXT, seed=11)
     sentences = len(reference.tts.preprocessor.split(LONG_TEXT))
     assert sentences >= 2
     chunks0, ended0 = work_done(scrape(cv_server.metrics_url))
@@ -224,7 +224,7 @@ def test_concurrent_streams_equal_their_solo_runs_and_cancelled_ones_free_their_
                 ("cosyvoice_token2wav_streams_freed_total", "token2wav", "cancel"))
     before = {key: metric(cv_server, key[0], model=key[1], reason=key[2]) for key in counters}
     wavs = [prompt_wav(i) for i in range(len(CONCURRENT_TEXTS))]
-    requests = [synthesis_inputs(text, samples=wavs[i], sample_rate=RATE, reference_text=PROMPT_TEXT, seed=SEEDS[i])
+    requests = [synthesis_inputs(text, samples=wavs[i], sample_rate=RATE, prompt_text=PROMPT_TEXT, seed=SEEDS[i])
                 for i, text in enumerate(CONCURRENT_TEXTS)]
     for i in CANCELLED:
         requests[i]["chunk_first_hop"] = np.array([FIRST_HOP], np.int32)
@@ -324,7 +324,7 @@ def test_other_modes_equal_the_library(cv_server, reference, mode, instruct_text
     wav = prompt_wav(4)
     text = "This request runs in another mode. It has two sentences."
     extra = {"instruct_text": instruct_text} if instruct_text else {}
-    # No reference_text: neither mode puts the prompt's transcript in the LLM prompt.
+    # No prompt_text: neither mode puts the prompt's transcript in the LLM prompt.
     values = synthesis_inputs(text, samples=wav, sample_rate=RATE, mode=mode, seed=seed, **extra)
     with GrpcStream(cv_server.grpc_url, timeout_s=120) as stream:
         got = waveforms(stream.infer("cosyvoice2", values))
@@ -398,7 +398,7 @@ def test_register_voice_is_idempotent_and_serves_by_id(cv_server, reference):
     with GrpcStream(cv_server.grpc_url, timeout_s=120) as stream:
         by_id = waveforms(stream.infer("cosyvoice2", synthesis_inputs(text, voice_id=voice_id, seed=3)))
         by_wav = waveforms(stream.infer("cosyvoice2", synthesis_inputs(text, samples=wav, sample_rate=RATE,
-                                                                       reference_text=PROMPT_TEXT, seed=3)))
+                                                                       prompt_text=PROMPT_TEXT, seed=3)))
     assert_same_audio(by_id, by_wav)
     assert_same_audio(by_id, reference.chunks(text, reference.voice(wav), seed=3))
     assert metric(cv_server, "cosyvoice_voice_store_hits_total", model="cosyvoice2") + \
@@ -415,7 +415,7 @@ def _error_of(server, values: dict, model: str = "cosyvoice2") -> str:
 
 def _good(index: int = 0, **override) -> dict:
     values = synthesis_inputs("Good input.", samples=prompt_wav(index), sample_rate=RATE,
-                              reference_text=PROMPT_TEXT, seed=1)
+                              prompt_text=PROMPT_TEXT, seed=1)
     values.update(override)
     return values
 
@@ -423,7 +423,7 @@ def _good(index: int = 0, **override) -> dict:
 BAD_INPUTS = [
     ("empty text", lambda: _good(target_text=np.array([b"  "], dtype=object)), "target_text"),
     ("unknown voice", lambda: synthesis_inputs("Hi.", voice_id="no-such-voice"), "reference_audio_id"),
-    ("corrupt audio file", lambda: synthesis_inputs("Hi.", reference_text=PROMPT_TEXT,
+    ("corrupt audio file", lambda: synthesis_inputs("Hi.", prompt_text=PROMPT_TEXT,
                                                    reference_audio=np.array([b"RIFF not audio"], dtype=object)),
      "reference_audio"),
     ("corrupt samples", lambda: _good(reference_wav=np.full(RATE, np.nan, np.float32)), "reference_wav"),

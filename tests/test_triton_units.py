@@ -173,8 +173,8 @@ def test_model_files_fall_back_from_tensorrt_with_one_log_line(tiny, tmp_path, c
                                       "available on cpu") and warnings[0].endswith("using 'onnxruntime'")
         assert warnings[1].startswith("speaker_embedding: ") and "'tensorrt'" in warnings[1]
         assert any("exporting the token2wav ONNX graphs" in r.getMessage() for r in triton_log)
-        engine = models["token2wav"].engine
-        assert engine.flow.decoder.estimator.runner.engine == "onnxruntime"
+        scheduler = models["token2wav"].scheduler
+        assert scheduler.flow.decoder.estimator.runner.engine == "onnxruntime"
         assert models["speaker_embedding"].encoder.campplus.engine == "onnxruntime"
 
         prompt = FlowPrompt(torch.randint(0, 6561, (1, 20), dtype=torch.int32), torch.randn(1, 40, 80),
@@ -223,10 +223,10 @@ def _synthesis(values):
 
 def test_synthesis_inputs_parse():
     wav = speech_like(1.0, RATE)
-    inputs = _synthesis(contracts.synthesis_inputs("Hi.", samples=wav, sample_rate=RATE, reference_text="t", seed=4,
+    inputs = _synthesis(contracts.synthesis_inputs("Hi.", samples=wav, sample_rate=RATE, prompt_text="t", seed=4,
                                                    mode="cross_lingual", top_k=np.array([5], np.int32),
                                                    chunk_first_hop=np.array([8], np.int32)))
-    assert (inputs.text, inputs.mode, inputs.seed, inputs.reference_text) == ("Hi.", "cross_lingual", 4, "t")
+    assert (inputs.text, inputs.mode, inputs.seed, inputs.prompt_text) == ("Hi.", "cross_lingual", 4, "t")
     assert inputs.audio.sample_rate == RATE and np.array_equal(inputs.audio.samples, wav)
     assert inputs.sampling.top_k == 5 and inputs.chunk_overrides == {"first_hop": 8}
     assert _synthesis(contracts.synthesis_inputs("Hi.", voice_id="v1")).voice_id == "v1"
@@ -431,7 +431,7 @@ def test_cosyvoice2_streams_what_the_library_streams(fake, reference):
     wav = speech_like(1.5, RATE, seed=1)
     text = "Hello there, this is the fake server. A second sentence is here."
     request = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in contracts.synthesis_inputs(
-        text, samples=wav, sample_rate=RATE, reference_text="a prompt", seed=7).items()])
+        text, samples=wav, sample_rate=RATE, prompt_text="a prompt", seed=7).items()])
     assert fake.models["cosyvoice2"].execute([request]) is None
     got = [r.outputs()["waveform"] for r in request.sender.wait_final(120)]
     want = _reference_chunks(reference, text, wav, 7)
@@ -439,8 +439,8 @@ def test_cosyvoice2_streams_what_the_library_streams(fake, reference):
     np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), atol=2e-4, rtol=0)
     metrics = fake.models["cosyvoice2"].metrics
     assert metrics.labelled("requests", "ok").value() >= 1 and metrics["active"].value() == 0
-    assert fake.models["token2wav"].engine.stats.active_streams == 0
-    assert fake.models["llm"].engine.stats.active_streams == 0
+    assert fake.models["token2wav"].scheduler.stats.active_streams == 0
+    assert fake.models["llm"].scheduler.stats.active_streams == 0
 
 
 def test_offline_twin_and_registered_voices(fake, reference):
@@ -503,7 +503,7 @@ def test_llm_model_cancel_by_stream_id(fake):
     tokens = sum(r.outputs()["speech_tokens"].size for r in request.sender.wait_final(30))
     assert tokens < 3 * 595  # ended early
     assert llm.metrics.labelled("ended", "cancelled").value() >= 1
-    assert llm.engine.stats.slots_free == llm.engine.max_batch
+    assert llm.scheduler.stats.slots_free == llm.scheduler.max_batch
 
 
 def test_token2wav_model_batches_streams_and_frees_them(fake, reference):
@@ -524,7 +524,7 @@ def test_token2wav_model_batches_streams_and_frees_them(fake, reference):
     got = run(first)
     for chunk, audio in zip(first, got):
         np.testing.assert_allclose(audio, solo.chunk(chunk), atol=2e-4, rtol=0)
-    assert model.engine.stats.active_streams == 2
+    assert model.scheduler.stats.active_streams == 2
     cancel = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v)
                                               for k, v in contracts.token2wav_cancel_inputs("t1").items()])
     final = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in contracts.chunk_inputs(
@@ -533,7 +533,7 @@ def test_token2wav_model_batches_streams_and_frees_them(fake, reference):
     np.testing.assert_allclose(responses[0].outputs()["waveform"][0],
                                solo.chunk(ChunkRequest("t0", [3, 4, 5], True, None, None)), atol=2e-4, rtol=0)
     assert responses[1].outputs()["waveform"].shape == (1, 0)
-    assert model.engine.stats.active_streams == 0
+    assert model.scheduler.stats.active_streams == 0
     assert model.metrics.labelled("freed", "cancel").value() >= 1
     unknown = run([ChunkRequest("t9", [1, 2, 3, 4, 5, 6, 7, 8], False, None, None)])[0]
     assert unknown.code() == pb_fake.TritonError.NOT_FOUND and "stream_id" in unknown.message()
@@ -593,7 +593,7 @@ def test_token2wav_idle_frees_reach_the_metrics_through_execute_only(tiny, monke
             while model.metrics.labelled("freed", "idle").value() < 1:  # the timer frees it, nobody calls
                 assert time.monotonic() < deadline, "idle stream not freed in the metrics"
                 time.sleep(0.05)
-            assert model.engine.stats.freed["idle"] == 1 and model.metrics["active"].value() == 0
+            assert model.scheduler.stats.freed["idle"] == 1 and model.metrics["active"].value() == 0
             assert executed == [1, 1]  # the chunk, then the timer's no-op request
             batch = pb.MetricFamily.registry["cosyvoice_token2wav_batch_size"].metrics[0]
             assert batch.observations == [1.0]  # the no-op request is not counted as traffic

@@ -16,7 +16,7 @@ estimator of each Euler step on that engine (`RunnerModule` in their place) and 
 torch: embeddings, masks, the fixed noise, the 10-step loop and the guidance mix. The returned HiFT is a `RunnerHiFT`: F0
 predictor and harmonic source in torch (the source draws each request's noise), `decode` on the engine.
 The ONNX graphs come from `engines.onnx_export.token2wav_onnx` (exported on first use into
-`<model_dir>/onnx` unless `onnx_dir` is given); TensorRT engines are cached under `<onnx_dir>/trt`.
+`<model_dir>/onnx` unless `onnx_dir` is given); TensorRT plans are cached under `<onnx_dir>/trt`.
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def open_runner(onnx_path: str | Path, spec: GraphSpec, engine: str, device: str
         from .trt_runner import TensorRTRunner
 
         if ranges is None:
-            raise ValueError(f"{spec.name}: a TensorRT engine needs profile ranges")
+            raise ValueError(f"{spec.name}: a TensorRT plan needs profile ranges")
         return TensorRTRunner(build_plan(onnx_path, spec, ranges, precision, cache_dir, device), spec, device)
     raise ValueError(f"open_runner runs ONNX graphs on 'onnxruntime', 'openvino' or 'tensorrt', not {engine!r}")
 
@@ -151,7 +151,7 @@ def open_campplus(model_dir: str | Path, engine: str = "onnxruntime", device: st
 
     It ships as ONNX only, so its reference is ONNX Runtime ("torch" means "onnxruntime" here), and its
     last fallback is ONNX Runtime on the CPU, as the official frontend runs it (one warning line; the
-    runner's `device` says where its outputs are). TensorRT engines are cached in `cache_dir` (default
+    runner's `device` says where its outputs are). TensorRT plans are cached in `cache_dir` (default
     `<model_dir>/onnx/trt`)."""
     from .onnx_graphs import campplus_spec
 

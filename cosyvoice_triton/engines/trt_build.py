@@ -1,4 +1,4 @@
-"""TensorRT engines from the ONNX graphs: optimization profiles, building, and an on-disk cache.
+"""TensorRT plans from the ONNX graphs: optimization profiles, building, and an on-disk cache.
 
 An engine only runs on the GPU model and TensorRT version that built it, for the shapes of its profile.
 The cache file name therefore carries a key over the GPU name, the TensorRT version, the ONNX file's

@@ -18,7 +18,7 @@ and a device). The default is torch: it is the reference that the golden tests c
 export.
 (On a 2-core CPU, ONNX Runtime ran the tiny folder's token2wav 1.2-1.7x faster, single-threaded.)
 The ONNX graphs are exported on first use into `<model dir>/onnx`, or `<run dir>/onnx` when the model
-folder is read-only (`--onnx-dir` chooses); TensorRT engines are cached under `<onnx dir>/trt`. An
+folder is read-only (`--onnx-dir` chooses); TensorRT plans are cached under `<onnx dir>/trt`. An
 engine that cannot run here falls back (tensorrt -> onnxruntime -> torch) with one warning line in the
 server's log.
 """
@@ -79,9 +79,9 @@ class ServeOptions:
     prompt_queue_delay_us: int = 1000
     torch_threads: int = 0  # per llm / token2wav instance; 0: torch's default
     engine: str = "torch"  # token2wav: torch | onnxruntime | openvino | tensorrt (CAM++ too; torch: onnxruntime)
-    precision: str = "fp32"  # of TensorRT engines and OpenVINO's hint: fp32 | fp16 | bf16
+    precision: str = "fp32"  # of TensorRT plans and OpenVINO's hint: fp32 | fp16 | bf16
     ort_providers: str | None = None  # with engine onnxruntime: execution providers (engines/providers.py)
-    onnx_dir: Path | None = None  # exported graphs and TensorRT engines; None: see `default_onnx_dir`
+    onnx_dir: Path | None = None  # exported graphs and TensorRT plans; None: see `default_onnx_dir`
     max_text_chars: int = 2000
     # Split deployment: "frontend" (cosyvoice2, llm, prompt encoder, voice registration; token2wav on
     # `backends`), "backend" (token2wav only), or "all" (every model in one server, the default).

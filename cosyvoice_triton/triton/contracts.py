@@ -268,7 +268,7 @@ class SynthesisInputs:
     instruct_text: str = ""
     voice_id: str | None = None
     audio: VoiceAudio | None = None
-    reference_text: str | None = None
+    prompt_text: str | None = None
     seed: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chunk_overrides: dict = field(default_factory=dict)  # ChunkPolicy field -> value
@@ -299,14 +299,14 @@ def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParam
     if kind is not None:
         overrides["kind"] = kind
     return SynthesisInputs(text=text, mode=mode, instruct_text=reader.string("instruct_text", default=""),
-                           voice_id=voice_id, audio=audio, reference_text=reader.string("reference_text"),
+                           voice_id=voice_id, audio=audio, prompt_text=reader.string("reference_text"),
                            seed=reader.integer("seed", low=0, high=SEED_LIMIT - 1),
                            sampling=read_sampling(reader, default_sampling), chunk_overrides=overrides,
                            text_frontend=reader.boolean("text_frontend", default=True))
 
 
 def voice_inputs(*, voice_id: str | None = None, samples: np.ndarray | None = None, sample_rate: int | None = None,
-                 audio_file: bytes | None = None, reference_text: str | None = None) -> dict[str, np.ndarray]:
+                 audio_file: bytes | None = None, prompt_text: str | None = None) -> dict[str, np.ndarray]:
     """The voice tensors of cosyvoice2 and register_voice: a registered id, prompt samples (+ their rate), or a
     prompt file's bytes; and the prompt transcript. Only what is given is sent (the model checks the rest)."""
     values: dict[str, np.ndarray] = {}
@@ -317,14 +317,14 @@ def voice_inputs(*, voice_id: str | None = None, samples: np.ndarray | None = No
         values["reference_sample_rate"] = np.array([sample_rate], dtype=np.int32)
     if audio_file is not None:
         values["reference_audio"] = np.array([audio_file], dtype=object)
-    if reference_text is not None:
-        values["reference_text"] = string_array(reference_text)
+    if prompt_text is not None:
+        values["reference_text"] = string_array(prompt_text)
     return values
 
 
 def synthesis_inputs(text: str, *, voice_id: str | None = None, samples: np.ndarray | None = None,
                      sample_rate: int | None = None, audio_file: bytes | None = None,
-                     reference_text: str | None = None, mode: str | None = None, instruct_text: str | None = None,
+                     prompt_text: str | None = None, mode: str | None = None, instruct_text: str | None = None,
                      seed: int | None = None, **options) -> dict[str, np.ndarray]:
     """A cosyvoice2 request as tensors: the one builder of the client SDK, the gateway and the tests.
 
@@ -332,7 +332,7 @@ def synthesis_inputs(text: str, *, voice_id: str | None = None, samples: np.ndar
     typed here or an array sent as it is; any other input only as an array (tests send raw tensors)."""
     values = {"target_text": string_array(text)}
     values.update(voice_inputs(voice_id=voice_id, samples=samples, sample_rate=sample_rate, audio_file=audio_file,
-                               reference_text=reference_text))
+                               prompt_text=prompt_text))
     for name, value in (("mode", mode), ("instruct_text", instruct_text)):
         if value is not None:
             values[name] = string_array(value)

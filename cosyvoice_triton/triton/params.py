@@ -94,8 +94,8 @@ class Token2WavParams:
     idle_timeout_s: float  # a stream with no chunk for this long is freed
     torch_threads: int
     engine: Engine  # flow encoder, flow estimator and HiFT decode on this engine (engines/select.py)
-    precision: Precision  # of TensorRT engines and OpenVINO's hint; torch and ONNX Runtime run fp32
-    onnx_dir: str | None  # exported graphs (TensorRT engines in <onnx_dir>/trt); None: <model_dir>/onnx
+    precision: Precision  # of TensorRT plans and OpenVINO's hint; torch and ONNX Runtime run fp32
+    onnx_dir: str | None  # exported graphs (TensorRT plans in <onnx_dir>/trt); None: <model_dir>/onnx
     ort_providers: str | None  # onnxruntime's execution providers (engines/providers.py); None: CPU / CUDA
 
 
@@ -110,7 +110,7 @@ class SpeakerEmbeddingParams:
     model_dir: str
     device: str  # "cpu", "cuda", "cuda:N"; a fallback ends on ONNX Runtime on the CPU
     engine: GraphEngine
-    onnx_dir: str | None  # TensorRT engines go to <onnx_dir>/trt; None: <model_dir>/onnx
+    onnx_dir: str | None  # TensorRT plans go to <onnx_dir>/trt; None: <model_dir>/onnx
     ort_providers: str | None  # onnxruntime's execution providers (engines/providers.py); None: CPU / CUDA
 
 

@@ -67,12 +67,12 @@ class Voices:
     def resolve(self, inputs: SynthesisInputs) -> PromptFeatures:
         if inputs.voice_id is not None:
             voice = self.store.get(inputs.voice_id)
-            if inputs.reference_text is not None:
-                self.check_transcript(inputs.reference_text, int(voice.speech_tokens.shape[0]))
+            if inputs.prompt_text is not None:
+                self.check_transcript(inputs.prompt_text, int(voice.speech_tokens.shape[0]))
                 voice = PromptFeatures(embedding=voice.embedding, speech_tokens=voice.speech_tokens, mel=voice.mel,
-                                       text=inputs.reference_text, audio_sha256=voice.audio_sha256)
+                                       text=inputs.prompt_text, audio_sha256=voice.audio_sha256)
             return voice
-        return self.from_audio(inputs.audio, inputs.reference_text or "")
+        return self.from_audio(inputs.audio, inputs.prompt_text or "")
 
     def register(self, inputs: RegisterInputs) -> VoiceRecord:
         """Store the request's voice; the prompt encoder runs only when this recording and transcript are
