@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 from aiohttp import web
 
@@ -70,6 +71,13 @@ class Forbidden(GatewayError):
 class PayloadTooLarge(GatewayError):
     status, code, kind = 413, "too_large", "invalid_request_error"
 
+    @classmethod
+    def upload(cls, what: str, size: int | None, limit: int, field: str | None = None) -> "PayloadTooLarge":
+        """`what` of `size` bytes over `limit`, said in MB with the flag that raises the limit."""
+        got = f": {size / 2**20:.1f} MB" if size is not None else ""
+        return cls(f"{what}{got} is more than the limit of {limit / 2**20:.1f} MB (the gateway\x27s "
+                   f"--max-upload-mb raises it)", field)
+
 
 class TooManyStreams(GatewayError):
     status, code, kind = 429, "too_many_streams", "rate_limit_error"
@@ -128,7 +136,9 @@ def as_gateway_error(exc: BaseException) -> GatewayError:
     if isinstance(exc, RecursionError):  # json.loads of deeply nested arrays
         return BadRequest("body", "is nested too deeply")
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return PayloadTooLarge(f"the request body is larger than the limit ({exc.text})")
+        sizes = [int(n) for n in re.findall(r"\d+", exc.text or "")]  # aiohttp: "... size MAX exceeded, actual ACTUAL"
+        return PayloadTooLarge.upload("the request body", sizes[1] if len(sizes) > 1 else None,
+                                      sizes[0] if sizes else 0)
     if isinstance(exc, web.HTTPException):
         error = GatewayError(exc.reason if not exc.text or exc.text.startswith(str(exc.status)) else exc.text)
         error.status = exc.status
