@@ -1,0 +1,259 @@
+"""Every example in README.md, deploy/README.md and perf/README.md, run as a user would run it.
+
+The fenced ```bash and ```python blocks are cut out of the files and run, in file order, in one working
+folder, against one service that this module starts (`cosyvoice-triton up` on the tiny model, free ports).
+The READMEs show the default ports (gateway 8080, Triton 8000/8001/8002); the test rewrites them to its
+own. Shell blocks run with `bash -euo pipefail` and the virtualenv's bin/ on PATH (as after the
+README's `source .venv/bin/activate`), with a `curl` that fails on an HTTP error; Python blocks with the
+virtualenv's python. `prompt.wav` and `me.wav`, the user's own recordings in the README, are made here.
+
+A block that cannot run here has `<!-- example: not-run: WHY -->` just above it. The set of such blocks
+must equal NOT_RUN below, so a new unrunnable block fails until someone decides; what can be checked
+without running them is checked (bash syntax, every `cosyvoice-triton` / `./run.sh serve` command line
+parsed by the real parser, every file they name exists).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+
+from cli_harness import CliProcess
+from conftest import REPO_ROOT
+from triton_harness import tritonserver_or_skip
+
+pytestmark = pytest.mark.timeout(1800)
+
+READMES = ("README.md", "deploy/README.md", "perf/README.md")
+RUN_LANGUAGES = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python"}
+NOT_RUN_MARK = re.compile(r"<!--\s*example:\s*not-run:\s*(.+?)\s*-->")
+
+# file -> first line of each block marked not-run
+NOT_RUN = {
+    "README.md": {
+        "./run.sh serve     # set up, then start tritonserver + the gateway on http://localhost:8080 (tiny random "
+        "model made on first use)",
+        "./run.sh serve                       # = cosyvoice-triton up: tritonserver + gateway on "
+        "http://localhost:8080",
+        "cosyvoice-triton serve --engine onnxruntime",
+        "cosyvoice-triton bench --start --quick                                   # sub-minute smoke run (also in "
+        "the tests)",
+        "cosyvoice-triton finetune --data my_recordings --model-dir pretrained_models/CosyVoice2-0.5B --out models/mine",
+    },
+    "deploy/README.md": {"docker build -t cosyvoice-triton:0.1.0 .", "kubectl create namespace cosyvoice"},
+    "perf/README.md": {
+        "# against a running server (gRPC, model cosyvoice2)",
+        "perf/perf_analyzer_sweep.sh localhost:8001                      # zero-shot inputs, concurrency 1:4:2",
+        "bash perf/gpu_bench.sh                               # full-size random folder, fast_clone, levels 1 4 16 32",
+    },
+}
+# what the README examples write, checked after each block: audio files must decode
+AUDIO_SUFFIXES = {".wav", ".flac", ".mp3", ".opus", ".ogg"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    file: str
+    line: int  # of the opening fence
+    language: str
+    code: str
+    not_run: str | None  # the reason, when marked
+
+    @property
+    def first_line(self) -> str:
+        return self.code.splitlines()[0]
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def fenced_blocks(file: str) -> list[Block]:
+    lines = (REPO_ROOT / file).read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        fence = re.match(r"^```(\w*)\s*$", lines[i])
+        if not fence:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        mark = NOT_RUN_MARK.search(before)
+        blocks.append(Block(file, i + 1, fence.group(1), "\n".join(lines[i + 1:end]) + "\n",
+                            mark.group(1) if mark else None))
+        i = end + 1
+    return blocks
+
+
+def examples() -> list[Block]:
+    return [b for file in READMES for b in fenced_blocks(file) if b.language in RUN_LANGUAGES]
+
+
+def runnable() -> list[Block]:
+    return [b for b in examples() if b.not_run is None]
+
+
+def test_the_not_run_blocks_are_the_listed_ones():
+    marked = {}
+    for block in examples():
+        if block.not_run is not None:
+            marked.setdefault(block.file, set()).add(block.first_line)
+    assert marked == NOT_RUN
+    assert len(runnable()) >= 8  # the bulk of the README runs
+
+
+def test_every_code_block_is_an_example_or_text():
+    """An untagged block is text (a tree, a layout); a block tagged with another language is a mistake."""
+    for file in READMES:
+        for block in fenced_blocks(file):
+            assert block.language in ("", *RUN_LANGUAGES), f"{block}: unknown block language {block.language!r}"
+            if block.language == "":
+                assert not re.match(r"\s*(\./|cosyvoice-|curl |docker |kubectl |python |bash )", block.code), \
+                    f"{block} looks like commands: tag it ```bash"
+
+
+def command_lines(code: str) -> list[str]:
+    """The block's commands: continuation lines joined, comments dropped."""
+    joined = code.replace("\\\n", " ")
+    lines = []
+    for line in joined.splitlines():
+        words = shlex.split(line, comments=True)
+        if words:
+            lines.append(words)
+    return lines
+
+
+@pytest.mark.parametrize("block", [b for b in examples() if b.not_run], ids=str)
+def test_not_run_examples_are_well_formed(block):
+    from cosyvoice_triton.cli import build_parser
+
+    check = subprocess.run(["bash", "-n"], input=block.code, text=True, capture_output=True)
+    assert check.returncode == 0, f"{block}: {check.stderr}"
+    parser = build_parser()
+    for words in command_lines(block.code):
+        if words[:2] == ["./run.sh", "serve"]:
+            words = ["cosyvoice-triton", "up", *words[2:]]
+        if words[0] == "cosyvoice-triton" and not any(w.startswith("/path/") for w in words):
+            try:
+                parser.parse_args(words[1:])
+            except SystemExit:
+                pytest.fail(f"{block}: the parser refuses {shlex.join(words)}")
+        for flag, value in zip(words, words[1:]):
+            if flag == "-f" and words[0] in ("docker", "kubectl"):
+                assert (REPO_ROOT / value).exists(), f"{block}: {value} does not exist"
+        if words[0] in ("bash", "perf/perf_analyzer_sweep.sh"):
+            script = words[1] if words[0] == "bash" else words[0]
+            assert (REPO_ROOT / script).exists(), f"{block}: {script} does not exist"
+
+
+# ---- the runnable examples, against one service ----------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Service:
+    gateway: int
+    http: int
+    grpc: int
+    metrics: int
+
+    def rewrite(self, code: str) -> str:
+        ports = {"8080": self.gateway, "8000": self.http, "8001": self.grpc, "8002": self.metrics}
+        return re.sub(r"\b(localhost|127\.0\.0\.1):(8080|8000|8001|8002)\b",
+                      lambda m: f"{m.group(1)}:{ports[m.group(2)]}", code)
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/readyz", timeout=5) as response:
+            return json.loads(response.read()).get("default_voice") == "ready"
+    except (OSError, ValueError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def service(tiny_model_dir, tmp_path_factory):
+    from cosyvoice_triton.server import free_port
+
+    tritonserver_or_skip()
+    home = tmp_path_factory.mktemp("readme_home")
+    ports = Service(free_port(), free_port(), free_port(), free_port())
+    command = [sys.executable, "-m", "cosyvoice_triton.cli", "up", "--model-dir", str(tiny_model_dir),
+               "--host", "127.0.0.1", "--port", str(ports.gateway), "--triton-http-port", str(ports.http),
+               "--triton-grpc-port", str(ports.grpc), "--triton-metrics-port", str(ports.metrics),
+               "--workers", "4", "--torch-threads", "1", "--max-token-text-ratio", "3"]
+    up = CliProcess(command, {**os.environ, "COSYVOICE_HOME": str(home)})
+    try:
+        deadline = time.monotonic() + 300
+        while not _ready(f"http://127.0.0.1:{ports.gateway}"):
+            assert up.running(), up.output()
+            assert time.monotonic() < deadline, "not ready in time:\n" + up.output()
+            time.sleep(0.5)
+        yield ports
+    finally:
+        up.kill()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, prompt_wav_16k):
+    """The user's folder: their recordings, and the checkout's .venv, build/ and perf/ beside them."""
+    folder = tmp_path_factory.mktemp("readme_user")
+    samples, rate = prompt_wav_16k
+    for name in ("prompt.wav", "me.wav"):
+        sf.write(folder / name, samples, rate)
+    venv = Path(sys.executable).parent.parent
+    (folder / ".venv").symlink_to(venv)
+    for name in ("build", "perf"):
+        (folder / name).symlink_to(REPO_ROOT / name)
+    tools = folder / ".test-bin"  # a curl that fails on HTTP errors, as the examples would be read
+    tools.mkdir()
+    (tools / "curl").write_text('#!/bin/sh\nexec /usr/bin/curl --fail-with-body "$@"\n')
+    (tools / "curl").chmod(0o755)
+    return folder
+
+
+def _env(workdir: Path, service: Service) -> dict[str, str]:
+    """As after `source .venv/bin/activate`; cosyvoice-client's default gateway (localhost:8080) is ours."""
+    venv_bin = Path(sys.executable).parent
+    return {**os.environ, "PATH": f"{workdir / '.test-bin'}:{venv_bin}:{os.environ['PATH']}",
+            "VIRTUAL_ENV": str(venv_bin.parent), "COSYVOICE_HOME": str(workdir / ".home"),
+            "COSYVOICE_URL": service.rewrite("http://localhost:8080")}
+
+
+def _outputs(code: str) -> list[str]:
+    """Files the block writes with curl -o / --out / stream_to_file / write_wav."""
+    names = re.findall(r"(?:-o|--out)\s+(\S+)", code)
+    names += re.findall(r"""(?:stream_to_file|write_wav)\(\s*["']([^"']+)["']""", code)
+    return [n for n in names if not n.startswith("-")]
+
+
+@pytest.mark.parametrize("block", runnable(), ids=str)
+def test_readme_example_runs(block, service, workdir):
+    code = service.rewrite(block.code)
+    if RUN_LANGUAGES[block.language] == "bash":
+        command = ["bash", "-euo", "pipefail", "-c", code]
+    else:
+        command = [sys.executable, "-c", code]
+    for name in _outputs(code):
+        (workdir / name).unlink(missing_ok=True)
+    result = subprocess.run(command, cwd=workdir, env=_env(workdir, service), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"{block} failed ({result.returncode}):\n{code}\n--- stdout\n" \
+                                   f"{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
+    for name in _outputs(code):
+        path = workdir / name
+        assert path.exists() and path.stat().st_size > 0, f"{block} did not write {name}"
+        if path.suffix in AUDIO_SUFFIXES:
+            import av
+
+            with av.open(str(path)) as container:
+                frames = sum(frame.samples for frame in container.decode(audio=0))
+            assert frames > 0, f"{block}: {name} holds no audio"
