@@ -126,7 +126,7 @@ async def create_voice(request: web.Request) -> web.Response:
         raise BadRequest("audio", "is required: the prompt recording (WAV, FLAC or OGG)")
     limit = request.app[CONFIG].limits.max_upload_bytes
     if len(audio) > limit:
-        raise PayloadTooLarge(f"audio: {len(audio)} bytes is more than the limit of {limit}", "audio")
+        raise PayloadTooLarge.upload("audio", len(audio), limit, "audio")
     text_field = "text" if "text" in values else "prompt_text"  # either name; errors use the one sent
     text = optional_string(values.get(text_field, ""), text_field) or ""
     voice_id = optional_string(values.get("id"), "id") or None

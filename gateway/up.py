@@ -109,6 +109,7 @@ def up(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         return code
     finally:
         code = server.stop()
+        startup.stopped.set()
         print(f"tritonserver stopped (exit code {code})", file=out, flush=True)
 
 
@@ -119,6 +120,7 @@ class TritonStartup:
     def __init__(self, server, out: TextIO):
         self.server, self.out = server, out
         self.finished = threading.Event()
+        self.stopped = threading.Event()  # set once the server is stopped
         self.error: Exception | None = None
 
     def begin(self) -> None:
@@ -140,6 +142,9 @@ class TritonStartup:
             print(f"tritonserver did not start: {exc}", file=sys.stderr, flush=True)
         finally:
             self.finished.set()
+        # die_with_parent is the kernel's parent-death signal, sent when the *thread* that started the
+        # server ends: this thread lives until the server is stopped.
+        self.stopped.wait()
 
     def _report(self) -> None:
         started = time.monotonic()

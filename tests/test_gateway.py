@@ -12,6 +12,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 import struct
 from dataclasses import replace
 from pathlib import Path
@@ -622,6 +623,8 @@ def test_oversized_uploads_get_413(locked):
     for audio in (big, bytes(300_000)):  # over the audio limit; over the body limit too
         status, body = run(register(locked.url, audio, "too big", headers={"X-API-Key": KEYS[0]}))
         assert status == 413 and body["error"]["code"] == "too_large"
+        assert re.search(r" is more than the limit of 0\.\d MB \(the gateway.s --max-upload-mb raises it\)",
+                         body["error"]["message"]), body
     body = {"text": "Hi.", "prompt_audio": base64.b64encode(big).decode(), "prompt_text": "x"}
     status, _, raw = run(post_json(locked.url + "/v1/tts", body, headers={"X-API-Key": KEYS[0]}))
     assert status == 413
