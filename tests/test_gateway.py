@@ -159,6 +159,15 @@ def reference(triton, voice_id) -> list[np.ndarray]:
     return direct(triton, TEXT, seed=7, voice_id=voice_id)
 
 
+@pytest.fixture(scope="module")
+def offline_reference(triton, voice_id) -> np.ndarray:
+    """The offline twin's waveform (cosyvoice2_offline), which non-streamed gateway requests get."""
+    from cosyvoice_triton.client import TritonTTS
+
+    with TritonTTS(triton.grpc_url) as tts:
+        return tts.synthesize(TEXT, voice_id=voice_id, seed=7, offline=True)
+
+
 def error_param(body: bytes | dict) -> tuple[str, str]:
     data = json.loads(body) if isinstance(body, bytes) else body
     return data["error"]["param"], data["error"]["code"]
@@ -229,8 +238,8 @@ def test_streamed_pcm_equals_triton_output_chunk_for_chunk(gateway, voice_id, re
         np.testing.assert_allclose(np.frombuffer(got, "<f4"), want, rtol=0, atol=ATOL)
 
 
-def test_whole_wav_and_streamed_wav_and_s16(gateway, voice_id, reference):
-    want = to_s16(np.concatenate(reference)).astype(np.int32)
+def test_whole_wav_and_streamed_wav_and_s16(gateway, voice_id, reference, offline_reference):
+    want = to_s16(offline_reference).astype(np.int32)  # not streamed: the offline twin's audio
     status, headers, body = run(post_json(gateway.url + "/v1/tts", {"text": TEXT, "voice_id": voice_id, "seed": 7}))
     assert status == 200 and headers["Content-Type"] == "audio/wav" and int(headers["Content-Length"]) == len(body)
     audio, rate = sf.read(io.BytesIO(body), dtype="int16")
@@ -243,7 +252,7 @@ def test_whole_wav_and_streamed_wav_and_s16(gateway, voice_id, reference):
     assert header[:4] == b"RIFF" and header[8:16] == b"WAVEfmt " and header[36:40] == b"data"
     assert struct.unpack("<I", header[4:8])[0] == 0xFFFFFFFF and struct.unpack("<I", header[40:44])[0] == 0xFFFFFFFF
     streamed = np.frombuffer(data, "<i2").astype(np.int32)
-    assert np.abs(streamed - want).max() <= 8
+    assert np.abs(streamed - to_s16(np.concatenate(reference)).astype(np.int32)).max() <= 8
 
     status, _, raw = run(post_json(gateway.url + "/v1/tts", {"text": TEXT, "voice_id": voice_id, "seed": 7,
                                                               "format": "pcm_s16le"}))
@@ -253,7 +262,7 @@ def test_whole_wav_and_streamed_wav_and_s16(gateway, voice_id, reference):
 def test_a_prompt_recording_instead_of_a_voice_id(gateway, triton):
     text = "A prompt recording sent with the request."
     body = {"text": text, "prompt_audio": base64.b64encode(PROMPT_WAV).decode(), "prompt_text": PROMPT_TEXT,
-            "seed": 21, "format": "pcm_f32"}
+            "seed": 21, "format": "pcm_f32", "stream": True}  # streamed: the chunks of `direct`
     status, headers, raw = run(post_json(gateway.url + "/v1/tts", body))
     assert status == 200, raw[:300]
     want = direct(triton, text, 21, prompt_text=PROMPT_TEXT,

@@ -84,7 +84,9 @@ def metric(metrics_url: str, name: str, **labels) -> float:
 
 
 def ok_requests(frontend: dict) -> float:
-    return metric(frontend["metrics"], "cosyvoice_requests_total", model="cosyvoice2", outcome="ok")
+    """Requests served whole or streamed (the gateway sends non-streamed ones to cosyvoice2_offline)."""
+    return sum(metric(frontend["metrics"], "cosyvoice_requests_total", model=model, outcome="ok")
+               for model in ("cosyvoice2", "cosyvoice2_offline"))
 
 
 def stream_all(url: str, text: str, voice_id: str, seed: int) -> np.ndarray:
