@@ -3,7 +3,7 @@
 ```
 cosyvoice-client synth --text "Hello there." --voice default --out hello.wav            # gateway
 cosyvoice-client synth --text "Hello there." --voice default --out hello.wav --stream   # chunks + times
-cosyvoice-client synth --text - --prompt-wav me.wav --prompt-text "..." --out a.wav      # text from stdin
+cosyvoice-client synth --text - --prompt-audio me.wav --prompt-text "..." --out a.wav      # text from stdin
 cosyvoice-client synth --triton grpc://localhost:8001 --voice v_123 --text "Hi." --out a.wav
 cosyvoice-client synth --text "Hello there." --stream --chunk-first-hop 10 --out a.wav  # earlier first audio
 cosyvoice-client synth --text "Hello there." --out hello.mp3          # mp3, opus, aac, flac, pcm: from --out
@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", required=True, help="the text ('-': read it from standard input)")
     voice = p.add_mutually_exclusive_group()
     voice.add_argument("--voice", default=None, help="a registered voice id (gateway default: 'default')")
-    voice.add_argument("--prompt-wav", type=Path, default=None, help="a prompt recording to clone instead")
-    p.add_argument("--prompt-text", default=None, help="transcript of --prompt-wav (zero_shot needs it)")
+    voice.add_argument("--prompt-audio", "--prompt-wav", dest="prompt_audio", type=Path, default=None,
+                       help="a prompt recording to clone instead (--prompt-wav: its older name)")
+    p.add_argument("--prompt-text", default=None, help="transcript of --prompt-audio (zero_shot needs it)")
     p.add_argument("--mode", choices=MODES, default=None)
     p.add_argument("--instruct", default=None, help="the instruction (instruct2 mode)")
     p.add_argument("--seed", type=int, default=None, help="same seed and inputs: same audio")
@@ -116,15 +117,15 @@ def _synth(args) -> int:
     options = {"mode": args.mode, "instruct": args.instruct, "seed": args.seed, "text_frontend": args.text_frontend,
                "chunk_first_hop": args.chunk_first_hop, "chunk_hop_scale": args.chunk_hop_scale,
                "chunk_max_hop": args.chunk_max_hop, "chunk_policy": args.chunk_policy}  # None: not sent
-    if args.prompt_wav is not None:
-        options.update(prompt_audio=args.prompt_wav.read_bytes(), prompt_text=args.prompt_text)
+    if args.prompt_audio is not None:
+        options.update(prompt_audio=args.prompt_audio.read_bytes(), prompt_text=args.prompt_text)
     else:
         options.update(voice_id=args.voice, prompt_text=args.prompt_text)
     fmt = args.format or SUFFIX_FORMATS.get(args.out.suffix.lower(), "wav")
     if args.float32 and fmt != "wav":
         raise SystemExit("cosyvoice-client: --float is for wav files only")
-    if args.triton and args.prompt_wav is None and options["voice_id"] is None:
-        raise SystemExit("cosyvoice-client: --voice or --prompt-wav is needed with --triton")
+    if args.triton and args.prompt_audio is None and options["voice_id"] is None:
+        raise SystemExit("cosyvoice-client: --voice or --prompt-audio is needed with --triton")
     streaming = args.stream or args.ws
     started = time.monotonic()
     if not args.triton and not streaming and fmt != "wav":

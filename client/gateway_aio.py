@@ -26,14 +26,14 @@ import aiohttp
 import numpy as np
 
 from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo
-from .gateway_client import (DEFAULT_URL, StreamInfo, _PcmDecoder, _voice_form, error_from_body, tts_body,
-                             voice_from_json, ws_message)
+from .gateway_client import DEFAULT_URL, _voice_form, tts_body, voice_from_json
+from .gateway_streams import PcmDecoder, StreamInfo, error_from_body, ws_message
 
 
 class AsyncHttpAudioStream(AsyncIterator[np.ndarray]):
     def __init__(self, response, started: float):
         self._response = response
-        self._decoder = _PcmDecoder()
+        self._decoder = PcmDecoder()
         self._started = started
         seed = response.headers.get("X-Seed")
         self.stats = StreamInfo(request_id=response.headers.get("X-Request-Id"), seed=int(seed) if seed else None,
@@ -70,7 +70,7 @@ class AsyncHttpAudioStream(AsyncIterator[np.ndarray]):
 class AsyncWsAudioStream(AsyncIterator[np.ndarray]):
     def __init__(self, ws, started: float):
         self._ws = ws
-        self._decoder = _PcmDecoder()
+        self._decoder = PcmDecoder()
         self._started = started
         self._done = False
         self._sender: asyncio.Task | None = None

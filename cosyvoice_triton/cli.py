@@ -34,7 +34,8 @@ def _run_export(args) -> int:
 def _add_synth(sub) -> None:
     p = sub.add_parser("synth", help="synthesize one text to a 24 kHz wav file")
     p.add_argument("--model-dir", required=True, help="model folder, or a hub model id")
-    p.add_argument("--prompt-wav", required=True, type=Path, help="voice prompt audio (wav, flac, ogg)")
+    p.add_argument("--prompt-audio", "--prompt-wav", dest="prompt_audio", required=True, type=Path,
+                   help="the prompt recording (wav, flac, ogg); --prompt-wav is its older name")
     p.add_argument("--prompt-text", default="", help="transcript of the prompt audio (zero_shot mode)")
     p.add_argument("--text", required=True, help="text to speak")
     p.add_argument("--mode", default="zero_shot", choices=["zero_shot", "cross_lingual", "instruct2"])
@@ -56,7 +57,7 @@ def _run_synth(args) -> int:
 
     t0 = time.perf_counter()
     tts = CosyVoice2.from_model_dir(resolve_model_dir(args.model_dir), device=args.device)
-    samples, rate = decode_audio(args.prompt_wav.read_bytes(), field="prompt_wav")
+    samples, rate = decode_audio(args.prompt_audio.read_bytes(), field="prompt_audio")
     voice = tts.encode_voice(samples, rate, args.prompt_text)
     print(f"loaded model and voice in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
 

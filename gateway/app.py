@@ -106,16 +106,16 @@ async def _voice_store(app: web.Application):
 
 async def _triton(app: web.Application):
     config = app[CONFIG]
-    backends = [Server(target, TritonClient(target.grpc)) for target in config.triton]
-    router = Router(backends, config.routing, config.synthesis_model, discovery=config.discovery,
+    servers = [Server(target, TritonClient(target.grpc)) for target in config.triton]
+    router = Router(servers, config.routing, config.synthesis_model, discovery=config.discovery,
                     resolve=app[RESOLVE])
     app[ROUTER] = router
     app[METRICS] = GatewayMetrics(router)
     router.on_leave = app[METRICS].forget_server
     await router.check_all()
-    for backend in router.servers:
-        if not backend.healthy:
-            log.warning("Triton %s is not ready yet; it joins the pool when it is", backend.name)
+    for server in router.servers:
+        if not server.healthy:
+            log.warning("Triton %s is not ready yet; it joins the pool when it is", server.name)
     tasks = [asyncio.create_task(router.run_health()), asyncio.create_task(router.run_scrapes())]
     if config.discovery:  # first lookup at once, in the loop: a slow or failing DNS must not hold up the start
         tasks.append(asyncio.create_task(router.run_discovery()))

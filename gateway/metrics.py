@@ -72,12 +72,12 @@ class GatewayMetrics:
         self.routed = Counter("cosyvoice_gateway_routed", "Triton calls sent per server", ["server"],
                               registry=registry)
         registry.register(_RouterCollector(router))
-        for backend in router.servers:
-            self.routed.labels(backend.name)
+        for server in router.servers:
+            self.routed.labels(server.name)
 
-    def forget_server(self, backend) -> None:
+    def forget_server(self, server) -> None:
         try:
-            self.routed.remove(backend.name)
+            self.routed.remove(server.name)
         except KeyError:  # never routed to
             pass
 

@@ -41,6 +41,7 @@ from cosyvoice_triton.audio_out import ALIASES, FORMATS, AudioEncoder, AudioForm
 
 from .auth import limit_key
 from .errors import BadRequest, GatewayError
+from .fields import resolve_aliases
 from .request_keys import ABORTED
 from .state import CONFIG, LIMITER, METRICS
 from .synthesis import TTS_FIELDS, Synthesis, decode_base64, prepare, stream_audio, whole_audio
@@ -145,12 +146,11 @@ async def tts(request: web.Request) -> web.StreamResponse:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream", "must be true or false")
-    if "voice_id" in body and "voice" in body:
-        raise BadRequest("voice", "give voice_id (or its alias voice), not both")
+    body = resolve_aliases(body)
     prompt_audio = body.get("prompt_audio")
     if prompt_audio is not None:
         prompt_audio = decode_base64(prompt_audio, "prompt_audio", app[CONFIG].limits.max_upload_bytes)
-    synthesis = await prepare(app, text=body.get("text"), voice_id=body.get("voice_id", body.get("voice")),
+    synthesis = await prepare(app, text=body.get("text"), voice_id=body.get("voice_id"),
                               prompt_audio=prompt_audio, prompt_text=body.get("prompt_text"), mode=body.get("mode"),
                               instruct=body.get("instruct"), seed=body.get("seed"),
                               chunk_first_hop=body.get("chunk_first_hop"), chunk_hop_scale=body.get("chunk_hop_scale"),

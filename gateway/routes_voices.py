@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 from aiohttp import web
 
 from cosyvoice_triton.errors import InvalidInput, NotFound
@@ -29,13 +28,14 @@ from cosyvoice_triton.preprocess.audio import load_prompt_audio
 from cosyvoice_triton.preprocess.text import text_problem
 from cosyvoice_triton.preprocess.voice_features import audio_sha256
 from cosyvoice_triton.runtime.voice_store import VoiceRecord, check_voice_id, visible_to
+from cosyvoice_triton.triton import contracts
 
 from .auth import RateLimiter, Tenant, current_tenant
 from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
 from .errors import BadRequest, Forbidden, PayloadTooLarge, VoiceNotFound
 from .routing import ENCODE_COST
 from .state import CONFIG, REGISTRATION_RATE, STORE
-from .synthesis import Fields, call_model, decode_base64, gateway_error, optional_string, string_array
+from .synthesis import Fields, call_model, decode_base64, gateway_error, optional_string
 from .triton_channel import TritonCallError
 
 REGISTER_FIELDS = Fields(text="text", voice="id", prompt_audio="audio", prompt_text="text")
@@ -65,13 +65,7 @@ async def register(app: web.Application, audio: bytes, text: str, voice_id: str 
         raise BadRequest(exc.field, exc.problem) from None
     sha = await asyncio.to_thread(audio_sha256, samples, rate)
     stored = await asyncio.to_thread(store.find, sha, text, owner)  # this content, this owner, any id
-    inputs = {"reference_audio": np.array([audio], dtype=object), "reference_text": string_array(text)}
-    if voice_id is not None:
-        inputs["voice_id"] = string_array(voice_id)
-    if name is not None:
-        inputs["name"] = string_array(name)
-    if owner is not None:
-        inputs["owner"] = string_array(owner)
+    inputs = contracts.register_inputs(voice_id=voice_id, name=name, owner=owner, audio_file=audio, prompt_text=text)
     outputs = await call_model(app, app[CONFIG].register_model, inputs, ENCODE_COST,
                                app[CONFIG].routing.register_timeout_s)
     registered = outputs["voice_id"].reshape(-1)[0].decode("utf-8")

@@ -47,6 +47,7 @@ from cosyvoice_triton.audio_out import AudioEncoder, audio_format
 
 from .auth import limit_key
 from .errors import BadRequest, GatewayError, PayloadTooLarge, SessionTimeout, as_gateway_error, ws_error
+from .fields import resolve_aliases
 from .routes_tts import check_format
 from .state import CONFIG, COSTS, LIMITER, METRICS, WEBSOCKETS
 from .synthesis import TTS_FIELDS, Synthesis, decode_base64, prepare, stream_audio
@@ -180,13 +181,12 @@ class Session:
             raise BadRequest(unknown[0], "is not a field of the start message "
                                          f"(fields: {', '.join(sorted(START_KEYS))})")
         self.fmt = check_format(message.get("format", "pcm_f32"), "format")
-        if "voice_id" in message and "voice" in message:
-            raise BadRequest("voice", "give voice_id (or its alias voice), not both")
+        message = resolve_aliases(message)
         prompt_audio = message.get("prompt_audio")
         if prompt_audio is not None:
             prompt_audio = decode_base64(prompt_audio, "prompt_audio", self.config.limits.max_upload_bytes)
         self.base = await prepare(self.app, text="", check_text=False,
-                                  voice_id=message.get("voice_id", message.get("voice")), prompt_audio=prompt_audio,
+                                  voice_id=message.get("voice_id"), prompt_audio=prompt_audio,
                                   prompt_text=message.get("prompt_text"), mode=message.get("mode"),
                                   instruct=message.get("instruct"), seed=message.get("seed"),
                                   chunk_first_hop=message.get("chunk_first_hop"),

@@ -82,12 +82,12 @@ class CostModel:
 class Router:
     """The gateway's `ServerPool`, driven with asyncio: health checks, metric scrapes, DNS discovery."""
 
-    def __init__(self, backends: list[Server], routing: RoutingConfig, model: str, on_change=None, *,
+    def __init__(self, servers: list[Server], routing: RoutingConfig, model: str, on_change=None, *,
                  discovery: Sequence[str] = (), resolve: Resolver = resolve_ips,
                  new_client: Callable[[str], TritonClient] = TritonClient):
-        if not backends and not discovery:
+        if not servers and not discovery:
             raise ValueError("no Triton servers")
-        self.pool = ServerPool(backends, mean_cost=BASE_COST + 10 * SPEECH_PER_TEXT_TOKEN, joins_healthy=False)
+        self.pool = ServerPool(servers, mean_cost=BASE_COST + 10 * SPEECH_PER_TEXT_TOKEN, joins_healthy=False)
         self.routing = routing
         self.model = model
         self.discovery = tuple(discovery)  # dns:// specs
@@ -113,8 +113,8 @@ class Router:
         return self.pool.mean_cost
 
     # ---- choosing ------------------------------------------------------------------------------------
-    def load(self, backend: Server) -> float:
-        return self.pool.load(backend)
+    def load(self, server: Server) -> float:
+        return self.pool.load(server)
 
     def healthy(self) -> list[Server]:
         return self.pool.healthy()
@@ -128,48 +128,48 @@ class Router:
         return chosen
 
     @contextmanager
-    def lease(self, backend: Server, cost: float) -> Iterator[Server]:
-        """Count `cost` against `backend` while the block runs."""
-        self.pool.acquire(backend, cost)
+    def lease(self, server: Server, cost: float) -> Iterator[Server]:
+        """Count `cost` against `server` while the block runs."""
+        self.pool.acquire(server, cost)
         try:
-            yield backend
+            yield server
         finally:
-            if self.pool.release(backend, cost):
-                self._close_later(backend)
+            if self.pool.release(server, cost):
+                self._close_later(server)
 
     # ---- health and load --------------------------------------------------------------------------------
-    def set_health(self, backend: Server, healthy: bool, reason: str = "") -> None:
+    def set_health(self, server: Server, healthy: bool, reason: str = "") -> None:
         # A change forgets the last scrape: it described a server that is gone or was down, so a stale
         # count of streams that died with it must not steer requests away once it is back.
-        if not self.pool.set_health(backend, healthy):
+        if not self.pool.set_health(server, healthy):
             return
         if healthy:
-            log.info("Triton %s is ready: back in the pool", backend.name)
+            log.info("Triton %s is ready: back in the pool", server.name)
         else:
-            log.warning("Triton %s left the pool: %s", backend.name, reason or "not ready")
+            log.warning("Triton %s left the pool: %s", server.name, reason or "not ready")
         if self._on_change is not None:
-            self._on_change(backend, healthy)
+            self._on_change(server, healthy)
 
-    async def check(self, backend: Server) -> bool:
-        ok = await backend.client.ready(self.model, self.routing.health_timeout_s)
-        self.set_health(backend, ok, "not ready (health check)")
+    async def check(self, server: Server) -> bool:
+        ok = await server.client.ready(self.model, self.routing.health_timeout_s)
+        self.set_health(server, ok, "not ready (health check)")
         return ok
 
     async def check_all(self) -> None:
         async with self._channels:
             await asyncio.gather(*(self.check(b) for b in self.servers))
 
-    async def scrape(self, backend: Server, session: aiohttp.ClientSession) -> None:
+    async def scrape(self, server: Server, session: aiohttp.ClientSession) -> None:
         timeout = aiohttp.ClientTimeout(total=self.routing.health_timeout_s)
         try:
-            async with session.get(backend.target.metrics_url, timeout=timeout) as response:
+            async with session.get(server.target.metrics_url, timeout=timeout) as response:
                 text = await response.text()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return  # health checks decide about the server; the load estimate just keeps its last value
         pending = metric_sum(text, "nv_inference_pending_request_count", self.model)
         active = metric_sum(text, "cosyvoice_active_streams", self.model)
-        backend.pending = pending
-        self.pool.set_external(backend, pending + active)
+        server.pending = pending
+        self.pool.set_external(server, pending + active)
 
     async def run_health(self) -> None:
         while True:
@@ -213,25 +213,25 @@ class Router:
     def _update(self, spec: str, found: list[TritonTarget]) -> list[Server]:
         """Make the pool's servers from `spec` the ones in `found`; returns those that joined."""
         update = self.pool.update(spec, found, lambda target: self._new_client(target.grpc))
-        for backend in update.left:
+        for server in update.left:
             log.info("Triton %s is gone from %s: left the pool (%d requests still running there)",
-                     backend.name, spec, backend.inflight)
+                     server.name, spec, server.inflight)
             if self.on_leave is not None:
-                self.on_leave(backend)
-        for backend in update.idle:
-            self._close_later(backend)
-        for backend in update.joined:
-            log.info("Triton %s found by %s: joins the pool when its health check passes", backend.name, spec)
+                self.on_leave(server)
+        for server in update.idle:
+            self._close_later(server)
+        for server in update.joined:
+            log.info("Triton %s found by %s: joins the pool when its health check passes", server.name, spec)
         return update.joined
 
-    def _close_later(self, backend: Server) -> None:
-        task = asyncio.get_running_loop().create_task(self._close(backend))
+    def _close_later(self, server: Server) -> None:
+        task = asyncio.get_running_loop().create_task(self._close(server))
         self._closing.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._closing.discard)
 
-    async def _close(self, backend: Server) -> None:
+    async def _close(self, server: Server) -> None:
         async with self._channels:
-            await backend.client.close()
+            await server.client.close()
 
     async def close(self) -> None:
         """Close every channel: members', and those of servers that left with requests still running."""

@@ -30,7 +30,6 @@ from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
 from cosyvoice_triton.messages import MODES, SEED_LIMIT
 from cosyvoice_triton.runtime.voice_store import check_voice_id, visible_to
 from cosyvoice_triton.triton.contracts import synthesis_inputs
-from cosyvoice_triton.triton.tensors import string_array  # noqa: F401 - routes_voices builds tensors with it
 
 from .auth import current_tenant
 from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
@@ -263,13 +262,13 @@ async def stream_audio(app: web.Application, synthesis: Synthesis, request_id: s
     router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
     tried = []
     while True:
-        backend = router.pick(exclude=tried)
-        tried.append(backend)
-        metrics.routed.labels(backend.name).inc()
+        server = router.pick(exclude=tried)
+        tried.append(server)
+        metrics.routed.labels(server.name).inc()
         produced = False
-        with router.lease(backend, synthesis.cost):
+        with router.lease(server, synthesis.cost):
             try:
-                chunks = backend.client.stream(app[CONFIG].synthesis_model, synthesis.inputs(),
+                chunks = server.client.stream(app[CONFIG].synthesis_model, synthesis.inputs(),
                                                f"{request_id}-{len(tried)}",
                                                first_timeout_s=routing.first_chunk_timeout_s,
                                                chunk_timeout_s=routing.chunk_timeout_s)
@@ -281,13 +280,13 @@ async def stream_audio(app: web.Application, synthesis: Synthesis, request_id: s
             except TritonCallError as exc:
                 metrics.errors.labels(f"triton_{exc.kind}").inc()
                 if exc.kind == "unreachable":
-                    router.set_health(backend, False, exc.message)
+                    router.set_health(server, False, exc.message)
                 others = [b for b in router.healthy() if b not in tried]
                 if produced or not exc.retryable or len(tried) >= routing.max_attempts or not others:
                     raise gateway_error(exc, synthesis.fields) from None
                 metrics.retries.inc()
                 log.warning("request %s failed on %s before any audio (%s); retrying on another server",
-                            request_id, backend.name, exc.message)
+                            request_id, server.name, exc.message)
 
 
 async def whole_audio(app: web.Application, synthesis: Synthesis, request_id: str) -> np.ndarray:
@@ -309,16 +308,16 @@ async def call_model(app: web.Application, model: str, inputs: dict[str, np.ndar
     router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
     tried = []
     while True:
-        backend = router.pick(exclude=tried)
-        tried.append(backend)
-        metrics.routed.labels(backend.name).inc()
-        with router.lease(backend, cost):
+        server = router.pick(exclude=tried)
+        tried.append(server)
+        metrics.routed.labels(server.name).inc()
+        with router.lease(server, cost):
             try:
-                return await backend.client.infer(model, inputs, timeout_s, request_id)
+                return await server.client.infer(model, inputs, timeout_s, request_id)
             except TritonCallError as exc:
                 metrics.errors.labels(f"triton_{exc.kind}").inc()
                 if exc.kind == "unreachable":
-                    router.set_health(backend, False, exc.message)
+                    router.set_health(server, False, exc.message)
                 others = [b for b in router.healthy() if b not in tried]
                 if not exc.retryable or len(tried) >= routing.max_attempts or not others:
                     raise

@@ -340,7 +340,9 @@ def test_gateway_takes_the_chunk_policy_options(triton, gateway_url, voice, tmp_
         want = list(direct.stream(text, voice_id=voice, seed=8, **policy))
         default = list(direct.stream(text, voice_id=voice, seed=8))
     with GatewayTTS(gateway_url) as tts:
-        assert_same(tts.synthesize(text, voice_id=voice, seed=8, **policy), np.concatenate(want))
+        # Streamed over HTTP (a non-streamed request is one offline pass: no chunks, so no chunk policy).
+        with tts.stream(text, voice_id=voice, seed=8, **policy) as stream:
+            assert_same(np.concatenate(list(stream)), np.concatenate(want))
         with tts.stream_ws(text, voice_id=voice, seed=8, **policy) as stream:
             chunks = list(stream)  # one WebSocket frame per Triton chunk
         assert len(chunks) == len(want) > len(default)
@@ -363,15 +365,17 @@ def test_gateway_takes_the_chunk_policy_options(triton, gateway_url, voice, tmp_
 
 
 def test_cli_through_the_gateway(triton, gateway_url, voice, tmp_path, capsys):
+    # A whole file is the offline pass (cosyvoice2_offline); --stream joins the streamed chunks.
     with TritonTTS(triton.grpc_url) as direct:
-        want = direct.synthesize(TEXT, voice_id=voice, seed=9)
+        want = {(): direct.synthesize(TEXT, voice_id=voice, seed=9, offline=True),
+                ("--stream",): direct.synthesize(TEXT, voice_id=voice, seed=9)}
     for extra in ([], ["--stream"]):
         out = tmp_path / f"gateway{len(extra)}.wav"
         assert cli_main(["synth", "--url", gateway_url, "--voice", voice, "--text", TEXT, "--seed", "9",
                          "--out", str(out), *extra]) == 0
         samples, rate = read_wav(out)
         assert rate == 24000
-        assert_same(samples, want, atol=PCM16)
+        assert_same(samples, want[tuple(extra)], atol=PCM16)
     out = tmp_path / "ws.wav"
     assert cli_main(["synth", "--url", gateway_url, "--text", "Hello there.", "--ws", "--float",
                      "--out", str(out)]) == 0

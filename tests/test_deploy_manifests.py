@@ -54,11 +54,11 @@ def exported_metrics() -> set[str]:
             suffixes = ("_bucket", "_sum", "_count") if spec.kind == "histogram" else ("",)
             names.update(spec.name + s for s in suffixes)
 
-    class _Backend:
+    class _Server:
         name, healthy, outstanding_cost, inflight, pending = "grpc://x:8001", True, 0.0, 0, 0
 
     class _Router:
-        backends = [_Backend()]
+        servers = [_Server()]
 
     metrics = GatewayMetrics(_Router())  # the real registry: names as prometheus_client writes them
     suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),

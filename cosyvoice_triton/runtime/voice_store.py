@@ -102,7 +102,7 @@ class VoiceStoreStats:
     misses: gets of an id that does not exist (they raise NotFound)
     loads:  gets that read and decoded the voice from the backing store (not in the LRU, or stale)
     size:   voices held decoded in this instance's LRU
-    A get that fails with CorruptVoice or a backend error counts in none of them.
+    A get that fails with CorruptVoice or a store error counts in none of them.
     """
 
     hits: int
@@ -141,7 +141,7 @@ def open_voice_store(url: str | None, *, lru_size: int = 256) -> VoiceStore:
     "sqlite:///abs/voices.sqlite" or a plain path → embedded SQLite file (folders are created)
     "redis://host:port/db" (or rediss://)          → Redis, shared between servers
     """
-    # Imported here: the backends import this module, and `redis` is only needed when it is used.
+    # Imported here: the store kinds (SQLite, Redis) import this module, and `redis` is only needed when it is used.
     if url is not None and url.startswith(("redis://", "rediss://")):
         from cosyvoice_triton.runtime.voice_store_redis import RedisVoiceStore
         return RedisVoiceStore(url, lru_size=lru_size)
@@ -229,7 +229,7 @@ def check_name(name: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class Registration:
-    """One voice ready to be written: what a backend stores."""
+    """One voice ready to be written: what a store kind (SQLite, Redis) stores."""
 
     info: VoiceRecord
     content_key: str
@@ -364,11 +364,11 @@ def _shape_problem(embedding: np.ndarray, tokens: np.ndarray, mel: np.ndarray) -
     return None
 
 
-# ---- the LRU in front of every backend ------------------------------------------------------------
+# ---- the LRU in front of every store kind ---------------------------------------------------------
 
 class CachedVoiceStore(ABC):
     """`get` through a thread-safe LRU of decoded voices, each kept with the revision it was read at.
-    A backend supplies the two reads below and the rest of `VoiceStore`."""
+    A store kind supplies the two reads below and the rest of `VoiceStore`."""
 
     def __init__(self, lru_size: int):
         if lru_size < 0:

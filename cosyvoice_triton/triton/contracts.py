@@ -349,14 +349,14 @@ def synthesis_inputs(text: str, *, voice_id: str | None = None, samples: np.ndar
     return values
 
 
-def register_inputs(*, voice_id: str | None = None, name: str | None = None, **voice) -> dict[str, np.ndarray]:
+def register_inputs(*, voice_id: str | None = None, name: str | None = None, owner: str | None = None,
+                    **voice) -> dict[str, np.ndarray]:
     """A register_voice request as tensors; `voice` as for `voice_inputs` (without voice_id, which here
-    is the id to register under)."""
+    is the id to register under); `owner`: the owner tag (None: a shared voice)."""
     values = voice_inputs(**voice)
-    if voice_id is not None:
-        values["voice_id"] = string_array(voice_id)
-    if name is not None:
-        values["name"] = string_array(name)
+    for key, value in (("voice_id", voice_id), ("name", name), ("owner", owner)):
+        if value is not None:
+            values[key] = string_array(value)
     return values
 
 
