@@ -193,6 +193,7 @@ async def readyz(request: web.Request) -> web.Response:
     store_error = await voice_store_error(request.app[STORE])
     ready = any(servers.values()) and voice.settled and store_error is None
     waiting = [*(f"tritonserver {name}" for name, ok in servers.items() if not ok),
+               *([] if servers else ["a tritonserver (none in the pool yet)"]),
                *([] if voice.settled else ["the default voice"]), *([] if store_error is None else ["the voice store"])]
     body = {"status": "ready" if ready else "starting", "waiting_for": [] if ready else waiting, "ready": ready,
             "servers": servers, "default_voice": voice.state,

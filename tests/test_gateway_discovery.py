@@ -338,7 +338,9 @@ def test_a_gateway_follows_dns(standins, tmp_path):
     with GatewayThread(config, resolve=dns) as gateway:
         # Nothing resolved yet: the gateway serves, but is not ready.
         assert gateway.get_json("/healthz")[0] == 200
-        assert gateway.get_json("/readyz") == (503, {"ready": False, "servers": {}, "default_voice": "disabled"})
+        assert gateway.get_json("/readyz") == (503, {"status": "starting", "ready": False, "servers": {},
+                                                     "waiting_for": ["a tritonserver (none in the pool yet)"],
+                                                     "default_voice": "disabled", "voice_store": "ok"})
 
         dns.answers["tts"] = ["127.0.0.1", "127.0.0.2"]
         gateway.wait_ready(timeout_s=30)
