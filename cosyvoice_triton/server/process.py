@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 MiB = 1024 * 1024
 DEFAULT_SHM_DEFAULT_BYTES = 16 * MiB
 DEFAULT_SHM_GROWTH_BYTES = 16 * MiB
+# Triton's bound on a graceful stop. Its default (10 s) is too short for a dozen Python-backend stubs to
+# unload on 2 busy cores: the server then exits 1 although every model would have stopped cleanly.
+EXIT_TIMEOUT_S = 30
+
 CONTROL_MODES = ("none", "explicit", "poll")
 _PORT_CLASH = "already in use"
 
@@ -118,7 +122,7 @@ class TritonProcess:
                  shm_default_byte_size: int = DEFAULT_SHM_DEFAULT_BYTES,
                  shm_growth_byte_size: int = DEFAULT_SHM_GROWTH_BYTES,
                  stub_timeout_s: int | None = None, auto_complete_config: bool = False,
-                 log_verbose: int = 0, exit_timeout_s: int = 10, startup_timeout_s: float = 180.0,
+                 log_verbose: int = 0, exit_timeout_s: int = EXIT_TIMEOUT_S, startup_timeout_s: float = 180.0,
                  die_with_parent: bool = False, extra_args: Sequence[str] = ()):
         if model_control_mode not in CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {CONTROL_MODES}, got {model_control_mode!r}")
