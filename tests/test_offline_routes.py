@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from web.stack import RATIO, serve_stack
+from web.stack import library_pipeline, serve_stack
 
 TEXT = "Offline audio is one flow pass per sentence. A second sentence follows it."
 SEED = 11
@@ -29,20 +29,7 @@ def stack(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="module")
 def library(stack):
     """The library's pipeline on the same folder: (CosyVoice2, the stored "default" voice)."""
-    import torch
-
-    from cosyvoice_triton.runtime.synthesizer import CosyVoice2
-    from cosyvoice_triton.runtime.voice_store import open_voice_store
-
-    torch.set_num_threads(1)
-    tts = CosyVoice2.from_model_dir(stack.model_dir)
-    tts.llm.config.max_token_text_ratio = RATIO  # as the stack's server
-    store = open_voice_store(stack.voice_store)
-    try:
-        voice = store.get("default")
-    finally:
-        store.close()
-    return tts, voice
+    return library_pipeline(stack)
 
 
 def library_audio(library, stream: bool) -> np.ndarray:

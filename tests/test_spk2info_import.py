@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from web.stack import RATIO, serve_stack
+from web.stack import library_pipeline, serve_stack
 
 PROMPT_TEXT = "A speaker saved by the official code."
 SEED = 5
@@ -95,8 +95,6 @@ def test_import_round_trips_the_saved_features(stack, spk2info, tokenizer, capsy
 
 def test_imported_voices_are_listed_and_spoken_through_the_gateway(stack, spk2info):
     from cosyvoice_triton.messages import SynthesisRequest
-    from cosyvoice_triton.runtime.synthesizer import CosyVoice2
-    from cosyvoice_triton.runtime.voice_store import open_voice_store
 
     assert run_import(spk2info[0], stack.model_dir, stack.voice_store) == 0
     with urllib.request.urlopen(stack.gateway_url + "/v1/voices", timeout=30) as response:
@@ -111,14 +109,7 @@ def test_imported_voices_are_listed_and_spoken_through_the_gateway(stack, spk2in
                 return await response.read()
 
     got = np.frombuffer(asyncio.run(post()), "<f4")
-    torch.set_num_threads(1)
-    tts = CosyVoice2.from_model_dir(stack.model_dir)
-    tts.llm.config.max_token_text_ratio = RATIO
-    store = open_voice_store(stack.voice_store)
-    try:
-        voice = store.get("saved_a")
-    finally:
-        store.close()
+    tts, voice = library_pipeline(stack, "saved_a")
     request = SynthesisRequest(text="Hello from a saved speaker.", voice=voice, seed=SEED,
                                sampling=tts.llm.config.sampling)
     want = np.concatenate([c for c in tts.synthesize(request, stream=False) if c.size])

@@ -11,7 +11,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from web.stack import RATIO, serve_stack
+from web.stack import library_pipeline, serve_stack
 
 TEXT = "I have 3 cats and 25 dogs. They eat at 7 pm."
 SEED = 3
@@ -26,20 +26,8 @@ def stack(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def library(stack):
-    import torch
-
-    from cosyvoice_triton.runtime.synthesizer import CosyVoice2
-    from cosyvoice_triton.runtime.voice_store import open_voice_store
-
-    torch.set_num_threads(1)
-    tts = CosyVoice2.from_model_dir(stack.model_dir)
-    tts.llm.config.max_token_text_ratio = RATIO
-    store = open_voice_store(stack.voice_store)
-    try:
-        voice = store.get("default")
-    finally:
-        store.close()
-    return tts, voice
+    """The library's pipeline on the same folder: (CosyVoice2, the stored "default" voice)."""
+    return library_pipeline(stack)
 
 
 def request(library, text_frontend: bool):

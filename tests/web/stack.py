@@ -87,3 +87,21 @@ def serve_stack(root: Path, model_dir: Path | None = None) -> Iterator[Stack]:
     with triton_server(root, model_dir) as (server, model_dir, voice_store):
         with gateway(server, root / "gateway", model_dir, voice_store) as url:
             yield Stack(triton=server, gateway_url=url, model_dir=model_dir, voice_store=voice_store)
+
+
+def library_pipeline(stack: Stack, voice_id: str = "default"):
+    """The library's pipeline on the stack's folder, set up as the stack's server is (ratio, one torch
+    thread), and the stored voice `voice_id`: (CosyVoice2, PromptFeatures) for audio to compare with."""
+    import torch
+
+    from cosyvoice_triton.runtime.synthesizer import CosyVoice2
+    from cosyvoice_triton.runtime.voice_store import open_voice_store
+
+    torch.set_num_threads(1)
+    tts = CosyVoice2.from_model_dir(stack.model_dir)
+    tts.llm.config.max_token_text_ratio = RATIO
+    store = open_voice_store(stack.voice_store)
+    try:
+        return tts, store.get(voice_id)
+    finally:
+        store.close()
