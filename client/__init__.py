@@ -7,7 +7,7 @@
 
 Audio is float32 numpy at 24 kHz. Streams are iterators (`for` / `async for`) whose `close()` /
 `aclose()` cancels the request on the server. Server errors raise `TTSError` (`.field`, `.message`,
-`.status`, `.code`). Names are imported on first use, so `import cosyvoice_triton.client` stays light.
+`.status`, `.code`, and `.retry_after_s` for a refusal under overload or a limit). Names are imported on first use, so `import cosyvoice_triton.client` stays light.
 """
 from __future__ import annotations
 
@@ -18,13 +18,16 @@ from .common import SAMPLE_RATE, TTSError, VoiceInfo, read_wav, write_wav
 if TYPE_CHECKING:
     from .gateway_aio import AsyncGatewayTTS
     from .gateway_client import GatewayTTS
-    from .triton_client import AsyncAudioStream, AsyncTritonTTS, AudioStream, TritonTTS
+    from .triton_client import (AsyncAudioStream, AsyncTextAudioStream, AsyncTritonTTS, AudioStream,
+                                TextAudioStream, TritonTTS)
 
 _LAZY = {"TritonTTS": "triton_client", "AsyncTritonTTS": "triton_client", "AudioStream": "triton_client",
-         "AsyncAudioStream": "triton_client", "GatewayTTS": "gateway_client", "AsyncGatewayTTS": "gateway_aio"}
+         "AsyncAudioStream": "triton_client", "TextAudioStream": "triton_client",
+         "AsyncTextAudioStream": "triton_client", "GatewayTTS": "gateway_client", "AsyncGatewayTTS": "gateway_aio"}
 
 __all__ = ["SAMPLE_RATE", "TTSError", "VoiceInfo", "read_wav", "write_wav", "TritonTTS", "AsyncTritonTTS",
-           "AudioStream", "AsyncAudioStream", "GatewayTTS", "AsyncGatewayTTS"]
+           "AudioStream", "AsyncAudioStream", "TextAudioStream", "AsyncTextAudioStream", "GatewayTTS",
+           "AsyncGatewayTTS"]
 
 
 def __getattr__(name: str):

@@ -2,7 +2,7 @@
 
 ```
 cosyvoice-client synth --text "Hello there." --voice default --out hello.wav            # gateway
-cosyvoice-client synth --text "Hello there." --voice default --out hello.wav --stream   # chunks + times
+cosyvoice-client synth --text "Hello there." --voice default --out hello.wav --stream   # each chunk: ms, s
 cosyvoice-client synth --text - --prompt-audio me.wav --prompt-text "..." --out a.wav      # text from stdin
 cosyvoice-client synth --triton grpc://localhost:8001 --voice v_123 --text "Hi." --out a.wav
 cosyvoice-client synth --text "Hello there." --stream --chunk-first-hop 10 --out a.wav  # earlier first audio
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_triton.audio_out import FORMATS, AudioEncoder
-from cosyvoice_triton.messages import CHUNK_POLICIES, MODES
+from cosyvoice_triton.messages import CHUNK_POLICIES, MODES, VC_MODE
 
 from .common import SAMPLE_RATE, TTSError, write_wav
 
@@ -50,15 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("synth", help="speak a text into a wav file")
-    p.add_argument("--text", required=True, help="the text ('-': read it from standard input)")
+    p.add_argument("--text", default=None, help="the text ('-': read it from standard input; not with --mode vc)")
     voice = p.add_mutually_exclusive_group()
     voice.add_argument("--voice", default=None, help="a registered voice id (gateway default: 'default')")
     voice.add_argument("--prompt-audio", "--prompt-wav", dest="prompt_audio", type=Path, default=None,
                        help="a prompt recording to clone instead (--prompt-wav: its older name)")
     p.add_argument("--prompt-text", default=None, help="transcript of --prompt-audio (zero_shot needs it)")
-    p.add_argument("--mode", choices=MODES, default=None)
+    p.add_argument("--mode", choices=(*MODES, VC_MODE), default=None,
+                   help="vc: voice conversion of --source-wav into the voice (no text)")
+    p.add_argument("--source-wav", type=Path, default=None, help="--mode vc: the recording to convert")
     p.add_argument("--instruct", default=None, help="the instruction (instruct2 mode)")
     p.add_argument("--seed", type=int, default=None, help="same seed and inputs: same audio")
+    p.add_argument("--speed", type=float, default=None, metavar="X",
+                   help="speaking speed, 0.25 to 4 (default 1): the mel interpolated by 1 / X, as the official code")
     p.add_argument("--no-text-frontend", dest="text_frontend", action="store_const", const=False, default=None,
                    help="speak the text as given: no normalization, no sentence splitting")
     p.add_argument("--chunk-first-hop", type=int, default=None, metavar="TOKENS",
@@ -73,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="the audio file to write (24 kHz; opus 48 kHz)")
     p.add_argument("--format", choices=tuple(FORMATS), default=None,
                    help="the file's format (default: from the --out suffix, else wav: 16-bit)")
-    p.add_argument("--stream", action="store_true", help="stream: print each chunk's arrival time")
+    p.add_argument("--stream", action="store_true",
+                   help="stream: print each audio chunk as it arrives (index, arrival ms, seconds of audio)")
     p.add_argument("--ws", action="store_true", help="stream over the gateway's WebSocket (implies --stream)")
     p.add_argument("--float", dest="float32", action="store_true", help="wav: write 32-bit float samples")
     _add_target(p)
@@ -113,10 +118,15 @@ def _triton(args):
 
 
 def _synth(args) -> int:
+    if args.mode == VC_MODE:
+        return _convert(args)
+    if args.text is None or args.source_wav is not None:
+        raise SystemExit("cosyvoice-client: --text is required (--source-wav only with --mode vc)")
     text = sys.stdin.read() if args.text == "-" else args.text
     options = {"mode": args.mode, "instruct": args.instruct, "seed": args.seed, "text_frontend": args.text_frontend,
                "chunk_first_hop": args.chunk_first_hop, "chunk_hop_scale": args.chunk_hop_scale,
-               "chunk_max_hop": args.chunk_max_hop, "chunk_policy": args.chunk_policy}  # None: not sent
+               "chunk_max_hop": args.chunk_max_hop, "chunk_policy": args.chunk_policy,
+               "speed": args.speed}  # None: not sent
     if args.prompt_audio is not None:
         options.update(prompt_audio=args.prompt_audio.read_bytes(), prompt_text=args.prompt_text)
     else:
@@ -150,6 +160,25 @@ def _synth(args) -> int:
                 writer.add(client.synthesize(text, **options))
     elapsed = time.monotonic() - started
     print(f"wrote {args.out}: {writer.samples / SAMPLE_RATE:.2f} s of audio in {elapsed:.2f} s", file=sys.stderr)
+    return 0
+
+
+def _convert(args) -> int:
+    """--mode vc: POST /v1/vc with --source-wav, in --voice or the voice of --prompt-audio."""
+    if args.source_wav is None or args.text is not None or args.triton:
+        raise SystemExit("cosyvoice-client: --mode vc takes --source-wav (no --text), through the gateway")
+    voice = {"prompt_audio": args.prompt_audio.read_bytes()} if args.prompt_audio else {"voice_id": args.voice}
+    source, started = args.source_wav.read_bytes(), time.monotonic()
+    fmt = args.format or SUFFIX_FORMATS.get(args.out.suffix.lower(), "wav")
+    client = _gateway(args)
+    with _AudioWriter(args.out, fmt, args.float32) as writer:
+        if args.stream:
+            _collect(client.convert_stream(source, seed=args.seed, speed=args.speed, **voice), started, True,
+                     writer.add)
+        else:
+            writer.add(client.convert(source, seed=args.seed, speed=args.speed, **voice))
+    print(f"wrote {args.out}: {writer.samples / SAMPLE_RATE:.2f} s of audio in {time.monotonic() - started:.2f} s",
+          file=sys.stderr)
     return 0
 
 
@@ -190,6 +219,9 @@ class _AudioWriter:
 
 
 def _collect(stream, started: float, verbose: bool, add) -> None:
+    """Feed each audio chunk of `stream` to `add`; verbose: print one line per chunk as the service sent it
+    (a gRPC response, a WebSocket frame, a chunk of the HTTP body): its index, its arrival after the
+    request, in ms, and its seconds of audio."""
     count, total = 0, 0
     with stream:
         for chunk in stream:
@@ -197,12 +229,17 @@ def _collect(stream, started: float, verbose: bool, add) -> None:
             count += 1
             total += chunk.size
             if verbose:
-                print(f"chunk {count - 1}: {chunk.size / SAMPLE_RATE:.2f} s of audio at "
-                      f"{(time.monotonic() - started) * 1000:.0f} ms (total {total / SAMPLE_RATE:.2f} s)",
-                      file=sys.stderr)
+                print(chunk_line(count - 1, time.monotonic() - started, chunk.size / SAMPLE_RATE,
+                                 total / SAMPLE_RATE), file=sys.stderr)
     if verbose and count:
         first = stream.stats.first_chunk_s
-        print(f"first chunk after {first * 1000:.0f} ms", file=sys.stderr)
+        print(f"first chunk after {first * 1000:.0f} ms; {count} chunks, {total / SAMPLE_RATE:.3f} s of audio",
+              file=sys.stderr)
+
+
+def chunk_line(index: int, arrival_s: float, seconds: float, total_s: float) -> str:
+    """One streamed chunk as --stream prints it: chunk 3: at 812 ms, 0.480 s of audio (total 1.920 s)."""
+    return f"chunk {index}: at {arrival_s * 1000:.0f} ms, {seconds:.3f} s of audio (total {total_s:.3f} s)"
 
 
 def _voice_line(info) -> str:

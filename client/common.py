@@ -1,6 +1,7 @@
 """What the Triton and gateway clients share: the error type, voice records, prompt audio and WAV files.
 
-Everything here needs only numpy and the standard library.
+Everything here needs only numpy, the standard library and `cosyvoice_triton.admission` (standard library
+only), whose refusal messages say "retry after N s".
 """
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import io
 import os
 import re
 import struct
+import time
 import wave
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 
 import numpy as np
+
+from cosyvoice_triton.admission import retry_after_from_message
 
 SAMPLE_RATE = 24000  # CosyVoice2 speaks at 24 kHz, mono
 
@@ -28,37 +33,64 @@ class TTSError(Exception):
     `message` is the server's text ("text: must not be empty"), `field` the request field at fault when
     the server named one ("text", "voice_id", "target_text", ...), `status` an HTTP status or a gRPC code
     name ("INVALID_ARGUMENT", "UNAVAILABLE", ...), `code` the gateway's short reason ("invalid_input",
-    "not_found", "too_many_streams", ...).
+    "not_found", "too_many_streams", ...), `retry_after_s` the seconds the server asked the client to wait
+    before trying again when it refused under overload or a limit (the gateway's `Retry-After` header or
+    WebSocket `retry_after`, Triton's "retry after N s"), else None.
     """
 
     def __init__(self, message: str, *, field: str | None = None, status: int | str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry_after_s: float | None = None):
         self.message = message
         self.field = field
         self.status = status
         self.code = code
+        self.retry_after_s = retry_after_s
         super().__init__(message if not field or message.startswith(f"{field}:") else f"{field}: {message}")
 
     @classmethod
     def from_message(cls, text: str, status: int | str | None = None) -> TTSError:
-        """A Triton error text; by this project's convention "field: problem" names the field."""
+        """A Triton error text; by this project's convention "field: problem" names the field, and a
+        refusal under overload ends "retry after N s"."""
         text = (text or "unknown error").strip()
         match = _FIELD.match(text)
-        return cls(text, field=match.group(1) if match else None, status=status)
+        return cls(text, field=match.group(1) if match else None, status=status,
+                   retry_after_s=retry_after_from_message(text, default=None))
 
     @classmethod
-    def from_body(cls, body: object, status: int | None = None) -> TTSError:
-        """A gateway error: {"error": {"message", "code", "param", "type"}} over HTTP, or
-        {"type": "error", "message", "code", "param", "status"} over the WebSocket."""
+    def from_body(cls, body: object, status: int | None = None, retry_after: str | None = None) -> TTSError:
+        """A gateway error: {"error": {"message", "code", "param", "type"}} over HTTP (`retry_after`: the
+        answer's Retry-After header), or {"type": "error", "message", "code", "param", "status",
+        "retry_after"} over the WebSocket."""
+        retry_after_s = retry_after_seconds(retry_after)
         error = body.get("error") if isinstance(body, dict) else None
         if isinstance(body, dict) and body.get("type") == "error":
             error = body
+            retry_after_s = retry_after_seconds(body.get("retry_after"))
         if isinstance(error, str):
             error = {"message": error}
         if not isinstance(error, dict):
-            return cls(f"HTTP {status}: {str(body)[:300]}", status=status)
+            return cls(f"HTTP {status}: {str(body)[:300]}", status=status, retry_after_s=retry_after_s)
         return cls(str(error.get("message") or f"HTTP {status}"), field=error.get("param") or error.get("field"),
-                   status=error.get("status", status), code=error.get("code"))
+                   status=error.get("status", status), code=error.get("code"), retry_after_s=retry_after_s)
+
+
+def retry_after_seconds(value: str | float | None) -> float | None:
+    """A Retry-After value in seconds: delta-seconds ("2"), or an HTTP date (seconds from now, at least 0);
+    None when absent or unreadable."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return max(0.0, float(value))
+    text = str(value).strip()
+    if text.isdigit():
+        return float(text)
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None  # an HTTP date is always GMT; a date without a zone is not one
+    return max(0.0, when.timestamp() - time.time())
 
 
 @dataclass(frozen=True)
@@ -70,6 +102,7 @@ class VoiceInfo:
     prompt_tokens: int | None = None  # prompt speech tokens stored (25 per second of prompt)
     prompt_text: str | None = None
     name: str | None = None
+    modes: tuple[str, ...] | None = None  # what it can serve: zero_shot only with a transcript (None: not said)
     extra: dict | None = None  # whatever else the server told about it
 
     @property

@@ -25,8 +25,8 @@ from urllib.parse import quote
 import aiohttp
 import numpy as np
 
-from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo
-from .gateway_client import DEFAULT_URL, _voice_form, tts_body, voice_from_json
+from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo, retry_after_seconds
+from .gateway_client import DEFAULT_URL, _voice_form, tts_body, vc_form, voice_from_json
 from .gateway_streams import PcmDecoder, StreamInfo, error_from_body, ws_message
 
 
@@ -45,7 +45,7 @@ class AsyncHttpAudioStream(AsyncIterator[np.ndarray]):
     async def __anext__(self) -> np.ndarray:
         while True:
             try:
-                data = await self._response.content.readany()
+                data = await self._read_http_chunk()
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
                 await self.aclose()
                 raise TTSError(f"the stream was cut before its end ({type(exc).__name__})", status=502) from None
@@ -56,6 +56,16 @@ class AsyncHttpAudioStream(AsyncIterator[np.ndarray]):
             if chunk.size:
                 self.stats._add(chunk, self._started)
                 return chunk
+
+    async def _read_http_chunk(self) -> bytes:
+        """One chunk of the chunked body, whole (the gateway writes each audio chunk as one): aiohttp's
+        readchunk() gives (data, end of an HTTP chunk), and (b"", False) at the end of the body."""
+        parts = []
+        while True:
+            data, chunk_end = await self._response.content.readchunk()
+            parts.append(data)
+            if chunk_end or not data:
+                return b"".join(parts)
 
     async def aclose(self) -> None:
         self._response.close()
@@ -145,6 +155,16 @@ class AsyncWsAudioStream(AsyncIterator[np.ndarray]):
         await self.aclose()
 
 
+def _vc_form_data(audio: PromptAudio, **options) -> aiohttp.FormData:
+    fields, files = vc_form(audio, **options)
+    form = aiohttp.FormData()
+    for key, value in fields.items():
+        form.add_field(key, value)
+    for key, (filename, data) in files.items():
+        form.add_field(key, data, filename=filename, content_type="application/octet-stream")
+    return form
+
+
 class AsyncGatewayTTS:
     """asyncio client of the gateway (aiohttp). Same methods as `GatewayTTS`, awaited; `stream()` and
     `stream_ws()` are awaited once and then iterated with `async for`."""
@@ -171,7 +191,7 @@ class AsyncGatewayTTS:
         if response.status >= 400:
             data = await response.read()
             response.release()
-            raise error_from_body(data, response.status)
+            raise error_from_body(data, response.status, response.headers.get("Retry-After"))
         return response
 
     async def _request(self, method: str, path: str, **kwargs) -> bytes:
@@ -208,7 +228,9 @@ class AsyncGatewayTTS:
         try:
             ws = await self.session.ws_connect(ws_url, max_msg_size=0)
         except aiohttp.WSServerHandshakeError as exc:
-            raise TTSError(exc.message or f"WebSocket refused ({exc.status})", status=exc.status) from None
+            retry_after = exc.headers.get("Retry-After") if exc.headers else None
+            raise TTSError(exc.message or f"WebSocket refused ({exc.status})", status=exc.status,
+                           retry_after_s=retry_after_seconds(retry_after)) from None
         except aiohttp.ClientConnectionError as exc:
             raise TTSError(f"cannot reach the gateway at {self.url}: {exc}", status="UNREACHABLE") from None
         started = time.monotonic()
@@ -222,6 +244,18 @@ class AsyncGatewayTTS:
             await ws.close()
             raise
         return stream
+
+    async def convert(self, audio: PromptAudio, **options) -> np.ndarray:
+        """Voice conversion (POST /v1/vc), options as `GatewayTTS.convert`."""
+        return np.frombuffer(await self.convert_file(audio, "pcm_f32", **options), "<f4").astype(np.float32)
+
+    async def convert_file(self, audio: PromptAudio, format: str = "wav", **options) -> bytes:
+        return await self._request("POST", "/v1/vc", data=_vc_form_data(audio, format=format, **options))
+
+    async def convert_stream(self, audio: PromptAudio, **options) -> AsyncHttpAudioStream:
+        started = time.monotonic()
+        response = await self._open("POST", "/v1/vc", data=_vc_form_data(audio, stream=True, **options))
+        return AsyncHttpAudioStream(response, started)
 
     async def speech(self, input: str, *, voice: str = "default", model: str = "cosyvoice2",
                      response_format: str = "wav", instructions: str | None = None, seed: int | None = None) -> bytes:

@@ -13,6 +13,7 @@ with GatewayTTS("http://localhost:8080") as tts:
     with tts.stream_ws(["Hello ", "there. ", "How are you?"]) as chunks:  # text in as it is written
         for chunk in chunks: ...
     print(chunks.stats)   # the server's end message: first_chunk_ms, audio_seconds, segments, ...
+    converted = tts.convert("source.wav", voice_id=voice.voice_id)      # voice conversion (POST /v1/vc)
 ```
 Options of synthesize/stream/stream_ws: voice_id | prompt_audio (+ prompt_sample_rate for samples) +
 prompt_text, mode, instruct, seed, and the chunk policy `chunk_first_hop`, `chunk_hop_scale`,
@@ -20,7 +21,8 @@ prompt_text, mode, instruct, seed, and the chunk policy `chunk_first_hop`, `chun
 for earlier first audio).
 Audio comes as float32 numpy arrays (the gateway's `pcm_f32`). Leaving a `with` block (or `close()`)
 before the end closes the connection, and the gateway cancels the synthesis on Triton. Errors raise
-`TTSError` with the gateway's `param` as `field`, its `code` and the HTTP status.
+`TTSError` with the gateway's `param` as `field`, its `code`, the HTTP status and, for a refusal (429, 503),
+`retry_after_s` from its Retry-After (a WebSocket error message's `retry_after`).
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def tts_body(text: str | None, *, voice_id: str | None = None, prompt_audio: Pro
              instruct: str | None = None, seed: int | None = None, text_frontend: bool | None = None,
              chunk_first_hop: int | None = None,
              chunk_hop_scale: float | None = None, chunk_max_hop: int | None = None,
-             chunk_policy: str | None = None) -> dict:
+             chunk_policy: str | None = None, speed: float | None = None) -> dict:
     """The JSON of a /v1/tts request (or, without `format`/`stream`, of a WebSocket start message).
     Options left None are not sent: the gateway's (or the server's) default applies."""
     body: dict = {} if text is None else {"text": text}
@@ -67,16 +69,17 @@ def tts_body(text: str | None, *, voice_id: str | None = None, prompt_audio: Pro
         body["prompt_audio"] = base64.b64encode(_prompt_file(prompt_audio, prompt_sample_rate)).decode("ascii")
     for name, value in (("prompt_text", prompt_text), ("mode", mode), ("instruct", instruct), ("seed", seed), ("text_frontend", text_frontend),
                         ("chunk_first_hop", chunk_first_hop), ("chunk_hop_scale", chunk_hop_scale),
-                        ("chunk_max_hop", chunk_max_hop), ("chunk_policy", chunk_policy)):
+                        ("chunk_max_hop", chunk_max_hop), ("chunk_policy", chunk_policy), ("speed", speed)):
         if value is not None:
             body[name] = value
     return body
 
 
 def voice_from_json(data: dict) -> VoiceInfo:
-    known = {"id", "name", "text", "audio_sha256", "prompt_tokens"}
+    known = {"id", "name", "text", "audio_sha256", "prompt_tokens", "modes"}
     return VoiceInfo(voice_id=data["id"], audio_sha256=data.get("audio_sha256"),
                      prompt_tokens=data.get("prompt_tokens"), prompt_text=data.get("text"), name=data.get("name"),
+                     modes=tuple(data["modes"]) if "modes" in data else None,
                      extra={k: v for k, v in data.items() if k not in known})
 
 
@@ -103,6 +106,27 @@ def _voice_form(audio: PromptAudio, prompt_text: str, voice_id: str | None, name
     if name is not None:
         fields["name"] = name
     return fields, data, filename
+
+
+def vc_form(audio: PromptAudio, *, voice_id: str | None = None, prompt_audio: PromptAudio | None = None,
+            seed: int | None = None, sample_rate: int | None = None, prompt_sample_rate: int | None = None,
+            format: str = "pcm_f32", stream: bool = False,
+            speed: float | None = None) -> tuple[dict[str, str], dict[str, tuple[str, bytes]]]:
+    """The multipart fields and files of a POST /v1/vc request: `audio` the source recording (a file path, the
+    file's bytes, or samples at `sample_rate`), the voice as `voice_id` or a target recording `prompt_audio`."""
+    if voice_id is not None and prompt_audio is not None:
+        raise ValueError("give voice_id or prompt_audio, not both")
+    fields = {"format": format, "stream": "true" if stream else "false"}
+    if voice_id is not None:
+        fields["voice_id"] = voice_id
+    if seed is not None:
+        fields["seed"] = str(seed)
+    if speed is not None:
+        fields["speed"] = str(speed)
+    files = {"audio": ("source.wav", _prompt_file(audio, sample_rate))}
+    if prompt_audio is not None:
+        files["prompt_audio"] = ("prompt.wav", _prompt_file(prompt_audio, prompt_sample_rate))
+    return fields, files
 
 
 # ---- blocking client ---------------------------------------------------------------------------------
@@ -145,7 +169,7 @@ class GatewayTTS:
         if response.status >= 400:
             data = response.read()
             connection.close()
-            raise error_from_body(data, response.status)
+            raise error_from_body(data, response.status, response.getheader("Retry-After"))
         return connection, response
 
     def _request(self, method: str, path: str, body: bytes | None = None, content_type: str | None = None) -> bytes:
@@ -184,12 +208,16 @@ class GatewayTTS:
         connection, response = self._open("POST", "/v1/tts", json.dumps(body).encode(), "application/json")
         return HttpAudioStream(connection, response, started)
 
-    def stream_ws(self, text: str | Iterable[str] | None = None, **options) -> WsAudioStream:
+    def stream_ws(self, text: str | Iterable[str] | None = None, *, text_mode: str | None = None,
+                  **options) -> WsAudioStream:
         """A WebSocket session. `text`: a string (sent with the start message, then "end"), an iterable of
-        pieces (sent from a thread as they come, then "end"), or None (call send_text/flush/end)."""
+        pieces (sent from a thread as they come, then "end"), or None (call send_text/flush/end).
+        `text_mode="bistream"`: the text goes to one synthesis as it is written (audio before a sentence ends)."""
         from websockets.sync.client import connect
 
         start = {"type": "start", **tts_body(None, **options), "format": "pcm_f32"}
+        if text_mode is not None:
+            start["text_mode"] = text_mode
         if isinstance(text, str):
             start["text"] = text
         scheme = "wss" if self._parts.scheme == "https" else "ws"
@@ -208,7 +236,7 @@ class GatewayTTS:
                 body = json.loads(response.body)
             except (TypeError, ValueError):
                 body = str(exc)
-            raise TTSError.from_body(body, response.status_code) from None
+            raise TTSError.from_body(body, response.status_code, response.headers.get("Retry-After")) from None
         started = time.monotonic()
         ws.send(json.dumps(start))
         if isinstance(text, str):
@@ -218,6 +246,24 @@ class GatewayTTS:
         except BaseException:
             ws.close()
             raise
+
+    def convert(self, audio: PromptAudio, **options) -> np.ndarray:
+        """Voice conversion (POST /v1/vc): the source recording `audio` spoken again in a voice, the whole
+        waveform (float32, 24 kHz). Options: voice_id | prompt_audio (a target recording; + prompt_sample_rate
+        for samples), seed, speed, sample_rate (of `audio` when it is samples)."""
+        return np.frombuffer(self.convert_file(audio, "pcm_f32", **options), "<f4").astype(np.float32)
+
+    def convert_file(self, audio: PromptAudio, format: str = "wav", **options) -> bytes:
+        """Voice conversion as a file of `format`, encoded by the gateway."""
+        body, content_type = _multipart(*vc_form(audio, format=format, **options))
+        return self._request("POST", "/v1/vc", body, content_type)
+
+    def convert_stream(self, audio: PromptAudio, **options) -> HttpAudioStream:
+        """Voice conversion streamed (POST /v1/vc with stream true): chunks as the gateway writes them."""
+        body, content_type = _multipart(*vc_form(audio, stream=True, **options))
+        started = time.monotonic()
+        connection, response = self._open("POST", "/v1/vc", body, content_type)
+        return HttpAudioStream(connection, response, started)
 
     def speech(self, input: str, *, voice: str = "default", model: str = "cosyvoice2",
                response_format: str = "wav", instructions: str | None = None, seed: int | None = None) -> bytes:

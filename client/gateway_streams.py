@@ -51,13 +51,14 @@ class StreamInfo:
         self.samples += chunk.size
 
 
-def error_from_body(data: bytes, status: int) -> TTSError:
-    """The gateway's error answer (JSON, or plain text from something in front of it) as a TTSError."""
+def error_from_body(data: bytes, status: int, retry_after: str | None = None) -> TTSError:
+    """The gateway's error answer (JSON, or plain text from something in front of it; `retry_after`: its
+    Retry-After header) as a TTSError."""
     try:
         body = json.loads(data)
     except ValueError:
         body = data.decode("utf-8", "replace")
-    return TTSError.from_body(body, status)
+    return TTSError.from_body(body, status, retry_after)
 
 
 def ws_message(stats: StreamInfo, decoder: PcmDecoder, message: bytes | dict,
@@ -78,7 +79,7 @@ def ws_message(stats: StreamInfo, decoder: PcmDecoder, message: bytes | dict,
 
 
 class HttpAudioStream(Iterator[np.ndarray]):
-    """Float32 chunks of a streamed /v1/tts answer, as they arrive. `close()` cancels."""
+    """Float32 chunks of a streamed /v1/tts answer, as the gateway sent them, when they arrive. `close()` cancels."""
 
     def __init__(self, connection: http.client.HTTPConnection, response: http.client.HTTPResponse, started: float):
         self._connection = connection
@@ -96,7 +97,7 @@ class HttpAudioStream(Iterator[np.ndarray]):
     def __next__(self) -> np.ndarray:
         while not self._done:
             try:
-                data = self._response.read1(_READ)
+                data = self._read_http_chunk()
             except (http.client.IncompleteRead, OSError) as exc:
                 self.close()
                 raise TTSError(f"the stream was cut before its end ({type(exc).__name__})", status=502) from None
@@ -108,6 +109,15 @@ class HttpAudioStream(Iterator[np.ndarray]):
                 self.stats._add(chunk, self._started)
                 return chunk
         raise StopIteration
+
+    def _read_http_chunk(self) -> bytes:
+        """One chunk of the chunked body, whole: the gateway writes each audio chunk as one (routes_tts),
+        so these are the service's chunks, not the network's reads. `chunked`/`chunk_left` are
+        http.client's framing state (bytes left of the current chunk; 0 at its end, None after the last)."""
+        parts = [self._response.read1(_READ)]
+        while parts[-1] and self._response.chunked and self._response.chunk_left:
+            parts.append(self._response.read1(self._response.chunk_left))
+        return b"".join(parts)
 
     def close(self) -> None:
         self._done = True

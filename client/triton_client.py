@@ -9,13 +9,15 @@ with TritonTTS("localhost:8001") as tts:
         for chunk in chunks:          # float32 numpy arrays at 24 kHz, as the server makes them
             play(chunk)               # leaving the block early cancels the request on the server
     audio = tts.synthesize("Hello there.", voice_id=voice.voice_id)
+    converted = tts.convert("source.wav", voice_id=voice.voice_id, seed=1)   # voice conversion (mode vc)
 ```
 
 A stream is one gRPC `ModelStreamInfer` call carrying one request to the decoupled `cosyvoice2` model
 (tensor contract: `cosyvoice_triton.triton.contracts`). Responses carry `waveform` chunks and end with
 the empty final response (`triton_enable_empty_final_response`). Closing a stream before that cancels
 the call, which Triton passes on to the model as a cancellation (its LLM slot and vocoder state are
-freed). Errors (a bad field, an unknown voice, a busy server) raise `TTSError` with the field named.
+freed). Errors (a bad field, an unknown voice, a busy server) raise `TTSError` with the field named; a
+refusal under overload ("... retry after N s") sets its `retry_after_s`.
 
 Requests are built straight from Triton's protobuf messages, so the blocking and asyncio clients share
 them, and the blocking client needs no callback thread of its own.
@@ -26,7 +28,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -35,7 +37,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from cosyvoice_triton.messages import MODES
 from cosyvoice_triton.triton import contracts
-from cosyvoice_triton.triton.wire import CHANNEL_OPTIONS, infer_request, is_final, response_outputs
+from cosyvoice_triton.triton.wire import (CHANNEL_OPTIONS, STREAM_END_WAIT_S, infer_request, is_final,
+                                          response_outputs)
 
 from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo, as_samples, prompt_bytes
 
@@ -57,30 +60,74 @@ def _prompt(prompt_audio: PromptAudio | None, prompt_sample_rate: int | None) ->
     return {"audio_file": prompt_bytes(prompt_audio)}
 
 
+def _check_voice(voice_id: str | None, prompt_audio: PromptAudio | None) -> None:
+    if voice_id is None and prompt_audio is None:
+        raise ValueError("a voice is required: voice_id or prompt_audio")
+    if voice_id is not None and prompt_audio is not None:
+        raise ValueError("give voice_id or prompt_audio, not both")
+
+
+def _check_options(overrides: dict, known) -> None:
+    unknown = [name for name in overrides if name not in known]
+    if unknown:
+        raise TypeError(f"unknown option {unknown[0]!r}; known: {', '.join(known)}")
+
+
 def synthesis_inputs(text: str, *, voice_id: str | None = None, prompt_audio: PromptAudio | None = None,
                      prompt_sample_rate: int | None = None, prompt_text: str | None = None,
                      mode: str | None = None, instruct: str | None = None, seed: int | None = None,
                      **overrides: float) -> dict[str, np.ndarray]:
     """The tensors of one `cosyvoice2` request, from the SDK's argument names."""
-    if voice_id is None and prompt_audio is None:
-        raise ValueError("a voice is required: voice_id or prompt_audio")
-    if voice_id is not None and prompt_audio is not None:
-        raise ValueError("give voice_id or prompt_audio, not both")
+    _check_voice(voice_id, prompt_audio)
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    unknown = [name for name in overrides if name not in contracts.OPTION_TYPES]
-    if unknown:
-        raise TypeError(f"unknown option {unknown[0]!r}; known: {', '.join(contracts.OPTION_TYPES)}")
+    _check_options(overrides, contracts.OPTION_TYPES)
     return contracts.synthesis_inputs(text, voice_id=voice_id, **_prompt(prompt_audio, prompt_sample_rate),
                                       prompt_text=prompt_text, mode=mode, instruct_text=instruct, seed=seed,
                                       **overrides)
 
 
+CONVERSION_OPTIONS = ("chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy")
+
+
+def conversion_inputs(audio: PromptAudio, *, sample_rate: int | None = None, voice_id: str | None = None,
+                      prompt_audio: PromptAudio | None = None, prompt_sample_rate: int | None = None,
+                      seed: int | None = None, speed: float | None = None,
+                      **overrides: float | str) -> dict[str, np.ndarray]:
+    """The tensors of one voice conversion (`cosyvoice2` mode vc): the source recording `audio` (a file path,
+    its bytes, or samples at `sample_rate`) and the voice (`voice_id`, or a target recording `prompt_audio`)."""
+    _check_voice(voice_id, prompt_audio)
+    _check_options(overrides, CONVERSION_OPTIONS)
+    if isinstance(audio, np.ndarray):
+        if not sample_rate:
+            raise ValueError("sample_rate is required with source samples")
+        source = {"source_samples": as_samples(audio), "source_rate": sample_rate}
+    else:
+        source = {"source_file": prompt_bytes(audio)}
+    return contracts.conversion_inputs(**source, voice_id=voice_id, **_prompt(prompt_audio, prompt_sample_rate),
+                                       seed=seed, speed=speed, **overrides)
+
+
 def stream_request(model: str, text: str, request_id: str | None, **options) -> service_pb2.ModelInferRequest:
     """The `ModelStreamInfer` request of one synthesis (`options` as for `synthesis_inputs`); a fresh id
     when none is given."""
-    return infer_request(model, synthesis_inputs(text, **options), request_id or uuid.uuid4().hex,
-                         empty_final=True)
+    return _stream_request(model, synthesis_inputs(text, **options), request_id)
+
+
+def _stream_request(model: str, values: dict[str, np.ndarray], request_id: str | None) -> service_pb2.ModelInferRequest:
+    return infer_request(model, values, request_id or uuid.uuid4().hex, empty_final=True)
+
+
+def bistream_request(model: str, request_id: str | None, **options) -> service_pb2.ModelInferRequest:
+    """The opening request of a bistream synthesis (text_mode bistream, no text yet; `options` as for
+    `synthesis_inputs`): its id names the synthesis in the text_append requests that follow."""
+    request_id = request_id or uuid.uuid4().hex
+    return stream_request(model, "", request_id, text_mode="bistream", text_stream_id=request_id, **options)
+
+
+def _waveform(response: service_pb2.ModelInferResponse) -> np.ndarray:
+    """The whole waveform of an offline model's answer."""
+    return response_outputs(response)["waveform"].astype(np.float32, copy=False)
 
 
 def _rpc_error(exc: grpc.RpcError) -> TTSError:
@@ -140,6 +187,8 @@ class _StreamResponses:
         if response.error_message:
             self._finish()
             raise TTSError.from_message(response.error_message)
+        if response.infer_response.id.startswith(_append_prefix(self.request_id)):
+            return None  # a bistream text_append's own (empty, final) answer
         chunk = response_outputs(response.infer_response).get("waveform")
         if is_final(response.infer_response):
             self._finish()
@@ -190,10 +239,24 @@ class AudioStream(_StreamResponses, Iterator[np.ndarray]):
                 raise self._ended_early() from None
             except grpc.RpcError as exc:
                 raise self._failed(exc) from None
-            chunk = self._chunk_of(response)
+            try:
+                chunk = self._chunk_of(response)
+            finally:  # the final response, or an error one (our models send errors as the final)
+                if self._finished:
+                    self._await_end()
             if chunk is not None:
                 return chunk
         raise StopIteration
+
+    def _await_end(self) -> None:
+        """After the final response: read the call to its end (our side has closed, so the server ends it
+        with OK at once). Dropping it unread would cancel it, and a cancel racing Triton 2.51's own end of
+        the call can leave the request held in its gRPC frontend (the model then never unloads)."""
+        try:
+            for _ in self._call:
+                pass
+        except grpc.RpcError:
+            pass
 
     def close(self) -> None:
         """Cancel the request if it is still running."""
@@ -218,8 +281,42 @@ class AudioStream(_StreamResponses, Iterator[np.ndarray]):
             pass
 
 
-class TritonTTS:
-    """Blocking client of a CosyVoice2 Triton server's gRPC endpoint (`host:port`, default port 8001)."""
+def _append_prefix(request_id: str) -> str:
+    return f"{request_id}/text/"
+
+
+def _text_append(request: service_pb2.ModelInferRequest, index: int, piece: str,
+                 end: bool = False) -> service_pb2.ModelInferRequest:
+    """The text_append request carrying bistream `request`'s piece `index` (1, 2, ...; `end` after the last)."""
+    values = contracts.text_append_inputs(request.id, piece, end)
+    return infer_request(request.model_name, values, f"{_append_prefix(request.id)}{index}")
+
+
+class TextAudioStream(AudioStream):
+    """The chunks of one bistream synthesis whose text comes from an iterator as it is written (an LLM
+    streaming its answer): one `ModelStreamInfer` call carries the opening request (text_mode bistream),
+    then a text_append request per piece as the iterator yields it, and one with text_end after the
+    last. The audio starts before the text is complete; iterate and close as an `AudioStream`."""
+
+    def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub, request: service_pb2.ModelInferRequest,
+                 text: Iterable[str], timeout_s: float | None):
+        self._begin(request, threading.Event())
+
+        def requests():
+            yield request
+            count = 0
+            for count, piece in enumerate(text, start=1):
+                if self._finished:
+                    return
+                yield _text_append(request, count, piece)
+            yield _text_append(request, count + 1, "", end=True)
+            self._done.wait()  # keep our side open until the last response (or a cancel)
+
+        self._call = stub.ModelStreamInfer(requests(), timeout=timeout_s)
+
+
+class _Settings:
+    """Where the clients send their requests: the endpoint, the three models, the per-call timeout."""
 
     def __init__(self, url: str = "localhost:8001", *, model: str = STREAMING_MODEL,
                  offline_model: str = OFFLINE_MODEL, register_model: str = REGISTER_MODEL,
@@ -227,6 +324,14 @@ class TritonTTS:
         self.url = url.removeprefix("grpc://")
         self.model, self.offline_model, self.register_model = model, offline_model, register_model
         self.timeout_s = timeout_s
+
+
+class TritonTTS(_Settings):
+    """Blocking client of a CosyVoice2 Triton server's gRPC endpoint (`host:port`, default port 8001); keywords
+    `model`, `offline_model`, `register_model`, `timeout_s` as `_Settings`."""
+
+    def __init__(self, url: str = "localhost:8001", **settings):
+        super().__init__(url, **settings)
         self._channel = grpc.insecure_channel(self.url, options=CHANNEL_OPTIONS)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
@@ -240,30 +345,55 @@ class TritonTTS:
                                  instruct=instruct, seed=seed, **overrides)
         return AudioStream(self._stub, request, self.timeout_s)
 
+    def stream_text(self, text: Iterable[str], *, voice_id: str | None = None,
+                    prompt_audio: PromptAudio | None = None, prompt_sample_rate: int | None = None,
+                    prompt_text: str | None = None, mode: str | None = None, instruct: str | None = None,
+                    seed: int | None = None, request_id: str | None = None, **overrides: float) -> TextAudioStream:
+        """Bistream: synthesize the text that `text` yields in pieces as it is written (one LLM stream reads
+        it as it comes), audio starting before the text is complete. The pieces are read from the gRPC
+        call's own thread, as the server takes them."""
+        request = bistream_request(self.model, request_id, voice_id=voice_id, prompt_audio=prompt_audio,
+                                   prompt_sample_rate=prompt_sample_rate, prompt_text=prompt_text, mode=mode,
+                                   instruct=instruct, seed=seed, **overrides)
+        return TextAudioStream(self._stub, request, text, self.timeout_s)
+
     def synthesize(self, text: str, *, offline: bool = False, **kwargs) -> np.ndarray:
         """The whole waveform: the stream's chunks joined, or (`offline=True`) one call to the offline twin."""
         if not offline:
             with self.stream(text, **kwargs) as chunks:
                 return _join(list(chunks))
-        request_id = kwargs.pop("request_id", None) or uuid.uuid4().hex
-        values = synthesis_inputs(text, **kwargs)
-        try:
-            response = self._stub.ModelInfer(infer_request(self.offline_model, values, request_id),
-                                             timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            raise _rpc_error(exc) from None
-        return response_outputs(response)["waveform"].astype(np.float32, copy=False)
+        request_id = kwargs.pop("request_id", None)
+        return _waveform(self._infer(self.offline_model, synthesis_inputs(text, **kwargs), request_id))
+
+    def convert(self, audio: PromptAudio, *, request_id: str | None = None, **options) -> np.ndarray:
+        """Voice conversion (mode vc, the official inference_vc): the source recording `audio` (a file path, its
+        bytes, or samples at `sample_rate`) spoken again in a voice, the whole waveform (float32, 24 kHz) from one
+        call to the offline twin (each piece of the source in one full-attention flow pass, as /v1/vc's
+        stream false). Options as `GatewayTTS.convert`: voice_id | prompt_audio (a target recording;
+        + prompt_sample_rate for samples), seed, speed, sample_rate; and the chunk policy (`chunk_first_hop`, ...)."""
+        return _waveform(self._infer(self.offline_model, conversion_inputs(audio, **options), request_id))
+
+    def convert_stream(self, audio: PromptAudio, *, request_id: str | None = None, **options) -> AudioStream:
+        """Voice conversion streamed (the chunk schedule of a sentence per piece, as /v1/vc's stream true);
+        options as `convert`."""
+        request = _stream_request(self.model, conversion_inputs(audio, **options), request_id)
+        return AudioStream(self._stub, request, self.timeout_s)
 
     def register_voice(self, audio: PromptAudio, *, sample_rate: int | None = None, prompt_text: str | None = None,
                        voice_id: str | None = None, name: str | None = None) -> VoiceInfo:
         """Register a voice from a recording (a file path, its bytes, or samples with `sample_rate`).
         Idempotent: the same recording and transcript give the same id."""
         values = _register_values(audio, sample_rate, prompt_text, voice_id, name)
+        return _register_result(self._infer(self.register_model, values), prompt_text, name)
+
+    def _infer(self, model: str, values: dict[str, np.ndarray],
+               request_id: str | None = None) -> service_pb2.ModelInferResponse:
+        """One `ModelInfer` call (a fresh request id when none is given); errors as TTSError."""
         try:
-            response = self._stub.ModelInfer(infer_request(self.register_model, values), timeout=self.timeout_s)
+            return self._stub.ModelInfer(infer_request(model, values, request_id or uuid.uuid4().hex),
+                                         timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise _rpc_error(exc) from None
-        return _register_result(response, prompt_text, name)
 
     def ready(self) -> bool:
         try:
@@ -288,13 +418,12 @@ class AsyncAudioStream(_StreamResponses, AsyncIterator[np.ndarray]):
 
     def __init__(self, stub, request: service_pb2.ModelInferRequest, timeout_s: float | None):
         self._begin(request, asyncio.Event())
-
-        async def requests():
-            yield request
-            await self._done.wait()
-
-        self._call = stub.ModelStreamInfer(requests(), timeout=timeout_s)
+        self._call = stub.ModelStreamInfer(self._requests(request), timeout=timeout_s)
         self._responses = self._call.__aiter__()
+
+    async def _requests(self, request: service_pb2.ModelInferRequest) -> AsyncIterator[service_pb2.ModelInferRequest]:
+        yield request
+        await self._done.wait()  # keep our side open until the last response (or a cancel)
 
     def __aiter__(self) -> AsyncAudioStream:
         return self
@@ -307,10 +436,23 @@ class AsyncAudioStream(_StreamResponses, AsyncIterator[np.ndarray]):
                 raise self._ended_early() from None
             except grpc.RpcError as exc:
                 raise self._failed(exc) from None
-            chunk = self._chunk_of(response)
+            try:
+                chunk = self._chunk_of(response)
+            finally:
+                if self._finished:
+                    await self._await_end()
             if chunk is not None:
                 return chunk
         raise StopAsyncIteration
+
+    async def _await_end(self) -> None:
+        """`AudioStream._await_end`, bounded: a server that does not end the call is cancelled by aclose."""
+        try:
+            async with asyncio.timeout(STREAM_END_WAIT_S):
+                async for _ in self._responses:
+                    pass
+        except (TimeoutError, grpc.RpcError):
+            pass
 
     async def aclose(self) -> None:
         """Cancel the request if it is still running."""
@@ -325,16 +467,42 @@ class AsyncAudioStream(_StreamResponses, AsyncIterator[np.ndarray]):
         await self.aclose()
 
 
-class AsyncTritonTTS:
-    """asyncio client of a CosyVoice2 Triton server's gRPC endpoint. Same methods as `TritonTTS`, awaited;
-    `stream()` returns an `AsyncAudioStream` at once (no await)."""
+class AsyncTextAudioStream(AsyncAudioStream):
+    """`TextAudioStream` for asyncio: the text pieces come from an async iterable (or a plain one, read in the
+    event loop) as the call sends them."""
 
-    def __init__(self, url: str = "localhost:8001", *, model: str = STREAMING_MODEL,
-                 offline_model: str = OFFLINE_MODEL, register_model: str = REGISTER_MODEL,
-                 timeout_s: float | None = 600.0):
-        self.url = url.removeprefix("grpc://")
-        self.model, self.offline_model, self.register_model = model, offline_model, register_model
-        self.timeout_s = timeout_s
+    def __init__(self, stub, request: service_pb2.ModelInferRequest, text: Iterable[str] | AsyncIterable[str],
+                 timeout_s: float | None):
+        self._text = text
+        super().__init__(stub, request, timeout_s)
+
+    async def _requests(self, request: service_pb2.ModelInferRequest) -> AsyncIterator[service_pb2.ModelInferRequest]:
+        yield request
+        count = 0
+        async for piece in _pieces(self._text):
+            if self._finished:
+                return
+            count += 1
+            yield _text_append(request, count, piece)
+        yield _text_append(request, count + 1, "", end=True)
+        await self._done.wait()
+
+
+async def _pieces(text: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:
+    if isinstance(text, AsyncIterable):
+        async for piece in text:
+            yield piece
+    else:
+        for piece in text:
+            yield piece
+
+
+class AsyncTritonTTS(_Settings):
+    """asyncio client of a CosyVoice2 Triton server's gRPC endpoint. Same methods as `TritonTTS`, awaited;
+    `stream()`, `stream_text()` and `convert_stream()` return their stream at once (no await)."""
+
+    def __init__(self, url: str = "localhost:8001", **settings):
+        super().__init__(url, **settings)
         self._channel = None
         self._stub = None
 
@@ -345,37 +513,46 @@ class AsyncTritonTTS:
             self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         return self._stub
 
-    def stream(self, text: str, *, voice_id: str | None = None, prompt_audio: PromptAudio | None = None,
-               prompt_sample_rate: int | None = None, prompt_text: str | None = None, mode: str | None = None,
-               instruct: str | None = None, seed: int | None = None, request_id: str | None = None,
-               **overrides: float) -> AsyncAudioStream:
-        request = stream_request(self.model, text, request_id, voice_id=voice_id, prompt_audio=prompt_audio,
-                                 prompt_sample_rate=prompt_sample_rate, prompt_text=prompt_text, mode=mode,
-                                 instruct=instruct, seed=seed, **overrides)
-        return AsyncAudioStream(self.stub, request, self.timeout_s)
+    def stream(self, text: str, *, request_id: str | None = None, **options) -> AsyncAudioStream:
+        """Start synthesizing `text`, as `TritonTTS.stream` (same options)."""
+        return AsyncAudioStream(self.stub, stream_request(self.model, text, request_id, **options), self.timeout_s)
+
+    def stream_text(self, text: Iterable[str] | AsyncIterable[str], *, request_id: str | None = None,
+                    **options) -> AsyncTextAudioStream:
+        """Bistream, as `TritonTTS.stream_text` (same options): the pieces of `text`, an async iterable (an LLM's
+        streamed answer) or a plain one, are sent as it yields them."""
+        return AsyncTextAudioStream(self.stub, bistream_request(self.model, request_id, **options), text,
+                                    self.timeout_s)
 
     async def synthesize(self, text: str, *, offline: bool = False, **kwargs) -> np.ndarray:
         if not offline:
             async with self.stream(text, **kwargs) as chunks:
                 return _join([chunk async for chunk in chunks])
-        request_id = kwargs.pop("request_id", None) or uuid.uuid4().hex
-        values = synthesis_inputs(text, **kwargs)
-        try:
-            response = await self.stub.ModelInfer(infer_request(self.offline_model, values, request_id),
-                                                  timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            raise _rpc_error(exc) from None
-        return response_outputs(response)["waveform"].astype(np.float32, copy=False)
+        request_id = kwargs.pop("request_id", None)
+        return _waveform(await self._infer(self.offline_model, synthesis_inputs(text, **kwargs), request_id))
+
+    async def convert(self, audio: PromptAudio, *, request_id: str | None = None, **options) -> np.ndarray:
+        """Voice conversion, the whole waveform, as `TritonTTS.convert`."""
+        return _waveform(await self._infer(self.offline_model, conversion_inputs(audio, **options), request_id))
+
+    def convert_stream(self, audio: PromptAudio, *, request_id: str | None = None, **options) -> AsyncAudioStream:
+        """Voice conversion streamed, as `TritonTTS.convert_stream`."""
+        request = _stream_request(self.model, conversion_inputs(audio, **options), request_id)
+        return AsyncAudioStream(self.stub, request, self.timeout_s)
 
     async def register_voice(self, audio: PromptAudio, *, sample_rate: int | None = None,
                              prompt_text: str | None = None, voice_id: str | None = None,
                              name: str | None = None) -> VoiceInfo:
         values = _register_values(audio, sample_rate, prompt_text, voice_id, name)
+        return _register_result(await self._infer(self.register_model, values), prompt_text, name)
+
+    async def _infer(self, model: str, values: dict[str, np.ndarray],
+                     request_id: str | None = None) -> service_pb2.ModelInferResponse:
         try:
-            response = await self.stub.ModelInfer(infer_request(self.register_model, values), timeout=self.timeout_s)
+            return await self.stub.ModelInfer(infer_request(model, values, request_id or uuid.uuid4().hex),
+                                              timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise _rpc_error(exc) from None
-        return _register_result(response, prompt_text, name)
 
     async def ready(self) -> bool:
         try:

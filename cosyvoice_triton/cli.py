@@ -82,6 +82,7 @@ def _run_synth(args) -> int:
 
 def _add_serve(sub) -> None:
     from .messages import CHUNK_POLICIES
+    from .models.llm_precision import LLM_PRECISIONS
     from .server.launcher import ENGINES, PRECISIONS, ROLES
 
     p = sub.add_parser("serve", help="start tritonserver with every CosyVoice2 model; Ctrl-C stops it")
@@ -100,12 +101,23 @@ def _add_serve(sub) -> None:
     p.add_argument("--instances", type=int, default=1,
                    help="instances of the stateless models (cosyvoice2, prompt encoder steps, register_voice)")
     p.add_argument("--workers", type=int, default=16, help="requests synthesized at once per cosyvoice2 instance")
+    p.add_argument("--max-queue-wait", type=float, default=2.0, metavar="S",
+                   help="admission: refuse (UNAVAILABLE, 'retry after N s') a request that would wait more than S "
+                        "seconds for a worker (cosyvoice_triton/admission.py)")
     p.add_argument("--voice-store", default=None,
                    help="sqlite path or redis://host:port/db (default: $COSYVOICE_HOME/voices.sqlite)")
     p.add_argument("--llm-max-batch", type=int, default=8, help="LLM streams decoded together (KV slots)")
     p.add_argument("--t2w-max-streams", type=int, default=64, help="token2wav streams with state at once")
     p.add_argument("--t2w-max-batch", type=int, default=16, help="token2wav chunks per flow batch")
-    p.add_argument("--torch-threads", type=int, default=0, help="torch threads per llm/token2wav instance")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="torch threads per llm/token2wav instance (default 0: from the core count, the LLM a third "
+                        "of the cores, at most 4, token2wav the rest, so that the two run side by side)")
+    p.add_argument("--llm-precision", choices=LLM_PRECISIONS, default="fp32",
+                   help="the LLM backbone's precision: fp32 (the reference), bf16, int8 (weight-only; quality "
+                        "against fp32 in perf/RESULTS.md)")
+    p.add_argument("--exact-speech-tokens", type=int, default=None, metavar="N",
+                   help="benchmarks only: every LLM stream decodes exactly N speech tokens, stop tokens masked "
+                        "(bench-official --triton)")
     p.add_argument("--engine", choices=ENGINES, default="torch",
                    help="engine of token2wav's flow and HiFT decode (torch: the reference); openvino and tensorrt "
                         "also run CAM++. One that cannot run here falls back (tensorrt -> onnxruntime -> torch, "
@@ -132,7 +144,16 @@ def _add_serve(sub) -> None:
                         "+ pad, then x2 up to 100) or adaptive (hops grow while a listener is ahead, stay small "
                         "when its lead runs low; audio then depends on the load)")
     p.add_argument("--t2w-idle-timeout", type=float, default=120.0,
-                   help="seconds after which a token2wav stream with no new chunk is freed")
+                   help="seconds a token2wav stream may go without a chunk before it is freed (its frontend is "
+                        "presumed gone): counted from its latest chunk's answer, and only while token2wav runs no "
+                        "batch, so a live stream waiting behind other streams' chunks is kept")
+    p.add_argument("--flow-cache-frames", type=int, default=1000, metavar="N",
+                   help="mel frames of flow state each streaming token2wav stream keeps between chunks, so a "
+                        "chunk computes only its new frames (torch flow; 0: off; full size: 1.15 MB per frame)")
+    p.add_argument("--prompt-cache-mb", type=float, default=512.0, metavar="MB",
+                   help="MB of voices' prompt frames token2wav keeps, least recently used evicted, so that a new "
+                        "stream of a prompt seen before computes only the frames after them (torch flow with the "
+                        "flow cache; 0: off; full size: 115 MB per 75-token prompt)")
     p.set_defaults(func=_run_serve)
 
 
@@ -142,12 +163,15 @@ def _run_serve(args) -> int:
     options = ServeOptions(model_dir=args.model_dir, run_dir=args.run_dir, address=args.address,
                            http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                            device=args.device, instances=args.instances, workers=args.workers,
+                           max_queue_wait_s=args.max_queue_wait,
                            voice_store=args.voice_store, llm_max_batch=args.llm_max_batch,
                            t2w_max_streams=args.t2w_max_streams, t2w_max_batch=args.t2w_max_batch,
-                           torch_threads=args.torch_threads, engine=args.engine, precision=args.precision,
+                           torch_threads=args.torch_threads, llm_precision=args.llm_precision,
+                           exact_speech_tokens=args.exact_speech_tokens, engine=args.engine, precision=args.precision,
                            ort_providers=args.ort_providers, onnx_dir=args.onnx_dir, role=args.role,
                            backends=tuple(args.backend),
-                           t2w_idle_timeout_s=args.t2w_idle_timeout, chunk_policy=args.chunk_policy)
+                           t2w_idle_timeout_s=args.t2w_idle_timeout, flow_cache_frames=args.flow_cache_frames,
+                           prompt_cache_mb=args.prompt_cache_mb, chunk_policy=args.chunk_policy)
     return serve(options)
 
 

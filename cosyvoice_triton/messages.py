@@ -3,8 +3,10 @@
 A synthesis request (`SynthesisRequest`) is checked once, split into sentences; each sentence is an
 `LLMRequest` to the speech LM, whose tokens go in chunks (`ChunkRequest`) to token2wav with the voice's
 `FlowPrompt`. A voice's `PromptFeatures` are computed once from its prompt (recording + transcript).
+A `ConversionRequest` (voice conversion) skips the LLM: its source recording's speech tokens go to token2wav.
 
-Constants every route checks against: `MODES` and the seed range [0, SEED_LIMIT). Seeds are unsigned
+Constants every route checks against: `MODES`, the seed range [0, SEED_LIMIT) and the speed range
+[MIN_SPEED, MAX_SPEED] (OpenAI's 0.25 .. 4.0). Seeds are unsigned
 64-bit: the Triton `seed` tensors are UINT64 and `torch.Generator.manual_seed` takes any of them, so the
 gateway, the Triton models and the in-process path all accept the same range.
 
@@ -25,9 +27,12 @@ if TYPE_CHECKING:
     import torch
 
 MODES = ("zero_shot", "cross_lingual", "instruct2")
+VC_MODE = "vc"  # voice conversion: a source recording spoken again in a voice (no text, no LLM)
 SEED_LIMIT = 2**64  # seeds are integers in [0, SEED_LIMIT): UINT64 on the wire, torch.Generator's range
 MIN_HOP_TOKENS = 4  # the vocoder holds back 8 mel frames (4 tokens) of every non-final chunk
+TEXT_MODES = ("sentences", "bistream")  # sentences: one LLM stream per sentence; bistream: text fed as it arrives
 CHUNK_POLICIES = ("fixed", "adaptive")  # ChunkPolicy.kind; see runtime/chunk_policy.py
+MIN_SPEED, MAX_SPEED = 0.25, 4.0  # speaking speed: the mel interpolated by 1 / speed (runtime/mel_speed.py)
 
 
 def is_int(value: object) -> bool:
@@ -45,6 +50,19 @@ def check_seed(seed: object, field_name: str = "seed") -> int:
     if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
         raise InvalidInput(field_name, f"must be an integer in [0, 2**64), got {seed!r}")
     return seed
+
+
+def voice_modes(prompt_text: str) -> tuple[str, ...]:
+    """The modes a voice with this prompt transcript can serve: zero_shot needs the transcript; cross_lingual,
+    instruct2 and voice conversion use only the recording's features."""
+    return tuple(mode for mode in (*MODES, VC_MODE) if mode != "zero_shot" or prompt_text.strip())
+
+
+def check_speed(speed: object, field_name: str = "speed") -> float:
+    """`speed` if it is a number in [MIN_SPEED, MAX_SPEED]; InvalidInput naming `field_name` otherwise."""
+    if not is_real(speed) or not MIN_SPEED <= speed <= MAX_SPEED:
+        raise InvalidInput(field_name, f"must be a number from {MIN_SPEED} to {MAX_SPEED}, got {speed!r}")
+    return speed
 
 
 # ---- settings a request may override ----------------------------------------------------------------
@@ -143,6 +161,7 @@ class SynthesisRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chunk_policy: ChunkPolicy = field(default_factory=ChunkPolicy)
     text_frontend: bool = True  # False: the text as given: no normalization, no sentence splitting (official text_frontend=False)
+    speed: float = 1.0  # speaking speed in [MIN_SPEED, MAX_SPEED]: the mel interpolated by 1 / speed
 
     def validate(self) -> SynthesisRequest:
         if self.mode not in MODES:
@@ -153,7 +172,27 @@ class SynthesisRequest:
             raise InvalidInput("reference_text", "is required in zero_shot mode (the transcript of the voice prompt)")
         if self.seed is not None:
             check_seed(self.seed)
+        check_speed(self.speed)
         self.sampling.validate()
+        self.chunk_policy.validate()
+        return self
+
+
+@dataclass
+class ConversionRequest:
+    """One source recording to speak again in one voice (voice conversion, the official inference_vc)."""
+
+    source: np.ndarray  # (N,) float32 mono samples at `sample_rate`
+    sample_rate: int
+    voice: PromptFeatures  # the target voice: only its flow side (tokens, mel, embedding) is used
+    seed: int | None = None
+    chunk_policy: ChunkPolicy = field(default_factory=ChunkPolicy)
+    speed: float = 1.0  # speaking speed in [MIN_SPEED, MAX_SPEED], as the official inference_vc's
+
+    def validate(self) -> ConversionRequest:
+        if self.seed is not None:
+            check_seed(self.seed)
+        check_speed(self.speed)
         self.chunk_policy.validate()
         return self
 
@@ -168,6 +207,7 @@ class LLMRequest:
     prompt_speech_tokens: list[int]  # empty outside zero_shot
     sampling: SamplingParams  # its `seed` is ignored: `seed` below seeds the stream
     seed: int
+    bistream: bool = False  # text_tokens are only the first text: more is appended to the live stream
 
 
 @dataclass
@@ -179,3 +219,4 @@ class ChunkRequest:
     finalize: bool  # last chunk of the stream: emit everything, then free the state
     prompt: FlowPrompt | None  # required on the first request of a stream, ignored afterwards
     seed: int | None  # vocoder noise seed, used on the first request (None -> random)
+    speed: float = 1.0  # speaking speed of the stream, used on the first request (runtime/mel_speed.py)

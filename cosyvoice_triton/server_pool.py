@@ -39,6 +39,13 @@ class Server:
     inflight: int = 0  # this process's requests in flight there
     external: float = 0.0  # requests there that this process did not send (last scrape)
     pending: float = 0.0  # requests queued in the server (last scrape)
+    # For admission (cosyvoice_triton/admission.py), from the last scrape; slots 0: not scraped yet
+    slots: int = 0  # streams its cosyvoice2 instances run at once
+    queued: float = 0.0  # requests admitted there, waiting for a worker
+    seconds_per_cost: float | None = None  # its measured speed
+    llm_slots: int = 0  # the LLM's KV-cache slots (free + used); 0: unknown
+    llm_free_slots: int = 0
+    token2wav_pending: float = 0.0  # chunk requests waiting in token2wav's queue
     last_pick: int = 0
     leaving: bool = False  # gone from its spec: out of the pool, closed once `inflight` is 0
 
@@ -102,7 +109,9 @@ class ServerPool:
         if server.healthy == healthy or server.leaving:
             return False
         server.healthy = healthy
-        server.external = server.pending = 0.0
+        server.external = server.pending = server.queued = server.token2wav_pending = 0.0
+        server.slots = server.llm_slots = server.llm_free_slots = 0
+        server.seconds_per_cost = None
         return True
 
     def set_external(self, server: Server, active: float) -> None:

@@ -16,14 +16,19 @@ health, metrics and DNS discovery loops, and the default-voice registration. Wit
 even when DNS names nothing yet, and answers 503 on /readyz until a server is found and ready.
 `create_app(config, resolve=...)` replaces the DNS lookup (tests). `run` serves with
 `handler_cancellation=True`, so a client that disconnects cancels its handler and with it its Triton
-stream, and with a bounded shutdown; WebSockets are closed with GOING_AWAY on shutdown.
+stream, and on SIGTERM / SIGINT drains (gateway/drain.py: new requests get 503 + Retry-After and /readyz
+"draining", the streams in flight finish within the drain timeout) before a bounded shutdown; WebSockets
+are closed with GOING_AWAY on shutdown. Every request
+gets one access log line on stderr unless `config.access_log` is off (gateway/access_log.py).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import weakref
 from contextlib import suppress
+from typing import TextIO
 
 from aiohttp import web
 
@@ -31,10 +36,12 @@ from cosyvoice_triton.random_folder.marker import NOTE as RANDOM_NOTE, is_random
 from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.targets import Resolver, resolve_ips
 
-from . import routes_openai, routes_tts, routes_voices, routes_ws
+from . import routes_openai, routes_tts, routes_vc, routes_voices, routes_ws
+from .access_log import access_log_middleware, enable_access_log
 from .auth import ApiKeys, RateLimiter, StreamLimiter, auth_middleware
 from .config import GatewayConfig
 from .default_voice import DefaultVoice
+from .drain import CUT_AFTER_DRAIN_S, DRAIN_TIMEOUT_S, Drain, drain_readiness, serve_until_stopped
 from .errors import error_middleware
 from .metrics import GatewayMetrics
 from .request_keys import ABORTED, ERROR_CODE
@@ -43,7 +50,9 @@ from .state import (
     CONFIG,
     COSTS,
     DEFAULT_VOICE,
+    DRAIN,
     LIMITER,
+    READINESS_CHECKS,
     REGISTRATION_RATE,
     METRICS,
     RESOLVE,
@@ -68,9 +77,15 @@ def create_app(config: GatewayConfig, *, resolve: Resolver = resolve_ips) -> web
     limits = config.limits
     keys = ApiKeys(keys=config.api_keys, admin=config.admin_keys)
     requests_rate = RateLimiter(limits.requests_per_second, 1.0, limits.request_burst, "requests")
-    app = web.Application(client_max_size=body_limit(limits.max_upload_bytes),
-                          middlewares=[metrics_middleware, error_middleware, auth_middleware(keys, requests_rate)])
+    drain = Drain()  # refuses new requests once begun (gateway/drain.py)
+    middlewares = [metrics_middleware, error_middleware, auth_middleware(keys, requests_rate), drain.middleware]
+    if config.access_log:
+        enable_access_log()
+        middlewares.insert(0, access_log_middleware)  # outermost: sees the status the error middleware chose
+    app = web.Application(client_max_size=body_limit(limits.max_upload_bytes), middlewares=middlewares)
     app[CONFIG] = config
+    app[DRAIN] = drain
+    app[READINESS_CHECKS] = [lambda: drain_readiness(drain)]  # 503 "draining" once the drain begins
     app[RESOLVE] = resolve
     app[LIMITER] = StreamLimiter(limits.max_streams_per_key, limits.max_keyless_streams)
     app[REGISTRATION_RATE] = routes_voices.registration_rate(limits)
@@ -78,6 +93,7 @@ def create_app(config: GatewayConfig, *, resolve: Resolver = resolve_ips) -> web
     app[DEFAULT_VOICE] = DefaultVoice(config.default_voice)
     app.cleanup_ctx.extend([_voice_store, _triton, _default_voice])
     routes_tts.add_routes(app)
+    routes_vc.add_routes(app)
     routes_ws.add_routes(app)
     routes_openai.add_routes(app)
     routes_voices.add_routes(app)
@@ -191,13 +207,17 @@ async def readyz(request: web.Request) -> web.Response:
     router, voice = request.app[ROUTER], request.app[DEFAULT_VOICE]
     servers = {b.name: b.healthy for b in router.servers}
     store_error = await voice_store_error(request.app[STORE])
-    ready = any(servers.values()) and voice.settled and store_error is None
+    extra = [check() for check in request.app.get(READINESS_CHECKS, ())]  # (waits, body parts): up's
+    ready = any(servers.values()) and voice.settled and store_error is None and not any(w for w, _ in extra)
     waiting = [*(f"tritonserver {name}" for name, ok in servers.items() if not ok),
                *([] if servers else ["a tritonserver (none in the pool yet)"]),
-               *([] if voice.settled else ["the default voice"]), *([] if store_error is None else ["the voice store"])]
+               *([] if voice.settled else ["the default voice"]), *([] if store_error is None else ["the voice store"]),
+               *(w for waits, _ in extra for w in waits)]
     body = {"status": "ready" if ready else "starting", "waiting_for": [] if ready else waiting, "ready": ready,
             "servers": servers, "default_voice": voice.state,
             "voice_store": "ok" if store_error is None else "unavailable"}
+    for _, parts in extra:
+        body.update(parts)  # e.g. "processes" (up's supervisor), "status": "draining"
     if is_random(request.app[CONFIG].model_dir):
         body["model"] = RANDOM_NOTE
     if voice.error:
@@ -235,7 +255,12 @@ async def index(request: web.Request) -> web.StreamResponse:
 
 # ---- serving --------------------------------------------------------------------------------------------
 
-def run(config: GatewayConfig, app: web.Application | None = None, print_fn=print) -> None:
-    """Serve until SIGINT / SIGTERM."""
-    web.run_app(app or create_app(config), host=config.host, port=config.port, handler_cancellation=True,
-                shutdown_timeout=config.shutdown_timeout_s, print=print_fn)
+def run(config: GatewayConfig, app: web.Application | None = None, *, drain_timeout_s: float = DRAIN_TIMEOUT_S,
+        out: TextIO = sys.stdout) -> int:
+    """Serve until SIGINT / SIGTERM, then drain (gateway/drain.py `serve_until_stopped`, as `up` does): new
+    requests get 503 + Retry-After, the ones in flight get `drain_timeout_s` to finish (what is left is cut
+    after CUT_AFTER_DRAIN_S more); the exit code (0)."""
+    print(f"cosyvoice-triton gateway on {config.url} (drains up to {drain_timeout_s:g} s + "
+          f"{CUT_AFTER_DRAIN_S:g} s on SIGTERM)", file=out, flush=True)
+    return asyncio.run(serve_until_stopped(app or create_app(config), config.host, config.port, drain_timeout_s,
+                                           out))

@@ -55,6 +55,7 @@ class RoutingConfig:
     register_timeout_s: float = 60.0
     offline_timeout_s: float = 300.0  # a non-streamed request: the whole audio in one call to the offline model
     max_attempts: int = 3  # servers tried for a request that fails before its first byte
+    max_queue_wait_s: float = 2.0  # admission: a request no server would start this soon gets 503 at once
     discovery_interval_s: float = 10.0  # re-resolution of the dns:// specs (GatewayConfig.discovery)
 
 
@@ -72,6 +73,7 @@ class GatewayConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     home: Path | None = None  # where the default voice's prompt wav is written; None: $COSYVOICE_HOME
     default_voice: bool = True  # register voice "default" at start when the store lacks it
+    access_log: bool = True  # one line per request on stderr (gateway/access_log.py)
     ws_heartbeat_s: float = 30.0
     ws_pipeline_depth: int = 2  # WebSocket segments synthesized ahead of the one being sent
     shutdown_timeout_s: float = 10.0
@@ -80,6 +82,12 @@ class GatewayConfig:
     offline_model: str = "cosyvoice2_offline"  # non-streamed requests: one full-attention flow pass per sentence
     register_model: str = "register_voice"
     sample_rate: int = 24000
+
+    @property
+    def url(self) -> str:
+        """Where a client on this machine reaches the gateway (a wildcard host is reached on 127.0.0.1)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
 
     def __post_init__(self):
         if not self.triton and not self.discovery:
@@ -124,9 +132,14 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str |
     g.add_argument("--ws-session-timeout", type=float, default=Limits.ws_session_timeout_s, metavar="S")
     g.add_argument("--health-interval", type=float, default=RoutingConfig.health_interval_s, metavar="S")
     g.add_argument("--first-chunk-timeout", type=float, default=RoutingConfig.first_chunk_timeout_s, metavar="S")
+    g.add_argument("--max-queue-wait", type=float, default=RoutingConfig.max_queue_wait_s, metavar="S",
+                   help="admission: refuse (503 + Retry-After) a request that no server would start within S "
+                        "seconds (cosyvoice_triton/admission.py)")
     g.add_argument("--discovery-interval", type=float, default=RoutingConfig.discovery_interval_s, metavar="S",
                    help="seconds between re-resolutions of dns:// servers")
     g.add_argument("--no-default-voice", action="store_true", help="do not register voice 'default' at start")
+    g.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no per-request line (method, route, status, first-chunk ms, audio seconds) on stderr")
 
 
 def voice_store_url(args: argparse.Namespace) -> str | None:
@@ -181,6 +194,7 @@ def config_from_args(args: argparse.Namespace, triton: tuple[TritonTarget, ...] 
     if args.discovery_interval <= 0:
         raise ValueError("--discovery-interval must be positive")
     routing = RoutingConfig(health_interval_s=args.health_interval, first_chunk_timeout_s=args.first_chunk_timeout,
+                            max_queue_wait_s=args.max_queue_wait,
                             discovery_interval_s=args.discovery_interval)
     limits = Limits(max_text_chars=args.max_text_chars, max_upload_bytes=int(args.max_upload_mb * MiB),
                     max_streams_per_key=args.max_streams_per_key, max_keyless_streams=args.max_keyless_streams,
@@ -193,4 +207,5 @@ def config_from_args(args: argparse.Namespace, triton: tuple[TritonTarget, ...] 
                          voice_store=voice_store_url(args),
                          model_dir=Path(model_dir) if model_dir else None, api_keys=api_keys(args),
                          admin_keys=admin_keys(args),
-                         limits=limits, routing=routing, default_voice=not args.no_default_voice)
+                         limits=limits, routing=routing, default_voice=not args.no_default_voice,
+                         access_log=getattr(args, "access_log", True))

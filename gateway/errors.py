@@ -107,8 +107,16 @@ class SessionTimeout(GatewayError):
 class ServiceUnavailable(GatewayError):
     status, code, kind = 503, "unavailable", "server_error"
 
-    def __init__(self, message: str):
-        super().__init__(message, headers={"Retry-After": "1"})
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message, headers={"Retry-After": str(max(1, retry_after_s))})
+        self.retry_after_s = max(1, retry_after_s)
+
+
+class Overloaded(ServiceUnavailable):
+    """Admission refused the request (cosyvoice_triton/admission.py): it would not start within the
+    queue-wait limit, here or on the server. Retry-After says when the queue should have room."""
+
+    code = "overloaded"
 
 
 class UpstreamError(GatewayError):
@@ -162,8 +170,11 @@ def error_body(error: GatewayError) -> dict:
 
 def ws_error(error: GatewayError) -> dict:
     """The same error as a WebSocket message."""
-    return {"type": "error", "status": error.status, "code": error.code,
-            "param": bounded(error.field, MAX_FIELD_CHARS), "message": bounded(error.message)}
+    message = {"type": "error", "status": error.status, "code": error.code,
+               "param": bounded(error.field, MAX_FIELD_CHARS), "message": bounded(error.message)}
+    if "Retry-After" in error.headers:  # 429, 503: the seconds an HTTP answer would say in Retry-After
+        message["retry_after"] = int(error.headers["Retry-After"])
+    return message
 
 
 @web.middleware

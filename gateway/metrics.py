@@ -11,6 +11,13 @@
   cosyvoice_gateway_outstanding_cost{server}            this gateway's in-flight cost per server
   cosyvoice_gateway_server_inflight{server}             this gateway's in-flight requests per server
   cosyvoice_gateway_server_pending{server}              Triton's pending-request count (last scrape)
+  cosyvoice_gateway_refused_total{where}                admission refusals (503 + Retry-After): gateway (this
+                                                        gateway's estimate) | server (the server's own policy)
+  cosyvoice_gateway_server_queued{server}               requests admitted there, waiting for a worker (last scrape)
+  cosyvoice_gateway_server_slots{server}                streams it runs at once (last scrape; 0: not scraped yet)
+  cosyvoice_gateway_server_expected_wait_seconds{server}  admission's estimate for a new request there now
+  cosyvoice_gateway_llm_free_slots{server}              its LLM's free KV-cache slots (last scrape)
+  cosyvoice_gateway_token2wav_pending{server}           chunks waiting in its token2wav queue (last scrape)
 
 Servers come and go with DNS discovery: the per-server gauges are read from `router.servers` at each
 scrape (a collector), so they list the pool's members now; `routed` drops a server's series when it
@@ -21,6 +28,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from cosyvoice_triton.admission import estimate_wait
+
+from .admission import server_load
 from .routing import Router
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
@@ -42,12 +52,32 @@ class _RouterCollector:
             "pending": GaugeMetricFamily("cosyvoice_gateway_server_pending",
                                          "Triton's pending requests of the synthesis model (last scrape)",
                                          labels=["server"]),
+            "queued": GaugeMetricFamily("cosyvoice_gateway_server_queued",
+                                        "Requests admitted by the server, waiting for a worker (last scrape)",
+                                        labels=["server"]),
+            "slots": GaugeMetricFamily("cosyvoice_gateway_server_slots",
+                                       "Streams the server runs at once (last scrape; 0: not scraped yet)",
+                                       labels=["server"]),
+            "wait": GaugeMetricFamily("cosyvoice_gateway_server_expected_wait_seconds",
+                                      "Admission's estimated wait for a new request on the server now",
+                                      labels=["server"]),
+            "llm_free": GaugeMetricFamily("cosyvoice_gateway_llm_free_slots",
+                                          "The server's free LLM KV-cache slots (last scrape)", labels=["server"]),
+            "t2w_pending": GaugeMetricFamily("cosyvoice_gateway_token2wav_pending",
+                                             "Chunks waiting in the server's token2wav queue (last scrape)",
+                                             labels=["server"]),
         }
         for b in self.router.servers:
             families["healthy"].add_metric([b.name], 1.0 if b.healthy else 0.0)
             families["cost"].add_metric([b.name], b.outstanding_cost)
             families["inflight"].add_metric([b.name], b.inflight)
             families["pending"].add_metric([b.name], b.pending)
+            families["queued"].add_metric([b.name], b.queued)
+            families["slots"].add_metric([b.name], b.slots)
+            load = server_load(b, self.router.mean_cost)
+            families["wait"].add_metric([b.name], 0.0 if load is None else estimate_wait(load))
+            families["llm_free"].add_metric([b.name], b.llm_free_slots)
+            families["t2w_pending"].add_metric([b.name], b.token2wav_pending)
         yield from families.values()
 
     def describe(self):
@@ -69,6 +99,10 @@ class GatewayMetrics:
         self.errors = Counter("cosyvoice_gateway_errors", "Errors by kind", ["kind"], registry=registry)
         self.retries = Counter("cosyvoice_gateway_retries", "Requests retried on another server before any audio",
                                registry=registry)
+        self.refused = Counter("cosyvoice_gateway_refused", "Requests refused by admission (503 + Retry-After)",
+                               ["where"], registry=registry)
+        for where in ("gateway", "server"):
+            self.refused.labels(where)
         self.routed = Counter("cosyvoice_gateway_routed", "Triton calls sent per server", ["server"],
                               registry=registry)
         registry.register(_RouterCollector(router))

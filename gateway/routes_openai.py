@@ -6,8 +6,9 @@
                    are not registered here speak with the "default" voice
   response_format  mp3 (the default, as OpenAI's) | opus (Ogg, 48 kHz) | aac (ADTS) | flac | wav | pcm
                    (16-bit little-endian, 24 kHz, no header); encoded by cosyvoice_triton/audio_out.py
-  speed            0.25 .. 4.0 as OpenAI's; only 1.0 is served for now: any other value is a 400 naming
-                   `speed` rather than audio at the wrong speed
+  speed            0.25 .. 4.0 as OpenAI's (default 1.0): the mel is interpolated along time by 1 / speed
+                   before the vocoder, as the official CosyVoice2 does, streamed or not (runtime/mel_speed.py);
+                   outside the range: 400 naming `speed`
   instructions     switches to instruct2 mode with this instruction
   stream_format    audio (default): the audio bytes, streamed as they are encoded | sse: server-sent events
                    speech.audio.delta {audio: base64 of the next bytes of the file} ... then speech.audio.done
@@ -31,6 +32,7 @@ from aiohttp import web
 from cosyvoice_triton.audio_out import AudioEncoder, AudioFormat
 from cosyvoice_triton.errors import NotFound
 
+from . import access_log
 from .auth import limit_key
 from .errors import BadRequest, GatewayError
 from .routes_tts import abort, audio_headers, check_format, json_body, send_audio
@@ -64,11 +66,6 @@ async def speech(request: web.Request) -> web.StreamResponse:
     if not isinstance(model, str) or not model.strip():
         raise BadRequest("model", "is required (any model name is accepted, e.g. \"cosyvoice2\")")
     fmt = check_format(body.get("response_format", "mp3"), "response_format", OPENAI_FORMATS)
-    speed = body.get("speed", 1.0)
-    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0.25 <= speed <= 4.0:
-        raise BadRequest("speed", f"must be a number from 0.25 to 4.0, got {speed!r}")
-    if speed != 1.0:
-        raise BadRequest("speed", f"only 1.0 is supported by this server for now, got {speed!r}")
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
         raise BadRequest("stream", "must be true or false")
@@ -78,7 +75,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
     instructions = body.get("instructions") or None
     synthesis = await prepare(app, text=body.get("input"), voice_id=await _voice(app, body.get("voice")),
                               mode="instruct2" if instructions else "zero_shot", instruct=instructions,
-                              seed=body.get("seed"), fields=OPENAI_FIELDS)
+                              seed=body.get("seed"), speed=body.get("speed", 1.0), fields=OPENAI_FIELDS)
     with app[LIMITER].slot(limit_key(request)):
         if stream_format == "sse":
             return await _send_events(request, synthesis, fmt)
@@ -96,6 +93,7 @@ async def _send_events(request: web.Request, synthesis, fmt: AudioFormat) -> web
     async with aclosing(chunks):
         first = await anext(chunks, None)
         metrics.first_chunk.labels("openai").observe(time.monotonic() - accepted)
+        access_log.first_chunk(request, time.monotonic() - accepted)
         response = web.StreamResponse(headers={**audio_headers(request_id, synthesis, fmt, rate),
                                                "Content-Type": "text/event-stream", "Cache-Control": "no-store"})
         await response.prepare(request)
@@ -118,6 +116,7 @@ async def _send_events(request: web.Request, synthesis, fmt: AudioFormat) -> web
         finally:
             encoder.close()
         metrics.audio_seconds.labels("openai").inc(samples / rate)
+        access_log.audio_sent(request, samples / rate)
         tokens = app[COSTS].text_tokens(synthesis.text)
         await response.write(_event({"type": "speech.audio.done",
                                      "usage": {"input_tokens": tokens, "output_tokens": 0, "total_tokens": tokens}}))

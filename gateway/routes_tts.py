@@ -7,6 +7,8 @@ Body (JSON):
   mode          zero_shot (default) | cross_lingual | instruct2
   instruct      the instruction (instruct2)
   text_frontend false: the text as given: no normalization, no sentence splitting (official text_frontend=False; default true)
+  speed         0.25 .. 4.0 (default 1.0): the mel interpolated along time by 1 / speed before the vocoder, as the
+                official CosyVoice2, streamed or not (runtime/mel_speed.py); outside the range: 400 naming `speed`
   seed          0 .. 2^63-1: the same seed and inputs give the same audio (default: random, echoed in X-Seed)
   chunk_first_hop, chunk_hop_scale, chunk_max_hop
                 the streaming chunk policy (runtime/chunk_policy.py; default: the server's): speech tokens in
@@ -25,7 +27,8 @@ Body (JSON):
                 it on a pipe)
 
 Errors before the first audio byte are JSON with a status (400 naming the field, 404 unknown voice,
-429, 503 no server, 504 timeout); a failure after it cuts the connection (an incomplete body).
+429, 503 no server or "overloaded" with Retry-After (admission: gateway/admission.py), 504 timeout); a
+failure after it cuts the connection (an incomplete chunked body, never a clean end).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from aiohttp import web
 
 from cosyvoice_triton.audio_out import ALIASES, FORMATS, AudioEncoder, AudioFormat, audio_format, encode
 
+from . import access_log
 from .auth import limit_key
 from .errors import BadRequest, GatewayError
 from .fields import resolve_aliases
@@ -49,7 +53,7 @@ from .synthesis import TTS_FIELDS, Synthesis, decode_base64, prepare, stream_aud
 log = logging.getLogger(__name__)
 
 TTS_KEYS = frozenset({"text", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
-                      "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "format", "stream"}) | {"text_frontend"}
+                      "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "format", "stream"}) | {"text_frontend", "speed"}
 TTS_FORMATS = (*FORMATS, *ALIASES)  # the formats of /v1/tts and the WebSocket
 
 
@@ -88,12 +92,15 @@ async def send_audio(request: web.Request, synthesis: Synthesis, fmt: AudioForma
         audio = await whole_audio(app, synthesis, request_id)
         metrics.first_chunk.labels(route).observe(time.monotonic() - accepted)
         metrics.audio_seconds.labels(route).inc(audio.size / rate)
+        access_log.first_chunk(request, time.monotonic() - accepted)
+        access_log.audio_sent(request, audio.size / rate)
         body = await asyncio.to_thread(encode, audio, fmt, rate)
         return web.Response(body=body, headers=headers)
     chunks = stream_audio(app, synthesis, request_id)
     async with aclosing(chunks):
         first = await anext(chunks, None)
         metrics.first_chunk.labels(route).observe(time.monotonic() - accepted)
+        access_log.first_chunk(request, time.monotonic() - accepted)
         response = web.StreamResponse(headers={**headers, "Cache-Control": "no-store"})
         response.enable_chunked_encoding()
         await response.prepare(request)
@@ -117,6 +124,7 @@ async def send_audio(request: web.Request, synthesis: Synthesis, fmt: AudioForma
             encoder.close()
             metrics.active_streams.labels(route).dec()
             metrics.audio_seconds.labels(route).inc(samples / rate)
+            access_log.audio_sent(request, samples / rate)
         await response.write_eof()
         return response
 
@@ -155,6 +163,7 @@ async def tts(request: web.Request) -> web.StreamResponse:
                               instruct=body.get("instruct"), seed=body.get("seed"),
                               chunk_first_hop=body.get("chunk_first_hop"), chunk_hop_scale=body.get("chunk_hop_scale"),
                               chunk_max_hop=body.get("chunk_max_hop"), text_frontend=body.get("text_frontend"), chunk_policy=body.get("chunk_policy"),
+                              speed=body.get("speed"),
                               fields=TTS_FIELDS)
     with app[LIMITER].slot(limit_key(request)):
         return await send_audio(request, synthesis, fmt, stream, route="tts")

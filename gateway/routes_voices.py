@@ -3,8 +3,14 @@
 POST /v1/voices     multipart/form-data: audio (a WAV/FLAC/OGG file), text (its transcript),
                     id (optional), name (optional), shared (optional, "true": admin keys only); or
                     JSON {"audio": base64, "text", "id", "name", "shared"}.
-                    201 with the voice when it is new, 200 when this key registered this recording
-                    and transcript already (registration is idempotent by audio hash and transcript).
+                    201 with the voice when it is new, 200 with the stored voice when this key registered
+                    this recording and transcript already (registration is idempotent by audio hash and
+                    transcript) and no other id is asked for; 409 when it is asked for under another
+                    `id`: {"error": {..., "code": "already_registered", "param": "id"}, "id": the existing
+                    id} (GET /v1/voices/{id} shows it). The voice says which `modes` it can serve:
+                    zero_shot needs a transcript; cross_lingual, instruct2 and vc do not (a voice
+                    registered without `text` has no zero_shot, and synthesis in zero_shot with it is a
+                    400 naming prompt_text, unless the request brings a transcript).
 GET /v1/voices      {"voices": [...]}: the caller's own voices and the shared ones
 GET /v1/voices/{id} the voice; 404 if unknown or another key's
 DELETE /v1/voices/{id}  {"id", "deleted": true}; 404 if unknown or another key's; 403 for a shared voice
@@ -32,7 +38,7 @@ from cosyvoice_triton.triton import contracts
 
 from .auth import RateLimiter, Tenant, current_tenant
 from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
-from .errors import BadRequest, Forbidden, PayloadTooLarge, VoiceNotFound
+from .errors import BadRequest, Forbidden, GatewayError, PayloadTooLarge, VoiceNotFound
 from .routing import ENCODE_COST
 from .state import CONFIG, REGISTRATION_RATE, STORE
 from .synthesis import Fields, call_model, decode_base64, gateway_error, optional_string
@@ -43,10 +49,21 @@ _REGISTER_INPUTS = {"reference_audio": "audio", "reference_wav": "audio", "refer
                     "voice_id": "id", "name": "name"}
 
 
+class AlreadyRegistered(GatewayError):
+    """The recording and transcript are stored already, as `existing`, and another id was asked for."""
+
+    status, code, kind = 409, "already_registered", "invalid_request_error"
+
+    def __init__(self, existing: VoiceRecord, requested_id: str):
+        super().__init__(f"id: this recording and transcript are already registered as voice "
+                         f"{existing.voice_id!r}; use that id (or register without id), not {requested_id!r}", "id")
+        self.existing = existing
+
+
 def voice_json(info, created: bool | None = None) -> dict:
     body = {"id": info.voice_id, "name": info.name, "text": info.text, "audio_sha256": info.audio_sha256,
             "prompt_tokens": info.tokens, "prompt_seconds": info.tokens / 25.0, "created_at": info.created_at,
-            "shared": info.shared}
+            "shared": info.shared, "modes": list(info.modes)}
     if created is not None:
         body["created"] = created
     return body
@@ -65,6 +82,8 @@ async def register(app: web.Application, audio: bytes, text: str, voice_id: str 
         raise BadRequest(exc.field, exc.problem) from None
     sha = await asyncio.to_thread(audio_sha256, samples, rate)
     stored = await asyncio.to_thread(store.find, sha, text, owner)  # this content, this owner, any id
+    if stored is not None and voice_id is not None and voice_id != stored.voice_id:
+        raise AlreadyRegistered(stored, voice_id)
     inputs = contracts.register_inputs(voice_id=voice_id, name=name, owner=owner, audio_file=audio, prompt_text=text)
     outputs = await call_model(app, app[CONFIG].register_model, inputs, ENCODE_COST,
                                app[CONFIG].routing.register_timeout_s)
@@ -131,6 +150,10 @@ async def create_voice(request: web.Request) -> web.Response:
             raise BadRequest(field, problem)
     try:
         info, created = await register(request.app, audio, text, voice_id, name, owner=owner)
+    except AlreadyRegistered as exc:
+        return web.json_response({"error": {"message": exc.message, "type": exc.kind, "code": exc.code,
+                                            "param": "id"},
+                                  "id": exc.existing.voice_id}, status=409)
     except TritonCallError as exc:
         if exc.kind == "invalid":
             field = text_field if exc.field == "reference_text" else _REGISTER_INPUTS.get(exc.field, exc.field)

@@ -2,12 +2,18 @@
 
 Client -> server (JSON text frames):
   {"type": "start", "voice_id" | "prompt_audio" (+ "prompt_text"), "mode", "instruct", "seed",
-   "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy" (as in POST /v1/tts),
-   "format": "pcm_f32" (default) | any format of POST /v1/tts, "text" (optional)}   first, once
+   "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "speed" (as in POST /v1/tts),
+   "format": "pcm_f32" (default) | any format of POST /v1/tts, "text" (optional),
+   "text_mode": "sentences" (default) | "bistream"}   first, once
+                                                 bistream: the text goes to one synthesis as it is written
+                                                 (gateway/ws_bistream.py): audio starts before a sentence
+                                                 is complete; flush does nothing; one segment
   {"type": "text", "text": "Hello there. How"}   any number: text is buffered, and each complete
                                                  sentence (end mark + space, or a CJK end mark, or a
                                                  newline) is synthesized at once
   {"type": "flush"}                              synthesize what is buffered now, complete or not
+  {"type": "vc", "audio": base64 of a recording} voice conversion: flush, then the recording spoken again in
+                                                 the session's voice as the next segment (POST /v1/vc's rule)
   {"type": "end"}                                flush, finish, then the server ends the session
 Server -> client:
   {"type": "started", "request_id", "sample_rate" (of the format: 48000 for opus), "format", "seed"}
@@ -16,12 +22,20 @@ Server -> client:
                  encoder gives bytes; the file's last bytes come before the end message
   {"type": "segment", "index", "text", "audio_seconds", "first_chunk_ms"}       after each segment's audio
   {"type": "end", "segments", "audio_seconds", "first_chunk_ms", "elapsed_ms"}  then close (1000)
-  {"type": "error", "status", "code", "param", "message"}  then close (1008 for 4xx, 1011 otherwise)
+  {"type": "error", "status", "code", "param", "message"}  then close (1008 for 4xx, 1011 otherwise); a
+                 refusal under overload (status 503, code "overloaded") adds "retry_after" (seconds), as
+                 HTTP's Retry-After; an error after audio was sent means the audio is incomplete
 
 Time limits (`Limits`): a session with no client message for `ws_idle_timeout_s` while nothing is in
 flight (no segment waiting, synthesizing or being sent; after "end" the server finishes on its own) gets
 {"type": "error", "status": 408, "code": "idle_timeout"} and is closed, freeing its stream slot; a session
 longer than `ws_session_timeout_s` ends the same way with "session_timeout".
+
+Draining (gateway/drain.py, `up` on SIGTERM): a new socket is refused at the upgrade (503); in an open
+session, a message that would begin a new synthesis ("start", text that completes a segment, "flush" or
+"end" with text buffered, "vc") is refused: what was asked for before it is synthesized and sent, then
+{"type": "error", "status": 503, "code": "unavailable", "retry_after"} (the message HTTP routes answer
+while draining) and close (1011). Text appended to a running bistream synthesis is not a new one.
 
 Segments are separate Triton requests, routed one by one; up to `ws_pipeline_depth` run ahead of the one
 being sent, and their audio is sent strictly in order. Segment i uses seed + 1000 * i; every segment has
@@ -41,22 +55,26 @@ from dataclasses import dataclass, field
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from cosyvoice_triton.messages import SEED_LIMIT
+from cosyvoice_triton.messages import SEED_LIMIT, TEXT_MODES
 
 from cosyvoice_triton.audio_out import AudioEncoder, audio_format
 
+from . import access_log
 from .auth import limit_key
+from .drain import Draining
 from .errors import BadRequest, GatewayError, PayloadTooLarge, SessionTimeout, as_gateway_error, ws_error
 from .fields import resolve_aliases
 from .routes_tts import check_format
-from .state import CONFIG, COSTS, LIMITER, METRICS, WEBSOCKETS
+from .routes_vc import VoiceConversion, ws_conversion
+from .state import CONFIG, COSTS, DRAIN, LIMITER, METRICS, WEBSOCKETS
 from .synthesis import TTS_FIELDS, Synthesis, decode_base64, prepare, stream_audio
+from .ws_bistream import BistreamText
 
 log = logging.getLogger(__name__)
 
 SEGMENT_SEED_STRIDE = 1000
 START_KEYS = frozenset({"type", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
-                        "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "format", "text"}) | {"text_frontend"}
+                        "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "format", "text"}) | {"text_frontend", "text_mode", "speed"}
 # A sentence is complete at an end mark followed by white space, a CJK end mark, or a newline.
 _BOUNDARY = re.compile(r"[.!?;]+[\"'”’)\]]*\s+|[。！？；…]+[\"”’」』）)]*\s*|\n+")
 _DONE = object()
@@ -125,6 +143,9 @@ class Session:
         self.app = request.app
         self.ws = ws
         self.config = self.app[CONFIG]
+        self.drain = self.app[DRAIN]
+        self.held = 0  # segments queued and not yet sent: counted in the drain's in_flight
+        self.refusal: Draining | None = None  # a message refused while draining: sent in place of "end"
         self.request_id = uuid.uuid4().hex
         self.base: Synthesis | None = None
         self.fmt = audio_format("pcm_f32")
@@ -140,6 +161,7 @@ class Session:
         self.first_chunk_ms: float | None = None
         self.audio_seconds = 0.0
         self.ended = False
+        self.bistream: BistreamText | None = None  # text_mode bistream: the text goes to one synthesis
 
     # ---- the session -----------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -152,7 +174,8 @@ class Session:
             return
         metrics = self.app[METRICS]
         metrics.active_streams.labels("ws").inc()
-        tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._start_segments()),
+        starter = self._start_bistream() if self.bistream is not None else self._start_segments()
+        tasks = [asyncio.create_task(self._read()), asyncio.create_task(starter),
                  asyncio.create_task(self._send())]
         reader, _, sender = tasks
         try:
@@ -161,6 +184,8 @@ class Session:
             for task in done:
                 if not task.cancelled() and task.exception() is not None:
                     error = task.exception()
+            if isinstance(error, Draining):
+                error = await self._finish_accepted(sender, error)
             if error is not None and not isinstance(error, _ClientGone):
                 await self._stop(tasks)
                 await self._fail(as_gateway_error(error))
@@ -169,18 +194,38 @@ class Session:
                 await self.ws.close()
         finally:
             await self._stop(tasks)  # the client left (reader done): cancels the Triton streams
+            self._release(self.held)
             self.encoder.close()
             metrics.active_streams.labels("ws").dec()
             metrics.audio_seconds.labels("ws").inc(self.audio_seconds)
+            if self.first_chunk_ms is not None:
+                access_log.first_chunk(self.request, self.first_chunk_ms / 1000)
+            access_log.audio_sent(self.request, self.audio_seconds)
+
+    async def _finish_accepted(self, sender: asyncio.Task, refusal: Draining) -> Exception:
+        """Draining refused a message: what was asked for before it is synthesized and sent, then the
+        refusal ends the session in place of "end" (or the error the sender met first)."""
+        self.refusal = refusal
+        self.pending.put_nowait(None)  # no segment after those already queued
+        try:
+            await sender
+        except Exception as exc:  # noqa: BLE001 - reported to the client
+            return exc
+        return refusal
 
     async def _start(self, message: dict) -> None:
         if message.get("type") != "start":
             raise BadRequest("type", "the first message must be {\"type\": \"start\", ...}")
+        self.drain.refuse_new()
         unknown = sorted(set(message) - START_KEYS)
         if unknown:
             raise BadRequest(unknown[0], "is not a field of the start message "
                                          f"(fields: {', '.join(sorted(START_KEYS))})")
         self.fmt = check_format(message.get("format", "pcm_f32"), "format")
+        text_mode = message.get("text_mode", "sentences")
+        if text_mode not in TEXT_MODES:
+            raise BadRequest("text_mode", f"must be one of {', '.join(TEXT_MODES)}, got {text_mode!r}")
+        self.bistream = BistreamText() if text_mode == "bistream" else None
         message = resolve_aliases(message)
         prompt_audio = message.get("prompt_audio")
         if prompt_audio is not None:
@@ -191,7 +236,7 @@ class Session:
                                   instruct=message.get("instruct"), seed=message.get("seed"),
                                   chunk_first_hop=message.get("chunk_first_hop"),
                                   chunk_hop_scale=message.get("chunk_hop_scale"),
-                                  chunk_max_hop=message.get("chunk_max_hop"), text_frontend=message.get("text_frontend"),
+                                  chunk_max_hop=message.get("chunk_max_hop"), text_frontend=message.get("text_frontend"), speed=message.get("speed"),
                                   chunk_policy=message.get("chunk_policy"), fields=TTS_FIELDS)
         await self.ws.send_json({"type": "started", "request_id": self.request_id,
                                  "sample_rate": self.fmt.output_rate(self.config.sample_rate),
@@ -211,12 +256,21 @@ class Session:
                 self._add_text(message.get("text"))
             elif kind == "flush":
                 self._queue(self.buffer.flush())
+            elif kind == "end" and self.bistream is not None:
+                self.bistream.end()
+                self.ended = True
             elif kind == "end":
                 self._queue(self.buffer.flush())
                 self.pending.put_nowait(None)
                 self.ended = True
+            elif kind == "vc" and self.bistream is not None:
+                raise BadRequest("type", "a bistream session takes text only (vc needs text_mode sentences)")
+            elif kind == "vc":  # a recording to speak again in the session's voice, after the text before it
+                self.drain.refuse_new()
+                conversion = await ws_conversion(self.app, message, self.base)
+                self._queue([*self.buffer.flush(), conversion])
             else:
-                raise BadRequest("type", f"must be text, flush or end, got {kind!r}")
+                raise BadRequest("type", f"must be text, flush, vc or end, got {kind!r}")
 
     def _add_text(self, text: object) -> None:
         if not isinstance(text, str):
@@ -225,11 +279,24 @@ class Session:
         if self.received_chars > self.config.limits.max_session_chars:
             raise PayloadTooLarge(f"text: a session takes at most {self.config.limits.max_session_chars} "
                                   "characters", "text")
+        if self.bistream is not None:
+            self.bistream.put(text)
+            return
         self._queue(self.buffer.feed(text))
 
-    def _queue(self, texts: list[str]) -> None:
-        for text in texts:
-            self.pending.put_nowait(text)
+    def _queue(self, items: list[str | VoiceConversion]) -> None:
+        """New segments (refused while draining), held in the drain's count until they are sent."""
+        if not items:
+            return
+        self.drain.refuse_new()
+        for item in items:
+            self.pending.put_nowait(item)
+        self.held += len(items)
+        self.drain.in_flight += len(items)
+
+    def _release(self, count: int) -> None:
+        self.held -= count
+        self.drain.in_flight -= count
 
     async def _start_segments(self) -> None:
         costs = self.app[COSTS]
@@ -237,12 +304,29 @@ class Session:
             await self.ahead.acquire()  # released by the sender once the segment is sent
             index = len(self.segments)
             seed = (self.base.seed + SEGMENT_SEED_STRIDE * index) % SEED_LIMIT
-            cost = costs.estimate(text, self.base.prompt_tokens, self.base.prompt_audio is not None)
+            if isinstance(text, VoiceConversion):  # a vc message: its own request, with the segment's seed
+                synthesis, text = text.with_seed(seed), ""
+            else:
+                cost = costs.estimate(text, self.base.prompt_tokens, self.base.prompt_audio is not None)
+                synthesis = self.base.with_text(text, seed, cost)
             segment = Segment(index, text, time.monotonic())
-            segment.task = asyncio.create_task(self._synthesize(segment, self.base.with_text(text, seed, cost)))
+            segment.task = asyncio.create_task(self._synthesize(segment, synthesis))
             self.segments.append(segment)
             self.order.put_nowait(segment)
         self.order.put_nowait(None)
+
+    async def _start_bistream(self) -> None:
+        """text_mode bistream: one segment, synthesized as its text comes (gateway/ws_bistream.py)."""
+        segment = Segment(0, "", time.monotonic())
+        synthesis = self.base.with_text("", self.base.seed, self.base.cost)
+        segment.task = asyncio.create_task(self._bistream_segment(segment, synthesis))
+        self.segments.append(segment)
+        self.order.put_nowait(segment)
+        self.order.put_nowait(None)
+
+    async def _bistream_segment(self, segment: Segment, synthesis: Synthesis) -> None:
+        await self.bistream.run(self.app, synthesis, segment.queue, f"{self.request_id}-0", _DONE)
+        segment.text = self.bistream.text
 
     async def _synthesize(self, segment: Segment, synthesis: Synthesis) -> None:
         try:
@@ -271,9 +355,13 @@ class Session:
             self.audio_seconds += seconds
             self.ahead.release()
             self.sent += 1
+            if self.bistream is None:  # a bistream segment is not queued: its Triton call is what counts
+                self._release(1)
             await self.ws.send_json({"type": "segment", "index": segment.index, "text": segment.text,
                                      "audio_seconds": seconds, "first_chunk_ms": first_ms})
         await self._send_audio(self.encoder.finish())
+        if self.refusal is not None:
+            raise self.refusal
         await self.ws.send_json({"type": "end", "segments": len(self.segments), "audio_seconds": self.audio_seconds,
                                  "first_chunk_ms": self.first_chunk_ms,
                                  "elapsed_ms": (time.monotonic() - self.started) * 1000})

@@ -1,6 +1,6 @@
 """Which Triton server takes a request: least outstanding cost among the healthy ones.
 
-Cost (`CostModel`, in "speech-token steps"): a request costs
+Cost (`CostModel`, in "speech-token steps", `cosyvoice_triton.admission.request_cost`): a request costs
     SPEECH_PER_TEXT_TOKEN * text tokens   (LLM decode steps and token2wav work grow with the output)
   + PROMPT_WEIGHT * prompt speech tokens  (LLM prefill and the flow's attention over the prompt)
   + ENCODE_COST when the prompt is raw audio (the prompt encoder runs) + BASE_COST.
@@ -9,8 +9,10 @@ bytes/4 estimate.
 
 A server's load is this gateway's own accounting (the cost of the requests it has in flight there)
 plus what the server's metrics show beyond them: `nv_inference_pending_request_count` (queued in
-Triton) and `cosyvoice_active_streams` (being synthesized) of `cosyvoice2`, scraped every few seconds,
-less this gateway's own requests there, times the mean request cost. So requests that other gateways
+Triton), `cosyvoice_queued_streams` (admitted, waiting for a worker) and `cosyvoice_active_streams` (being
+synthesized) of `cosyvoice2`, scraped every few seconds, less this gateway's own requests there, times the
+mean request cost. The same scrape reads what admission needs (gateway/admission.py): the stream slots,
+the measured seconds per cost, the LLM's free slots and token2wav's pending chunks. So requests that other gateways
 sent count too. Ties go to the server picked least recently.
 
 Health: a background loop asks each server ServerReady + ModelReady(cosyvoice2). A failing server
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import aiohttp
 
+from cosyvoice_triton.admission import BASE_COST, ENCODE_COST, MEAN_COST, request_cost, text_tokens_estimate  # noqa: F401 (re-exported)
 from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.server_pool import Server, ServerPool
 from cosyvoice_triton.targets import Resolver, TritonTarget, discover, resolve_ips
@@ -45,11 +48,8 @@ from .triton_channel import TritonClient
 
 log = logging.getLogger(__name__)
 
-SPEECH_PER_TEXT_TOKEN = 10.0
-PROMPT_WEIGHT = 0.5
-ENCODE_COST = 25.0
-BASE_COST = 25.0
 TOKENS_PER_SECOND = 25  # prompt speech tokens per second of prompt audio
+LLM_MODEL, TOKEN2WAV_MODEL = "llm", "token2wav"  # the models cosyvoice2 calls (their metrics steer admission)
 
 
 class CostModel:
@@ -72,11 +72,10 @@ class CostModel:
     def text_tokens(self, text: str) -> int:
         if self.tokenizer is not None:
             return self.tokenizer.count(text)
-        return max(1, len(text.encode("utf-8")) // 4)
+        return text_tokens_estimate(text)
 
     def estimate(self, text: str, prompt_tokens: int, encodes_prompt: bool) -> float:
-        return (SPEECH_PER_TEXT_TOKEN * self.text_tokens(text) + PROMPT_WEIGHT * prompt_tokens
-                + (ENCODE_COST if encodes_prompt else 0.0) + BASE_COST)
+        return request_cost(self.text_tokens(text), prompt_tokens, encodes_prompt)
 
 
 class Router:
@@ -87,7 +86,7 @@ class Router:
                  new_client: Callable[[str], TritonClient] = TritonClient):
         if not servers and not discovery:
             raise ValueError("no Triton servers")
-        self.pool = ServerPool(servers, mean_cost=BASE_COST + 10 * SPEECH_PER_TEXT_TOKEN, joins_healthy=False)
+        self.pool = ServerPool(servers, mean_cost=MEAN_COST, joins_healthy=False)
         self.routing = routing
         self.model = model
         self.discovery = tuple(discovery)  # dns:// specs
@@ -168,8 +167,15 @@ class Router:
             return  # health checks decide about the server; the load estimate just keeps its last value
         pending = metric_sum(text, "nv_inference_pending_request_count", self.model)
         active = metric_sum(text, "cosyvoice_active_streams", self.model)
+        server.queued = metric_sum(text, "cosyvoice_queued_streams", self.model)
         server.pending = pending
-        self.pool.set_external(server, pending + active)
+        self.pool.set_external(server, pending + server.queued + active)
+        server.slots = int(metric_sum(text, "cosyvoice_stream_slots", self.model))
+        speed = metric_sum(text, "cosyvoice_seconds_per_cost", self.model)
+        server.seconds_per_cost = speed if speed > 0 else None
+        server.llm_free_slots = int(metric_sum(text, "cosyvoice_llm_free_slots", LLM_MODEL))
+        server.llm_slots = server.llm_free_slots + int(metric_sum(text, "cosyvoice_llm_active_streams", LLM_MODEL))
+        server.token2wav_pending = metric_sum(text, "nv_inference_pending_request_count", TOKEN2WAV_MODEL)
 
     async def run_health(self) -> None:
         while True:

@@ -8,6 +8,7 @@ from aiohttp import web
 from .auth import RateLimiter, StreamLimiter
 from .config import GatewayConfig
 from .default_voice import DefaultVoice
+from .drain import Drain
 from .metrics import GatewayMetrics
 from .routing import CostModel, Router
 
@@ -21,4 +22,7 @@ LIMITER = web.AppKey("limiter", StreamLimiter)
 REGISTRATION_RATE = web.AppKey("registration_rate", RateLimiter)  # POST /v1/voices per tenant
 WEBSOCKETS = web.AppKey("websockets", weakref.WeakSet)
 DEFAULT_VOICE = web.AppKey("default_voice", DefaultVoice)
-
+DRAIN = web.AppKey("drain", Drain)  # begun by whoever stops the gateway (`up` on SIGTERM)
+# Readiness conditions (create_app's drain, `up` adds its supervisor's): each `() -> (waits, body parts)`,
+# not ready while `waits` (a list of what it waits for) is not empty; the parts go into /readyz's body.
+READINESS_CHECKS = web.AppKey("readiness_checks", list)

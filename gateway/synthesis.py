@@ -23,19 +23,22 @@ from dataclasses import dataclass, replace
 import numpy as np
 from aiohttp import web
 
+from cosyvoice_triton.admission import AdmissionPolicy, retry_after_from_message
 from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.preprocess.audio import load_prompt_audio
 from cosyvoice_triton.preprocess.text import text_problem, validate_text
 from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
-from cosyvoice_triton.messages import MODES, SEED_LIMIT
+from cosyvoice_triton.messages import MODES, SEED_LIMIT, check_speed
 from cosyvoice_triton.runtime.voice_store import check_voice_id, visible_to
 from cosyvoice_triton.triton.contracts import synthesis_inputs
 
+from . import admission
 from .auth import current_tenant
 from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
 from .errors import (
     BadRequest,
     GatewayError,
+    Overloaded,
     PayloadTooLarge,
     ServiceUnavailable,
     UpstreamError,
@@ -97,6 +100,7 @@ class Synthesis:
     chunk_max_hop: int | None = None
     text_frontend: bool | None = None  # False: the text as given: no normalization, no sentence splitting; None: the default (true)
     chunk_policy: str | None = None  # fixed | adaptive; None: the server's
+    speed: float | None = None  # speaking speed (messages.check_speed); None: 1.0
 
     def inputs(self, seed: int | None = None) -> dict[str, np.ndarray]:
         """The cosyvoice2 request (contracts.py), with `seed` instead of the request's when given."""
@@ -104,7 +108,7 @@ class Synthesis:
                                 prompt_text=self.prompt_text, mode=self.mode, instruct_text=self.instruct or None,
                                 seed=self.seed if seed is None else seed, chunk_first_hop=self.chunk_first_hop,
                                 chunk_hop_scale=self.chunk_hop_scale, chunk_max_hop=self.chunk_max_hop, text_frontend=self.text_frontend,
-                                chunk_policy=self.chunk_policy)
+                                chunk_policy=self.chunk_policy, speed=self.speed)
 
     def with_text(self, text: str, seed: int, cost: float) -> Synthesis:
         """The same voice and settings (chunk policy included) for another text (WebSocket segments)."""
@@ -179,7 +183,7 @@ async def prepare(app: web.Application, *, text: object, voice_id: object = None
                   prompt_text: object = None, mode: object = "zero_shot", instruct: object = None,
                   seed: object = None, chunk_first_hop: object = None, chunk_hop_scale: object = None,
                   chunk_max_hop: object = None, chunk_policy: object = None, text_frontend: object = None,
-                  fields: Fields = TTS_FIELDS,
+                  speed: object = None, fields: Fields = TTS_FIELDS,
                   check_text: bool = True) -> Synthesis:
     """Check a request and resolve its voice (no voice given: "default"). `check_text` False: settings
     for texts that come later (a WebSocket start message)."""
@@ -200,15 +204,14 @@ async def prepare(app: web.Application, *, text: object, voice_id: object = None
     seed = check_seed(seed, fields.seed)
     if text_frontend is not None and not isinstance(text_frontend, bool):
         raise BadRequest("text_frontend", "must be true or false")
-    chunk = check_chunk_policy(chunk_first_hop, chunk_hop_scale, chunk_max_hop, fields, chunk_policy)
-    if voice_id is not None and prompt_audio is not None:
-        raise BadRequest(fields.voice, f"give {fields.voice} or {fields.prompt_audio}, not both")
-    if prompt_audio is not None:
+    if speed is not None:
         try:
-            samples, rate = await asyncio.to_thread(load_prompt_audio, prompt_audio, fields.prompt_audio)
+            speed = float(check_speed(speed))
         except InvalidInput as exc:
-            raise BadRequest(fields.prompt_audio, exc.problem) from None
-        prompt_tokens = int(samples.shape[0] / rate * TOKENS_PER_SECOND)
+            raise BadRequest("speed", exc.problem) from None
+    chunk = check_chunk_policy(chunk_first_hop, chunk_hop_scale, chunk_max_hop, fields, chunk_policy)
+    prompt_tokens = await prompt_audio_tokens(voice_id, prompt_audio, fields)
+    if prompt_tokens is not None:
         if mode == "zero_shot" and not (prompt_text or "").strip():
             raise BadRequest(fields.prompt_text, f"is required with {fields.prompt_audio} in zero_shot mode "
                                                  "(the transcript of the prompt recording)")
@@ -222,7 +225,22 @@ async def prepare(app: web.Application, *, text: object, voice_id: object = None
     cost = app[COSTS].estimate(text, prompt_tokens, prompt_audio is not None)
     return Synthesis(text=text, mode=mode, seed=seed, voice_id=voice_id,
                      prompt_audio=prompt_audio, prompt_text=prompt_text, instruct=instruct,
-                     prompt_tokens=prompt_tokens, cost=cost, fields=fields, text_frontend=text_frontend, **chunk)
+                     prompt_tokens=prompt_tokens, cost=cost, fields=fields, text_frontend=text_frontend,
+                     speed=None if speed == 1.0 else speed, **chunk)
+
+
+async def prompt_audio_tokens(voice_id: object, prompt_audio: bytes | None, fields: Fields) -> int | None:
+    """The speech tokens (25 per second) of a request's prompt recording, decoded and checked; None without one.
+    A request names its voice by an id or by a prompt recording, not both (/v1/tts, /v1/vc, the WebSocket)."""
+    if voice_id is not None and prompt_audio is not None:
+        raise BadRequest(fields.voice, f"give {fields.voice} or {fields.prompt_audio}, not both")
+    if prompt_audio is None:
+        return None
+    try:
+        samples, rate = await asyncio.to_thread(load_prompt_audio, prompt_audio, fields.prompt_audio)
+    except InvalidInput as exc:
+        raise BadRequest(fields.prompt_audio, exc.problem) from None
+    return int(samples.shape[0] / rate * TOKENS_PER_SECOND)
 
 
 async def voice_info(app: web.Application, voice_id: object, field: str):
@@ -249,20 +267,41 @@ def gateway_error(exc: TritonCallError, fields: Fields) -> GatewayError:
         return BadRequest(fields.of_model_input(exc.field) or "request", exc.problem)
     if exc.kind == "not_found":
         return VoiceNotFound(fields.voice, exc.problem)
-    if exc.kind in ("busy", "unreachable", "cancelled"):
+    if exc.kind == "busy":  # the server's admission (or a full queue) refused it
+        return Overloaded(exc.message, retry_after_from_message(exc.message))
+    if exc.kind in ("unreachable", "cancelled"):
         return ServiceUnavailable(exc.message)
     if exc.kind == "timeout":
         return UpstreamTimeout(exc.message)
     return UpstreamError(exc.message)
 
 
+def pick_admitted(app: web.Application, tried: list) -> object:
+    """The least-loaded healthy server not tried yet, if admission (gateway/admission.py) expects it to start
+    a new request within the queue-wait limit; else Overloaded (503 + Retry-After), counted."""
+    router = app[ROUTER]
+    server = router.pick(exclude=tried)
+    try:
+        admission.check(AdmissionPolicy(app[CONFIG].routing.max_queue_wait_s), server, router.mean_cost)
+    except Overloaded:
+        app[METRICS].refused.labels("gateway").inc()
+        raise
+    return server
+
+
+def refused_by_server(app: web.Application, exc: TritonCallError) -> None:
+    if exc.kind == "busy":
+        app[METRICS].refused.labels("server").inc()
+
+
 async def stream_audio(app: web.Application, synthesis: Synthesis, request_id: str) -> AsyncIterator[np.ndarray]:
     """The request's float32 24 kHz chunks from the least-loaded healthy server. A failure before the first
-    chunk is retried on another server; after it, it ends the stream (raised as a GatewayError)."""
+    chunk is retried on another server; after it, it ends the stream (raised as a GatewayError). A request
+    that no server would start in time is refused (Overloaded) before it is sent."""
     router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
     tried = []
     while True:
-        server = router.pick(exclude=tried)
+        server = pick_admitted(app, tried)
         tried.append(server)
         metrics.routed.labels(server.name).inc()
         produced = False
@@ -283,6 +322,7 @@ async def stream_audio(app: web.Application, synthesis: Synthesis, request_id: s
                     router.set_health(server, False, exc.message)
                 others = [b for b in router.healthy() if b not in tried]
                 if produced or not exc.retryable or len(tried) >= routing.max_attempts or not others:
+                    refused_by_server(app, exc)
                     raise gateway_error(exc, synthesis.fields) from None
                 metrics.retries.inc()
                 log.warning("request %s failed on %s before any audio (%s); retrying on another server",
@@ -295,20 +335,21 @@ async def whole_audio(app: web.Application, synthesis: Synthesis, request_id: st
     errors. Raises a GatewayError."""
     try:
         outputs = await call_model(app, app[CONFIG].offline_model, synthesis.inputs(), synthesis.cost,
-                                   app[CONFIG].routing.offline_timeout_s, request_id)
+                                   app[CONFIG].routing.offline_timeout_s, request_id, admit=True)
     except TritonCallError as exc:
+        refused_by_server(app, exc)
         raise gateway_error(exc, synthesis.fields) from None
     return np.asarray(outputs["waveform"], dtype=np.float32).reshape(-1)
 
 
 async def call_model(app: web.Application, model: str, inputs: dict[str, np.ndarray], cost: float,
-                     timeout_s: float, request_id: str = "") -> dict[str, np.ndarray]:
+                     timeout_s: float, request_id: str = "", admit: bool = False) -> dict[str, np.ndarray]:
     """A unary call (register_voice, cosyvoice2_offline) on the least-loaded server, retried elsewhere on
-    transport errors."""
+    transport errors. `admit`: a synthesis, refused (Overloaded) when no server would start it in time."""
     router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
     tried = []
     while True:
-        server = router.pick(exclude=tried)
+        server = pick_admitted(app, tried) if admit else router.pick(exclude=tried)
         tried.append(server)
         metrics.routed.labels(server.name).inc()
         with router.lease(server, cost):

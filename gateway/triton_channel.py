@@ -24,7 +24,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from cosyvoice_triton.triton import wire
-from cosyvoice_triton.triton.wire import infer_request, response_outputs
+from cosyvoice_triton.triton.wire import STREAM_END_WAIT_S, infer_request, response_outputs
 
 CHANNEL_OPTIONS = [
     *wire.CHANNEL_OPTIONS,
@@ -91,6 +91,20 @@ def rpc_error(error: grpc.aio.AioRpcError) -> TritonCallError:
 
 # ---- the client -----------------------------------------------------------------------------------------
 
+async def await_end(call) -> None:
+    """Let a `ModelStreamInfer` call whose final response (audio or an error) has come end on the server's
+    side (our side closed after its one request): read to its EOF. A cancel there instead races Triton
+    2.51's own end of the call, and a lost race leaves the request held in its gRPC frontend: the model
+    can then never be unloaded, and tritonserver exits 1 at its exit timeout on every stop. (Dropping the
+    call unread cancels it too: grpc cancels an unfinished call it collects.)"""
+    try:
+        async with asyncio.timeout(STREAM_END_WAIT_S):
+            while await call.read() is not grpc.aio.EOF:
+                pass
+    except (TimeoutError, grpc.aio.AioRpcError):
+        pass  # the caller cancels what did not end
+
+
 class TritonClient:
     """Async calls to one server. Create and use it inside one event loop; `close()` when done."""
 
@@ -109,7 +123,7 @@ class TritonClient:
             yield request
 
         call = self._stub.ModelStreamInfer(one_request())
-        produced = False
+        produced = finished = False
         try:
             while True:
                 timeout = chunk_timeout_s if produced else first_timeout_s
@@ -122,7 +136,8 @@ class TritonClient:
                     raise rpc_error(error) from None
                 if response is grpc.aio.EOF:
                     raise TritonCallError("unreachable", f"{self.url}: the stream ended without a final response")
-                if response.error_message:
+                if response.error_message:  # our models send an error as the request's final response
+                    finished = True
                     raise classify_message(response.error_message)
                 result = response.infer_response
                 for tensor, raw in zip(result.outputs, result.raw_output_contents, strict=False):
@@ -130,10 +145,15 @@ class TritonClient:
                         produced = True
                         yield np.frombuffer(raw, dtype=np.float32)
                 if result.parameters["triton_final_response"].bool_param:
+                    finished = True
                     return
         finally:
-            if not call.done():
-                call.cancel()
+            try:
+                if finished:
+                    await await_end(call)
+            finally:
+                if not call.done():
+                    call.cancel()
 
     async def infer(self, model: str, inputs: Mapping[str, np.ndarray], timeout_s: float,
                     request_id: str = "") -> dict[str, np.ndarray]:

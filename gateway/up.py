@@ -9,14 +9,21 @@ the library's CLI finds it through the `cosyvoice_triton.commands` entry point i
 2. tritonserver starts (on 127.0.0.1 by default: clients talk to the gateway) and is waited for.
 3. The gateway serves on `--host`/`--port` (default 0.0.0.0:8080) in front of it (and of any further
    `--triton` servers); at first start it registers voice `default`.
-4. Ctrl-C / SIGTERM stops the gateway (WebSockets get GOING_AWAY), then tritonserver. If tritonserver
-   exits on its own, the gateway stops too and the command exits with 1.
+4. A tritonserver that dies (a crash, an OOM kill) is started again on its ports with backoff (1 s,
+   doubling up to 30 s; `server.supervisor`); `/readyz` says `processes` (state, restarts) and is 503
+   while it is down, `/metrics` has `cosyvoice_gateway_process_up` and `..._process_restarts_total`.
+5. Ctrl-C / SIGTERM drains: new requests get 503 (naming the reason) and `/readyz` says "draining";
+   the requests in flight get `--drain-timeout` seconds to finish (the rest are cut: an aborted HTTP
+   body, a WebSocket closed with GOING_AWAY); then tritonserver stops (every model unloads) and the
+   command exits 0, or 1 when a tritonserver did not exit cleanly. If tritonserver fails to start,
+   the gateway stops too and the command exits with 1.
 
 Split mode (`--frontends N --backends M`): instead of one server, a `SplitTopology` (backends with
 token2wav, frontends with the rest calling them) behind the gateway, which routes over the frontends. The
-voice store is Redis: `--redis-url`, or a redis-server started here in the run folder. A frontend that
-dies is taken out of the pool by the gateway's health checks and the rest carry on; the command stops
-when no frontend or no backend is left. `<run dir>/topology.json` lists every process and endpoint.
+voice store is Redis: `--redis-url`, or a redis-server started here with an append-only file under
+`<run dir>/redis` (the same `--run-dir` next time: the same voices). Every frontend, backend and that
+redis-server is supervised as above (each on its own ports again). `<run dir>/topology.json` lists
+every process and endpoint.
 """
 from __future__ import annotations
 
@@ -24,8 +31,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import os
-import signal
 import sys
 import threading
 import time
@@ -39,11 +44,13 @@ from cosyvoice_triton.server.launcher import (ENGINES, PRECISIONS, ServeOptions,
 from cosyvoice_triton.random_folder.marker import NOTE as RANDOM_NOTE, is_random
 from cosyvoice_triton.server import free_port
 from cosyvoice_triton.server.ports import check_ports_free
+from cosyvoice_triton.server.supervisor import Backoff, Supervisor
 from cosyvoice_triton.server.templates import model_names
+
+from .drain import DRAIN_TIMEOUT_S, serve_until_stopped
 
 log = logging.getLogger(__name__)
 
-TRITON_WATCH_S = 1.0
 PROGRESS_EVERY_S = 10.0
 
 
@@ -69,15 +76,29 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--instances", type=int, default=1, help="instances of the stateless models")
     t.add_argument("--workers", type=int, default=16, help="requests synthesized at once per cosyvoice2 instance")
     t.add_argument("--llm-max-batch", type=int, default=8, help="LLM streams decoded together (KV slots)")
-    t.add_argument("--torch-threads", type=int, default=0, help="torch threads per llm/token2wav instance")
+    t.add_argument("--torch-threads", type=int, default=0,
+                   help="torch threads per llm/token2wav instance (0: from the core count, see serve --help)")
+    t.add_argument("--llm-precision", choices=("fp32", "bf16", "int8"), default="fp32",
+                   help="the LLM backbone's precision (as serve --llm-precision)")
     t.add_argument("--engine", choices=ENGINES, default="torch", help="token2wav engine, as for `serve`")
     t.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="precision of TensorRT plans and OpenVINO's hint")
     t.add_argument("--ort-providers", default=None, metavar="LIST", help="onnxruntime providers, as for `serve`")
     t.add_argument("--onnx-dir", type=Path, default=None, help="exported ONNX graphs and TensorRT plans")
     t.add_argument("--t2w-idle-timeout", type=float, default=120.0,
-                   help="seconds after which a token2wav stream with no new chunk is freed")
+                   help="seconds a token2wav stream may go without a chunk before it is freed, as for `serve` (counted "
+                        "from its latest chunk's answer, only while token2wav runs no batch)")
+    t.add_argument("--flow-cache-frames", type=int, default=1000, metavar="N",
+                   help="flow state frames kept per token2wav stream, as for `serve`")
+    t.add_argument("--prompt-cache-mb", type=float, default=512.0, metavar="MB",
+                   help="MB of voices' prompt frames token2wav keeps, as for `serve`")
     t.add_argument("--max-token-text-ratio", type=float, default=None, help=argparse.SUPPRESS)  # tests
+    r = p.add_argument_group("supervision and shutdown")
+    r.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="S",
+                   help="on SIGTERM / Ctrl-C, how long requests in flight may take to finish")
+    r.add_argument("--restart-delay", type=float, default=Backoff.initial_delay_s, metavar="S",
+                   help="first wait before a dead tritonserver (or redis-server) is started again; doubles "
+                        f"per failed attempt up to {Backoff.max_delay_s:g} s")
     s = p.add_argument_group("split deployment (both, or neither)")
     s.add_argument("--frontends", type=int, default=0,
                    help="frontend servers (cosyvoice2, llm, prompt encoder) behind the gateway, on free ports")
@@ -97,28 +118,54 @@ def up(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     voice_store = resolve_voice_store(voice_store_url(args))
     options = serve_options(args, model_dir, voice_store)
     server = prepare(options, die_with_parent=True)  # one service: tritonserver never outlives the gateway
+    supervisor = Supervisor({"tritonserver": server}, backoff(args))
     print(f"starting tritonserver (log: {server.workdir / 'tritonserver.log'}) ...", file=out, flush=True)
-    startup = TritonStartup(server, out)
+    startup = TritonStartup(server, out, on_ready=supervisor.begin)
+    codes: dict[str, int | None] = {}
     try:
         startup.begin()  # the gateway listens at once and answers 503 "starting" until Triton is ready
         lines = [f"  triton   grpc {server.grpc_url}, metrics {server.metrics_url} (starting: /readyz answers 503 "
                  f"until it is ready)", f"  voices   {voice_store}", f"  log      {server.log_path}"]
-        code = run_gateway(args, (server.target,), model_dir, voice_store, lines, startup.gone, out)
-        if code and startup.error is None:
-            print(f"tritonserver exited; log {server.log_path}:\n{server.log_tail(20)}", file=sys.stderr)
-        return code
+        code = run_gateway(args, (server.target,), model_dir, voice_store, lines, startup.gone, out, supervisor)
     finally:
-        code = server.stop()
+        supervisor.close(lambda: codes.update(tritonserver=stop_running(server)))
         startup.stopped.set()
-        print(f"tritonserver stopped (exit code {code})", file=out, flush=True)
+        print(f"tritonserver stopped (exit code {codes.get('tritonserver')})", file=out, flush=True)
+        print_failed_stops({"tritonserver": server}, codes, out)
+    return code or exit_code(codes)
+
+
+def stop_running(server) -> int | None:
+    """Stop `server`; its exit code, or None when it had died already (a restart was pending)."""
+    running = server.is_running()
+    code = server.stop()
+    return code if running else None
+
+
+def backoff(args: argparse.Namespace) -> Backoff:
+    return Backoff(initial_delay_s=args.restart_delay)
+
+
+def print_failed_stops(servers: dict, codes: dict[str, int | None], out: TextIO, lines: int = 12) -> None:
+    """For each server that exited non-zero when stopped, the end of its log: tritonserver says there
+    why (e.g. "Exit timeout expired": a model still loaded after --exit-timeout-secs)."""
+    for name, code in codes.items():
+        if code not in (0, None) and name in servers:
+            print(f"{name} exited {code}; the end of its log ({servers[name].log_path}):\n"
+                  f"{servers[name].log_tail(lines).rstrip()}", file=out, flush=True)
+
+
+def exit_code(codes: dict[str, int | None]) -> int:
+    """0 when every tritonserver exited 0 (all its models unloaded within its exit timeout), else 1."""
+    return 0 if all(code in (0, None) for code in codes.values()) else 1
 
 
 class TritonStartup:
     """tritonserver started in a thread, so the gateway answers (503 "starting") while it loads; a progress
     line every PROGRESS_EVERY_S (models loaded of the repository's, elapsed), one when it is ready."""
 
-    def __init__(self, server, out: TextIO):
-        self.server, self.out = server, out
+    def __init__(self, server, out: TextIO, on_ready=lambda: None):
+        self.server, self.out, self.on_ready = server, out, on_ready
         self.finished = threading.Event()
         self.stopped = threading.Event()  # set once the server is stopped
         self.error: Exception | None = None
@@ -128,8 +175,8 @@ class TritonStartup:
         threading.Thread(target=self._report, name="tritonserver-progress", daemon=True).start()
 
     def gone(self) -> bool:
-        """It failed to start, or exited after it started."""
-        return self.finished.is_set() and (self.error is not None or not self.server.is_running())
+        """It failed to start (once started, a server that exits is the supervisor's to restart)."""
+        return self.finished.is_set() and self.error is not None
 
     def _start(self) -> None:
         started = time.monotonic()
@@ -137,6 +184,7 @@ class TritonStartup:
             self.server.start()
             print(f"tritonserver ready after {time.monotonic() - started:.0f} s: the gateway serves",
                   file=self.out, flush=True)
+            self.on_ready()  # supervision from now on
         except Exception as exc:  # noqa: BLE001 - reported here, and the gateway stops (gone())
             self.error = exc
             print(f"tritonserver did not start: {exc}", file=sys.stderr, flush=True)
@@ -191,24 +239,25 @@ def up_split(args: argparse.Namespace, out: TextIO) -> int:
     topology = SplitTopology(options, args.frontends, args.backends, run_dir, die_with_parent=True)
     print(f"starting {args.backends} backend and {args.frontends} frontend tritonservers (in {run_dir}) ...",
           file=out, flush=True)
+    supervisor: Supervisor | None = None
+    codes: dict[str, int | None] = {}
     try:
         topology.start()
+        supervisor = Supervisor(topology.processes(), backoff(args)).begin()
         targets = tuple(f.target for f in topology.frontends)
         lines = [*(f"  frontend grpc {f.grpc_url}, metrics {f.metrics_url} (pid {f.pid})" for f in topology.frontends),
                  *(f"  backend  grpc {b.grpc_url}, metrics {b.metrics_url} (pid {b.pid})" for b in topology.backends),
                  f"  voices   {topology.voice_store}", f"  layout   {run_dir / 'topology.json'}"]
-
-        def gone() -> bool:
-            return not any(f.is_running() for f in topology.frontends) or \
-                not any(b.is_running() for b in topology.backends)
-
-        code = run_gateway(args, targets, model_dir, topology.voice_store, lines, gone, out)
-        if code:
-            print(f"no frontend or no backend is left; logs under {run_dir}", file=sys.stderr)
-        return code
+        code = run_gateway(args, targets, model_dir, topology.voice_store, lines, lambda: False, out, supervisor)
     finally:
-        topology.stop()
-        print("tritonservers stopped", file=out, flush=True)
+        if supervisor is not None:
+            supervisor.close(lambda: codes.update(topology.stop()))
+        else:
+            codes.update(topology.stop())
+        print("tritonservers stopped (exit codes: " + ", ".join(f"{n} {c}" for n, c in codes.items()) + ")",
+              file=out, flush=True)
+        print_failed_stops(topology.named_servers(), codes, out)
+    return code or exit_code(codes)
 
 
 def resolve_model_dir(args: argparse.Namespace, out: TextIO = sys.stdout) -> Path:
@@ -236,46 +285,74 @@ def serve_options(args: argparse.Namespace, model_dir: Path, voice_store: str | 
                         http_port=_port(args.triton_http_port), grpc_port=_port(args.triton_grpc_port),
                         metrics_port=_port(args.triton_metrics_port), device=args.device,
                         instances=args.instances, workers=args.workers, voice_store=voice_store,
+                        max_queue_wait_s=args.max_queue_wait,  # the gateway's flag: one limit for both sides
                         llm_max_batch=args.llm_max_batch, torch_threads=args.torch_threads,
+                        llm_precision=args.llm_precision,
                         engine=args.engine, precision=args.precision, ort_providers=args.ort_providers,
                         onnx_dir=args.onnx_dir,
                         max_text_chars=args.max_text_chars, max_token_text_ratio=args.max_token_text_ratio,
-                        t2w_idle_timeout_s=args.t2w_idle_timeout)
+                        t2w_idle_timeout_s=args.t2w_idle_timeout,
+                        flow_cache_frames=args.flow_cache_frames, prompt_cache_mb=args.prompt_cache_mb)
 
 
 def run_gateway(args, targets: tuple[TritonTarget, ...], model_dir: Path, voice_store: str, lines: list[str],
-                servers_gone, out: TextIO) -> int:
-    """Serve the gateway in front of `targets` (plus any `--triton`) until Ctrl-C / SIGTERM (0) or until
-    `servers_gone()` (1)."""
-    from cosyvoice_triton.gateway.app import create_app, run
+                servers_gone, out: TextIO, supervisor: Supervisor) -> int:
+    """Serve the gateway in front of `targets` (plus any `--triton`) until Ctrl-C / SIGTERM (drained: 0)
+    or until `servers_gone()` (1)."""
+    from cosyvoice_triton.gateway.app import create_app
+
+    from .state import DRAIN, READINESS_CHECKS
 
     extra, _ = split_triton_specs(args.triton)  # config_from_args keeps the dns:// ones
     config = config_from_args(args, triton=(*targets, *extra), model_dir=model_dir)
     config = dataclasses.replace(config, voice_store=voice_store)
     app = create_app(config)
-    exited: list[bool] = []
-    app.cleanup_ctx.append(_watch(servers_gone, exited))
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
+    drain = app[DRAIN]
+    app[READINESS_CHECKS].insert(0, lambda: supervision_readiness(supervisor))  # create_app's: the drain's
+    app.cleanup_ctx.append(_process_metrics(supervisor, drain))
     note = f"\n  WARNING  {RANDOM_NOTE}" if is_random(model_dir) else ""
     print(f"cosyvoice-triton: serving {model_dir}{note}\n"
-          f"  gateway  http://{host}:{config.port}   (POST /v1/tts, WS /v1/tts/ws, POST /v1/audio/speech, "
+          f"  gateway  {config.url}   (POST /v1/tts, WS /v1/tts/ws, POST /v1/audio/speech, "
           f"/v1/voices)\n" + "\n".join(lines) + "\nPress Ctrl-C to stop.", file=out, flush=True)
-    run(config, app, print_fn=lambda *a, **k: None)
-    return 1 if exited else 0
+    return asyncio.run(serve_until_stopped(app, config.host, config.port, args.drain_timeout, out, servers_gone))
 
 
-def _watch(servers_gone, exited: list):
-    """cleanup_ctx: stop the gateway (as SIGTERM would) once `servers_gone()`."""
+def supervision_readiness(supervisor: Supervisor) -> tuple[list[str], dict]:
+    waits = [] if supervisor.ready() else [f"process {name}" for name in supervisor.waiting_for()]
+    return waits, {"processes": supervisor.states()}
 
-    async def watch(app):
-        async def loop():
-            while not servers_gone():
-                await asyncio.sleep(TRITON_WATCH_S)
-            exited.append(True)
-            os.kill(os.getpid(), signal.SIGTERM)
 
-        task = asyncio.create_task(loop())
+def _process_metrics(supervisor: Supervisor, drain):
+    """cleanup_ctx: the supervisor's state and the drain on the gateway's /metrics."""
+    from .state import METRICS
+
+    async def register(app):
+        app[METRICS].registry.register(ProcessCollector(supervisor, drain))
         yield
-        task.cancel()
 
-    return watch
+    return register
+
+
+class ProcessCollector:
+    """cosyvoice_gateway_process_up{process}, cosyvoice_gateway_process_restarts_total{process},
+    cosyvoice_gateway_draining."""
+
+    def __init__(self, supervisor: Supervisor, drain):
+        self.supervisor, self.drain = supervisor, drain
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        up_ = GaugeMetricFamily("cosyvoice_gateway_process_up", "1 while the supervised process runs",
+                                labels=["process"])
+        restarts = CounterMetricFamily("cosyvoice_gateway_process_restarts",
+                                       "Times the supervised process was started again", labels=["process"])
+        for name, state in self.supervisor.states().items():
+            up_.add_metric([name], 1.0 if state["state"] == "running" else 0.0)
+            restarts.add_metric([name], state["restarts"])
+        draining = GaugeMetricFamily("cosyvoice_gateway_draining", "1 once the gateway drains before it stops")
+        draining.add_metric([], 1.0 if self.drain.draining else 0.0)
+        yield from (up_, restarts, draining)
+
+    def describe(self):
+        return []

@@ -83,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-text-ratio", type=float, default=None,
                    help="with --start: the random LLM speaks at most this many speech tokens per text token "
                         "(default: the model's 20; --quick: 3), to keep full-size runs short")
+    p.add_argument("--request-timeout-s", type=float, default=serving.CLIENT_TIMEOUT_S,
+                   help="the client's deadline for one whole request (default 600; a full-size folder at "
+                        "concurrency 8 on a few CPU cores needs more)")
     p.add_argument("--quick", action="store_true", help="concurrency 1 2, 2 requests each, short texts")
     p.add_argument("--out", type=Path, default=None, help="report folder (default perf/results/<timestamp>/)")
 
@@ -107,7 +110,7 @@ def settings_from_args(args, concurrency: list[int]) -> serving.Settings:
     return serving.Settings(path=_path(args), start=args.start, url=args.triton or args.gateway,
                             api_key=args.api_key, model_dir=args.model_dir, device=args.device,
                             torch_threads=threads, quick=args.quick, token_text_ratio=args.token_text_ratio,
-                            max_concurrency=max(concurrency))
+                            max_concurrency=max(concurrency), request_timeout_s=args.request_timeout_s)
 
 
 def _model_label(args) -> str:

@@ -3,8 +3,10 @@
     python -m cosyvoice_triton.perf.bench_official --model-dir DIR --official-src CHECKOUT \
         [--official-venv VENV] [--speech-tokens 250] [--text-tokens 40] [--prompt-tokens 75] \
         [--concurrency 1 4] [--repeats 2] [--out DIR]
-    python -m cosyvoice_triton.perf.bench_official --model-dir DIR --speech-tokens N --text-tokens T \
-        --prompt-tokens P --json            # our side alone, in-process: one JSON object on stdout
+    cosyvoice-triton bench-official ...     # the same, as a subcommand
+    cosyvoice-triton bench-official --model-dir DIR --speech-tokens N --text-tokens T --prompt-tokens P \
+        --json [--triton HOST:PORT] [--decode-ahead on|off|both] [--first-chunk alone|shared|both]
+                                            # our side alone: one JSON object on stdout
 
 Both sides get the same text token ids, prompt text ids, prompt speech tokens, prompt mel and speaker
 embedding (computed once by our prompt encoder from a speech-like recording of P / 25 s) and decode
@@ -15,6 +17,14 @@ official one with the official virtualenv's python, made with `python -m venv` +
 concurrency level, each round recorded with the load average. c concurrent streams: c threads calling
 `CosyVoice2Model.tts(stream=True)` on the official side; c synthesizers, one thread each, on ours.
 Writes side_by_side.md (ratios ours / official) and side_by_side.json under --out.
+
+Our side alone (no --official-src) times the in-process pipeline, and with `--triton HOST:PORT` also a
+running tritonserver of the same folder (started with `cosyvoice-triton serve --exact-speech-tokens N`),
+rounds interleaved in-process, Triton, ..., with the Triton path's ratios over in-process. Its prompt is
+the same recording, P / 25 s long (P speech tokens), sent to the server as audio. `--decode-ahead both`
+times the pipeline with the LLM waiting while token2wav runs and with the two overlapped, interleaved;
+`--first-chunk both` times the overlapped pipeline with a stream's first chunk on token2wav's share of
+the threads beside the LLM (shared) and alone on every core, the LLM waiting (alone, the default).
 """
 from __future__ import annotations
 
@@ -33,6 +43,8 @@ import venv
 from pathlib import Path
 
 import numpy as np
+
+from cosyvoice_triton.audio_out import SAMPLE_RATE
 
 HERE = Path(__file__).resolve().parent
 DRIVER = HERE / "official_driver.py"
@@ -54,13 +66,22 @@ def text_with_tokens(tokenize, tokens: int) -> str:
     return " ".join(words)
 
 
+PROMPT_RATE = 16000
+PROMPT_TEXT = "hello there"
+
+
+def prompt_recording(prompt_tokens: int) -> np.ndarray:
+    """A speech-like recording of exactly `prompt_tokens` speech tokens (25 per second)."""
+    from cosyvoice_triton.random_folder.sample_prompt import speech_like
+
+    return speech_like(prompt_tokens / TOKENS_PER_S, PROMPT_RATE)
+
+
 def make_inputs(tts, text_tokens: int, prompt_tokens: int):
     """(SynthesisRequest, the same request as arrays for the official side)."""
     from cosyvoice_triton.messages import SynthesisRequest
-    from cosyvoice_triton.random_folder.sample_prompt import speech_like
 
-    rate = 16000
-    voice = tts.encode_voice(speech_like(prompt_tokens / TOKENS_PER_S + 0.2, rate), rate, "hello there")
+    voice = tts.encode_voice(prompt_recording(prompt_tokens), PROMPT_RATE, PROMPT_TEXT)
     tokens = np.asarray(voice.speech_tokens)[:prompt_tokens]
     voice = dataclasses.replace(voice, speech_tokens=tokens, mel=np.asarray(voice.mel)[:2 * len(tokens)])
 
@@ -84,12 +105,14 @@ class OurSide:
     """c synthesizers of one folder (each is one request at a time), each stream exactly N tokens."""
 
     def __init__(self, model_dir: str, speech_tokens: int, text_tokens: int, prompt_tokens: int,
-                 llm_precision: str = "fp32"):
+                 llm_precision: str = "fp32", decode_ahead: bool = True, first_chunk_alone: bool = True):
         from cosyvoice_triton.runtime.synthesizer import CosyVoice2
 
         self.load = lambda: CosyVoice2.from_model_dir(model_dir, llm_precision=llm_precision)
         self.synths = [self.load()]
         self.speech_tokens = speech_tokens
+        self.decode_ahead = decode_ahead
+        self.first_chunk_alone = first_chunk_alone
         for tts in self.synths:
             tts.exact_speech_tokens(speech_tokens)
         self.request, self.arrays = make_inputs(self.synths[0], text_tokens, prompt_tokens)
@@ -99,25 +122,78 @@ class OurSide:
             tts = self.load()
             tts.exact_speech_tokens(self.speech_tokens)
             self.synths.append(tts)
-        results = [{} for _ in range(concurrency)]
-        threads = [threading.Thread(target=self._stream, args=(self.synths[i], results[i])) for i in range(concurrency)]
-        start = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        return {"streams": results, "wall_s": time.perf_counter() - start}
+        for tts in self.synths:
+            tts.use_decode_ahead(self.decode_ahead)
+            if self.decode_ahead:  # its CoreSharingToken2Wav
+                tts.orchestrator.token2wav.first_chunk_alone = self.first_chunk_alone
+        return concurrent_round([lambda tts=tts: self._stream(tts) for tts in self.synths[:concurrency]])
 
-    def _stream(self, tts, result: dict) -> None:
-        start = time.perf_counter()
-        first, samples, chunks = None, 0, 0
-        for chunk in tts.synthesize(self.request, stream=True):
-            if chunk.size and first is None:
-                first = time.perf_counter() - start
-            samples += chunk.size
-            chunks += 1
-        result.update(first_s=first, total_s=time.perf_counter() - start, audio_s=samples / tts.sample_rate,
-                      chunks=chunks)
+    def _stream(self, tts) -> dict:
+        return timed_stream(tts.synthesize(self.request, stream=True), tts.sample_rate)
+
+
+class TritonSide:
+    """Our side through a running tritonserver of the same folder (`serve --exact-speech-tokens N`): c
+    streams of the `cosyvoice2` model at once over gRPC, the same text, the prompt sent as audio."""
+
+    def __init__(self, url: str, model_dir: str, text_tokens: int, prompt_tokens: int):
+        from cosyvoice_triton.client import TritonTTS
+        from cosyvoice_triton.preprocess.text import TextPreprocessor
+
+        text = TextPreprocessor.from_model_dir(model_dir)  # as the server's cosyvoice2 model splits and encodes
+
+        def tokens(words: str) -> list[int]:
+            return text.tokenizer.encode(text.split(words, field="target_text")[0])
+
+        self.text = text_with_tokens(tokens, text_tokens)
+        self.prompt = prompt_recording(prompt_tokens)
+        self.url = url
+        self.clients: list = []
+        self.make_client = TritonTTS
+
+    def round(self, concurrency: int) -> dict:
+        while len(self.clients) < concurrency:
+            self.clients.append(self.make_client(self.url))
+        return concurrent_round([lambda client=client: self._stream(client) for client in self.clients[:concurrency]])
+
+    def _stream(self, client) -> dict:
+        chunks = client.stream(self.text, prompt_audio=self.prompt, prompt_sample_rate=PROMPT_RATE,
+                               prompt_text=PROMPT_TEXT, seed=1)
+        with chunks:
+            return timed_stream(chunks, SAMPLE_RATE)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
+def timed_stream(chunks, sample_rate: int) -> dict:
+    """First audio, total and audio seconds of one stream of chunks, timed from now."""
+    start = time.perf_counter()
+    first, samples, count = None, 0, 0
+    for chunk in chunks:
+        if chunk.size and first is None:
+            first = time.perf_counter() - start
+        samples += chunk.size
+        count += 1
+    return {"first_s": first, "total_s": time.perf_counter() - start, "audio_s": samples / sample_rate,
+            "chunks": count}
+
+
+def concurrent_round(streams: list) -> dict:
+    """Run each stream function in a thread of its own, all at once; their results and the wall time."""
+    results: list[dict] = [{} for _ in streams]
+
+    def run(index: int) -> None:
+        results[index] = streams[index]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(streams))]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"streams": results, "wall_s": time.perf_counter() - start}
 
 
 def serve_ours(args) -> None:
@@ -126,7 +202,8 @@ def serve_ours(args) -> None:
 
     torch.set_num_threads(args.threads)
     protocol, sys.stdout = sys.stdout, sys.stderr
-    side = OurSide(args.model_dir, args.speech_tokens, args.text_tokens, args.prompt_tokens, args.llm_precision)
+    side = OurSide(args.model_dir, args.speech_tokens, args.text_tokens, args.prompt_tokens, args.llm_precision,
+                   decode_ahead=args.decode_ahead != "off", first_chunk_alone=args.first_chunk != "shared")
     np.savez(args.write_inputs, **side.arrays)
     protocol.write(json.dumps({"ready": True, "torch": torch.__version__}) + "\n")
     protocol.flush()
@@ -176,7 +253,8 @@ def ours_command(args, inputs: Path) -> list[str]:
     return [sys.executable, "-m", "cosyvoice_triton.perf.bench_official", "--worker", "--model-dir", args.model_dir,
             "--speech-tokens", str(args.speech_tokens), "--text-tokens", str(args.text_tokens),
             "--prompt-tokens", str(args.prompt_tokens), "--threads", str(args.threads),
-            "--llm-precision", args.llm_precision, "--write-inputs", str(inputs)]
+            "--llm-precision", args.llm_precision, "--decode-ahead", args.decode_ahead,
+            "--first-chunk", args.first_chunk, "--write-inputs", str(inputs)]
 
 
 def official_command(python: Path, args, inputs: Path) -> list[str]:
@@ -249,7 +327,8 @@ def side_by_side(args) -> dict:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(),
             "torch_ours": ours.hello["torch"], "torch_official": official.hello["torch"], "threads": args.threads,
             "text_tokens": len(np.load(inputs)["text_tokens"]), "prompt_tokens": args.prompt_tokens,
-            "speech_tokens": args.speech_tokens, "llm_precision": args.llm_precision, "load_min": min(loads),
+            "speech_tokens": args.speech_tokens, "llm_precision": args.llm_precision,
+            "decode_ahead": args.decode_ahead != "off", "load_min": min(loads),
             "load_max": max(loads), "model_dir": args.model_dir}
     return write_report(out, meta, args.concurrency, rounds)
 
@@ -265,40 +344,96 @@ def write_report(out: Path, meta: dict, levels: list[int], rounds: dict[tuple[in
     return result
 
 
+def our_variants(args) -> tuple[OurSide, list[tuple[str, object]]]:
+    """Our in-process side, and (name, round function of a concurrency) of each way our side is timed, in
+    the order they alternate."""
+    side = OurSide(args.model_dir, args.speech_tokens, args.text_tokens, args.prompt_tokens, args.llm_precision,
+                   decode_ahead=args.decode_ahead != "off", first_chunk_alone=args.first_chunk != "shared")
+
+    def in_process(decode_ahead: bool, first_chunk_alone: bool = args.first_chunk != "shared"):
+        def run(concurrency: int) -> dict:
+            side.decode_ahead, side.first_chunk_alone = decode_ahead, first_chunk_alone
+            return side.round(concurrency)
+        return run
+
+    variants = [("in_process", in_process(args.decode_ahead != "off"))]
+    if args.first_chunk == "both":
+        variants.insert(0, ("in_process_first_chunk_shared", in_process(args.decode_ahead != "off", False)))
+    if args.decode_ahead == "both":
+        variants.insert(0, ("in_process_llm_waits", in_process(False)))
+    if args.triton:
+        variants.append(("triton", TritonSide(args.triton, args.model_dir, args.text_tokens, args.prompt_tokens).round))
+    return side, variants
+
+
+RATIOS = [("triton", "in_process"), ("in_process", "in_process_llm_waits"),  # (variant, the peer it is divided by)
+          ("in_process", "in_process_first_chunk_shared")]
+
+
 def ours_alone(args) -> dict:
-    """The public timing entry: our side alone, in-process, one round per concurrency level."""
+    """The public timing entry: our side alone, in-process (and through Triton with --triton), rounds of
+    every variant interleaved at each concurrency level, each with its load average."""
     import torch
 
     torch.set_num_threads(args.threads)
-    side = OurSide(args.model_dir, args.speech_tokens, args.text_tokens, args.prompt_tokens, args.llm_precision)
+    side, variants = our_variants(args)
     levels = []
     for level in args.concurrency:
-        load = os.getloadavg()[0]
-        rounds = [side.round(level) for _ in range(args.repeats)]
-        levels.append({"concurrency": level, "load_average": load, **summary(rounds)})
+        rounds: dict[str, list[dict]] = {name: [] for name, _ in variants}
+        for _ in range(args.repeats):
+            for name, run in variants:  # A, B, A, B: every variant sees the machine's load alike
+                load = os.getloadavg()[0]
+                result = run(level)
+                result["load_average"] = load
+                rounds[name].append(result)
+                print(f"c={level} {name}: wall {result['wall_s']:.1f} s, load {load:.1f}", file=sys.stderr)
+        summaries = {name: {**summary(r), "load_average": [x["load_average"] for x in r]} for name, r in rounds.items()}
+        ratios = {f"{name} / {peer}": {key: summaries[name][key] / summaries[peer][key]
+                                       for key in ("first_audio_s", "total_s", "audio_s_per_s")}
+                  for name, peer in RATIOS if name in summaries and peer in summaries}
+        levels.append({"concurrency": level, "load_average": summaries["in_process"]["load_average"][0],
+                       **summaries["in_process"], "variants": summaries, "ratios": ratios})
     return {"speech_tokens": args.speech_tokens, "text_tokens": len(side.arrays["text_tokens"]),
             "prompt_tokens": len(side.arrays["prompt_speech_tokens"]), "llm_precision": args.llm_precision,
-            "torch": torch.__version__, "threads": args.threads, "cpu": cpu_name(), "levels": levels}
+            "decode_ahead": args.decode_ahead, "first_chunk": args.first_chunk, "triton": args.triton,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "threads": args.threads, "cpu": cpu_name(), "levels": levels}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
+    """The setting our side runs in (also perf/stream_profile.py's): folder, token counts, threads, precision."""
     parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--speech-tokens", type=int, default=250, help="exactly N speech tokens per stream")
+    parser.add_argument("--text-tokens", type=int, default=40, help="at least T text tokens")
+    parser.add_argument("--prompt-tokens", type=int, default=75, help="a prompt of P speech tokens")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per side")
+    parser.add_argument("--llm-precision", default="fp32", choices=["fp32", "bf16", "int8"])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_setting_arguments(parser)
     parser.add_argument("--official-src", type=Path, help="checkout of the official repository (with "
                                                           "third_party/Matcha-TTS); without it, our side alone")
     parser.add_argument("--official-venv", type=Path, help="its virtualenv (default: made under a temp folder)")
-    parser.add_argument("--speech-tokens", type=int, default=250)
-    parser.add_argument("--text-tokens", type=int, default=40)
-    parser.add_argument("--prompt-tokens", type=int, default=75)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads per side")
-    parser.add_argument("--llm-precision", default="fp32", choices=["fp32", "bf16", "int8"])
+    parser.add_argument("--decode-ahead", default="on", choices=["on", "off", "both"],
+                        help="our pipeline's LLM decodes while token2wav runs (on), waits for it (off), or both, "
+                             "interleaved (our side alone)")
+    parser.add_argument("--first-chunk", default="alone", choices=["alone", "shared", "both"],
+                        help="with decode-ahead, a stream's first chunk runs alone on every core while the LLM "
+                             "waits (alone), on token2wav's share beside the LLM (shared), or both, interleaved "
+                             "(our side alone)")
+    parser.add_argument("--triton", metavar="HOST:PORT", default=None,
+                        help="our side alone: also time a running tritonserver of the same folder over gRPC "
+                             "(started with serve --exact-speech-tokens N), interleaved with in-process")
     parser.add_argument("--out", default="bench_official_out")
-    parser.add_argument("--json", action="store_true", help="our side alone: print its JSON")
+    parser.add_argument("--json", action="store_true", help="our side alone: print its JSON on one line")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--write-inputs", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+
+
+def run(args) -> int:
     if args.worker:
         serve_ours(args)
     elif args.official_src is None:
@@ -306,6 +441,22 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result, indent=None if args.json else 1))
     else:
         print(markdown(side_by_side(args)))
+    return 0
+
+
+def add_command(sub) -> None:
+    """`cosyvoice-triton bench-official` (an entry point of the cosyvoice_triton.commands group)."""
+    p = sub.add_parser("bench-official", help="time our pipeline side by side with the official CosyVoice2 code "
+                                              "(or our side alone: in-process, through Triton)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -131,14 +131,15 @@ class GatewayWsTarget(GatewayTarget):
                                            **options)
 
 
-def make_target(path: str, url: str, api_key: str | None = None):
-    """The target of `path` (one of `PATHS`) at `url` (host:port for grpc, the gateway's base URL otherwise)."""
+def make_target(path: str, url: str, api_key: str | None = None, timeout_s: float = 600.0):
+    """The target of `path` (one of `PATHS`) at `url` (host:port for grpc, the gateway's base URL otherwise);
+    `timeout_s` is the client's deadline for one whole request."""
     if path == "grpc":
-        return GrpcTarget(url)
+        return GrpcTarget(url, timeout_s=timeout_s)
     if path == "http":
-        return GatewayTarget(url, api_key=api_key)
+        return GatewayTarget(url, api_key=api_key, timeout_s=timeout_s)
     if path == "ws":
-        return GatewayWsTarget(url, api_key=api_key)
+        return GatewayWsTarget(url, api_key=api_key, timeout_s=timeout_s)
     raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
 
 

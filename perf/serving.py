@@ -22,7 +22,7 @@ from cosyvoice_triton.perf import loadgen
 
 QUICK_RATIO = 3.0  # --quick: the random LLM stops after at most 3 speech tokens per text token
 # The bench's clients wait this long; a gateway started here must not give up on a stream earlier.
-CLIENT_TIMEOUT_S = 600.0
+CLIENT_TIMEOUT_S = 600.0  # default deadline of one request (`bench --request-timeout-s`)
 # A server's first start may export ONNX graphs or build TensorRT plans (`--compare engine`).
 STARTUP_TIMEOUT_S = 1800.0
 
@@ -41,6 +41,7 @@ class Settings:
     quick: bool = False
     token_text_ratio: float | None = None  # with start: the LLM's cap on speech tokens per text token
     max_concurrency: int = 16  # sizes the started gateway's per-client stream limit
+    request_timeout_s: float = CLIENT_TIMEOUT_S  # the client's deadline for one whole request
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,11 @@ class Endpoint:
     api_key: str | None = None
     server_version: str | None = None  # "triton 2.x" when the tool can ask
     server_log: Path | None = None  # the started server's log
+    request_timeout_s: float = CLIENT_TIMEOUT_S
 
     def target(self):
         """A new loadgen target for this endpoint (make it inside the event loop that will use it)."""
-        return loadgen.make_target(self.path, self.url, self.api_key)
+        return loadgen.make_target(self.path, self.url, self.api_key, timeout_s=self.request_timeout_s)
 
     def describe(self) -> str:
         return f"{'triton grpc' if self.path == 'grpc' else 'gateway ' + self.path} {self.url}"
@@ -85,7 +87,7 @@ def started_server(options) -> Iterator:
         server.stop()
 
 
-def gateway_config(server, options, max_concurrency: int):
+def gateway_config(server, options, max_concurrency: int, timeout_s: float = CLIENT_TIMEOUT_S):
     """A gateway in front of `server` (started on `options`) alone, sharing its voice store, with limits
     that leave the measurement to the server: the bench is its only client."""
     from cosyvoice_triton.gateway.config import GatewayConfig, Limits, RoutingConfig
@@ -96,8 +98,7 @@ def gateway_config(server, options, max_concurrency: int):
                          default_voice=False,
                          limits=Limits(max_streams_per_key=max(8, 2 * max_concurrency)),
                          routing=RoutingConfig(health_interval_s=1.0, metrics_interval_s=1.0,
-                                               first_chunk_timeout_s=CLIENT_TIMEOUT_S,
-                                               chunk_timeout_s=CLIENT_TIMEOUT_S))
+                                               first_chunk_timeout_s=timeout_s, chunk_timeout_s=timeout_s))
 
 
 @contextmanager
@@ -130,17 +131,21 @@ def deployment(settings: Settings, run_dir: Path, server_overrides: dict | None 
             raise ValueError(f"{', '.join(sorted(server_overrides))} can only vary on a server started here "
                              "(--start)")
         version = server_version(settings.url) if settings.path == "grpc" else None
-        yield Endpoint(settings.path, settings.url, settings.api_key, server_version=version)
+        yield Endpoint(settings.path, settings.url, settings.api_key, server_version=version,
+                       request_timeout_s=settings.request_timeout_s)
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     options = serve_options(settings, run_dir, server_overrides)
     with started_server(options) as server:
         version, log = server_version(server.grpc_url), server.log_path
         if settings.path == "grpc":
-            yield Endpoint("grpc", server.grpc_url, server_version=version, server_log=log)
+            yield Endpoint("grpc", server.grpc_url, server_version=version, server_log=log,
+                           request_timeout_s=settings.request_timeout_s)
             return
-        with started_gateway(gateway_config(server, options, settings.max_concurrency)) as gateway:
-            yield Endpoint(settings.path, gateway.url, server_version=version, server_log=log)
+        config = gateway_config(server, options, settings.max_concurrency, settings.request_timeout_s)
+        with started_gateway(config) as gateway:
+            yield Endpoint(settings.path, gateway.url, server_version=version, server_log=log,
+                           request_timeout_s=settings.request_timeout_s)
 
 
 def engine_warnings(log_path: Path | None) -> list[str]:

@@ -59,6 +59,22 @@ def golden_model_dir(golden_path: Path) -> Path:
     return golden_path / "model"
 
 
+@pytest.fixture(scope="module")
+def flow(golden_model_dir):
+    """The golden folder's flow (torch), loaded once per test module."""
+    from cosyvoice_triton.models.flow import FlowModel
+
+    return FlowModel.from_model_dir(golden_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hift(golden_model_dir):
+    """The golden folder's HiFT vocoder (torch), loaded once per test module."""
+    from cosyvoice_triton.models.hift import HiFTGenerator
+
+    return HiFTGenerator.from_model_dir(golden_model_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random model folder in the released layout, written once per test session."""
@@ -73,3 +89,12 @@ def prompt_wav_16k() -> tuple[np.ndarray, int]:
     from cosyvoice_triton.random_folder.sample_prompt import speech_like
 
     return speech_like(3.0, 16000, seed=0), 16000
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the tritonservers that modules shared (tests/web/stack.py), so none outlives the run."""
+    import sys
+
+    stack = sys.modules.get("web.stack")
+    if stack is not None:
+        stack.stop_shared_servers()

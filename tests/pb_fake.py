@@ -316,14 +316,19 @@ def triton_string_to_numpy(triton_type: str):
 
 @contextlib.contextmanager
 def installed() -> Iterator[ModuleType]:
-    """This module as `triton_python_backend_utils` for the duration of the block."""
+    """This module as `triton_python_backend_utils` for the duration of the block. The llm and token2wav
+    models set torch's thread count, as in their own stub processes; the test process gets its own back."""
+    import torch
+
     previous = sys.modules.get(MODULE_NAME)
     sys.modules[MODULE_NAME] = sys.modules[__name__]
     MetricFamily.registry.clear()
     set_bls_handler(None)
+    threads = torch.get_num_threads()
     try:
         yield sys.modules[__name__]
     finally:
+        torch.set_num_threads(threads)
         if previous is None:
             sys.modules.pop(MODULE_NAME, None)
         else:

@@ -1,8 +1,9 @@
 """`cosyvoice-triton bench`: the report pieces, comparison planning, and end to end on a real tritonserver
-(tiny random model, free ports): `bench --start --quick` direct over gRPC, `--compare chunk_policy` (one
-server; direct and through a gateway started in the test process), `--compare llm_batching` (two servers in
-turn) and the WebSocket path through such a gateway. No timing assertions: only that each level (of each
-variant) ran and the report was written."""
+(tiny random model, free ports): `bench --start --quick` direct over gRPC, `--compare llm_batching` (two
+servers in turn, each behind a gateway the bench starts in its own process: `--path http`), and on the
+session's shared tiny server `--compare chunk_policy` (direct with `--triton`, and with `--gateway` through a
+gateway of this module) and the WebSocket path (`--gateway --path ws`). No timing assertions: only that each
+level (of each variant) ran and the report was written."""
 from __future__ import annotations
 
 import asyncio
@@ -181,15 +182,35 @@ def test_comparison_report_from_synthetic_levels(tmp_path):
     assert paths["first_chunk_png"].stat().st_size > 0 and paths["throughput_png"].stat().st_size > 0
 
 
-def _run_compare(tiny_model_dir: Path, out: Path, capsys, *extra: str, levels: tuple[int, ...] = (1, 2)) -> dict:
-    """`bench --start --quick --compare ...` at `levels` into `out`; its results.json, after checking that
+@pytest.fixture(scope="module")
+def shared_server(tiny_model_dir, tmp_path_factory):
+    """The session's shared tritonserver on the tiny folder (tests/web/stack.py): (server, model_dir,
+    voice_store), for the runs that need no server of their own."""
+    from web.stack import triton_server
+
+    with triton_server(tmp_path_factory.mktemp("bench_stack"), tiny_model_dir) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def shared_gateway(shared_server, tmp_path_factory) -> str:
+    """A gateway served from this process in front of the shared server; its URL."""
+    from web.stack import gateway
+
+    server, model_dir, voice_store = shared_server
+    with gateway(server, tmp_path_factory.mktemp("bench_gateway"), model_dir, voice_store) as url:
+        yield url
+
+
+def _run_compare(target: list[str], out: Path, capsys, *extra: str, levels: tuple[int, ...] = (1, 2)) -> dict:
+    """`bench TARGET --quick --compare ...` at `levels` into `out`; its results.json, after checking that
     every variant ran every level with audio and no errors, and that the report and plots are there."""
     from triton_harness import tritonserver_or_skip
 
     from cosyvoice_triton.cli import main
 
     tritonserver_or_skip()
-    code = main(["bench", "--start", "--quick", "--model-dir", str(tiny_model_dir), "--warmup", "0",
+    code = main(["bench", *target, "--quick", "--warmup", "0",
                  "--concurrency", *map(str, levels), "--out", str(out), *extra])
     printed = capsys.readouterr()
     assert code == 0, printed.out + printed.err[-3000:]
@@ -209,10 +230,11 @@ def _run_compare(tiny_model_dir: Path, out: Path, capsys, *extra: str, levels: t
 
 
 @pytest.mark.parametrize("path", ["grpc", "http"])
-def test_compare_chunk_policy_on_one_server(tiny_model_dir, tmp_path, capsys, path):
-    """Direct, and through a gateway started here (which would answer 400, counted as errors, to any
-    override it did not take)."""
-    results = _run_compare(tiny_model_dir, tmp_path / "report", capsys, "--path", path, "--compare", "chunk_policy")
+def test_compare_chunk_policy_on_one_server(shared_server, shared_gateway, tmp_path, capsys, path):
+    """Direct (`--triton`, the shared server), and through a gateway in front of it (`--gateway`; the gateway
+    would answer 400, counted as errors, to any override it did not take)."""
+    target = ["--triton", shared_server[0].grpc_url] if path == "grpc" else ["--gateway", shared_gateway]
+    results = _run_compare(target, tmp_path / "report", capsys, "--path", path, "--compare", "chunk_policy")
     assert [v["name"] for v in results["variants"]] == ["default", "small-first", "fixed-50"]
     assert results["variants"][1]["options"] == {"chunk_first_hop": 10}
     assert len({v["target"] for v in results["variants"]}) == 1  # one server for all three
@@ -220,17 +242,22 @@ def test_compare_chunk_policy_on_one_server(tiny_model_dir, tmp_path, capsys, pa
 
 
 def test_compare_llm_batching_starts_a_server_per_variant(tiny_model_dir, tmp_path, capsys):
+    """Each variant's server, started by the bench, behind a gateway the bench starts in its own process in
+    front of it (`--start --path http`: the only run through that gateway)."""
     # one level: most of this test is starting two servers, one after the other
-    results = _run_compare(tiny_model_dir, tmp_path / "report", capsys, "--compare", "llm_batching", levels=(2,))
+    results = _run_compare(["--start", "--model-dir", str(tiny_model_dir)], tmp_path / "report", capsys,
+                           "--path", "http", "--compare", "llm_batching", levels=(2,))
     assert [v["server"] for v in results["variants"]] == [{"llm_max_batch": 8}, {"llm_max_batch": 1}]
-    assert len({v["target"] for v in results["variants"]}) == 2  # two servers, one after the other
+    assert len({v["target"] for v in results["variants"]}) == 2  # two servers (and gateways), one after the other
+    assert all(v["target"].startswith("gateway http http://127.0.0.1:") for v in results["variants"])
+    assert results["environment"]["target"].startswith("http path")
 
 
-def test_websocket_path_through_a_gateway_started_here(tiny_model_dir, tmp_path, capsys):
-    """`--path ws`: every request is a WS /v1/tts/ws session on an in-process gateway; with the voice
+def test_websocket_path_through_a_gateway(shared_gateway, tmp_path, capsys):
+    """`--gateway URL --path ws`: every request is a WS /v1/tts/ws session on the gateway; with the voice
     cache comparison, once by voice id and once with the prompt audio in the start message."""
-    results = _run_compare(tiny_model_dir, tmp_path / "report", capsys, "--path", "ws", "--compare", "voice_cache",
-                           levels=(2,))
+    results = _run_compare(["--gateway", shared_gateway], tmp_path / "report", capsys, "--path", "ws",
+                           "--compare", "voice_cache", levels=(2,))
     assert [v["voice_mode"] for v in results["variants"]] == ["id", "audio"]
     assert all(v["target"].startswith("gateway ws http://127.0.0.1:") for v in results["variants"])
     assert results["environment"]["target"].startswith("ws path")
@@ -303,3 +330,27 @@ def test_token_text_ratio_reaches_the_started_server(tmp_path):
     assert serving.serve_options(settings, tmp_path).max_token_text_ratio == 6.0
     quick = bench.settings_from_args(parser.parse_args(["--start", "--quick"]), [1])
     assert serving.serve_options(quick, tmp_path).max_token_text_ratio == serving.QUICK_RATIO
+
+
+def test_request_timeout_reaches_every_target_and_the_started_gateway(tmp_path):
+    """`--request-timeout-s`: the client's deadline of each request on every path, and the gateway started
+    for http/ws waits as long for the server's chunks (a full-size folder at c = 8 needs more than 600 s)."""
+    from cosyvoice_triton.perf import bench
+
+    parser = __import__("argparse").ArgumentParser()
+    bench.add_arguments(parser)
+    settings = bench.settings_from_args(parser.parse_args(["--start", "--request-timeout-s", "3600"]), [1])
+    assert settings.request_timeout_s == 3600.0
+    for path in loadgen.PATHS:
+        endpoint = serving.Endpoint(path, "127.0.0.1:1" if path == "grpc" else "http://127.0.0.1:1",
+                                    request_timeout_s=settings.request_timeout_s)
+        assert endpoint.target().client.timeout_s == 3600.0
+    default = bench.settings_from_args(parser.parse_args(["--start"]), [1])
+    assert serving.Endpoint("grpc", "127.0.0.1:1").target().client.timeout_s == default.request_timeout_s == 600.0
+
+    class Server:
+        grpc_url, metrics_url = "127.0.0.1:1", "http://127.0.0.1:2/metrics"
+
+    options = serving.serve_options(settings, tmp_path)
+    routing = serving.gateway_config(Server, options, 8, settings.request_timeout_s).routing
+    assert routing.first_chunk_timeout_s == routing.chunk_timeout_s == 3600.0

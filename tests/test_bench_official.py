@@ -27,14 +27,34 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_our_side_alone_prints_json_of_exactly_n_tokens(model_dir: Path, capsys) -> None:
+    """The pipeline with the LLM waiting while token2wav runs and with the two overlapped (the first chunk
+    beside the LLM on token2wav's share, and alone on every core), interleaved."""
     bench_official.main(["--model-dir", str(model_dir), "--speech-tokens", str(N), "--text-tokens", "6",
-                         "--prompt-tokens", "20", "--concurrency", "1", "--repeats", "1", "--json"])
+                         "--prompt-tokens", "20", "--concurrency", "1", "--repeats", "1", "--decode-ahead", "both",
+                         "--first-chunk", "both", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert (result["speech_tokens"], result["prompt_tokens"]) == (N, 20)
     assert result["text_tokens"] >= 6
     [level] = result["levels"]
     assert level["audio_s"] == pytest.approx(N / 25)  # exactly N tokens, 2 mel frames x 480 samples each
     assert 0 < level["first_audio_s"] <= level["total_s"]
+    waits, overlapped = level["variants"]["in_process_llm_waits"], level["variants"]["in_process"]
+    assert waits["audio_s"] == overlapped["audio_s"]
+    assert level["ratios"]["in_process / in_process_llm_waits"]["total_s"] == pytest.approx(
+        overlapped["total_s"] / waits["total_s"])
+    shared = level["variants"]["in_process_first_chunk_shared"]
+    assert shared["audio_s"] == overlapped["audio_s"]
+    assert level["ratios"]["in_process / in_process_first_chunk_shared"]["first_audio_s"] == pytest.approx(
+        overlapped["first_audio_s"] / shared["first_audio_s"])
+
+
+def test_bench_official_is_a_cosyvoice_triton_command(model_dir: Path, capsys) -> None:
+    from cosyvoice_triton.cli import main
+
+    assert main(["bench-official", "--model-dir", str(model_dir), "--speech-tokens", "4", "--text-tokens", "2",
+                 "--prompt-tokens", "20", "--concurrency", "1", "--repeats", "1", "--json"]) == 0
+    [level] = json.loads(capsys.readouterr().out)["levels"]
+    assert level["audio_s"] == pytest.approx(4 / 25)
 
 
 def test_report_from_recorded_official_rounds(model_dir: Path, tmp_path: Path) -> None:

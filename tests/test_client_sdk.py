@@ -392,3 +392,34 @@ def test_cli_through_the_gateway(triton, gateway_url, voice, tmp_path, capsys):
     assert cli_main(["voices", "delete", "cli_gw", "--url", gateway_url]) == 0
     assert cli_main(["voices", "show", "cli_gw", "--url", gateway_url]) == 1
     assert "no voice 'cli_gw'" in capsys.readouterr().err
+
+
+def test_cli_stream_prints_the_chunks_the_service_sends(triton, gateway_url, voice, tmp_path, capsys):
+    """`synth --stream` prints one line per audio chunk as the service sent it, not per network read (and the
+    SDK's streams yield those chunks): over HTTP the chunks Triton made (the gateway writes each as one HTTP chunk; 50-token chunks are 2 s, 192 kB
+    of float32, past one 64 kB read), over the WebSocket its frames (a request per sentence)."""
+    import re
+
+    hops = {"chunk_first_hop": 50, "chunk_max_hop": 50}
+    with TritonTTS(triton.grpc_url) as direct:
+        http_chunks = [chunk.size / 24000 for chunk in direct.stream(TEXT, voice_id=voice, seed=17, **hops)]
+    with GatewayTTS(gateway_url) as tts, tts.stream_ws(TEXT, voice_id=voice, seed=17, **hops) as frames:
+        ws_chunks = [chunk.size / 24000 for chunk in frames]
+    assert max(http_chunks) * 24000 * 4 > 64 * 1024
+
+    async def async_http_chunks():  # the asyncio SDK's HTTP stream: the same chunks
+        async with AsyncGatewayTTS(gateway_url) as tts:
+            async with await tts.stream(TEXT, voice_id=voice, seed=17, **hops) as stream:
+                return [chunk.size / 24000 async for chunk in stream]
+
+    assert asyncio.run(async_http_chunks()) == http_chunks
+    for route, want in (([], http_chunks), (["--ws"], ws_chunks)):
+        assert cli_main(["synth", "--url", gateway_url, "--voice", voice, "--text", TEXT, "--seed", "17",
+                         "--chunk-first-hop", "50", "--chunk-max-hop", "50", "--stream", *route,
+                         "--out", str(tmp_path / "chunks.wav")]) == 0
+        lines = re.findall(r"^chunk (\d+): at (\d+) ms, ([\d.]+) s of audio \(total ([\d.]+) s\)$",
+                           capsys.readouterr().err, re.MULTILINE)
+        assert [int(index) for index, *_ in lines] == list(range(len(want))), route
+        assert [float(seconds) for _, _, seconds, _ in lines] == pytest.approx(want, abs=1e-3), route
+        arrivals = [int(ms) for _, ms, _, _ in lines]
+        assert arrivals == sorted(arrivals)

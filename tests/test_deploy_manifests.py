@@ -54,11 +54,12 @@ def exported_metrics() -> set[str]:
             suffixes = ("_bucket", "_sum", "_count") if spec.kind == "histogram" else ("",)
             names.update(spec.name + s for s in suffixes)
 
-    class _Server:
-        name, healthy, outstanding_cost, inflight, pending = "grpc://x:8001", True, 0.0, 0, 0
+    from cosyvoice_triton.server_pool import Server
+    from cosyvoice_triton.targets import TritonTarget
 
-    class _Router:
-        servers = [_Server()]
+    class _Router:  # one scraped server, so every per-server family has a sample
+        servers = [Server(TritonTarget.parse("x:8001"), client=None, healthy=True, slots=4)]
+        mean_cost = 1.0
 
     metrics = GatewayMetrics(_Router())  # the real registry: names as prometheus_client writes them
     suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),

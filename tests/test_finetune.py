@@ -242,7 +242,7 @@ def test_the_service_serves_the_fine_tuned_folder(resumed_run, recordings, tmp_p
     from cosyvoice_triton.client import TritonTTS
     from web.stack import triton_server
 
-    with triton_server(tmp_path, model_dir=resumed_run) as (server, _, _):
+    with triton_server(tmp_path, model_dir=resumed_run, shared=False) as (server, _, _):
         configs = "".join(p.read_text() for p in (tmp_path / "run" / "repo").glob("*/config.pbtxt"))
         assert str(resumed_run) in configs
         with TritonTTS(server.grpc_url) as tts:

@@ -25,11 +25,6 @@ class Row:
 
 
 @pytest.fixture(scope="module")
-def flow(golden_model_dir) -> FlowModel:
-    return FlowModel.from_model_dir(golden_model_dir)
-
-
-@pytest.fixture(scope="module")
 def rows(golden: dict, flow: FlowModel) -> list[Row]:
     """A first streaming chunk, a later chunk with a shorter prompt, a whole utterance."""
     tokens, prompt_token = golden["flow_token"][0], golden["in_prompt_speech_token"][0]

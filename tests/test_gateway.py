@@ -681,3 +681,62 @@ def test_gateway_metrics(gateway, triton):
     assert metric_value(text, "cosyvoice_gateway_errors_total", kind="invalid_input") >= 1
     assert metric_value(text, "cosyvoice_gateway_errors_total", kind="not_found") >= 1
     assert metric_value(text, "cosyvoice_gateway_audio_seconds_total", route="tts") > 0
+
+
+# ---- a finished stream's call ends with OK, never a cancel --------------------------------------------
+
+def test_a_finished_stream_ends_its_grpc_call_with_ok_not_a_cancel(triton, voice_id):
+    """After a stream's final response every client reads its ModelStreamInfer call to the server's OK
+    instead of cancelling it (or dropping it, which cancels it): a cancel racing Triton 2.51's own end of
+    the call can leave the request held in its gRPC frontend, so the model never unloads and tritonserver
+    exits 1 at its exit timeout on every stop."""
+    import grpc
+
+    from cosyvoice_triton.client import AsyncTritonTTS, TritonTTS, TTSError
+    from cosyvoice_triton.gateway.triton_channel import TritonCallError, TritonClient
+    from cosyvoice_triton.triton.contracts import synthesis_inputs
+
+    text = "A short finished stream."
+
+    unknown = "v_0000000000000000"  # an error answer is the request's final response too
+
+    async def gateway_channel(voice):
+        client = TritonClient(triton.grpc_url)
+        calls = []
+        start = client._stub.ModelStreamInfer
+        client._stub.ModelStreamInfer = lambda requests: calls.append(start(requests)) or calls[-1]
+        try:
+            chunks = [c async for c in client.stream("cosyvoice2", synthesis_inputs(text, voice_id=voice, seed=1),
+                                                     first_timeout_s=120, chunk_timeout_s=120)]
+        except TritonCallError as exc:
+            chunks = exc.kind
+        finally:
+            code = await calls[0].code()
+            await client.close()
+        return chunks, code
+
+    chunks, code = run(gateway_channel(voice_id))
+    assert len(chunks) > 0 and code == grpc.StatusCode.OK
+    assert run(gateway_channel(unknown)) == ("not_found", grpc.StatusCode.OK)
+
+    with TritonTTS(triton.grpc_url) as tts:
+        stream = tts.stream(text, voice_id=voice_id, seed=1)
+        assert list(stream)
+        assert stream._call.code() == grpc.StatusCode.OK and not stream.cancelled
+        stream = tts.stream(text, voice_id=unknown, seed=1)
+        with pytest.raises(TTSError):
+            list(stream)
+        assert stream._call.code() == grpc.StatusCode.OK
+
+    async def sdk_async(voice):
+        async with AsyncTritonTTS(triton.grpc_url) as tts:
+            stream = tts.stream(text, voice_id=voice, seed=1)
+            try:
+                chunks = [c async for c in stream]
+            except TTSError:
+                chunks = None
+            return chunks, await stream._call.code()
+
+    chunks, code = run(sdk_async(voice_id))
+    assert chunks and code == grpc.StatusCode.OK
+    assert run(sdk_async(unknown)) == (None, grpc.StatusCode.OK)

@@ -72,3 +72,26 @@ def test_up_starts_triton_and_the_gateway_with_a_default_voice(tiny_model_dir, t
     for port_in_use in (grpc_port, port):  # both servers are gone
         with socket.socket() as sock, pytest.raises(ConnectionRefusedError):
             sock.connect(("127.0.0.1", port_in_use))
+
+
+def test_a_server_that_exits_non_zero_on_stop_has_its_log_end_printed(tmp_path):
+    """`up` names the server that did not stop cleanly and prints the end of its log, where tritonserver
+    says why; servers that stopped with 0 (or had died before) print nothing."""
+    from cosyvoice_triton.gateway.up import exit_code, print_failed_stops
+    from cosyvoice_triton.server.process import TritonProcess
+
+    logs = {}
+    for name, text in {"frontend-0": "loaded\n" * 20 + "failed to stop server: Exit timeout expired\n",
+                       "backend-0": "clean\n"}.items():
+        workdir = tmp_path / name
+        workdir.mkdir()
+        (workdir / "tritonserver.log").write_text(text)
+        logs[name] = TritonProcess(tmp_path, workdir=workdir)  # never started: only its log is read
+    out = io.StringIO()
+    codes = {"frontend-0": 1, "backend-0": 0, "frontend-1": None}
+    print_failed_stops(logs, codes, out)
+    printed = out.getvalue()
+    assert printed.startswith(f"frontend-0 exited 1; the end of its log ({logs['frontend-0'].log_path}):")
+    assert printed.rstrip().endswith("failed to stop server: Exit timeout expired")
+    assert printed.count("loaded") == 11 and "backend-0" not in printed and "clean" not in printed
+    assert exit_code(codes) == 1 and exit_code({"frontend-0": 0, "backend-0": None}) == 0

@@ -339,8 +339,8 @@ class RecordingToken2Wav(Token2Wav):
         self.calls: list[FlowCall] = []
 
     def mel(self, tokens: torch.Tensor, prompt: FlowPrompt, token_offset: int, finalize: bool,
-            streaming: bool) -> torch.Tensor:
-        mel = super().mel(tokens, prompt, token_offset, finalize=finalize, streaming=streaming)
+            streaming: bool, **cache_args) -> torch.Tensor:
+        mel = super().mel(tokens, prompt, token_offset, finalize=finalize, streaming=streaming, **cache_args)
         self.calls.append(FlowCall(tokens.shape[1], token_offset, finalize, streaming, mel))
         return mel
 

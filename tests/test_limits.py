@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 import requests
 
+from cosyvoice_triton.client import AsyncGatewayTTS, GatewayTTS, TTSError
 from cosyvoice_triton.gateway.config import GatewayConfig, Limits
 from cosyvoice_triton.gateway.testing import GatewayThread
 from cosyvoice_triton.server.process import free_port
@@ -41,8 +42,24 @@ def test_request_rate_per_key_answers_429_with_retry_after(tmp_path):
         assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
         error = refused.json()["error"]
         assert error["code"] == "rate_limited" and "per API key" in error["message"], error
+        assert_sdk_refusals_carry_retry_after(gateway.url, KEY_A)
         assert get(gateway, "/v1/voices", KEY_B).status_code == 200  # another key has its own bucket
         assert get(gateway, "/healthz").status_code == 200  # public routes are not counted
+
+
+def assert_sdk_refusals_carry_retry_after(url: str, key: str) -> None:
+    """The SDKs' TTSError carries the 429's Retry-After (blocking and asyncio clients)."""
+    with pytest.raises(TTSError) as blocking:
+        GatewayTTS(url, api_key=key).list_voices()
+
+    async def list_voices():
+        async with AsyncGatewayTTS(url, api_key=key) as tts:
+            await tts.list_voices()
+
+    with pytest.raises(TTSError) as awaited:
+        asyncio.run(list_voices())
+    for refused in (blocking.value, awaited.value):
+        assert refused.status == 429 and refused.code == "rate_limited" and refused.retry_after_s >= 1, refused
 
 
 def test_keyless_use_shares_one_request_bucket_and_says_so(tmp_path):
@@ -78,6 +95,13 @@ def test_keyless_streams_are_limited_all_together_with_an_honest_message(tmp_pat
                 assert plain.status == 429 and plain.headers["Retry-After"] == "1"
                 assert "for keyless use (all callers together)" in body["error"]["message"]
                 assert "per API key" not in body["error"]["message"]
+                async with AsyncGatewayTTS(gateway.url) as tts:  # the SDKs: refused at the upgrade, with the hint
+                    with pytest.raises(TTSError) as awaited:
+                        await tts.stream_ws("Hi.")
+                with pytest.raises(TTSError) as blocking:
+                    GatewayTTS(gateway.url).stream_ws("Hi.")
+                for sdk_refused in (awaited.value, blocking.value):
+                    assert (sdk_refused.status, sdk_refused.retry_after_s) == (429, 1.0), sdk_refused
                 await first.close()
 
     with GatewayThread(config(tmp_path, max_keyless_streams=1, max_streams_per_key=5)) as gateway:

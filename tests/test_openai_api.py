@@ -1,16 +1,21 @@
-"""Audio formats through the real service (tritonserver on the tiny random model + the gateway): the
-official `openai` client on /v1/audio/speech with its defaults and every response_format, and the same
+"""Audio formats and speed through the real service (tritonserver on the tiny random model + the gateway):
+the official `openai` client on /v1/audio/speech with its defaults and every response_format, and the same
 formats on POST /v1/tts, the WebSocket, the SDK's `synthesize_file` and `cosyvoice-client synth --format`.
 Each answer is decoded with its real decoder (FFmpeg through PyAV; `wave` and soundfile for WAV) and
-compared with the 16-bit PCM of the same text and seed."""
+compared with the 16-bit PCM of the same text and seed. `speed` shortens the audio with the openai client
+and gives the library's audio on /v1/tts (whole and streamed), the WebSocket, the SDK and the CLI. The
+same stack serves the access-log and registration checks (test_access_log.py's unit tests aside)."""
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
 import json
+import logging
+import re
 import struct
 import wave
+from contextlib import contextmanager
 
 import aiohttp
 import av
@@ -159,8 +164,8 @@ def test_server_sent_events_carry_the_encoded_file(stack, audio):
     check_decodes_like(b"".join(base64.b64decode(e["audio"]) for e in got[:-1]), "mp3", audio)  # the default
 
 
-def test_speed_other_than_one_and_unknown_formats_are_refused_naming_the_field(client):
-    for speed in (1.5, 0.5, 9.0, 0.1):
+def test_speed_outside_the_range_and_unknown_formats_are_refused_naming_the_field(client):
+    for speed in (9.0, 0.1):
         with pytest.raises(openai.BadRequestError) as info:
             client.audio.speech.create(model="tts-1", voice="default", input="Hi.", speed=speed)
         assert info.value.body["param"] == "speed"
@@ -168,6 +173,14 @@ def test_speed_other_than_one_and_unknown_formats_are_refused_naming_the_field(c
         with pytest.raises(openai.BadRequestError) as info:
             client.audio.speech.create(model="tts-1", voice="default", input="Hi.", response_format=fmt)
         assert info.value.body["param"] == "response_format"
+
+
+def test_speed_with_the_openai_client_shortens_the_audio(client, audio):
+    """speed=1.5: the same speech tokens (same seed), the mel interpolated to 1 / 1.5 of its frames."""
+    fast = client.audio.speech.create(model="tts-1", voice="default", input=TEXT, response_format="pcm",
+                                      speed=1.5, extra_body={"seed": SEED}).content
+    samples = len(fast) // 2
+    assert samples / audio.size == pytest.approx(1 / 1.5, rel=0.03)
 
 
 # ---- the gateway's own routes, the SDK and the CLI --------------------------------------------------------
@@ -235,3 +248,148 @@ def test_sdk_and_cli_formats(stack, whole_audio, tmp_path, capsys):
         check_decodes_like(out.read_bytes(), fmt, short, streamed=streamed)
     with pytest.raises(SystemExit, match="--float"):
         cli_main(["synth", "--url", stack.gateway_url, "--text", "Hi.", "--float", "--out", str(tmp_path / "a.mp3")])
+
+
+# ---- speed: the served audio is the library's ------------------------------------------------------------
+
+SHORT = "Speed changes the length, not the words."
+SPEED = 1.5
+
+
+@pytest.fixture(scope="module")
+def library(stack):
+    from web.stack import library_pipeline
+
+    return library_pipeline(stack)
+
+
+def library_audio(library, stream: bool, speed: float) -> np.ndarray:
+    from cosyvoice_triton.messages import SynthesisRequest
+
+    tts, voice = library
+    request = SynthesisRequest(text=SHORT, voice=voice, seed=SEED, sampling=tts.llm.config.sampling, speed=speed)
+    return np.concatenate([chunk for chunk in tts.synthesize(request, stream=stream) if chunk.size])
+
+
+def test_speed_served_equals_the_library_on_every_route(stack, library, tmp_path):
+    from cosyvoice_triton.client import GatewayTTS
+    from cosyvoice_triton.client.cli import main as cli_main
+
+    offline, streamed = library_audio(library, False, SPEED), library_audio(library, True, SPEED)
+    assert offline.size / library_audio(library, False, 1.0).size == pytest.approx(1 / SPEED, rel=0.03)
+    body = {"text": SHORT, "voice_id": "default", "seed": SEED, "format": "pcm_f32", "speed": SPEED}
+    for stream, expected in ((False, offline), (True, streamed)):
+        _, raw = post_tts(stack.gateway_url, {**body, "stream": stream})
+        np.testing.assert_allclose(np.frombuffer(raw, "<f4"), expected, rtol=0, atol=2e-4)
+
+    async def websocket() -> np.ndarray:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+            async with http.ws_connect(stack.gateway_url + "/v1/tts/ws") as ws:
+                await ws.send_json({"type": "start", "voice_id": "default", "seed": SEED, "speed": SPEED,
+                                    "text": SHORT})
+                await ws.send_json({"type": "end"})
+                data = b""
+                async for message in ws:
+                    if message.type == aiohttp.WSMsgType.BINARY:
+                        data += message.data
+                return np.frombuffer(data, "<f4")
+
+    np.testing.assert_allclose(asyncio.run(websocket()), streamed, rtol=0, atol=2e-4)
+    with GatewayTTS(stack.gateway_url) as tts:  # not streamed: the offline pass
+        np.testing.assert_allclose(tts.synthesize(SHORT, voice_id="default", seed=SEED, speed=SPEED), offline,
+                                   rtol=0, atol=2e-4)
+    out = tmp_path / "fast.wav"
+    assert cli_main(["synth", "--url", stack.gateway_url, "--voice", "default", "--text", SHORT, "--seed", str(SEED),
+                     "--speed", str(SPEED), "--float", "--out", str(out)]) == 0
+    samples, rate = sf.read(out, dtype="float32")
+    np.testing.assert_allclose(samples, offline, rtol=0, atol=2e-4)
+    status, raw = post_status(stack.gateway_url, {**body, "speed": 4.5})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "speed"
+
+
+def post_status(url: str, body: dict) -> tuple[int, bytes]:
+    async def post():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            async with session.post(url + "/v1/tts", json=body) as response:
+                return response.status, await response.read()
+
+    return asyncio.run(post())
+
+
+# ---- the access log and voice registration on the same stack ----------------------------------------------
+
+@contextmanager
+def captured_access_lines():
+    """The gateway's access lines while the block runs (the gateway serves from a thread of this process)."""
+    from cosyvoice_triton.gateway.access_log import ACCESS_LOGGER
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(ACCESS_LOGGER)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+
+
+def speech_wav(seed: int) -> bytes:
+    from cosyvoice_triton.random_folder.sample_prompt import speech_like
+
+    out = io.BytesIO()
+    sf.write(out, speech_like(2.0, 16000, seed=seed), 16000, format="WAV", subtype="PCM_16")
+    return out.getvalue()
+
+
+def test_every_request_gets_one_access_line(stack, client):
+    with captured_access_lines() as lines:
+        client.audio.speech.create(model="tts-1", voice="default", input="Hello.", response_format="pcm",
+                                   extra_body={"seed": SEED}, extra_headers={"Authorization": "Bearer sk-secret"})
+        post_status(stack.gateway_url, {"text": "Hi.", "voice_id": "default", "speed": 9})
+    speech, refused = lines
+    assert re.fullmatch(r"access POST /v1/audio/speech 200 first_chunk_ms=\d+ audio_s=\d+\.\d\d total_ms=\d+", speech)
+    assert float(speech.split("audio_s=")[1].split()[0]) > 0
+    assert refused.startswith("access POST /v1/tts 400 first_chunk_ms=- audio_s=-")
+    assert "secret" not in speech
+
+
+def register_form(url: str, audio: bytes, **fields) -> tuple[int, dict]:
+    async def post():
+        form = aiohttp.FormData()
+        form.add_field("audio", audio, filename="prompt.wav", content_type="audio/wav")
+        for key, value in fields.items():
+            form.add_field(key, value)
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            async with session.post(url + "/v1/voices", data=form) as response:
+                return response.status, await response.json()
+
+    return asyncio.run(post())
+
+
+def test_registration_says_the_modes_and_a_repeat_under_another_id_is_409(stack):
+    from cosyvoice_triton.client import GatewayTTS
+    from cosyvoice_triton.client.common import TTSError
+
+    url = stack.gateway_url
+    recording = speech_wav(seed=21)
+    status, first = register_form(url, recording, text="A prompt transcript.", id="speedy")
+    assert status == 201 and first["modes"] == ["zero_shot", "cross_lingual", "instruct2", "vc"]
+    status, again = register_form(url, recording, text="A prompt transcript.")
+    assert status == 200 and again["id"] == "speedy" and again["created"] is False
+    status, clash = register_form(url, recording, text="A prompt transcript.", id="another-id")
+    assert status == 409 and clash["id"] == "speedy"
+    assert clash["error"]["param"] == "id" and clash["error"]["code"] == "already_registered"
+
+    untranscribed = speech_wav(seed=22)
+    with GatewayTTS(url) as tts:  # the SDK registers too, and reads the modes
+        voice = tts.add_voice(untranscribed, voice_id="no-transcript")
+        assert voice.modes == ("cross_lingual", "instruct2", "vc")
+        with pytest.raises(TTSError) as refused:
+            tts.synthesize("Hello.", voice_id="no-transcript", seed=SEED)
+        assert refused.value.status == 400 and refused.value.field == "prompt_text"
+        assert "without a transcript" in str(refused.value)
+        assert tts.synthesize("Hello.", voice_id="no-transcript", mode="cross_lingual", seed=SEED).size > 0
+        with pytest.raises(TTSError) as conflict:
+            tts.add_voice(untranscribed, voice_id="no-transcript-2")
+        assert conflict.value.status == 409 and "no-transcript" in str(conflict.value)

@@ -127,7 +127,8 @@ def test_every_package_of_the_tree_is_listed_in_pyproject():
 def test_every_entry_point_loads_from_the_wheel(installed):
     entries = installed["entries"]
     assert set(entries) == {"console_scripts:cosyvoice-triton", "console_scripts:cosyvoice-client",
-                            "cosyvoice_triton.commands:up", "cosyvoice_triton.commands:bench"}
+                            "cosyvoice_triton.commands:up", "cosyvoice_triton.commands:bench",
+                            "cosyvoice_triton.commands:bench-official"}
     assert all(under(path, installed["target"]) for path in entries.values()), entries
 
 

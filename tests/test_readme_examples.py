@@ -19,12 +19,14 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import soundfile as sf
@@ -165,6 +167,7 @@ class Service:
     http: int
     grpc: int
     metrics: int
+    log: Callable[[], str] = lambda: ""  # the service's output so far
 
     def rewrite(self, code: str) -> str:
         ports = {"8080": self.gateway, "8000": self.http, "8001": self.grpc, "8002": self.metrics}
@@ -198,7 +201,7 @@ def service(tiny_model_dir, tmp_path_factory):
             assert up.running(), up.output()
             assert time.monotonic() < deadline, "not ready in time:\n" + up.output()
             time.sleep(0.5)
-        yield ports
+        yield dataclasses.replace(ports, log=up.output)
     finally:
         up.kill()
 
@@ -236,6 +239,29 @@ def _outputs(code: str) -> list[str]:
     return [n for n in names if not n.startswith("-")]
 
 
+EXAMPLE_TIMEOUT_S = 300  # the slowest example takes under a minute here
+
+
+def _run_example(command: list[str], workdir: Path, env: dict[str, str], service: Service):
+    """Run one example; one that hangs fails with every Python thread's stack and the service's last log."""
+    if command[0] == sys.executable:
+        command = [sys.executable, "-X", "faulthandler", *command[1:]]  # SIGABRT dumps every thread's stack
+    process = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=EXAMPLE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        try:
+            stdout, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        pytest.fail(f"hung for {EXAMPLE_TIMEOUT_S} s:\n{command}\n--- stdout\n{stdout[-3000:]}\n--- stderr (stacks)\n"
+                    f"{stderr[-12000:]}\n--- service log\n{service.log()[-6000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 @pytest.mark.parametrize("block", runnable(), ids=str)
 def test_readme_example_runs(block, service, workdir):
     code = service.rewrite(block.code)
@@ -245,7 +271,7 @@ def test_readme_example_runs(block, service, workdir):
         command = [sys.executable, "-c", code]
     for name in _outputs(code):
         (workdir / name).unlink(missing_ok=True)
-    result = subprocess.run(command, cwd=workdir, env=_env(workdir, service), capture_output=True, text=True, timeout=900)
+    result = _run_example(command, workdir, _env(workdir, service), service)
     assert result.returncode == 0, f"{block} failed ({result.returncode}):\n{code}\n--- stdout\n" \
                                    f"{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
     for name in _outputs(code):

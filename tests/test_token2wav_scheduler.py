@@ -49,16 +49,6 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture(scope="module")
-def flow(golden_model_dir) -> FlowModel:
-    return FlowModel.from_model_dir(golden_model_dir)
-
-
-@pytest.fixture(scope="module")
-def hift(golden_model_dir) -> HiFTGenerator:
-    return HiFTGenerator.from_model_dir(golden_model_dir)
-
-
 def golden_prompt(golden: dict, start: int, stop: int, embedding_scale: float) -> FlowPrompt:
     """Tokens [start, stop) of the golden prompt with their mel frames (2 per token)."""
     return FlowPrompt(speech_tokens=torch.from_numpy(golden["in_prompt_speech_token"][:, start:stop]),
@@ -198,13 +188,13 @@ def test_first_chunks_go_first(flow, hift, references, monkeypatch):
     scheduler = Token2WavScheduler(flow, hift, max_batch=2, clock=FakeClock())
     assert all(isinstance(r, np.ndarray) for r in scheduler.run([refs["s1"].chunks[0], refs["s2"].chunks[0]]))
     batches: list[list[int]] = []  # prompt lengths of each flow call's rows; they tell the streams apart
-    inference = flow.inference
+    conditions = flow.conditions  # the encoder step of every flow call (the flow cache is on by default)
 
     def spy(**inputs):
         batches.append(inputs["prompt_token_len"].tolist())
-        return inference(**inputs)
+        return conditions(**inputs)
 
-    monkeypatch.setattr(flow, "inference", spy)
+    monkeypatch.setattr(flow, "conditions", spy)
     order = [("s1", 1), ("s2", 1), ("s0", 0), ("s3", 0), ("cancelled", 0)]  # (stream, chunk index)
     results = scheduler.run([refs[stream_id].chunks[j] for stream_id, j in order])
     assert batches == [[20, 30], [16, 15], [12]]  # s0, s3 (first) | cancelled (first), s1 | s2
@@ -227,13 +217,13 @@ def test_chunks_go_by_deadline(flow, hift, references, monkeypatch):
     assert scheduler.deadline("new", clock.now) == clock.now
     clock.now = 10.0 + audio_s["s2"] / 2  # s1 ran dry long ago; s2 is still ahead
     prompt_lengths: list[int] = []
-    inference = flow.inference
+    conditions = flow.conditions  # the encoder step of every flow call (the flow cache is on by default)
 
     def spy(**inputs):
         prompt_lengths.extend(inputs["prompt_token_len"].tolist())
-        return inference(**inputs)
+        return conditions(**inputs)
 
-    monkeypatch.setattr(flow, "inference", spy)
+    monkeypatch.setattr(flow, "conditions", spy)
     order = [("s2", 1), ("s3", 0), ("s1", 1), ("s0", 0)]  # input order: ahead, new, dry, new
     results = scheduler.run([refs[stream_id].chunks[j] for stream_id, j in order])
     assert prompt_lengths == [15, 30, 20, 12]  # s1 (dry) | s3, s0 (new, in input order) | s2 (ahead)
@@ -245,6 +235,8 @@ def test_chunks_go_by_deadline(flow, hift, references, monkeypatch):
 
 
 def test_idle_streams_are_swept(flow, hift, references):
+    """A stream that gets chunks and is then abandoned (its frontend died without cancelling) is freed once
+    idle_timeout_s passed since its latest chunk was answered, by sweep_idle or by the next run."""
     refs, clock = references, FakeClock()
     scheduler = Token2WavScheduler(flow, hift, idle_timeout_s=120.0, clock=clock)
     scheduler.run([refs["s0"].chunks[0], refs["s1"].chunks[0]])
@@ -253,10 +245,54 @@ def test_idle_streams_are_swept(flow, hift, references):
     clock.now = 130.0  # s1 idle for 130 s, s0 for 30 s
     assert scheduler.sweep_idle() == ["s1"]
     assert isinstance(scheduler.run([refs["s1"].chunks[1]])[0], NotFound)
-    clock.now = 250.5  # s0 idle for 150.5 s: run() sweeps it before serving
+    clock.now = 250.5  # s0 idle for 150.5 s: another stream's run sweeps it before serving
+    scheduler.run([refs["s2"].chunks[0]])
+    assert scheduler.stats.freed["idle"] == 2
     result = scheduler.run([refs["s0"].chunks[2]])[0]
     assert isinstance(result, NotFound) and "s0" in str(result)
-    assert scheduler.stats.active_streams == 0 and scheduler.stats.freed["idle"] == 2
+    assert scheduler.stats.active_streams == 1  # s2
+
+
+def slow_flow(flow: FlowModel, clock: FakeClock, seconds: float, monkeypatch) -> None:
+    """Every flow call takes `seconds` on the clock (an overloaded machine)."""
+    conditions = flow.conditions
+
+    def slow(**inputs):
+        clock.now += seconds
+        return conditions(**inputs)
+
+    monkeypatch.setattr(flow, "conditions", slow)
+
+
+def test_a_stream_waiting_behind_other_streams_chunks_is_not_freed(flow, hift, references, monkeypatch):
+    """Each flow call takes 200 s, more than the 120 s timeout: s0's clock starts when its chunk is answered
+    and stands still while s1's batch runs (s0's next chunk would wait behind it), so neither the sweeper
+    between two batches nor the next run frees it. Once nothing runs, the abandoned s1 is freed."""
+    refs, clock = references, FakeClock()
+    scheduler = Token2WavScheduler(flow, hift, idle_timeout_s=120.0, clock=clock)
+    slow_flow(flow, clock, 200.0, monkeypatch)
+    assert isinstance(scheduler.run([refs["s0"].chunks[0]])[0], np.ndarray)  # came at 0, answered at 200
+    assert isinstance(scheduler.run([refs["s1"].chunks[0]])[0], np.ndarray)  # 200 to 400: s0 waits
+    clock.now += 100.0  # nothing runs for 100 s
+    assert scheduler.sweep_idle() == []
+    assert isinstance(scheduler.run([refs["s0"].chunks[1]])[0], np.ndarray)  # s1 left: quiet for 100 s
+    clock.now += 30.0  # s1 quiet for 130 s, s0 for 30 s
+    assert scheduler.sweep_idle() == ["s1"]
+    assert scheduler.stats.active_streams == 1 and scheduler.stats.freed["idle"] == 1
+
+
+def test_a_stream_with_a_chunk_in_hand_is_not_freed(flow, hift, references):
+    """A chunk that comes after a quiet time longer than the timeout (an LLM slower than it) finds its stream:
+    the run that serves it does not sweep it. Abandoned after that chunk, the stream is freed after the timeout."""
+    refs, clock = references, FakeClock()
+    scheduler = Token2WavScheduler(flow, hift, idle_timeout_s=120.0, clock=clock)
+    scheduler.run([refs["s0"].chunks[0]])
+    clock.now = 500.0  # no sweep ran meanwhile
+    assert isinstance(scheduler.run([refs["s0"].chunks[1]])[0], np.ndarray)
+    clock.now = 619.0
+    assert scheduler.sweep_idle() == []
+    clock.now = 621.0
+    assert scheduler.sweep_idle() == ["s0"] and scheduler.stats.active_streams == 0
 
 
 def test_stream_limit(flow, hift, voices, references):

@@ -88,7 +88,7 @@ def test_parameters_are_strict(parameters, problem):
 def test_parameter_types_are_checked():
     config = {"parameters": {k: {"string_value": v} for k, v in {
         "model_dir": "m", "device": "cpu", "max_streams": "many", "max_batch": "2", "idle_timeout_s": "1",
-        "torch_threads": "0", "engine": "torch", "precision": "fp32", "onnx_dir": ""}.items()}}
+        "flow_cache_frames": "0", "torch_threads": "0", "engine": "torch", "precision": "fp32", "onnx_dir": ""}.items()}}
     with pytest.raises(ParameterError, match="max_streams: 'many' is not a int"):
         parse_parameters(Token2WavParams, config, "token2wav")
 
@@ -555,6 +555,21 @@ class _MetricCalls:
 
     def __exit__(self, *exc):
         self._lock.release()
+
+
+@pytest.mark.parametrize("frames", [0, 300])
+def test_token2wav_flow_cache_frames_reach_its_scheduler(tiny, frames):
+    """serve/up --flow-cache-frames N: the served token2wav keeps at most N frames per stream; 0 turns the
+    cache off (the scheduler then re-runs the flow over every token at each chunk)."""
+    with pb_fake.installed():
+        module = pb_fake.load_model(REPO / "token2wav" / "1" / "model.py")
+        model = module.TritonPythonModel()
+        model.initialize(pb_fake.initialize_args(model_config("token2wav", tiny, flow_cache_frames=frames)))
+        try:
+            settings = model.scheduler.flow_cache
+            assert (settings is None) if frames == 0 else (settings.max_frames == frames)
+        finally:
+            model.finalize()
 
 
 def test_token2wav_idle_frees_reach_the_metrics_through_execute_only(tiny, monkeypatch):

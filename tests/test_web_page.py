@@ -2,8 +2,10 @@
 tritonserver (tests/web/stack.py), driven over the DevTools protocol (tests/web/cdp_browser.py).
 
 A person's path through the page: pick the default voice, type, press Speak: the page streams over the
-WebSocket and plays the chunks through Web Audio, showing the first-chunk latency and the audio seconds
-received; register a voice from an uploaded file and from the (fake) microphone; see a server error.
+WebSocket and plays the chunks through Web Audio, showing the first-chunk latency, the audio seconds
+received, the chunk timeline and the live waveform of what has played; register a voice from an uploaded
+file and from the (fake) microphone; see each error beside the control that caused it; read the notice that
+the served model is random; convert a recording in the convert tab (POST /v1/vc).
 Screenshots go to the test's tmp dir (their paths are printed; run with -s to see them).
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ import urllib.request
 import pytest
 
 from cosyvoice_triton.client import GatewayTTS, write_wav
+from cosyvoice_triton.random_folder.marker import NOTE as RANDOM_NOTE
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from web.cdp_browser import Chromium, find_chromium
 from web.stack import serve_stack
@@ -53,11 +56,47 @@ def speak(page, text: str, timeout_s: float = 120.0) -> str:
                          "&& document.querySelector('#status').dataset.state", timeout_s)
 
 
+def shown_errors(page, scope: str = "main") -> dict[str, str]:
+    """The error messages shown now under `scope`: {id of the control beside it: message}."""
+    return page.evaluate(f"""Object.fromEntries([...document.querySelectorAll({json.dumps(scope)} + ' .error')]
+        .filter(box => !box.hidden).map(box => [box.id.replace(/-error$/, ''), box.textContent]))""")
+
+
+ADD_VOICE = "[aria-labelledby=add-title]"
+
+
 def registered(page, timeout_s: float = 60.0) -> None:
-    """Wait for the registration's outcome; fail with the page's error message if it failed."""
+    """Wait for the registration's outcome; fail with the page's error messages if it failed."""
     page.wait_for("document.querySelector('#register-status').textContent.startsWith('Registered') "
-                  "|| !document.querySelector('#error').hidden", timeout_s)
-    assert page.text("#register-status").startswith("Registered"), page.text("#error")
+                  f"|| !!document.querySelector('{ADD_VOICE} .error:not([hidden])')", timeout_s)
+    assert page.text("#register-status").startswith("Registered"), shown_errors(page, ADD_VOICE)
+
+
+def set_file(page, selector: str, path) -> None:
+    document = page.call("DOM.getDocument")["root"]["nodeId"]
+    node = page.call("DOM.querySelector", {"nodeId": document, "selector": selector})["nodeId"]
+    page.call("DOM.setFileInputFiles", {"files": [str(path)], "nodeId": node})
+
+
+def waveform(page, selector: str) -> dict:
+    """The waveform canvas's state: seconds received and played, columns drawn and played, and how many
+    pixels are in the played colour."""
+    return page.evaluate(f"""(() => {{
+        const canvas = document.querySelector({json.dumps(selector)});
+        const played = getComputedStyle(canvas).getPropertyValue('--played').trim();
+        const probe = document.createElement('canvas').getContext('2d');
+        probe.fillStyle = played; probe.fillRect(0, 0, 1, 1);
+        const want = probe.getImageData(0, 0, 1, 1).data;
+        const pixels = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+        let playedPixels = 0;
+        for (let i = 0; i < pixels.length; i += 4) {{
+            if (pixels[i] === want[0] && pixels[i + 1] === want[1] && pixels[i + 2] === want[2] && pixels[i + 3] > 0)
+                playedPixels += 1;
+        }}
+        return {{hidden: canvas.parentElement.hidden, received: +canvas.dataset.receivedSeconds,
+                 played: +canvas.dataset.playedSeconds, columns: +canvas.dataset.columns,
+                 playedColumns: +canvas.dataset.playedColumns, playedPixels}};
+    }})()""")
 
 
 def shot(page, tmp_path, name: str):
@@ -77,7 +116,7 @@ def test_speak_streams_audio_into_web_audio_and_shows_the_latency(page, tmp_path
     seconds = float(page.text("#audio-seconds"))
     assert first_ms > 0 and seconds > 0
     assert int(page.text("#chunks")) >= 1 and page.text("#used-seed") == "9007199254740993"
-    assert page.evaluate("document.querySelector('#error').hidden")
+    assert shown_errors(page) == {}
     assert not page.evaluate("document.querySelector('#download').hidden")  # a WAV of what was received
     # "done" comes after the last scheduled AudioBufferSourceNode ended: the audio went through Web Audio.
     assert page.evaluate("document.querySelector('#stop').disabled && !document.querySelector('#speak').disabled")
@@ -85,7 +124,27 @@ def test_speak_streams_audio_into_web_audio_and_shows_the_latency(page, tmp_path
     assert not page.evaluate("document.querySelector('#timeline-figure').hidden")
     assert page.evaluate("document.querySelectorAll('#timeline .chunk-mark').length") == int(page.text("#chunks"))
     assert page.evaluate("document.querySelectorAll('#timeline .stall-mark').length") == int(page.text("#stalls"))
+    # the waveform: all that was received, and (at "done") all of it played, in the played colour
+    drawn = waveform(page, "#waveform")
+    assert not drawn["hidden"] and drawn["received"] == pytest.approx(seconds, abs=0.01)
+    assert drawn["played"] == pytest.approx(drawn["received"], abs=1e-3)
+    assert drawn["columns"] > 0 and drawn["playedColumns"] == drawn["columns"] and drawn["playedPixels"] > 0
     shot(page, tmp_path, "spoken")
+
+
+def test_the_waveform_draws_each_columns_lowest_and_highest_sample(page):
+    peaks = page.evaluate("waveformPeaks(new Float32Array([0, 1, -1, 0.5, 0.25, -0.5]), 3)")
+    assert peaks == [[0, 1], [-1, 0.5], [-0.5, 0.25]]
+    assert page.evaluate("waveformPeaks(new Float32Array([0.5, -0.25]), 600)") == [[0.5, 0.5], [-0.25, -0.25]]
+
+
+def test_the_page_says_the_model_is_random(page):
+    """The stack serves a random folder (RANDOM_WEIGHTS): the page says it speaks noise and how to serve
+    the released folder, with the server's own words from /readyz."""
+    assert page.evaluate("!document.querySelector('#model-notice').hidden")
+    notice = page.text("#model-notice")
+    assert "speaks noise" in notice and "--model-dir" in notice and "COSYVOICE_MODEL_DIR" in notice
+    assert page.text("#model-note") == RANDOM_NOTE
 
 
 def test_the_timeline_counts_stalls_as_the_benchmarks_do(page):
@@ -99,9 +158,7 @@ def test_the_timeline_counts_stalls_as_the_benchmarks_do(page):
 
 def test_register_an_uploaded_voice_and_speak_with_it(page, tmp_path):
     prompt = write_wav(tmp_path / "upload.wav", speech_like(1.6, 16000, seed=31), 16000)
-    document = page.call("DOM.getDocument")["root"]["nodeId"]
-    node = page.call("DOM.querySelector", {"nodeId": document, "selector": "#voice-file"})["nodeId"]
-    page.call("DOM.setFileInputFiles", {"files": [str(prompt)], "nodeId": node})
+    set_file(page, "#voice-file", prompt)
     page.fill("#voice-text", "a short voice prompt")
     page.fill("#voice-name", "Uploaded")
     page.fill("#voice-id", "page_upload")
@@ -142,7 +199,9 @@ def test_stop_cancels_the_stream_on_the_server(page, stack, tmp_path):
     page.wait_for("document.querySelector('#status').dataset.state === 'streaming'", 120)
     page.click("#stop")
     assert page.text("#status") == "Stopped" and float(page.text("#audio-seconds")) > 0
-    assert page.evaluate("!document.querySelector('#speak').disabled && document.querySelector('#error').hidden")
+    assert page.evaluate("!document.querySelector('#speak').disabled") and shown_errors(page) == {}
+    drawn = waveform(page, "#waveform")  # kept as it was when stopped: no more than what was received
+    assert not drawn["hidden"] and 0 <= drawn["played"] <= drawn["received"]
     wait_for_metric(metrics_url, "cosyvoice_requests_total", lambda v: v is not None and v >= before + 1,
                     model="cosyvoice2", outcome="cancelled")
     wait_for_metric(metrics_url, "cosyvoice_active_streams", lambda v: v == 0, model="cosyvoice2")
@@ -150,7 +209,7 @@ def test_stop_cancels_the_stream_on_the_server(page, stack, tmp_path):
     shot(page, tmp_path, "stopped")
 
 
-def test_a_server_error_is_shown(page, stack, tmp_path):
+def test_a_server_error_is_shown_beside_the_voice(page, stack, tmp_path):
     with GatewayTTS(stack.gateway_url) as tts:
         tts.add_voice(write_wav(tmp_path / "gone.wav", speech_like(1.2, 16000, seed=41), 16000),
                       "a short voice prompt", voice_id="page_gone")
@@ -161,7 +220,77 @@ def test_a_server_error_is_shown(page, stack, tmp_path):
     with urllib.request.urlopen(request, timeout=30) as response:  # deleted behind the page's back
         assert json.loads(response.read())["deleted"] is True
     assert speak(page, "This voice is gone.") == "error"
-    message = page.text("#error")
-    assert "voice_id" in message and "page_gone" in message
-    assert page.evaluate("!document.querySelector('#error').hidden")
+    errors = shown_errors(page)
+    assert list(errors) == ["voice"], errors  # under the voice picker, nowhere else
+    assert "voice_id" in errors["voice"] and "page_gone" in errors["voice"]
+    assert page.evaluate("document.querySelector('#voice').getAttribute('aria-invalid')") == "true"
     shot(page, tmp_path, "error")
+
+
+def test_speak_errors_are_shown_beside_their_fields(page):
+    page.fill("#text", "   ")
+    page.click("#speak")
+    assert shown_errors(page) == {"text": "Type some text first."}
+    page.fill("#seed", str(2**64))  # one past the largest seed: the gateway refuses it, naming the field
+    assert speak(page, "A seed too large.") == "error"
+    errors = shown_errors(page)
+    assert list(errors) == ["seed"] and "seed" in errors["seed"], errors
+    page.fill("#seed", "")
+    assert speak(page, "Hello.") == "done"
+    assert shown_errors(page) == {}  # each new attempt clears the old messages
+
+
+def test_a_bad_upload_is_shown_beside_the_upload_control(page, tmp_path):
+    bad = tmp_path / "not_audio.wav"
+    bad.write_bytes(b"this is not a recording" * 100)
+    set_file(page, "#voice-file", bad)
+    page.fill("#voice-text", "a short voice prompt")
+    page.click("#register")
+    page.wait_for(f"!!document.querySelector('{ADD_VOICE} .error:not([hidden])')", 60)
+    errors = shown_errors(page)
+    assert list(errors) == ["voice-file"], errors
+    assert "audio" in errors["voice-file"]
+    assert page.text("#register-status") == ""
+
+
+def converted(page, timeout_s: float = 180.0) -> str:
+    return page.wait_for("['done', 'error'].includes(document.querySelector('#vc-status').dataset.state) "
+                         "&& document.querySelector('#vc-status').dataset.state", timeout_s)
+
+
+def test_convert_a_recording_in_the_convert_tab(page, tmp_path):
+    """The convert tab (POST /v1/vc, streamed): the source is spoken again in the chosen voice, with its
+    timing (about the source's length), played through Web Audio with its waveform; errors beside the
+    source and the target controls."""
+    page.click("#tab-convert")
+    assert page.evaluate("!document.querySelector('#panel-convert').hidden "
+                         "&& document.querySelector('#panel-speak').hidden")
+    page.click("#convert")  # no source yet
+    assert shown_errors(page, "#panel-convert") == {"vc-file": "Choose a source recording or record one first."}
+    page.click("#vc-record")  # a source from the (fake) microphone: previewed, and the error above is gone
+    page.wait_for("document.querySelector('#vc-record').getAttribute('aria-pressed') === 'true'", 10)
+    page.evaluate("new Promise(resolve => setTimeout(resolve, 1000))")  # ~1 s of the fake microphone
+    page.click("#vc-record")
+    page.wait_for("!document.querySelector('#vc-preview').hidden", 20)
+    assert shown_errors(page, "#panel-convert") == {}
+    set_file(page, "#vc-file", write_wav(tmp_path / "source.wav", speech_like(1.5, 16000, seed=51), 16000))
+    page.select("#vc-voice", "default")
+    page.fill("#vc-seed", "7")
+    page.click("#convert")
+    assert converted(page) == "done", shown_errors(page, "#panel-convert")
+    seconds = float(page.text("#vc-audio-seconds"))
+    assert seconds == pytest.approx(1.5, abs=0.25) and page.text("#vc-used-seed") == "7"
+    assert float(page.text("#vc-first-audio")) > 0
+    drawn = waveform(page, "#vc-waveform")
+    assert not drawn["hidden"] and drawn["received"] == pytest.approx(seconds, abs=0.01)
+    assert drawn["played"] == pytest.approx(drawn["received"], abs=1e-3) and drawn["playedPixels"] > 0
+    assert not page.evaluate("document.querySelector('#vc-download').hidden")
+    shot(page, tmp_path, "converted")
+
+    # a target recording far too short to be a voice: the gateway refuses it, shown beside its control
+    set_file(page, "#vc-target-file", write_wav(tmp_path / "short.wav", speech_like(0.1, 16000, seed=52), 16000))
+    page.click("#convert")
+    assert converted(page) == "error"
+    errors = shown_errors(page, "#panel-convert")
+    assert list(errors) == ["vc-target-file"] and "prompt_audio" in errors["vc-target-file"], errors
+    shot(page, tmp_path, "convert_error")

@@ -110,6 +110,23 @@ class FlowMatching(nn.Module):
         return x
 
 
+@dataclass(frozen=True)
+class FlowConditions:
+    """The encoder's output and the solver's conditions for a batch of rows (`FlowModel.conditions`)."""
+
+    mu: torch.Tensor  # (B, 80, T_mel) encoder output
+    mask: torch.Tensor  # (B, 1, T_mel) float, 1 on the frames each row makes
+    spks: torch.Tensor  # (B, 80) projected speaker embedding
+    cond: torch.Tensor  # (B, 80, T_mel) prompt mel on the prompt frames, else 0
+    streaming: torch.Tensor  # (B,) bool
+    finalize: torch.Tensor  # (B,) bool
+    enc_len: torch.Tensor  # (B,) tokens that produce frames, prompt included
+    mel_len: torch.Tensor  # (B,) frames, prompt included (token_mel_ratio * enc_len)
+    prompt_feat_len: torch.Tensor  # (B,) prompt frames, cut off the output
+    out_len: torch.Tensor  # (B,) frames after the prompt's
+    max_out: int  # out_len.max()
+
+
 class FlowModel(nn.Module):
     """Token-to-mel model (official `CausalMaskedDiffWithXvec`, inference only)."""
 
@@ -165,6 +182,22 @@ class FlowModel(nn.Module):
         frames (bool, or (B,) bool per row).
         Returns mel (B, 80, max frames); row b holds `output_lengths(...)[b]` frames, then zeros.
         """
+        c = self.conditions(token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len,
+                            embedding, streaming, finalize)
+        mel = self.decoder(c.mu, c.mask, c.spks, c.cond, c.streaming)  # (B, 80, T_mel)
+
+        # Drop each row's prompt frames: out[b, :, j] = mel[b, :, prompt_feat_len[b] + j].
+        T_mel, device = mel.size(2), mel.device
+        j = torch.arange(c.max_out, device=device)[None, :]  # (1, T_out)
+        frame_src = (c.prompt_feat_len[:, None] + j).clamp(max=T_mel - 1)  # (B, T_out)
+        out = mel.gather(2, frame_src[:, None, :].expand(-1, self.config.mel_bins, -1))
+        return out * (j < c.out_len[:, None])[:, None, :].to(out.dtype)
+
+    def conditions(self, token: torch.Tensor, token_len: torch.Tensor, prompt_token: torch.Tensor,
+                   prompt_token_len: torch.Tensor, prompt_feat: torch.Tensor, prompt_feat_len: torch.Tensor,
+                   embedding: torch.Tensor, streaming: bool | torch.Tensor,
+                   finalize: bool | torch.Tensor) -> FlowConditions:
+        """Checks, then the encoder: what the solver needs for every frame of each row (see `inference`)."""
         self._check_inputs(token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding)
         B, device = token.size(0), token.device
         streaming = torch.as_tensor(streaming, dtype=torch.bool, device=device).expand(B)
@@ -206,11 +239,5 @@ class FlowModel(nn.Module):
         is_prompt_frame = (frame[:, :n_prompt] < prompt_feat_len[:, None])[..., None]  # (B, n_prompt, 1)
         cond[:, :n_prompt] = prompt_feat[:, :n_prompt].to(mu.dtype) * is_prompt_frame
         cond = cond.transpose(1, 2)  # (B, T_mel, 80) -> (B, 80, T_mel)
-
-        mel = self.decoder(mu, mask, spks, cond, streaming)  # (B, 80, T_mel)
-
-        # Drop each row's prompt frames: out[b, :, j] = mel[b, :, prompt_feat_len[b] + j].
-        j = torch.arange(T_out, device=device)[None, :]  # (1, T_out)
-        frame_src = (prompt_feat_len[:, None] + j).clamp(max=T_mel - 1)  # (B, T_out)
-        out = mel.gather(2, frame_src[:, None, :].expand(-1, self.config.mel_bins, -1))
-        return out * (j < out_len[:, None])[:, None, :].to(out.dtype)
+        return FlowConditions(mu, mask, spks, cond, streaming, finalize, enc_len, mel_len, prompt_feat_len,
+                              out_len, T_out)

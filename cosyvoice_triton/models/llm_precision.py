@@ -27,6 +27,13 @@ def cpu_has_bf16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
+def describe_backbone(llm) -> str:
+    """What a SpeechLM's backbone runs in, read from its modules: precision, compute dtype, int8 layers."""
+    int8 = sum(isinstance(module, Int8WeightOnlyLinear) for module in llm.backbone.modules())
+    dtype = str(llm.llm_embedding.weight.dtype).removeprefix("torch.")
+    return f"{llm.precision} (computes in {dtype}; {int8} int8 weight-only Linear layers)"
+
+
 def activation_dtype(precision: str, device: torch.device) -> torch.dtype:
     """The dtype the backbone computes in for `precision` on `device`."""
     if precision == "fp32":

@@ -69,15 +69,21 @@ def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
     return out.astype(np.float32)
 
 
-def validate_prompt_audio(samples: np.ndarray, sample_rate: int, field: str) -> None:
-    """Raise InvalidInput (naming `field`) unless `samples` (N,) is a usable reference recording."""
+def check_samples(samples: np.ndarray, sample_rate: int, field: str) -> float:
+    """Raise InvalidInput (naming `field`) unless `samples` are mono (N,), finite, at a positive rate;
+    return their length in seconds."""
     if samples.ndim != 1:
         raise InvalidInput(field, f"must be mono samples of shape (N,), got {samples.shape}")
     if sample_rate <= 0:
         raise InvalidInput(field, f"has an invalid sample rate {sample_rate}")
     if not np.all(np.isfinite(samples)):
         raise InvalidInput(field, "contains NaN or infinite samples")
-    seconds = samples.shape[0] / sample_rate
+    return samples.shape[0] / sample_rate
+
+
+def validate_prompt_audio(samples: np.ndarray, sample_rate: int, field: str) -> None:
+    """Raise InvalidInput (naming `field`) unless `samples` (N,) is a usable reference recording."""
+    seconds = check_samples(samples, sample_rate, field)
     if seconds < MIN_PROMPT_SECONDS:
         raise InvalidInput(field, f"is {seconds:.2f} s long; at least {MIN_PROMPT_SECONDS} s is needed")
     if seconds > MAX_PROMPT_SECONDS:

@@ -9,6 +9,11 @@ Each loop round (gpt-fast style, over the model's static KV cache of `max_batch`
 4. sample every row with the request's own generator, push the token to its stream, retire streams
    on a stop token, at max_len, or on error.
 
+A bistream stream (`LLMRequest.bistream`, runtime/bistream.py) is not prefilled at once: its
+`BistreamPlan` says what to feed as its text arrives (`LLMStream.append_text`). Each round feeds, one stream
+at a time (B = 1), the text (and prompt) segments that are due; a stream that is decoding speech joins
+the batched decode step; one waiting for text sits out the round, holding its slot.
+
 A request that arrives while others decode joins them at the next round. Sampling mirrors
 `llm_generate.generate` with `torch.Generator().manual_seed(request.seed)` (same length limits, EOS masked
 before min_len, stop tokens not yielded), so a stream's tokens do not depend on what runs beside it.
@@ -37,6 +42,7 @@ from ..errors import CosyVoiceError, InvalidInput, Unavailable
 from ..messages import LLMRequest, SamplingParams, check_seed
 from ..models.qwen2 import kv_bucket
 from ..models.speech_lm import SpeechLM
+from .bistream import BistreamPlan, Segment, embed_segments, new_plan
 from .llm_stream import LLMStream
 from .sampling import RasSampler, make_generator
 
@@ -70,26 +76,41 @@ class _Live:
 
     stream: LLMStream
     slot: int
-    prompt_len: int
     min_len: int
     max_len: int
     sampler: RasSampler
     generator: torch.Generator
-    decoded: list[int] = field(default_factory=list)
+    decoded: list[int] = field(default_factory=list)  # speech tokens sent
+    pos: int = 0  # cache positions written: the next input goes here
+    plan: BistreamPlan | None = None  # bistream streams only
 
     @property
-    def next_pos(self) -> int:
-        """Cache position of the next decode input (the latest token)."""
-        return self.prompt_len + len(self.decoded) - 1
+    def history(self) -> list[int]:
+        """What the sampler's repetition window reads (a bistream plan's includes fill tokens)."""
+        return self.plan.history if self.plan is not None else self.decoded
+
+    @property
+    def decoding(self) -> bool:
+        """True when the stream's next input is its latest speech token (it joins the decode step)."""
+        return self.plan.decoding if self.plan is not None else bool(self.decoded)
+
+    @property
+    def runnable(self) -> bool:
+        """True when a round has something to do for this stream."""
+        if self.plan is None or self.stream.cancelled:
+            return True
+        return self.plan.has_input or self.stream.has_text
 
 
 class LLMScheduler:
     """Batches the live streams of one SpeechLM, which the scheduler owns (its KV cache is re-allocated)."""
 
     def __init__(self, llm: SpeechLM, max_batch: int = 8, max_seq_len: int = 4096,
-                 device: torch.device | str | None = None, max_queue: int = 64):
+                 device: torch.device | str | None = None, max_queue: int = 64, exact_len: int | None = None):
         """`max_seq_len` bounds the positions of one stream (prompt + speech); the model's own cache
-        length bounds it too. At most `max_queue` requests wait for a slot; more are refused."""
+        length bounds it too. At most `max_queue` requests wait for a slot; more are refused.
+        `exact_len` (benchmarks only, as `generate`'s): every stream is exactly that many tokens, stop
+        tokens masked."""
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch ({max_batch}) and max_queue ({max_queue}) must be >= 1")
         self.device = torch.device(device) if device is not None else next(llm.parameters()).device
@@ -100,6 +121,8 @@ class LLMScheduler:
         self.max_queue = max_queue
         self._eos = llm.config.eos_token
         self._stop_tokens = frozenset(llm.config.stop_tokens)
+        self.exact_len = exact_len
+        self._banned = list(llm.config.stop_tokens) if exact_len is not None else [self._eos]  # before min_len
         self._cond = threading.Condition()  # guards everything below; the scheduler waits on it when idle
         self._waiting: deque[LLMStream] = deque()
         self._live: dict[int, _Live] = {}  # slot -> stream; written by the scheduler thread only
@@ -130,7 +153,7 @@ class LLMScheduler:
         """Queue a request (thread-safe). Raises InvalidInput naming the bad field, SchedulerUnavailable
         when the queue is full or the scheduler has stopped."""
         self._validate(request)
-        stream = LLMStream(request)
+        stream = LLMStream(request, wake=self._wake)
         with self._cond:
             if self._closed:
                 raise SchedulerUnavailable("the LLM scheduler has stopped")
@@ -159,7 +182,7 @@ class LLMScheduler:
         _check_ids("text_tokens", request.text_tokens, config.qwen.vocab_size)
         _check_ids("prompt_text_tokens", request.prompt_text_tokens, config.qwen.vocab_size)
         _check_ids("prompt_speech_tokens", request.prompt_speech_tokens, config.speech_token_size)
-        if not request.text_tokens:
+        if not request.text_tokens and not request.bistream:
             raise InvalidInput("text_tokens", "is empty")
         if not isinstance(request.sampling, SamplingParams):
             raise InvalidInput("sampling", f"must be SamplingParams, got {type(request.sampling).__name__}")
@@ -194,14 +217,21 @@ class LLMScheduler:
         while self._wait_for_work():
             self._drop_cancelled()
             self._admit()
-            if self._live:
-                self._decode()
+            self._feed_bistreams()
+            self._decode()
 
     def _wait_for_work(self) -> bool:
-        """Block while there is nothing to do; False once the scheduler is closed."""
+        """Block while there is nothing to do (bistream streams waiting for text do nothing); False once
+        the scheduler is closed."""
         with self._cond:
-            self._cond.wait_for(lambda: self._closed or self._live or self._waiting)
+            self._cond.wait_for(lambda: self._closed or self._waiting
+                                or any(live.runnable for live in self._live.values()))
             return not self._closed
+
+    def _wake(self) -> None:
+        """A stream has news (text appended, its end, a cancel): look again."""
+        with self._cond:
+            self._cond.notify()
 
     def _close(self, error: Exception) -> None:
         """Refuse new requests and fail every stream not yet finished (the scheduler frees the slots)."""
@@ -232,13 +262,21 @@ class LLMScheduler:
                 stream = self._waiting.popleft()
                 live = self._new_live(stream, self._free_slots.pop())
                 self._live[live.slot] = live
-            self._prefill(live)
+            if live.plan is None:
+                self._prefill(live)
 
     def _new_live(self, stream: LLMStream, slot: int) -> _Live:
         request = stream.request
+        if request.bistream:  # min_len: none (as the official bistream); max_len: the plan's and the cache's
+            plan = new_plan(self.llm, request.prompt_text_tokens, request.prompt_speech_tokens)
+            plan.add_text(request.text_tokens)
+            return _Live(stream=stream, slot=slot, min_len=0, max_len=self.max_seq_len,
+                         sampler=RasSampler(request.sampling), generator=make_generator(request.seed), plan=plan)
         min_len, max_len = self.llm.length_limits(len(request.text_tokens))
+        if self.exact_len is not None:
+            min_len = max_len = self.exact_len
         prompt_len = _prompt_len(request)
-        return _Live(stream=stream, slot=slot, prompt_len=prompt_len, min_len=min_len,
+        return _Live(stream=stream, slot=slot, min_len=min_len,
                      max_len=min(max_len, self.max_seq_len - prompt_len),
                      sampler=RasSampler(request.sampling), generator=make_generator(request.seed))
 
@@ -247,36 +285,80 @@ class LLMScheduler:
         try:
             x = self.llm.build_prompt(_ids(request.text_tokens, device), _ids(request.prompt_text_tokens, device),
                                       _ids(request.prompt_speech_tokens, device))  # (1, L, D)
-            input_pos = torch.arange(live.prompt_len, device=device)[None]  # (1, L)
-            kv_len = kv_bucket(live.prompt_len, self.llm.max_seq_len)
+            prompt_len = x.shape[1]
+            input_pos = torch.arange(prompt_len, device=device)[None]  # (1, L)
+            kv_len = kv_bucket(prompt_len, self.llm.max_seq_len)
             logits = self.llm.step_logits(x, input_pos, torch.tensor([live.slot], device=device), kv_len)  # (1, V)
             logp = _host_log_probs(logits)  # (1, V)
         except Exception as exc:
             self._fail([live], "prefill", exc)
             return
+        live.pos = prompt_len
+        self._sample([live], logp)
+
+    def _feed_bistreams(self) -> None:
+        """Feed each bistream stream that is not decoding the segments now due (B = 1 each)."""
+        for live in [live for live in self._live.values() if live.plan is not None and not live.decoding]:
+            tokens, ended = live.stream._take_text()
+            try:
+                if tokens:
+                    live.plan.add_text(tokens)
+                if ended:
+                    live.plan.end_text()
+                feed = live.plan.next_feed()
+            except Exception as exc:
+                self._fail([live], "bistream text", exc)
+                continue
+            if feed is not None:
+                self._feed(live, feed)
+
+    def _feed(self, live: _Live, feed: list[Segment]) -> None:
+        """Prefill one bistream stream's due segments at its next positions, then draw."""
+        length = sum(len(segment) for segment in feed)
+        if live.pos + length > self.max_seq_len:
+            self._retire(live, "max_len")
+            return
+        device = self.device
+        try:
+            x = embed_segments(self.llm, feed, device)  # (1, L, D)
+            input_pos = torch.arange(live.pos, live.pos + length, device=device)[None]  # (1, L)
+            kv_len = kv_bucket(live.pos + length, self.llm.max_seq_len)
+            logits = self.llm.step_logits(x, input_pos, torch.tensor([live.slot], device=device), kv_len)  # (1, V)
+            logp = _host_log_probs(logits)  # (1, V)
+        except Exception as exc:
+            self._fail([live], "bistream feed", exc)
+            return
+        live.pos += length
         self._sample([live], logp)
 
     def _decode(self) -> None:
-        """One step for every live stream: row b feeds its latest token at its own position and slot."""
-        batch = list(self._live.values())
+        """One step for every decoding stream: row b feeds its latest token at its own position and slot."""
+        for live in [live for live in self._live.values() if live.decoding and live.pos >= self.max_seq_len]:
+            self._retire(live, "max_len")  # a bistream stream whose cache is full
+        batch = [live for live in self._live.values() if live.decoding]
+        if not batch:
+            return
         device = self.device
         try:
-            tokens = torch.tensor([[live.decoded[-1]] for live in batch], device=device)  # (B, 1)
-            input_pos = torch.tensor([[live.next_pos] for live in batch], device=device)  # (B, 1)
+            tokens = torch.tensor([[live.history[-1]] for live in batch], device=device)  # (B, 1)
+            input_pos = torch.tensor([[live.pos] for live in batch], device=device)  # (B, 1)
             slots = torch.tensor([live.slot for live in batch], device=device)  # (B,)
-            kv_len = kv_bucket(max(live.next_pos for live in batch) + 1, self.llm.max_seq_len)
+            kv_len = kv_bucket(max(live.pos for live in batch) + 1, self.llm.max_seq_len)
             logits = self.llm.step_logits(self.llm.embed_speech(tokens), input_pos, slots, kv_len)  # (B, V)
             logp = _host_log_probs(logits)  # (B, V)
         except Exception as exc:
             self._fail(batch, "decode step", exc)
             return
+        for live in batch:
+            live.pos += 1
         with self._cond:
             self._last_batch = len(batch)
             self._peak_batch = max(self._peak_batch, len(batch))
         self._sample(batch, logp)
 
     def _sample(self, batch: Sequence[_Live], logp: Tensor) -> None:
-        """Draw one token per row of the host log-probs (B, V), as `llm_generate.generate` does; deliver it."""
+        """Draw one token per row of the host log-probs (B, V), as `llm_generate.generate` does (a bistream
+        stream as `bistream.generate_bistream`); deliver it."""
         sent = 0
         for live, row in zip(batch, logp):
             try:
@@ -284,20 +366,30 @@ class LLMScheduler:
             except Exception as exc:
                 self._fail([live], "sampling", exc)
                 continue
-            if token in self._stop_tokens:
+            outcome = live.plan.accept(token) if live.plan is not None else \
+                ("stop" if token in self._stop_tokens else "speech")
+            if outcome == "stop":
                 self._retire(live, "stop_token")
+                continue
+            if outcome == "fill":  # a bistream stream waits for its next 5 text tokens
                 continue
             live.decoded.append(token)
             live.stream._push(token)
             sent += 1
-            if len(live.decoded) >= live.max_len:
+            if len(live.decoded) >= live.max_len or (live.plan is not None and live.plan.at_max_len):
                 self._retire(live, "max_len")
         self._count(sent)
 
     def _draw(self, live: _Live, logp: Tensor) -> int:
-        """logp (V,): EOS is banned until min_len tokens are out (the other stop tokens stay allowed)."""
+        if live.plan is not None:
+            return _draw_bistream(live, logp, self._eos)
+        return self._draw_sentence(live, logp)
+
+    def _draw_sentence(self, live: _Live, logp: Tensor) -> int:
+        """logp (V,): EOS is banned until min_len tokens are out (the other stop tokens stay allowed; with
+        `exact_len` every stop token is)."""
         if len(live.decoded) < live.min_len:
-            logp[self._eos] = -math.inf
+            logp[self._banned] = -math.inf
         return live.sampler(logp, live.decoded, live.generator)
 
     def _fail(self, batch: Sequence[_Live], stage: str, exc: Exception) -> None:
@@ -330,6 +422,16 @@ class LLMScheduler:
     def _forget_old_rounds(self, now: float) -> None:
         while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
             self._recent.popleft()
+
+
+def _draw_bistream(live: _Live, logp: Tensor, eos: int) -> int:
+    """logp (V,): the plan's forced fill token, or a draw with EOS banned until the text has ended."""
+    forced = live.plan.forced_token()
+    if forced is not None:
+        return forced
+    if live.plan.ban_eos:
+        logp[eos] = -math.inf
+    return live.sampler(logp, live.plan.history, live.generator)
 
 
 def _host_log_probs(logits: Tensor) -> Tensor:

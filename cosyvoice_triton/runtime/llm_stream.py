@@ -2,13 +2,15 @@
 
 The scheduler pushes each sampled token and finishes the stream once (stop token, length limit,
 cancellation or error); the consumer reads the tokens in pieces with `get` and sees the end as None (or
-the stream's error raised). This module holds only that hand-over; the scheduler is `llm_scheduler`.
+the stream's error raised). A bistream stream (`request.bistream`) also takes text the other way:
+`append_text` from any thread, which the scheduler reads with `_take_text`. This module holds only those
+hand-overs; the scheduler is `llm_scheduler`.
 """
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..messages import LLMRequest
 
@@ -18,8 +20,13 @@ _END = object()  # the last item of a stream's queue
 class LLMStream:
     """The speech tokens of one request, as the scheduler samples them. Read from one consumer thread."""
 
-    def __init__(self, request: LLMRequest):
+    def __init__(self, request: LLMRequest, wake: Callable[[], None] = lambda: None):
+        """`wake()` tells the scheduler that the stream has news (text, its end, a cancel)."""
         self.request = request
+        self._wake = wake
+        self._text: list[int] = []  # text tokens appended, not yet taken by the scheduler
+        self._text_ended = False
+        self._end_taken = False  # the scheduler has seen the end of the text
         self.reason: str | None = None  # "stop_token" | "max_len" | "cancelled" | "error", once finished
         self.error: Exception | None = None
         self._cancel = threading.Event()
@@ -37,6 +44,32 @@ class LLMStream:
     def cancel(self) -> None:
         """Ask the scheduler to end this stream; it frees the slot and ends the stream at its next round."""
         self._cancel.set()
+        self._wake()
+
+    def append_text(self, tokens: list[int], end: bool = False) -> None:
+        """Bistream: more text tokens for the live stream; `end`: no more after these. Does nothing once
+        the stream has finished. Raises ValueError after the end or on a stream that is not bistream."""
+        if not self.request.bistream:
+            raise ValueError(f"stream {self.request.stream_id} takes no appended text (not bistream)")
+        with self._lock:
+            if self._text_ended:
+                raise ValueError(f"the text of stream {self.request.stream_id} has ended")
+            self._text.extend(int(t) for t in tokens)
+            self._text_ended = end
+        self._wake()
+
+    @property
+    def has_text(self) -> bool:
+        """Engine side: text (or its end) appended and not yet taken."""
+        with self._lock:
+            return bool(self._text) or (self._text_ended and not self._end_taken)
+
+    def _take_text(self) -> tuple[list[int], bool]:
+        """Engine side: (the text tokens appended since the last call, whether the text has ended)."""
+        with self._lock:
+            tokens, self._text = self._text, []
+            self._end_taken = self._text_ended
+            return tokens, self._text_ended
 
     def get(self, timeout: float | None = None) -> list[int] | None:
         """The tokens sampled since the last call (waiting for at least one), or None once the stream has

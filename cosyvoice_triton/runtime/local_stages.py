@@ -4,6 +4,12 @@
 chunks that wait into one scheduler call as Triton's dynamic batcher does for the `token2wav` model) let the
 same `Orchestrator` that the `cosyvoice2` model drives over BLS run without Triton: the GPU benchmark
 (`perf/gpu_bench.py`) measures the serving path this way where no tritonserver is at hand.
+
+`DecodeAheadLLM` and `CoreSharingToken2Wav` overlap the two in one pipeline (the in-process `CosyVoice2`):
+each LLM stream decodes in a thread of its own, ahead of its consumer, so the next tokens come while
+token2wav turns a chunk into audio; both take their torch threads from one `CoreShare` (runtime/threads.py),
+so that together they use the cores and no more. A stream's first chunk, which first audio waits for,
+has every core to itself: the LLM's next decode steps wait for it.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from cosyvoice_triton.runtime.llm_scheduler import LLMScheduler, LLMRequest, LLMStream
+from cosyvoice_triton.runtime.threads import CoreShare
 from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest, Token2WavScheduler
 
 CHUNK_TIMEOUT_S = 300.0  # a chunk that waits longer fails its stream instead of hanging the client
@@ -102,3 +109,101 @@ class BatchingToken2WavStage:
                 future.set_exception(result)
             else:
                 future.set_result(result)
+
+
+# ---- one pipeline, the LLM decoding ahead ----------------------------------------------------------
+
+_END = object()  # a decode-ahead stream's last queue item
+
+
+class DecodeAheadStream:
+    """A TokenStream whose tokens are decoded in a thread of its own (one decode step per `running`
+    unit of the core share), queued until the consumer takes them."""
+
+    def __init__(self, inner, share: CoreShare):
+        self._inner = inner
+        self._share = share
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # token lists, then an exception or _END
+        self._cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._decode, name="llm-decode-ahead", daemon=True)
+        self._thread.start()
+
+    def _decode(self) -> None:
+        tokens = iter(self._inner)
+        try:
+            while not self._cancelled.is_set():
+                with self._share.running("llm"):
+                    new_tokens = next(tokens, _END)
+                if new_tokens is _END:
+                    break
+                self._queue.put(new_tokens)
+        except Exception as exc:  # noqa: BLE001 - raised to the consumer, in its thread
+            self._queue.put(exc)
+        self._queue.put(_END)
+
+    def __iter__(self):
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def append_text(self, tokens: list[int], end: bool = False) -> None:
+        self._inner.append_text(tokens, end)
+
+    def cancel(self) -> None:
+        """Stop decoding; returns once the decode thread has ended (at most one step later), so the next
+        stream of this LLM finds its KV cache free."""
+        self._cancelled.set()
+        self._inner.cancel()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+class DecodeAheadLLM:
+    """LLMStage over another (the reference LLM): each stream decodes ahead, in its own thread."""
+
+    def __init__(self, inner, share: CoreShare):
+        self.inner = inner
+        self.share = share
+
+    def stream(self, request: LLMRequest) -> DecodeAheadStream:
+        return DecodeAheadStream(self.inner.stream(request), self.share)
+
+
+class CoreSharingToken2Wav:
+    """Token2WavStage over another (the reference token2wav): each chunk runs as one `token2wav` unit of
+    the core share. A stream's first chunk (the one with its prompt: what first audio waits for) runs
+    alone on every core, the LLM's decode steps waiting for it; its middle chunks on token2wav's share of
+    the threads (the LLM decodes beside them); its last chunk on every core (the LLM has ended)."""
+
+    def __init__(self, inner, share: CoreShare, first_chunk_alone: bool = True):
+        self.inner = inner
+        self.share = share
+        self.first_chunk_alone = first_chunk_alone  # False: a first chunk as a middle one (benchmarks' before)
+
+    def chunk(self, chunk: ChunkRequest):
+        alone = self.first_chunk_alone and is_first(chunk)
+        with self.share.running("token2wav", self.threads_for(chunk), alone=alone):
+            return self.inner.chunk(chunk)
+
+    def threads_for(self, chunk: ChunkRequest) -> int:
+        """The torch threads of a chunk: fixed per chunk kind, so a seed's audio does not depend on timing."""
+        plan = self.share.plan
+        every_core = chunk.finalize or (self.first_chunk_alone and is_first(chunk))
+        return plan.cores if every_core else plan.token2wav
+
+    @property
+    def streams(self):
+        """The inner stage's open streams: what a client that left must not leave behind."""
+        return self.inner.streams
+
+    def cancel(self, stream_id: str) -> None:
+        self.inner.cancel(stream_id)
+
+
+def is_first(chunk: ChunkRequest) -> bool:
+    """A stream's first chunk: the only one that carries its prompt."""
+    return chunk.prompt is not None

@@ -5,30 +5,44 @@ that call the `llm` and `token2wav` models), so both give the same audio for the
 sentence it opens an LLM token stream, follows the chunk schedule (small first chunk, growing hops,
 `lookahead` tokens of right context) and sends each due chunk's new tokens to token2wav. The
 request's `Playback` follows its listener across sentences; an adaptive chunk policy reads its lead.
+
+`run_bistream` takes the text as it is written instead (text_mode "bistream"): one LLM stream reads it
+as it comes, in the trained 5:15 text/speech pattern (runtime/bistream.py), so audio starts before the
+first sentence is complete. A feeder thread tokenizes the pieces (cut before white space: `WordPieces`)
+and appends them to the live LLM stream while this thread turns its tokens into audio. As in the official
+bistream, the text is spoken as given (no normalization, no sentence splitting).
 """
 from __future__ import annotations
 
-import time
+import logging
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import numpy as np
 
-from ..audio_out import SAMPLE_RATE
 from ..errors import Cancelled
 from ..preprocess.text import TextPreprocessor, validate_text
 from ..messages import ChunkRequest, FlowPrompt, LLMRequest, SynthesisRequest
+from .bistream import TextFeed, WordPieces, generate_bistream
 from .chunk_policy import ChunkSchedule
+from .chunk_sender import ChunkSender
 from .llm_generate import generate
 from .playback import Playback
 from .request import END_OF_PROMPT, random_seed, sentence_seeds
+
+
+log = logging.getLogger(__name__)
 
 
 class TokenStream(Protocol):
     def __iter__(self) -> Iterator[list[int]]: ...
 
     def cancel(self) -> None: ...
+
+    def append_text(self, tokens: list[int], end: bool = False) -> None:
+        """Bistream streams only: more text for the live stream."""
 
 
 class LLMStage(Protocol):
@@ -62,6 +76,15 @@ class Orchestrator:
         encode = self.preprocessor.tokenizer.encode
         pieces = self.preprocessor.split(request.text, field="target_text") if request.text_frontend \
             else [validate_text(request.text, "target_text", self.preprocessor.max_chars)]  # as given: one piece
+        prompt_text_tokens, prompt_speech = self.prompt_tokens(request)
+        return [LLMRequest(stream_id=f"{stream_id}/{i}", text_tokens=encode(piece),
+                           prompt_text_tokens=prompt_text_tokens, prompt_speech_tokens=prompt_speech,
+                           sampling=request.sampling, seed=sentence_seeds(seed, i).llm)
+                for i, piece in enumerate(pieces)]
+
+    def prompt_tokens(self, request: SynthesisRequest) -> tuple[list[int], list[int]]:
+        """(prompt text tokens, prompt speech tokens) of the request's mode."""
+        encode = self.preprocessor.tokenizer.encode
         prompt_text, prompt_speech = "", []
         if request.mode == "zero_shot":
             prompt_text = self.preprocessor.normalize(request.voice.text) if request.text_frontend else request.voice.text
@@ -70,11 +93,7 @@ class Orchestrator:
             prompt_text = request.instruct_text.strip()
             if not prompt_text.endswith(END_OF_PROMPT):
                 prompt_text += END_OF_PROMPT
-        prompt_text_tokens = encode(prompt_text) if prompt_text else []
-        return [LLMRequest(stream_id=f"{stream_id}/{i}", text_tokens=encode(piece),
-                           prompt_text_tokens=prompt_text_tokens, prompt_speech_tokens=prompt_speech,
-                           sampling=request.sampling, seed=sentence_seeds(seed, i).llm)
-                for i, piece in enumerate(pieces)]
+        return (encode(prompt_text) if prompt_text else []), prompt_speech
 
     def run(self, request: SynthesisRequest, stream: bool, is_cancelled: Callable[[], bool] = lambda: False,
             stream_id: str | None = None) -> Iterator[np.ndarray]:
@@ -88,43 +107,107 @@ class Orchestrator:
             yield from self._sentence(request, llm_request, prompt, sentence_seeds(seed, index).vocoder,
                                       stream, is_cancelled, playback)
 
-    def _sentence(self, request: SynthesisRequest, llm_request: LLMRequest, prompt: FlowPrompt, vocoder_seed: int,
-                  stream: bool, is_cancelled: Callable[[], bool], playback: Playback) -> Iterator[np.ndarray]:
-        stream_id = llm_request.stream_id
-        schedule = ChunkSchedule(request.chunk_policy, prompt.speech_tokens.shape[1])
-        tokens: list[int] = []
-        sent = 0  # tokens already handed to token2wav
-        opened = finished = False
+    def run_bistream(self, request: SynthesisRequest, text: Iterable[str], stream: bool,
+                     is_cancelled: Callable[[], bool] = lambda: False,
+                     stream_id: str | None = None) -> Iterator[np.ndarray]:
+        """Yield float32 audio chunks while `text` yields the rest of the text in pieces (it may wait for
+        each); `request.text` is its first piece (may be empty). Offline (`stream=False`): one chunk."""
+        request.validate()
+        stream_id = stream_id or uuid.uuid4().hex
+        seeds = sentence_seeds(request.seed if request.seed is not None else random_seed(), 0)
+        prompt_text_tokens, prompt_speech = self.prompt_tokens(request)
+        words = WordPieces()
+        llm_request = LLMRequest(stream_id=f"{stream_id}/0", text_tokens=self._encode(words.feed(request.text)),
+                                 prompt_text_tokens=prompt_text_tokens, prompt_speech_tokens=prompt_speech,
+                                 sampling=request.sampling, seed=seeds.llm, bistream=True)
         token_stream = self.llm.stream(llm_request)
+        feeder = _TextFeeder(token_stream, text, words, self._encode, is_cancelled)
 
-        def send(end: int, finalize: bool) -> np.ndarray:
-            nonlocal sent, opened
-            chunk = ChunkRequest(stream_id=stream_id, tokens=tokens[sent:end], finalize=finalize,
-                                 prompt=None if opened else prompt, seed=vocoder_seed)
-            opened, sent = True, end
-            audio = self.token2wav.chunk(chunk)
-            if audio.size:
-                playback.add(time.monotonic(), audio.size / SAMPLE_RATE)
-            return audio
+        def failed() -> bool:  # the client cancelled, or the text feed failed
+            return is_cancelled() or feeder.error is not None
 
+        try:
+            yield from self._sentence(request, llm_request, flow_prompt_of(request.voice), seeds.vocoder, stream,
+                                      failed, Playback(), token_stream)
+        except Cancelled:
+            feeder.check()  # the feed's error, rather than a cancellation
+            raise
+        finally:
+            feeder.stop()
+        feeder.check()
+
+    def _encode(self, text: str) -> list[int]:
+        return self.preprocessor.tokenizer.encode(text) if text else []
+
+    def _sentence(self, request: SynthesisRequest, llm_request: LLMRequest, prompt: FlowPrompt, vocoder_seed: int,
+                  stream: bool, is_cancelled: Callable[[], bool], playback: Playback,
+                  token_stream: TokenStream | None = None) -> Iterator[np.ndarray]:
+        schedule = ChunkSchedule(request.chunk_policy, prompt.speech_tokens.shape[1])
+        sender = ChunkSender(self.token2wav, llm_request.stream_id, prompt, vocoder_seed, request.speed, playback)
+        tokens: list[int] = []
+        token_stream = token_stream if token_stream is not None else self.llm.stream(llm_request)
         try:
             for new_tokens in token_stream:
                 if is_cancelled():
                     raise Cancelled("the client cancelled the request")
                 tokens.extend(new_tokens)
-                while stream and schedule.due(len(tokens), lead := playback.lead(time.monotonic())):
-                    _, end = schedule.advance(len(tokens), lead)
-                    yield send(end, finalize=False)
-                    if is_cancelled():
-                        raise Cancelled("the client cancelled the request")
-            audio = send(len(tokens), finalize=True)
-            finished = True
-            yield audio
+                if stream:
+                    yield from sender.due(tokens, schedule, is_cancelled)
+            yield sender.finish(tokens)
         finally:
-            if not finished:
+            if not sender.finished:
                 token_stream.cancel()
-                if opened:
-                    self.token2wav.cancel(stream_id)
+                sender.close()
+
+
+class _TextFeeder:
+    """A thread that appends a bistream synthesis's text to its LLM stream as the pieces come: each piece
+    cut before white space (`WordPieces`), tokenized, appended; at the end of the text, the rest and the end."""
+
+    def __init__(self, token_stream: TokenStream, text: Iterable[str], words: WordPieces,
+                 encode: Callable[[str], list[int]], is_cancelled: Callable[[], bool]):
+        self._stream = token_stream
+        # A TextFeed is watched for a cancel while it waits: the text then ends, so that an LLM stream waiting
+        # for it goes on and the synthesis, at its next token, sees the cancel.
+        self._text = text.pieces(is_cancelled) if isinstance(text, TextFeed) else text
+        self._words = words
+        self._encode = encode
+        self._stopped = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="bistream-text", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for piece in self._text:
+                if self._stopped.is_set():
+                    return
+                if not isinstance(piece, str):
+                    raise TypeError(f"bistream text pieces must be strings, got {type(piece).__name__}")
+                ready = self._words.feed(piece)
+                if ready:
+                    self._stream.append_text(self._encode(ready))
+            if not self._stopped.is_set():
+                self._stream.append_text(self._encode(self._words.flush()), end=True)
+        except BaseException as exc:  # noqa: BLE001 - handed to the synthesis, which fails with it
+            if self._stopped.is_set():
+                return
+            if not isinstance(exc, Cancelled):
+                log.warning("bistream text feed failed: %s", exc)
+                self.error = exc
+            try:  # end the text, so that an LLM stream waiting for it goes on and the synthesis sees the error
+                self._stream.append_text([], end=True)
+            except Exception:  # noqa: BLE001 - the synthesis ends on the error anyway
+                pass
+
+    def stop(self) -> None:
+        """The synthesis is over: later pieces are dropped (the thread ends when its text source does)."""
+        self._stopped.set()
+
+    def check(self) -> None:
+        """Raise the feed's error, if it failed (the LLM stream was cancelled for it)."""
+        if self.error is not None:
+            raise self.error
 
 
 # ---- in-process backends --------------------------------------------------------------------------
@@ -146,14 +229,42 @@ class _GeneratorStream:
         self._cancelled = True
 
 
+class _ReferenceBistream(_GeneratorStream):
+    """A bistream TokenStream over `generate_bistream`, which reads the appended text from a queue."""
+
+    def __init__(self, llm, request: LLMRequest):
+        import queue
+
+        import torch
+
+        self._pieces: queue.SimpleQueue = queue.SimpleQueue()  # token lists, then None
+        self._pieces.put(list(request.text_tokens))
+        super().__init__(generate_bistream(llm, iter(self._pieces.get, None), request.prompt_text_tokens,
+                                           request.prompt_speech_tokens, request.sampling,
+                                           torch.Generator().manual_seed(request.seed)))
+
+    def append_text(self, tokens: list[int], end: bool = False) -> None:
+        self._pieces.put(list(tokens))
+        if end:
+            self._pieces.put(None)
+
+    def cancel(self) -> None:
+        super().cancel()
+        self._pieces.put(None)  # a generator waiting for text goes on (and stops at its next token)
+
+
 class ReferenceLLM:
-    """LLMStage that runs `llm_generate.generate` in the caller's thread, one stream at a time."""
+    """LLMStage that runs `llm_generate.generate` (or `bistream.generate_bistream`) in the caller's thread,
+    one stream at a time."""
 
     def __init__(self, llm):
         self.llm = llm
 
     def stream(self, request: LLMRequest) -> TokenStream:
         import torch
+
+        if request.bistream:
+            return _ReferenceBistream(self.llm, request)
 
         def as_tensor(ids: list[int]) -> torch.Tensor:
             return torch.tensor([ids], dtype=torch.int32).reshape(1, -1)
@@ -179,7 +290,8 @@ class ReferenceToken2Wav:
         state = self.streams.get(chunk.stream_id)
         if state is None:
             seed = chunk.seed if chunk.seed is not None else random_seed()
-            state = self.token2wav.stream(chunk.prompt, GeneratorNoise(torch.Generator().manual_seed(seed)))
+            state = self.token2wav.stream(chunk.prompt, GeneratorNoise(torch.Generator().manual_seed(seed)),
+                                          speed=chunk.speed)
             self.streams[chunk.stream_id] = state
         audio = state.chunk(chunk.tokens, chunk.finalize)
         if chunk.finalize:

@@ -10,6 +10,13 @@ Steps 1, 3 and 4 are the `Orchestrator`; here it runs with in-process backends. 
 (engines/select.py); `device` is checked first (engines/providers.py). `llm_precision` (fp32 | bf16 |
 int8, models/llm_precision.py) is the LLM backbone's. `exact_speech_tokens(n)` is a benchmark knob: every
 sentence then decodes exactly n speech tokens, stop tokens masked (perf/bench_official.py).
+
+With `decode_ahead` (the default) the LLM decodes in a thread of its own, ahead of the chunks, so the
+next tokens come while token2wav turns a chunk into audio; the two share the torch threads this
+pipeline was made with (`torch.get_num_threads()` then; runtime/threads.py): side by side they split
+them (on 2: one each), the LLM alone and a stream's last chunk get all, and a stream's first chunk gets
+all while the LLM waits (first audio waits for that chunk). Without it, the LLM waits while token2wav
+runs.
 """
 from __future__ import annotations
 
@@ -25,30 +32,49 @@ from ..engines.select import build_token2wav, open_campplus
 from ..errors import ModelFolderError
 from ..preprocess.prompt import PromptEncoder, PromptFeatures
 from ..preprocess.text import TextPreprocessor
+from ..models.flow_cache import FlowCacheSettings
 from ..models.speech_lm import SpeechLM
 from .llm_generate import generate
+from .local_stages import CoreSharingToken2Wav, DecodeAheadLLM
 from .orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav, _GeneratorStream
 from .request import SynthesisRequest
+from .threads import CoreShare, thread_plan
 from .token2wav import Token2Wav
 
 
 class CosyVoice2:
-    """All modules of one model folder, loaded once. Not thread-safe: one request at a time."""
+    """All modules of one model folder, loaded once. Not thread-safe: one request at a time (its LLM's
+    decode-ahead thread is part of that request)."""
 
     def __init__(self, model_dir: Path, preprocessor: TextPreprocessor, prompt_encoder: PromptEncoder, llm: SpeechLM,
-                 token2wav: Token2Wav):
+                 token2wav: Token2Wav, decode_ahead: bool = True):
+        import torch
+
         self.model_dir = model_dir
         self.preprocessor = preprocessor
         self.prompt_encoder = prompt_encoder
         self.llm = llm
         self.token2wav = token2wav
         self.sample_rate = token2wav.hift.config.sampling_rate
+        self.cores = CoreShare(thread_plan(torch.get_num_threads()))
         self.orchestrator = Orchestrator(preprocessor, ReferenceLLM(llm), ReferenceToken2Wav(token2wav))
+        self._exact_len: int | None = None
+        self.use_decode_ahead(decode_ahead)
+
+    def use_decode_ahead(self, on: bool) -> None:
+        """Overlap the LLM and token2wav (True), or let the LLM wait while token2wav runs (False)."""
+        self.decode_ahead = on
+        llm = ReferenceLLM(self.llm) if self._exact_len is None else ExactLengthLLM(self.llm, self._exact_len)
+        token2wav = ReferenceToken2Wav(self.token2wav)
+        if on:
+            llm, token2wav = DecodeAheadLLM(llm, self.cores), CoreSharingToken2Wav(token2wav, self.cores)
+        self.orchestrator.llm, self.orchestrator.token2wav = llm, token2wav
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str = "cpu", *, engine: str = "torch",
                        precision: str = "fp32", ort_providers: str | None = None,
-                       onnx_dir: str | Path | None = None, llm_precision: str = "fp32") -> "CosyVoice2":
+                       onnx_dir: str | Path | None = None, llm_precision: str = "fp32",
+                       decode_ahead: bool = True, flow_cache: FlowCacheSettings = FlowCacheSettings()) -> "CosyVoice2":
         paths = ModelPaths(Path(model_dir))
         missing = paths.missing()
         if missing:
@@ -62,12 +88,13 @@ class CosyVoice2:
         llm = SpeechLM.from_model_dir(paths.root, device=device, max_seq_len=4096, precision=llm_precision)
         flow, hift = build_token2wav(paths.root, engine, device, precision=precision, onnx_dir=onnx_dir,
                                      ort_providers=ort_providers)
-        return cls(paths.root, preprocessor, prompt_encoder, llm, Token2Wav(flow, hift))
+        return cls(paths.root, preprocessor, prompt_encoder, llm, Token2Wav(flow, hift, flow_cache),
+                   decode_ahead=decode_ahead)
 
     def exact_speech_tokens(self, n: int | None) -> None:
         """Benchmarks only: every sentence decodes exactly `n` speech tokens (None: as the model says)."""
-        llm = ReferenceLLM(self.llm) if n is None else ExactLengthLLM(self.llm, n)
-        self.orchestrator.llm = llm
+        self._exact_len = n
+        self.use_decode_ahead(self.decode_ahead)
 
     def encode_voice(self, samples: np.ndarray, sample_rate: int, prompt_text: str) -> PromptFeatures:
         return self.prompt_encoder.encode(samples, sample_rate, prompt_text)

@@ -11,7 +11,9 @@ import torch
 
 from ..messages import FlowPrompt
 from ..models.flow import FlowModel
+from ..models.flow_cache import FlowCacheSettings, StreamFlowCache, cached_mel, supports_cache
 from ..models.hift import HiFTGenerator
+from ..models.prompt_cache import PromptCache, frames_to_store, new_stream_cache, stage_prompt_cache
 from .vocoder_stream import VocoderStream
 
 
@@ -28,8 +30,13 @@ def prompt_tensors(prompt: FlowPrompt) -> FlowPrompt:
 class Token2Wav:
     """The flow + HiFT pair shared by all streams of one model instance."""
 
-    def __init__(self, flow: FlowModel, hift: HiFTGenerator):
+    def __init__(self, flow: FlowModel, hift: HiFTGenerator, flow_cache: FlowCacheSettings = FlowCacheSettings(),
+                 prompt_cache: PromptCache | None = None):
         self.flow = flow
+        # Graph engines (ONNX, TensorRT, OpenVINO) re-run the flow over every frame.
+        self.flow_cache = flow_cache if flow_cache.enabled and supports_cache(flow) else None
+        # The voices' share of the flow (models/prompt_cache.py); pass one to share it with another stage.
+        self.prompt_cache = stage_prompt_cache(self.flow_cache, prompt_cache)
         self.hift = hift
         self.token_mel_ratio = flow.config.token_mel_ratio
         self.samples_per_frame = hift.config.samples_per_frame
@@ -37,11 +44,36 @@ class Token2Wav:
 
     @torch.inference_mode()
     def mel(self, tokens: torch.Tensor, prompt: FlowPrompt, token_offset: int, finalize: bool,
-            streaming: bool) -> torch.Tensor:
-        """Mel frames of tokens[offset:] given the whole token history. (1, T) -> (1, 80, frames)."""
+            streaming: bool, cache: StreamFlowCache | None = None, next_offset: int = 0) -> torch.Tensor:
+        """Mel frames of tokens[offset:] given the whole token history. (1, T) -> (1, 80, frames).
+
+        With a cache (streaming calls), only the frames after the cached ones are computed, and the cache
+        grows by the frames made final, up to the frames of `next_offset` (where the next call starts).
+        An empty cache with a `voice_key` (`PromptCache.open_stream`) also stores the voice's frames."""
+        if cache is not None and streaming:
+            return self._cached_mel(tokens, prompt, token_offset, finalize, cache, next_offset)
+        return self._flow_inputs(tokens, prompt, self.flow.inference, streaming, finalize)[
+            :, :, token_offset * self.token_mel_ratio:]
+
+    def _cached_mel(self, tokens: torch.Tensor, prompt: FlowPrompt, token_offset: int, finalize: bool,
+                    cache: StreamFlowCache, next_offset: int) -> torch.Tensor:
+        conditions = self._flow_inputs(tokens, prompt, self.flow.conditions, True, finalize)
+        prompt_frames = prompt.mel.shape[1]
+        voice = frames_to_store(self.flow, self.flow_cache, self.prompt_cache, prompt, cache)
+        mel, (start,), (kept,), (voice_cache,) = cached_mel(
+            self.flow, conditions, [cache], [prompt_frames + self.token_mel_ratio * next_offset],
+            self.flow_cache.max_frames, [voice])
+        if voice_cache is not None:
+            self.prompt_cache.store(cache.voice_key, voice_cache)
+        cache.replace_with(kept)
+        first = prompt_frames + self.token_mel_ratio * token_offset - start  # >= 0: cached frames were spoken
+        return mel[:, :, first:int(conditions.mel_len[0]) - start]
+
+    def _flow_inputs(self, tokens: torch.Tensor, prompt: FlowPrompt, call, streaming: bool, finalize: bool):
+        """call(...) with one row's flow inputs: `FlowModel.inference` or `FlowModel.conditions`."""
         device = self.device
         tokens = tokens.to(device)
-        mel = self.flow.inference(
+        return call(
             token=tokens,
             token_len=torch.tensor([tokens.shape[1]], dtype=torch.int32, device=device),
             prompt_token=prompt.speech_tokens.to(device),
@@ -52,11 +84,14 @@ class Token2Wav:
             streaming=streaming,
             finalize=finalize,
         )
-        return mel[:, :, token_offset * self.token_mel_ratio:]
 
-    def stream(self, prompt: FlowPrompt, noise, lookahead: int | None = None) -> "Token2WavStream":
+    def new_flow_cache(self, prompt: FlowPrompt) -> StreamFlowCache | None:
+        """A new stream's flow cache (None: off), seeded with the voice's frames when the prompt cache has them."""
+        return new_stream_cache(self.flow, self.flow_cache, self.prompt_cache, prompt)
+
+    def stream(self, prompt: FlowPrompt, noise, lookahead: int | None = None, speed: float = 1.0) -> "Token2WavStream":
         lookahead = self.flow.config.pre_lookahead_len if lookahead is None else lookahead
-        return Token2WavStream(self, prompt_tensors(prompt), noise, lookahead)
+        return Token2WavStream(self, prompt_tensors(prompt), noise, lookahead, speed)
 
 
 class Token2WavStream:
@@ -64,21 +99,31 @@ class Token2WavStream:
 
     `chunk(new_tokens, finalize)` is the primitive: a non-final chunk runs the flow on every token so
     far (streaming attention), emits the frames after the current offset and moves the offset to the
-    last `lookahead` tokens, which only served as right context; the final chunk emits the rest.
+    last `lookahead` tokens, which only served as right context; the final chunk emits the rest (one
+    full-attention pass, or with `FlowCacheSettings.cached_final` a streaming one). With the flow cache
+    on, the frames already final are not recomputed (models/flow_cache.py), and a stream of a prompt seen
+    before starts from its voice-final frames (models/prompt_cache.py).
     """
 
-    def __init__(self, engine: Token2Wav, prompt: FlowPrompt, noise, lookahead: int):
+    def __init__(self, engine: Token2Wav, prompt: FlowPrompt, noise, lookahead: int, speed: float = 1.0):
         self.engine = engine
         self.prompt = prompt
         self.lookahead = lookahead
-        self.vocoder = VocoderStream(engine.hift, noise=noise)
+        self.vocoder = VocoderStream(engine.hift, noise=noise, speed=speed)
         self.tokens: list[int] = []
         self.offset = 0  # tokens already turned into audio
+        self.flow_cache = engine.new_flow_cache(self.prompt)
 
     def chunk(self, new_tokens: list[int], finalize: bool) -> np.ndarray:
         self.tokens.extend(new_tokens)
         tokens = torch.tensor([self.tokens], dtype=torch.int32)
-        mel = self.engine.mel(tokens, self.prompt, self.offset, finalize=finalize, streaming=not finalize)
+        if self.flow_cache is None:
+            mel = self.engine.mel(tokens, self.prompt, self.offset, finalize=finalize, streaming=not finalize)
+        else:
+            streaming = not finalize or self.engine.flow_cache.cached_final
+            mel = self.engine.mel(tokens, self.prompt, self.offset, finalize=finalize, streaming=streaming,
+                                  cache=self.flow_cache, next_offset=len(self.tokens) - self.lookahead)
+        self.vocoder.check_chunk(mel.shape[2], finalize)
         audio = _to_numpy(self.vocoder.push(mel, finalize=finalize))
         if finalize:
             self.close()
@@ -89,6 +134,7 @@ class Token2WavStream:
     def close(self) -> None:
         self.vocoder.close()
         self.tokens = []
+        self.flow_cache = None
 
 
 def _to_numpy(audio: torch.Tensor) -> np.ndarray:

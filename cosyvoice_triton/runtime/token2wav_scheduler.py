@@ -9,16 +9,34 @@ with the same chunk boundaries and vocoder seed:
   2 * offset to 2 * (len(tokens) - lookahead), and moves the offset there;
 - the final chunk runs the flow on all tokens (not streaming, finalize) and keeps the frames from
   2 * offset on; the state is freed afterwards.
+With the flow cache (`FlowCacheSettings`, on by default for the torch flow) each stream keeps the
+estimator's state of its frames that are final, and a call computes only the frames after them
+(models/flow_cache.py); `cached_final` makes the final chunk a cached streaming call too. A new stream of a
+prompt seen before starts with its voice-final frames from the `PromptCache` (models/prompt_cache.py), filled
+by the first streaming call of the first stream of that prompt.
 
 All chunks of one `run` go through one flow call (rows padded; the flow masks per row), at most
 `max_batch` rows, earliest deadline first: a stream's deadline is the moment its listener would run dry
 (the clock time of its first audio + the seconds of audio made since), a new stream's is now; so first
-chunks and streams that are running low go before streams that are well ahead. HiFT is non-causal, so
+chunks and streams that are running low go before streams that are well ahead. A stream's `speed` (its
+first chunk's) stretches its mel before HiFT (runtime/mel_speed.py). HiFT is non-causal, so
 only rows with the same number of mel frames share a vocoder call. A chunk that fails its checks changes
 nothing, and a stream's tokens, offset and caches change only once the audio of its whole batch is made
 (an unexpected failure of the batch leaves them as they were; only a vocoder noise generator may have
 moved on).
 One caller at a time: Triton runs `execute` of an instance serially.
+
+Idle rule. The idle timeout frees the stream of a frontend that died or left without cancelling; it must
+never free a live one (on an overloaded machine a live stream's next chunk can come minutes later). So a
+stream's idle clock starts when its latest chunk is answered (not when it came), it counts only the time
+this scheduler spends outside `run` (the "quiet clock": while a batch runs, chunks queued behind it in
+Triton wait on it, so that time says nothing about their frontends), and a stream with a chunk in the
+current `run` is never freed, whatever its clock says. A stream is freed after `idle_timeout_s` of quiet
+time without a chunk: its frontend is gone, or its LLM took longer than that for one hop while token2wav
+sat idle (the timeout must exceed the longest hop). The cost: under an overload that keeps token2wav busy
+without a gap, an abandoned stream keeps its slot until the first gap. Not chosen: renewal by the frontend
+(a new message on every path to token2wav and a timer in every frontend) and a timeout scaled by a load
+figure (which one, and it can still be exceeded).
 """
 from __future__ import annotations
 
@@ -26,7 +44,7 @@ import logging
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 import torch
@@ -35,7 +53,9 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..errors import CosyVoiceError, InvalidInput, NotFound, Unavailable
 from ..models.flow import FlowModel
+from ..models.flow_cache import FlowCacheSettings, StreamFlowCache, cached_mel, supports_cache
 from ..models.hift import HiFTGenerator
+from ..models.prompt_cache import PromptCache, frames_to_store, new_stream_cache, stage_prompt_cache
 from ..models.hift_source import GeneratorNoise, StackedNoise
 from ..messages import MIN_HOP_TOKENS, ChunkRequest, FlowPrompt, check_seed
 from .token2wav import prompt_tensors
@@ -56,6 +76,9 @@ class Token2WavStats:
     chunks_served: int
     chunks_failed: int
     freed: dict[str, int]  # streams freed, by reason (FREE_REASONS)
+    flow_cache_bytes: int = 0  # the live streams' flow caches
+    prompt_cache_bytes: int = 0  # the voices' frames kept (models/prompt_cache.py)
+    prompt_cache_hits: int = 0  # streams that started from a voice's kept frames
 
 
 @dataclass
@@ -64,9 +87,10 @@ class _Stream:
     vocoder: VocoderStream
     tokens: list[int]
     offset: int  # tokens already turned into audio
-    last_active: float  # clock() of the latest chunk
     first_audio_at: float | None = None  # clock() when its first audio was made; None: none yet
     audio_s: float = 0.0  # seconds of audio made so far
+    flow_cache: StreamFlowCache | None = None  # None: the flow cache is off
+    answered_at: float = 0.0  # the quiet clock when its latest chunk was answered (set by run)
 
     def deadline(self, now: float) -> float:
         """When this stream's listener runs dry if it gets no more audio (now, before its first audio)."""
@@ -83,13 +107,19 @@ class _Row:
     tokens: list[int]  # the stream's tokens including this chunk's
     finalize: bool
     new_offset: int
+    flow_cache: StreamFlowCache | None = None  # the stream's cache once this row's audio is made
 
 
 class Token2WavScheduler:
     def __init__(self, flow: FlowModel, hift: HiFTGenerator, *, max_streams: int = 64, max_batch: int = 16,
                  idle_timeout_s: float = 120.0, lookahead: int | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, flow_cache: FlowCacheSettings = FlowCacheSettings(),
+                 prompt_cache: PromptCache | None = None):
         self.flow = flow
+        # Graph engines (ONNX, TensorRT, OpenVINO) re-run the flow over every frame.
+        self.flow_cache = flow_cache if flow_cache.enabled and supports_cache(flow) else None
+        # The voices' share of the flow (models/prompt_cache.py); pass one to share it with another stage.
+        self.prompt_cache = stage_prompt_cache(self.flow_cache, prompt_cache)
         self.hift = hift
         self.max_streams = max_streams
         self.max_batch = max_batch
@@ -108,13 +138,24 @@ class Token2WavScheduler:
         self._flow_calls = self._flow_rows = self._last_batch = self._max_batch_seen = 0
         self._served = self._failed = 0
         self._freed = dict.fromkeys(FREE_REASONS, 0)
+        self._busy_s = 0.0  # clock seconds spent in run(): the quiet clock stands still then
 
     # ---- public API ----
 
     def run(self, chunks: list[ChunkRequest]) -> list[np.ndarray | Exception]:
         """Audio (N,) float32 per chunk, or the error of that chunk, in input order."""
-        self.sweep_idle()
-        now = self.clock()
+        in_hand = {chunk.stream_id for chunk in chunks}  # alive: their frontends just sent a chunk
+        self.sweep_idle(keep=in_hand)
+        started = self.clock()
+        try:
+            return self._run(chunks, started)
+        finally:
+            self._busy_s += self.clock() - started
+            quiet = self.quiet_clock()
+            for stream_id in in_hand & self._streams.keys():
+                self._streams[stream_id].answered_at = quiet
+
+    def _run(self, chunks: list[ChunkRequest], now: float) -> list[np.ndarray | Exception]:
         results: list[np.ndarray | Exception | None] = [None] * len(chunks)
         pending: dict[str, deque[int]] = defaultdict(deque)  # per stream, its chunks in input order
         for index, chunk in enumerate(chunks):
@@ -132,10 +173,16 @@ class Token2WavScheduler:
         """Free a stream's state now; False if there was none."""
         return self._free(stream_id, "cancel")
 
-    def sweep_idle(self) -> list[str]:
-        """Free the streams that got no chunk for longer than idle_timeout_s; returns their ids."""
-        now = self.clock()
-        idle = [sid for sid, s in self._streams.items() if now - s.last_active > self.idle_timeout_s]
+    def quiet_clock(self) -> float:
+        """Clock seconds minus those spent in run() (outside run only): the idle rule's clock."""
+        return self.clock() - self._busy_s
+
+    def sweep_idle(self, keep: Collection[str] = ()) -> list[str]:
+        """Free the streams other than `keep` whose latest chunk was answered more than idle_timeout_s ago on
+        the quiet clock (see the module docstring); returns their ids."""
+        quiet = self.quiet_clock()
+        idle = [sid for sid, s in self._streams.items()
+                if sid not in keep and quiet - s.answered_at > self.idle_timeout_s]
         for stream_id in idle:
             self._free(stream_id, "idle")
         return idle
@@ -146,7 +193,10 @@ class Token2WavScheduler:
             active_streams=len(self._streams), flow_calls=self._flow_calls, last_flow_batch=self._last_batch,
             max_flow_batch=self._max_batch_seen,
             mean_flow_batch=self._flow_rows / self._flow_calls if self._flow_calls else 0.0,
-            chunks_served=self._served, chunks_failed=self._failed, freed=dict(self._freed))
+            chunks_served=self._served, chunks_failed=self._failed, freed=dict(self._freed),
+            flow_cache_bytes=sum(s.flow_cache.nbytes for s in self._streams.values() if s.flow_cache is not None),
+            prompt_cache_bytes=self.prompt_cache.nbytes if self.prompt_cache is not None else 0,
+            prompt_cache_hits=self.prompt_cache.hits if self.prompt_cache is not None else 0)
 
     def deadline(self, stream_id: str, now: float) -> float:
         """The clock time at which a stream's listener would run dry (`now` for a stream with no audio yet)."""
@@ -169,15 +219,15 @@ class Token2WavScheduler:
             pending[chunk.stream_id].popleft()
             opening = sum(row.stream_id not in self._streams for row in rows)  # new streams in this batch
             try:
-                rows.append(self._plan(index, chunk, opening, now))
+                rows.append(self._plan(index, chunk, opening))
             except CosyVoiceError as error:
                 results[index] = error
         return rows
 
-    def _plan(self, index: int, chunk: ChunkRequest, new_in_batch: int, now: float) -> _Row:
+    def _plan(self, index: int, chunk: ChunkRequest, new_in_batch: int) -> _Row:
         stream = self._streams.get(chunk.stream_id)
         if stream is None:
-            stream = self._open(chunk, new_in_batch, now)
+            stream = self._open(chunk, new_in_batch)
         self._check_tokens(chunk.tokens)
         tokens = stream.tokens + list(chunk.tokens)
         new_offset = len(tokens) if chunk.finalize else len(tokens) - self.lookahead
@@ -186,15 +236,15 @@ class Token2WavScheduler:
             raise InvalidInput("tokens", f"a non-final chunk must advance the stream by >= {MIN_HOP_TOKENS} "
                                f"tokens after {self.lookahead} lookahead tokens; {len(tokens)} tokens in all, "
                                f"{stream.offset} already spoken")
+        stream.vocoder.check_chunk(self.ratio * (new_offset - stream.offset), chunk.finalize)  # errors name speed
         frames = self.ratio * (stream.prompt.speech_tokens.shape[1] + len(tokens)
                                - (0 if chunk.finalize else self.flow.config.pre_lookahead_len))
         if frames > self.flow.config.noise_frames:
             raise InvalidInput("tokens", f"{frames} mel frames with the prompt exceed the flow's "
                                f"{self.flow.config.noise_frames}-frame limit")
-        stream.last_active = now
-        return _Row(index, chunk.stream_id, stream, tokens, chunk.finalize, new_offset)
+        return _Row(index, chunk.stream_id, stream, tokens, chunk.finalize, new_offset, stream.flow_cache)
 
-    def _open(self, chunk: ChunkRequest, new_in_batch: int, now: float) -> _Stream:
+    def _open(self, chunk: ChunkRequest, new_in_batch: int) -> _Stream:
         """A new stream's state; it is registered once its first chunk is served."""
         if chunk.prompt is None:
             raise NotFound("stream_id", f"no stream {chunk.stream_id!r}: it ended, was cancelled or timed out, "
@@ -210,7 +260,9 @@ class Token2WavScheduler:
             generator.seed()
         else:
             generator.manual_seed(chunk.seed)
-        return _Stream(prompt, VocoderStream(self.hift, noise=GeneratorNoise(generator)), [], 0, now)
+        vocoder = VocoderStream(self.hift, noise=GeneratorNoise(generator), speed=chunk.speed)  # errors name speed
+        flow_cache = new_stream_cache(self.flow, self.flow_cache, self.prompt_cache, prompt)
+        return _Stream(prompt, vocoder, [], 0, flow_cache=flow_cache)
 
     def _check_tokens(self, tokens: list[int], field: str = "tokens") -> None:
         vocab = self.flow.config.vocab_size
@@ -253,7 +305,7 @@ class Token2WavScheduler:
     def _synthesize(self, rows: list[_Row]) -> list[np.ndarray]:
         """Flow, then HiFT, then the state updates -> audio (N,) float32 per row."""
         new_mels = self._flow_mels(rows)
-        prepared = [row.stream.vocoder.prepare(mel) for row, mel in zip(rows, new_mels)]
+        prepared = [row.stream.vocoder.prepare(mel, row.finalize) for row, mel in zip(rows, new_mels)]
         vocoded = self._vocode(rows, prepared)
         # Only now, with every row's audio made, do the streams change.
         audio = []
@@ -279,18 +331,42 @@ class Token2WavScheduler:
         prompt_tokens = [p.speech_tokens[0] for p in prompts]  # (P_b,)
         prompt_mels = [p.mel[0] for p in prompts]  # (2 P_b, 80)
         finalize = torch.tensor([row.finalize for row in batch], device=self.device)
-        mel = self.flow.inference(
+        streaming = ~finalize | (self.flow_cache is not None and self.flow_cache.cached_final)
+        inputs = dict(
             token=pad_sequence(tokens, batch_first=True), token_len=_lengths(tokens),
             prompt_token=pad_sequence(prompt_tokens, batch_first=True), prompt_token_len=_lengths(prompt_tokens),
             prompt_feat=pad_sequence(prompt_mels, batch_first=True), prompt_feat_len=_lengths(prompt_mels),
-            embedding=torch.cat([p.embedding for p in prompts]), streaming=~finalize, finalize=finalize,
-        )  # (B, 80, max frames), row b starting at the first token after its prompt
+            embedding=torch.cat([p.embedding for p in prompts]), streaming=streaming, finalize=finalize)
+        if self.flow_cache is None:
+            mel = self.flow.inference(**inputs)  # (B, 80, max frames), row b from the first token after its prompt
+            firsts = [0] * len(batch)
+        else:
+            mel, firsts = self._cached_flow(batch, inputs)  # row b from its frame firsts[b] after its prompt
         self._count_flow_call(len(batch))
         for row_in_batch, b in enumerate(active):
             start, end = spans[b]
+            first = firsts[row_in_batch]
             # A copy: the vocoder caches a slice of it, which must not keep the whole batch alive.
-            new_mels[b] = mel[row_in_batch:row_in_batch + 1, :, start:end].clone()
+            new_mels[b] = mel[row_in_batch:row_in_batch + 1, :, start - first:end - first].clone()
         return new_mels
+
+    def _cached_flow(self, batch: list[_Row], inputs: dict) -> tuple[Tensor, list[int]]:
+        """The flow call with the streams' caches; sets each row's cache to keep -> (mel (B, 80, N), first
+        frame after the prompt per row)."""
+        conditions = self.flow.conditions(**inputs)
+        prompt_frames = [row.stream.prompt.mel.shape[1] for row in batch]
+        until = [p + self.ratio * row.new_offset for p, row in zip(prompt_frames, batch)]
+        caches = [row.stream.flow_cache for row in batch]
+        voice = [frames_to_store(self.flow, self.flow_cache, self.prompt_cache, row.stream.prompt, cache)
+                 for row, cache in zip(batch, caches)]
+        mel, starts, kept, voice_caches = cached_mel(self.flow, conditions, caches, until,
+                                                     self.flow_cache.max_frames, voice)
+        for row, old, cache, voice_cache in zip(batch, caches, kept, voice_caches):
+            row.flow_cache = cache
+            if voice_cache is not None:  # the voice's frames: right for any stream of this prompt
+                self.prompt_cache.store(old.voice_key, voice_cache)
+        # >= 0: the cached frames are ones already spoken (until stops at the next call's first frame).
+        return mel, [start - p for start, p in zip(starts, prompt_frames)]
 
     def _vocode(self, rows: list[_Row], prepared: list[tuple[Tensor, Tensor | None]]
                 ) -> list[tuple[Tensor | None, Tensor | None]]:
@@ -314,6 +390,7 @@ class Token2WavScheduler:
 
     def _commit(self, row: _Row, samples: int) -> None:
         row.stream.tokens = row.tokens
+        row.stream.flow_cache = row.flow_cache
         row.stream.offset = row.new_offset
         if samples and row.stream.first_audio_at is None:
             row.stream.first_audio_at = self.clock()
@@ -328,6 +405,7 @@ class Token2WavScheduler:
             return False
         stream.vocoder.close()
         stream.tokens = []
+        stream.flow_cache = None
         self._freed[reason] += 1
         return True
 

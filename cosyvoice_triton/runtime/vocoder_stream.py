@@ -6,6 +6,9 @@ so the excitation runs on continuously. A non-final chunk holds back its last `s
 samples; the next chunk fades them out while it fades its own first samples in (a symmetric Hamming
 window of twice that length, rising half and falling half). The final chunk emits everything.
 
+`speed` != 1.0 interpolates each chunk's new mel frames along time by 1 / speed first (runtime/mel_speed.py,
+as the official CosyVoice2), so the caches and the cross-fade work on the stretched frames alike.
+
 `push` runs the three steps; `prepare` / `commit` split them around the vocoder call for a caller that
 batches several streams into one `HiFTGenerator.inference`.
 """
@@ -18,8 +21,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..errors import InvalidInput
 from ..models.hift import HiFTGenerator
 from ..models.hift_source import HiFTNoise
+from .mel_speed import MelSpeed, SpeedState
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,8 @@ def _crossfade_window(samples: int, device: torch.device) -> Tensor:
 class VocoderStream:
     """The HiFT state of one stream. Not shared, not thread-safe; `close()` frees it."""
 
-    def __init__(self, hift: HiFTGenerator, noise: HiFTNoise, config: VocoderStreamConfig | None = None):
+    def __init__(self, hift: HiFTGenerator, noise: HiFTNoise, config: VocoderStreamConfig | None = None,
+                 speed: float = 1.0):
         self.hift = hift
         self.noise = noise
         self.config = config or VocoderStreamConfig(samples_per_frame=hift.config.samples_per_frame)
@@ -52,14 +58,29 @@ class VocoderStream:
         self.cached_mel: Tensor | None = None  # (B, n_mels, mel_cache_frames)
         self.cached_source: Tensor | None = None  # (B, 1, source_cache_samples)
         self.cached_audio: Tensor | None = None  # (B, source_cache_samples), held back for the fade
+        self.speed = MelSpeed(speed)
+        self.speed_state = SpeedState()
+        self._next_speed_state = self.speed_state  # prepare's, kept by commit
         self.closed = False
 
+    def check_chunk(self, new_frames: int, finalize: bool) -> None:
+        """InvalidInput naming `speed` if a chunk of `new_frames` mel frames would leave this stream's first
+        non-final vocoder call too short for its cross-fade once stretched (a chunk that would fail `commit`)."""
+        if finalize or self.cached_mel is not None:
+            return
+        frames = self.speed.output_frames(self.speed_state, new_frames, finalize)
+        if frames < self.config.mel_cache_frames:
+            raise InvalidInput("speed", f"at speed {self.speed.speed:g} the first chunk's {new_frames} mel frames "
+                               f"become {frames}, fewer than the {self.config.mel_cache_frames} the vocoder holds "
+                               "back: a larger first chunk (chunk_first_hop) or a lower speed")
+
     @torch.inference_mode()
-    def prepare(self, new_mel: Tensor) -> tuple[Tensor, Tensor | None]:
-        """New mel frames (B, n_mels, T) -> the vocoder's input: mel (B, n_mels, T') with the cached frames
-        in front, and the cached source (B, 1, S) or None on the first chunk."""
+    def prepare(self, new_mel: Tensor, finalize: bool = False) -> tuple[Tensor, Tensor | None]:
+        """New mel frames (B, n_mels, T) -> the vocoder's input: mel (B, n_mels, T') stretched by the speed,
+        with the cached frames in front, and the cached source (B, 1, S) or None on the first chunk."""
         if self.closed:
             raise RuntimeError("vocoder stream is closed")
+        new_mel, self._next_speed_state = self.speed.stretch(self.speed_state, new_mel, finalize)
         if self.cached_mel is None:
             return new_mel, None
         return torch.cat([self.cached_mel, new_mel], dim=2), self.cached_source  # along time
@@ -69,6 +90,7 @@ class VocoderStream:
         """Vocoder output for `prepare`'s mel -> the audio to emit (B, N); updates or releases the state."""
         if self.closed:
             raise RuntimeError("vocoder stream is closed")
+        self.speed_state = self._next_speed_state
         held = self.config.source_cache_samples
         if self.cached_audio is not None:
             audio = self._crossfade(audio, self.cached_audio)
@@ -87,15 +109,17 @@ class VocoderStream:
     def push(self, new_mel: Tensor, finalize: bool) -> Tensor:
         """New mel frames of a chunk (B, n_mels, T) -> audio to emit (B, N), on the vocoder's device.
 
-        Non-final: N = (T + cached frames) * samples_per_frame - source_cache_samples; final: all of it.
+        Non-final: N = (T' + cached frames) * samples_per_frame - source_cache_samples; final: all of it
+        (T' = T at speed 1.0, about T / speed otherwise).
         """
-        mel, cache_source = self.prepare(new_mel)
+        mel, cache_source = self.prepare(new_mel, finalize)
         audio, source = self.hift.inference(mel, cache_source, self.noise)
         return self.commit(mel, audio, source, finalize)
 
     def close(self) -> None:
         """Drop the caches; the stream cannot be used afterwards. Safe to call more than once."""
         self.cached_mel = self.cached_source = self.cached_audio = None
+        self.speed_state = self._next_speed_state = SpeedState()
         self.closed = True
 
     def _crossfade(self, audio: Tensor, previous_tail: Tensor) -> Tensor:

@@ -49,6 +49,7 @@ from typing import Protocol
 import numpy as np
 
 from cosyvoice_triton.errors import CosyVoiceError, InvalidInput, NotFound
+from cosyvoice_triton.messages import voice_modes
 from cosyvoice_triton.preprocess.voice_features import PromptFeatures
 
 EMBEDDING_DIM = 192
@@ -87,6 +88,11 @@ class VoiceRecord:
     @property
     def shared(self) -> bool:
         return self.owner is None
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes this voice can serve (zero_shot only with a transcript): `messages.voice_modes`."""
+        return voice_modes(self.text)
 
 
 def visible_to(info: VoiceRecord, owner: str | None) -> bool:

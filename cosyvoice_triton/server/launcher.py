@@ -25,6 +25,7 @@ server's log.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -34,7 +35,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
-from cosyvoice_triton.server.process import TritonProcess
+from cosyvoice_triton.runtime.threads import available_cores
+from cosyvoice_triton.server.process import TritonProcess, describe_exit
 from cosyvoice_triton.server.templates import model_names, render_repository
 from cosyvoice_triton.targets import TritonTarget, check_spec, is_discovery
 from cosyvoice_triton.triton.params import Engine, Precision
@@ -66,6 +68,7 @@ class ServeOptions:
     instances: int = 1  # instances of the stateless models (cosyvoice2*, prompt steps, register_voice)
     workers: int = 16  # requests synthesized at once per cosyvoice2 instance
     max_pending: int = 64  # requests queued per cosyvoice2 instance beyond that
+    max_queue_wait_s: float = 2.0  # a request that would wait longer to start is refused (admission.py)
     voice_store: str | None = None  # sqlite path or redis:// url; None: $COSYVOICE_HOME/voices.sqlite
     llm_max_batch: int = 8
     llm_max_seq_len: int = 4096
@@ -73,11 +76,15 @@ class ServeOptions:
     max_token_text_ratio: float | None = None  # None: the model's (20); lower only to shorten tests
     t2w_max_streams: int = 64
     t2w_max_batch: int = 16
-    t2w_idle_timeout_s: float = 120.0
+    t2w_idle_timeout_s: float = 120.0  # quiet seconds without a chunk before token2wav frees a stream (idle rule)
+    flow_cache_frames: int = 1000  # per token2wav stream (models/flow_cache.py); 0: off
+    prompt_cache_mb: float = 512.0  # token2wav: voices' prompt frames kept (models/prompt_cache.py); 0: off
     t2w_queue_delay_us: int = 500
     prompt_max_batch: int = 8
     prompt_queue_delay_us: int = 1000
-    torch_threads: int = 0  # per llm / token2wav instance; 0: torch's default
+    torch_threads: int = 0  # per llm / token2wav instance; 0: chosen from the core count (runtime/threads.py)
+    llm_precision: str = "fp32"  # the LLM backbone's: fp32 | bf16 | int8 (models/llm_precision.py)
+    exact_speech_tokens: int | None = None  # benchmarks only: every LLM stream exactly this many tokens
     engine: str = "torch"  # token2wav: torch | onnxruntime | openvino | tensorrt (CAM++ too; torch: onnxruntime)
     precision: str = "fp32"  # of TensorRT plans and OpenVINO's hint: fp32 | fp16 | bf16
     ort_providers: str | None = None  # with engine onnxruntime: execution providers (engines/providers.py)
@@ -186,6 +193,7 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
     providers = options.ort_providers or ""
     synthesis = {"model_dir": model_dir, "voice_store": voice_store, "instances": options.instances,
                  "max_workers": options.workers, "max_pending": options.max_pending,
+                 "max_queue_wait_s": options.max_queue_wait_s,
                  "max_text_chars": options.max_text_chars, "max_seq_len": options.llm_max_seq_len,
                  "token2wav_backends": ",".join(backend_spec(b) for b in options.backends),
                  "token2wav_timeout_s": options.token2wav_timeout_s, "chunk_policy": options.chunk_policy}
@@ -197,11 +205,16 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
         "llm": {"model_dir": model_dir, "placement": placement, "device": torch_device,
                 "max_batch": options.llm_max_batch, "max_seq_len": options.llm_max_seq_len,
                 "max_queue": options.llm_max_queue, "max_token_text_ratio": ratio,
-                "torch_threads": options.torch_threads},
+                "torch_threads": options.torch_threads, "precision": options.llm_precision,
+                "exact_speech_tokens": "" if options.exact_speech_tokens is None else options.exact_speech_tokens},
         "token2wav": {"model_dir": model_dir, "placement": placement, "device": torch_device,
                       "max_streams": options.t2w_max_streams, "max_batch": options.t2w_max_batch,
-                      "idle_timeout_s": options.t2w_idle_timeout_s, "queue_delay_us": options.t2w_queue_delay_us,
-                      "torch_threads": options.torch_threads, "engine": options.engine,
+                      "idle_timeout_s": options.t2w_idle_timeout_s,
+                      "flow_cache_frames": options.flow_cache_frames, "queue_delay_us": options.t2w_queue_delay_us,
+                      "prompt_cache_mb": options.prompt_cache_mb,
+                      # A backend server runs token2wav alone: every core (runtime/threads.py).
+                      "torch_threads": options.torch_threads or (available_cores() if options.role == "backend" else 0),
+                      "engine": options.engine,
                       "precision": options.precision, "onnx_dir": onnx_dir, "ort_providers": providers},
         "prompt_encoder": {"max_batch": options.prompt_max_batch},
         "prompt_audio": prompt_step,
@@ -217,6 +230,8 @@ def render_run_repository(options: ServeOptions, model_dir: Path, voice_store: s
     """Lay out every model of `options.repository` in `dst` with filled configs."""
     values = repository_values(options, model_dir, voice_store)
     models = role_models(options, model_names(options.repository))
+    # A run folder given again (`--run-dir`, as a restarted `up` does): this run's models only.
+    shutil.rmtree(dst, ignore_errors=True)
     return render_repository(options.repository, dst, {k: v for k, v in values.items() if k in models},
                              models=models)
 
@@ -286,8 +301,10 @@ def serve(options: ServeOptions, out: TextIO = sys.stdout) -> int:
         server.start()
         describe(server, str(options.model_dir or "the tiny random model"), out)
         while not stop.wait(0.5):
-            if not server.is_running():
-                print(f"tritonserver exited; log {server.log_path}:\n{server.log_tail(20)}", file=sys.stderr)
+            if not server.is_running():  # not restarted here: `cosyvoice-triton up` supervises and restarts
+                print(f"tritonserver exited on its own ({describe_exit(server.exit_code)}): serve stops with exit "
+                      f"code 1 (`cosyvoice-triton up` restarts it instead); log {server.log_path}:\n"
+                      f"{server.log_tail(20)}", file=sys.stderr, flush=True)
                 return 1
         print("stopping tritonserver ...", file=out, flush=True)
         return 0

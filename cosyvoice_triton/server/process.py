@@ -59,6 +59,7 @@ DEFAULT_SHM_GROWTH_BYTES = 16 * MiB
 # Triton's bound on a graceful stop. Its default (10 s) is too short for a dozen Python-backend stubs to
 # unload on 2 busy cores: the server then exits 1 although every model would have stopped cleanly.
 EXIT_TIMEOUT_S = 30
+GROUP_GONE_TIMEOUT_S = 10.0  # before a restart: the killed server's stubs have exited
 
 CONTROL_MODES = ("none", "explicit", "poll")
 _PORT_CLASH = "already in use"
@@ -86,6 +87,16 @@ def _free_ports(address: str, count: int) -> list[int]:
         if port not in ports:
             ports.append(port)
     return ports
+
+
+def describe_exit(code: int | None) -> str:
+    """A process's exit code in words: "exit code 1", "killed by SIGKILL" (a negative code)."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 _LIVE: "weakref.WeakSet[TritonProcess]" = weakref.WeakSet()
@@ -255,6 +266,20 @@ class TritonProcess:
                 log.info("tritonserver port clash, picking new ports (attempt %d)", attempt + 2)
         raise AssertionError("unreachable")
 
+    def restart(self) -> "TritonProcess":
+        """Start again after the process exited on its own (a crash, a kill), on the ports it had, so
+        the gateway, split frontends and clients keep its address. Its leftover stubs and /dev/shm
+        regions are cleaned up first. Raises `TritonStartError` when it does not come up (a port taken
+        meanwhile: ports are not picked again)."""
+        if self.is_running():
+            return self
+        pgid = self.pid
+        self.stop()  # reap the old process: its group (stubs) killed, its shm regions removed
+        if pgid is not None:
+            _wait_group_gone(pgid, GROUP_GONE_TIMEOUT_S)  # a dying stub still holds the stub binary we copy
+        self._requested_ports = (self.http_port, self.grpc_port, self.metrics_port)
+        return self.start()
+
     def _pick_ports(self) -> None:
         fresh = iter(_free_ports(self.address or "0.0.0.0", 3))
         self.http_port, self.grpc_port, self.metrics_port = (
@@ -276,6 +301,11 @@ class TritonProcess:
 
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit code of the last process (negative: a signal); None while it runs or before it started."""
+        return self._proc.poll() if self._proc is not None else self.returncode
 
     def is_ready(self, timeout_s: float = 2.0) -> bool:
         """True when `/v2/health/ready` answers 200."""
@@ -378,6 +408,19 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait until no process of group `pgid` is left (True), or `timeout_s` passed (False: an unreaped
+    zombie, where the container's init does not reap)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _remove_shm_regions(prefix: str) -> None:

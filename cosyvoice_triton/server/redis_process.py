@@ -1,7 +1,10 @@
-"""A redis-server process of our own: a free port on 127.0.0.1, a given folder, no persistence.
+"""A redis-server process of our own: a free port on 127.0.0.1, a given folder.
 
 Used by `cosyvoice-triton up --frontends N --backends M` (the split topology's shared voice store, unless
-`--redis-url` names one) and by the tests. The server gets SIGTERM when the process that started it dies.
+`--redis-url` names one; persisted there: `persist=True` keeps an append-only file under the folder,
+fsynced every second, which a later redis-server in the same folder loads) and by the tests (no
+persistence). The server gets SIGTERM when the process (thread) that started it dies; `stop()` is a
+SIGTERM too, so the append-only file is flushed; `restart()` starts it again on the same port.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ def find_redis_server() -> str:
 
 START_ATTEMPTS = 3  # another process may take the free port before redis-server binds it
 READY_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 10.0  # SIGTERM (the append-only file is written out), then SIGKILL
 
 
 @dataclass
@@ -38,10 +42,17 @@ class RedisServer:
     process: subprocess.Popen
     port: int
     log_path: Path
+    binary: str
+    workdir: Path
+    persist: bool = False
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url)
@@ -50,26 +61,59 @@ class RedisServer:
         with self.client() as client:
             client.flushall()
 
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def restart(self) -> RedisServer:
+        """Start again on the same port, after the process exited (what it persisted is loaded)."""
+        if self.is_running():
+            return self
+        self.process = _launch(self.binary, self.workdir, self.port, self.log_path, self.persist)
+        if not _wait_ready(self):
+            self.stop()
+            raise CosyVoiceError(f"redis-server did not start again on port {self.port}; log {self.log_path}:\n"
+                                 f"{_log_tail(self.log_path)}")
+        return self
+
     def stop(self) -> None:
-        self.process.kill()
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
         self.process.wait()
 
 
-def start_redis(binary: str, workdir: Path) -> RedisServer:
-    """Start redis-server in `workdir`; return once it answers PING."""
+def start_redis(binary: str, workdir: Path, persist: bool = False) -> RedisServer:
+    """Start redis-server in `workdir`; return once it answers PING. `persist`: an append-only file in
+    `workdir` (loaded again by the next redis-server started there)."""
     for _ in range(START_ATTEMPTS):
         port = free_port()
         log_path = workdir / f"redis-{port}.log"
-        command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
-                   "--save", "", "--appendonly", "no", "--logfile", str(log_path)]
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.STDOUT, preexec_fn=_term_with_parent)
-        server = RedisServer(process, port, log_path)
+        process = _launch(binary, workdir, port, log_path, persist)
+        server = RedisServer(process, port, log_path, binary, Path(workdir), persist)
         if _wait_ready(server):
             return server
         server.stop()
-    log = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else "(no log)"
-    raise CosyVoiceError(f"redis-server did not start after {START_ATTEMPTS} attempts; last log:\n{log}")
+    raise CosyVoiceError(f"redis-server did not start after {START_ATTEMPTS} attempts; last log:\n"
+                         f"{_log_tail(log_path)}")
+
+
+def _launch(binary: str, workdir: Path, port: int, log_path: Path, persist: bool) -> subprocess.Popen:
+    persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if persist else ["--appendonly", "no"]
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
+               "--save", "", *persistence, "--logfile", str(log_path)]
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, preexec_fn=_term_with_parent)
+
+
+def _log_tail(log_path: Path) -> str:
+    return log_path.read_text(errors="replace")[-2000:] if log_path.exists() else "(no log)"
 
 
 def _wait_ready(server: RedisServer) -> bool:

@@ -9,8 +9,10 @@ topology.stop()
 Backends run `--role backend` (token2wav only); frontends run `--role frontend` with every backend as a
 `--backend`, so each stream's token2wav work goes to the backend with the least outstanding work. The
 servers start on free ports, backends first, each in its own run folder (`<run_dir>/frontend-0`, `backend-0`, ...). Frontends and the gateway share
-one voice store, Redis, so a voice registered anywhere is usable everywhere. `describe()` (also written
-to `<run_dir>/topology.json`) lists every process, its pid and endpoints.
+one voice store, Redis, so a voice registered anywhere is usable everywhere; the redis-server started
+here keeps an append-only file in `<run_dir>/redis`, so a topology started again on the same run folder
+has the same voices. `describe()` (also written to `<run_dir>/topology.json`) lists every process, its
+pid and endpoints; `processes()` names them for a `Supervisor` (each restarts on its own ports).
 """
 from __future__ import annotations
 
@@ -48,7 +50,9 @@ class SplitTopology:
         frontends, backends = self.counts
         try:
             if not str(self.options.voice_store or "").startswith(("redis://", "rediss://")):
-                self.redis = start_redis(find_redis_server(), self.run_dir)
+                redis_dir = self.run_dir / "redis"
+                redis_dir.mkdir(exist_ok=True)
+                self.redis = start_redis(find_redis_server(), redis_dir, persist=True)
             common = replace(self.options, http_port=None, grpc_port=None, metrics_port=None,
                              voice_store=self.voice_store)
             # One after the other, from this thread: a server's "die with its parent" is tied to the thread
@@ -70,6 +74,12 @@ class SplitTopology:
         log.info("starting %s (log %s)", name, server.log_path)
         return server.start()
 
+    def processes(self) -> dict[str, TritonProcess | RedisServer]:
+        """Every process by name: "backend-0", ..., "frontend-0", ..., "redis" (when started here)."""
+        named = {**{f"backend-{i}": p for i, p in enumerate(self.backends)},
+                 **{f"frontend-{i}": p for i, p in enumerate(self.frontends)}}
+        return {**named, "redis": self.redis} if self.redis is not None else named
+
     def describe(self) -> dict:
         def server(process: TritonProcess) -> dict:
             return {"pid": process.pid, "grpc": process.grpc_url, "http": process.http_url,
@@ -78,10 +88,21 @@ class SplitTopology:
         return {"frontends": [server(p) for p in self.frontends], "backends": [server(p) for p in self.backends],
                 "voice_store": self.voice_store, "redis_pid": self.redis.process.pid if self.redis else None}
 
-    def stop(self) -> None:
-        """Frontends first (their streams end), then backends, then Redis."""
-        for server in self.frontends + self.backends:
-            server.stop()
+    def named_servers(self) -> dict[str, TritonProcess]:
+        """Every tritonserver by the name `stop` reports it under (frontend-0, ..., backend-0, ...)."""
+        return {**{f"frontend-{i}": s for i, s in enumerate(self.frontends)},
+                **{f"backend-{i}": s for i, s in enumerate(self.backends)}}
+
+    def stop(self) -> dict[str, int | None]:
+        """Frontends first (their streams end), then backends, then Redis. Returns the exit code of each
+        server that was running until now (one that had died already is left out: it was not stopped)."""
+        codes = {}
+        for name, server in self.named_servers().items():
+            running = server.is_running()
+            code = server.stop()
+            if running:
+                codes[name] = code
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        return codes

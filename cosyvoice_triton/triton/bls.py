@@ -57,6 +57,12 @@ class BlsTokenStream:
                     yield tokens
         self._ended = True
 
+    def append_text(self, tokens: list[int], end: bool = False) -> None:
+        """Bistream: more text for the live stream (a text_append request, answered by one empty final)."""
+        for response in bls_request(self._pb, self._model, contracts.llm_append_inputs(self.stream_id, tokens, end),
+                                    []).exec(decoupled=True):
+            _check(response, self._model)
+
     def cancel(self) -> None:
         """End the stream in `llm` and wait for its last response, so its slot is free on return."""
         if self._ended:

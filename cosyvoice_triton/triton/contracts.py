@@ -6,7 +6,8 @@ contract lives in one place. "[1]" is a scalar; "opt" marks an optional input. M
 tensor, which callers send as 1 (one request = one row; the dynamic batcher gathers requests).
 
 cosyvoice2 (decoupled) and cosyvoice2_offline (its non-decoupled twin, same template), max_batch_size 0
-  in   target_text            STRING [1]      the text to speak (split into sentences, streamed in order)
+  in   target_text            STRING [1] opt  the text to speak (split into sentences, streamed in order); required
+                                              except in mode vc (voice conversion, below)
        mode                   STRING [1] opt  zero_shot (default) | cross_lingual | instruct2
        reference_audio_id     STRING [1] opt  a registered voice (see register_voice)
        reference_wav          FP32 [-1]  opt  prompt samples, mono, in [-1, 1] ...
@@ -21,22 +22,39 @@ cosyvoice2 (decoupled) and cosyvoice2_offline (its non-decoupled twin, same temp
        text_frontend          BOOL [1]   opt  false: the text as given: no normalization, no sentence splitting (nor of the prompt
                                               transcript), as the official text_frontend=False (default true)
        chunk_policy           STRING [1] opt  fixed | adaptive (ChunkPolicy.kind; default: the server's)
+       speed                  FP32 [1]   opt  speaking speed, 0.25 .. 4.0 (default 1.0): the mel interpolated by 1 / speed
+       text_mode              STRING [1] opt  sentences (default) | bistream: target_text is only the first piece
+                                              (may be empty); text_append requests bring the rest (decoupled only)
+       text_stream_id         STRING [1] opt  bistream: the caller's id of the synthesis, named by its appends
+       text_append            BOOL [1]   opt  true: target_text continues bistream synthesis text_stream_id (no
+                                              other input); answered by one empty final response
+       text_end               BOOL [1]   opt  with text_append: the text ends after this piece
        top_p FP32, top_k INT32, win_size INT32, tau_r FP32   [1] opt  sampling overrides (default: the yaml's)
   out  waveform               FP32 [-1]       24 kHz audio: one response per chunk (decoupled, then an
                                               empty final response), or the whole waveform (twin)
   Exactly one voice: reference_audio_id, reference_wav (+ reference_sample_rate) or reference_audio.
+  Voice conversion, mode "vc" (the official inference_vc: no text, no LLM; target_text is then refused):
+       source_wav             FP32 [-1]  opt  the recording to speak again in the voice, mono, in [-1, 1] ...
+       source_sample_rate     INT32 [1]  opt  ... at this rate (required with source_wav)
+       source_audio           STRING [1] opt  or: a WAV/FLAC/OGG file's bytes
+  with exactly one source and one voice, plus seed, speed and chunk_* as above; 0.2 s .. 600 s, split into pieces
+  of at most 30 s and spoken in order (runtime/voice_conversion.py states the split rule).
 
 llm (decoupled, max_batch_size 0; one in-flight batching engine per instance)
   in   stream_id              STRING [1]      caller-chosen id; a cancel request names it
        cancel                 BOOL [1]   opt  true: end stream `stream_id` (only stream_id needed)
        text_tokens            INT32 [-1]      the sentence's text tokens (required unless cancel)
+       bistream               BOOL [1]   opt  true: text_tokens are the first text (may be empty); more comes
+                                              with text_append requests (runtime/bistream.py)
+       text_append            BOOL [1]   opt  true: append text_tokens to bistream stream `stream_id`
+       text_end               BOOL [1]   opt  with text_append: no text after these
        prompt_text_tokens     INT32 [-1] opt  (empty when absent)
        prompt_speech_tokens   INT32 [-1] opt  (empty when absent)
        seed                   UINT64 [1]      seeds the stream's sampler
        top_p FP32, top_k INT32, win_size INT32, tau_r FP32   [1] opt  default: the model yaml's sampling
   out  speech_tokens          INT32 [-1]      the tokens sampled since the previous response
   A stream ends with an empty final response (stop token, max length, or cancelled); a cancel request
-  gets one empty final response. Errors end a stream with an error response.
+  and a text_append request get one empty final response each. Errors end a stream with an error response.
 
 token2wav (max_batch_size = engine max_batch, dynamic batching, one instance: see its config.pbtxt)
   in   stream_id              STRING [1]      chunks of one stream share it; state lives until finalize
@@ -47,6 +65,7 @@ token2wav (max_batch_size = engine max_batch, dynamic batching, one instance: se
        prompt_speech_tokens   INT32 [-1] opt  first chunk only: the voice's prompt tokens (P,)
        prompt_mel             FP32 [-1, 80] opt  first chunk only: (2P, 80)
        embedding              FP32 [192] opt  first chunk only: speaker embedding
+       speed                  FP32 [1]   opt  first chunk only: speaking speed (default 1.0; runtime/mel_speed.py)
   out  waveform               FP32 [-1]       the chunk's audio (empty for a cancel)
 
 prompt_encoder (ensemble, max_batch_size 8): prompt_audio -> (speaker_embedding || audio_tokenizer)
@@ -77,7 +96,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.messages import (MODES, SEED_LIMIT, ChunkRequest, FlowPrompt, LLMRequest, PromptFeatures,
+from cosyvoice_triton.messages import (MODES, SEED_LIMIT, TEXT_MODES, VC_MODE, ChunkRequest, FlowPrompt, LLMRequest, PromptFeatures,
                                        SamplingParams)
 from cosyvoice_triton.triton.tensors import TensorReader, string_array
 
@@ -96,7 +115,8 @@ CHUNK_FIELDS = {"chunk_first_hop": "first_hop", "chunk_hop_scale": "hop_scale", 
 # The per-request overrides of cosyvoice2 (sampling, then chunk policy) and their tensor types.
 OPTION_TYPES: dict[str, type] = {"top_p": np.float32, "top_k": np.int32, "win_size": np.int32, "tau_r": np.float32,
                                  "chunk_first_hop": np.int32, "chunk_hop_scale": np.float32,
-                                 "chunk_max_hop": np.int32, "text_frontend": np.bool_, "chunk_policy": str}
+                                 "chunk_max_hop": np.int32, "text_frontend": np.bool_, "chunk_policy": str, "speed": np.float32,
+                                 "text_mode": str, "text_stream_id": str}
 
 
 # ---- sampling overrides (cosyvoice2 and llm) -------------------------------------------------------
@@ -123,6 +143,15 @@ class StreamCancel:
     stream_id: str
 
 
+@dataclass(frozen=True)
+class TextAppend:
+    """More text for bistream stream `stream_id` (llm: token ids; cosyvoice2: a text piece)."""
+
+    stream_id: str
+    text: list[int] | str
+    end: bool = False
+
+
 def llm_inputs(request: LLMRequest) -> dict[str, np.ndarray]:
     values = {"stream_id": string_array(request.stream_id),
               "text_tokens": np.asarray(request.text_tokens, dtype=np.int32),
@@ -132,24 +161,35 @@ def llm_inputs(request: LLMRequest) -> dict[str, np.ndarray]:
     if request.prompt_speech_tokens:
         values["prompt_speech_tokens"] = np.asarray(request.prompt_speech_tokens, dtype=np.int32)
     values.update(sampling_inputs(request.sampling))
+    if request.bistream:
+        values["bistream"] = np.array([True])
     return values
+
+
+def llm_append_inputs(stream_id: str, tokens: list[int], end: bool) -> dict[str, np.ndarray]:
+    return {"stream_id": string_array(stream_id), "text_append": np.array([True]),
+            "text_tokens": np.asarray(tokens, dtype=np.int32), "text_end": np.array([end])}
 
 
 def llm_cancel_inputs(stream_id: str) -> dict[str, np.ndarray]:
     return {"stream_id": string_array(stream_id), "cancel": np.array([True])}
 
 
-def parse_llm_request(reader: TensorReader, default_sampling: SamplingParams) -> LLMRequest | StreamCancel:
+def parse_llm_request(reader: TensorReader,
+                      default_sampling: SamplingParams) -> LLMRequest | StreamCancel | TextAppend:
     stream_id = reader.string("stream_id", required=True)
     if not stream_id:
         raise InvalidInput("stream_id", "must not be empty")
     if reader.boolean("cancel"):
         return StreamCancel(stream_id)
+    if reader.boolean("text_append"):
+        return TextAppend(stream_id, reader.token_ids("text_tokens"), reader.boolean("text_end", default=False))
     seed = reader.integer("seed", required=True, low=0, high=SEED_LIMIT - 1)
-    return LLMRequest(stream_id=stream_id, text_tokens=reader.token_ids("text_tokens", required=True),
+    bistream = reader.boolean("bistream", default=False)
+    return LLMRequest(stream_id=stream_id, text_tokens=reader.token_ids("text_tokens", required=not bistream),
                       prompt_text_tokens=reader.token_ids("prompt_text_tokens"),
                       prompt_speech_tokens=reader.token_ids("prompt_speech_tokens"),
-                      sampling=read_sampling(reader, default_sampling), seed=seed)
+                      sampling=read_sampling(reader, default_sampling), seed=seed, bistream=bistream)
 
 
 # ---- token2wav ---------------------------------------------------------------------------------------
@@ -161,6 +201,8 @@ def chunk_inputs(chunk: ChunkRequest) -> dict[str, np.ndarray]:
               "finalize": np.array([[chunk.finalize]])}
     if chunk.seed is not None:
         values["seed"] = np.array([[chunk.seed]], dtype=np.uint64)
+    if chunk.speed != 1.0:
+        values["speed"] = np.array([[chunk.speed]], dtype=np.float32)
     if chunk.prompt is not None:
         prompt = chunk.prompt
         values["prompt_speech_tokens"] = np.asarray(prompt.speech_tokens, dtype=np.int32).reshape(1, -1)
@@ -193,7 +235,8 @@ def parse_chunk(reader: TensorReader) -> ChunkRequest | StreamCancel:
         prompt = FlowPrompt(speech_tokens=tokens[None], mel=mel[None], embedding=embedding[None])
     return ChunkRequest(stream_id=stream_id, tokens=reader.token_ids("tokens"),
                         finalize=reader.boolean("finalize"), prompt=prompt,
-                        seed=reader.integer("seed", low=0, high=SEED_LIMIT - 1))
+                        seed=reader.integer("seed", low=0, high=SEED_LIMIT - 1),
+                        speed=reader.real("speed", 1.0))
 
 
 # ---- prompt encoder ----------------------------------------------------------------------------------
@@ -242,21 +285,26 @@ class VoiceAudio:
         return "reference_audio" if self.file_bytes is not None else "reference_wav"
 
 
-def read_voice_audio(reader: TensorReader) -> VoiceAudio | None:
-    samples = reader.array("reference_wav", np.float32, 1)
-    rate = reader.integer("reference_sample_rate", low=1, high=1_000_000)
-    file_bytes = reader.blob("reference_audio")
+def read_audio(reader: TensorReader, wav: str, rate_name: str, blob: str) -> VoiceAudio | None:
+    """A recording sent as samples (`wav` + `rate_name`) or as a file (`blob`), or None when neither came."""
+    samples = reader.array(wav, np.float32, 1)
+    rate = reader.integer(rate_name, low=1, high=1_000_000)
+    file_bytes = reader.blob(blob)
     if samples is not None and file_bytes is not None:
-        raise InvalidInput("reference_audio", "give reference_wav or reference_audio, not both")
+        raise InvalidInput(blob, f"give {wav} or {blob}, not both")
     if samples is not None:
         if rate is None:
-            raise InvalidInput("reference_sample_rate", "is required with reference_wav")
+            raise InvalidInput(rate_name, f"is required with {wav}")
         return VoiceAudio(samples=np.array(samples, dtype=np.float32), sample_rate=rate)
     if rate is not None:
-        raise InvalidInput("reference_wav", "is required with reference_sample_rate")
+        raise InvalidInput(wav, f"is required with {rate_name}")
     if file_bytes is not None:
         return VoiceAudio(file_bytes=file_bytes)
     return None
+
+
+def read_voice_audio(reader: TensorReader) -> VoiceAudio | None:
+    return read_audio(reader, "reference_wav", "reference_sample_rate", "reference_audio")
 
 
 @dataclass(frozen=True)
@@ -273,13 +321,44 @@ class SynthesisInputs:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chunk_overrides: dict = field(default_factory=dict)  # ChunkPolicy field -> value
     text_frontend: bool = True  # False: the text as given: no normalization, no sentence splitting
+    speed: float = 1.0  # speaking speed (messages.check_speed)
+    text_mode: str = "sentences"  # bistream: `text` is the first piece, text_append requests bring the rest
+    text_stream_id: str | None = None  # bistream: the caller's id of the synthesis
+
+
+def read_text_append(reader: TensorReader, max_chars: int) -> TextAppend | None:
+    """A cosyvoice2 text_append request (None for any other request)."""
+    if not reader.boolean("text_append", default=False):
+        return None
+    stream_id = reader.string("text_stream_id", required=True)
+    text = reader.string("target_text", default="")
+    if len(text) > max_chars:
+        raise InvalidInput("target_text", f"a text piece takes at most {max_chars} characters, got {len(text)}")
+    return TextAppend(stream_id, text, reader.boolean("text_end", default=False))
+
+
+def text_append_inputs(stream_id: str, text: str, end: bool = False) -> dict[str, np.ndarray]:
+    """A cosyvoice2 text_append request: `text` continues bistream synthesis `stream_id`."""
+    return {"target_text": string_array(text), "text_stream_id": string_array(stream_id),
+            "text_append": np.array([True]), "text_end": np.array([end])}
 
 
 def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParams,
                            max_chars: int) -> SynthesisInputs:
     from cosyvoice_triton.preprocess.text import validate_text
 
-    text = validate_text(reader.string("target_text", required=True), "target_text", max_chars)
+    text_mode = reader.string("text_mode", default="sentences")
+    if text_mode not in TEXT_MODES:
+        raise InvalidInput("text_mode", f"must be one of {', '.join(TEXT_MODES)}, got {text_mode!r}")
+    text_stream_id = reader.string("text_stream_id")
+    if text_mode == "bistream":
+        text = reader.string("target_text", default="")  # the first piece: may be empty
+        if len(text) > max_chars:
+            raise InvalidInput("target_text", f"a text piece takes at most {max_chars} characters, got {len(text)}")
+        if not text_stream_id:
+            raise InvalidInput("text_stream_id", "is required with text_mode bistream (its appends name it)")
+    else:
+        text = validate_text(reader.string("target_text", required=True), "target_text", max_chars)
     mode = reader.string("mode", default="zero_shot")
     if mode not in MODES:
         raise InvalidInput("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
@@ -302,7 +381,79 @@ def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParam
                            voice_id=voice_id, audio=audio, prompt_text=reader.string("reference_text"),
                            seed=reader.integer("seed", low=0, high=SEED_LIMIT - 1),
                            sampling=read_sampling(reader, default_sampling), chunk_overrides=overrides,
-                           text_frontend=reader.boolean("text_frontend", default=True))
+                           text_frontend=reader.boolean("text_frontend", default=True),
+                           speed=reader.real("speed", 1.0),
+                           text_mode=text_mode, text_stream_id=text_stream_id)
+
+
+# ---- voice conversion (cosyvoice2 mode "vc") -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class ConversionInputs:
+    """A cosyvoice2 voice-conversion request as typed values (the voice still to be resolved)."""
+
+    source: VoiceAudio  # the recording to speak again (source_wav + source_sample_rate, or source_audio)
+    voice_id: str | None = None
+    audio: VoiceAudio | None = None  # or the voice's prompt recording
+    seed: int | None = None
+    chunk_overrides: dict = field(default_factory=dict)  # ChunkPolicy field -> value
+    speed: float = 1.0  # speaking speed (messages.check_speed)
+
+    @property
+    def text(self) -> str:
+        """No text is spoken (a request cost counts none)."""
+        return ""
+
+
+def read_source_audio(reader: TensorReader) -> VoiceAudio:
+    audio = read_audio(reader, "source_wav", "source_sample_rate", "source_audio")
+    if audio is None:
+        raise InvalidInput("source_audio", "the recording to convert is required in vc mode: source_audio or "
+                                           "source_wav (+ source_sample_rate)")
+    return audio
+
+
+def parse_conversion_inputs(reader: TensorReader) -> ConversionInputs:
+    if reader.has("target_text"):
+        raise InvalidInput("target_text", "is not used in vc mode (the source recording is what is spoken)")
+    source = read_source_audio(reader)
+    voice_id = reader.string("reference_audio_id")
+    audio = read_voice_audio(reader)
+    if voice_id is not None and audio is not None:
+        raise InvalidInput("reference_audio_id", f"give reference_audio_id or {audio.field}, not both")
+    if voice_id is None and audio is None:
+        raise InvalidInput("reference_wav", "a voice is required: reference_audio_id, reference_wav "
+                                            "(+ reference_sample_rate) or reference_audio")
+    overrides = {attr: reader.real(name) if attr == "hop_scale" else reader.integer(name)
+                 for name, attr in CHUNK_FIELDS.items()}
+    overrides["kind"] = reader.string("chunk_policy")
+    return ConversionInputs(source=source, voice_id=voice_id, audio=audio,
+                            seed=reader.integer("seed", low=0, high=SEED_LIMIT - 1),
+                            chunk_overrides={k: v for k, v in overrides.items() if v is not None},
+                            speed=reader.real("speed", 1.0))
+
+
+def conversion_inputs(*, source_samples: np.ndarray | None = None, source_rate: int | None = None,
+                      source_file: bytes | None = None, seed: int | None = None, chunk_first_hop: int | None = None,
+                      chunk_hop_scale: float | None = None, chunk_max_hop: int | None = None,
+                      chunk_policy: str | None = None, speed: float | None = None, **voice) -> dict[str, np.ndarray]:
+    """A cosyvoice2 voice-conversion request as tensors: the source (samples + rate, or a file's bytes), the
+    voice as for `voice_inputs` (a registered id, or prompt samples / a prompt file), seed, chunk policy."""
+    values = {"mode": string_array(VC_MODE)}
+    if source_samples is not None:
+        values["source_wav"] = np.asarray(source_samples, dtype=np.float32).reshape(-1)
+        values["source_sample_rate"] = np.array([source_rate], dtype=np.int32)
+    if source_file is not None:
+        values["source_audio"] = np.array([source_file], dtype=object)
+    values.update(voice_inputs(**voice))
+    if seed is not None:
+        values["seed"] = np.array([seed], dtype=np.uint64)
+    for name, value in (("chunk_first_hop", chunk_first_hop), ("chunk_hop_scale", chunk_hop_scale),
+                        ("chunk_max_hop", chunk_max_hop), ("chunk_policy", chunk_policy), ("speed", speed)):
+        if value is not None:
+            kind = OPTION_TYPES[name]
+            values[name] = string_array(value) if kind is str else np.array([value], kind)
+    return values
 
 
 def voice_inputs(*, voice_id: str | None = None, samples: np.ndarray | None = None, sample_rate: int | None = None,

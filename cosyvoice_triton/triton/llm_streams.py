@@ -6,6 +6,7 @@ stream's tokens to its `TokenSender` as they are sampled and ends it with exactl
 (`send_final`, or `send_error` for a failed stream). A cancel request (`cancel`), the client going
 away (`is_cancelled`), or `stop` cancels the scheduler stream, which frees its slot at the next round;
 the job keeps draining until the scheduler ends the stream, so the slot is free when the final is sent.
+A text_append request (`append_text`) hands more text to a bistream stream.
 
 No Triton types here: the model file adapts a response sender to `TokenSender`, so this loop is
 tested with a plain fake sender (tests/test_llm_streams.py).
@@ -76,6 +77,15 @@ class LLMStreamForwarder:
             stream = self.scheduler.submit(request)
             self._streams[request.stream_id] = stream
         self._jobs.submit(self._forward, stream, sender)
+
+    def append_text(self, stream_id: str, tokens: list[int], end: bool) -> bool:
+        """More text for bistream stream `stream_id`; False when none is streaming (it has ended: the text
+        is dropped). Raises ValueError for a stream that is not bistream or whose text has ended."""
+        with self._lock:
+            stream = self._streams.get(stream_id)
+        if stream is not None:
+            stream.append_text(tokens, end)
+        return stream is not None
 
     def cancel(self, stream_id: str) -> bool:
         """Cancel the stream of this id; False when none is streaming (already ended, or unknown)."""

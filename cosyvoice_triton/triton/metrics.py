@@ -8,6 +8,10 @@ Every metric carries the labels `model` and `instance`. Names (Prometheus):
                                                      the listener pausing when it runs dry (runtime/playback.py);
                                                      negative = that chunk ended a stall (cosyvoice2)
   cosyvoice_active_streams                gauge      requests being synthesized (cosyvoice2*)
+  cosyvoice_queued_streams                gauge      requests admitted, waiting for a worker (cosyvoice2*)
+  cosyvoice_stream_slots                  gauge      requests an instance runs at once (cosyvoice2*)
+  cosyvoice_seconds_per_cost              gauge      measured running seconds per cost unit (admission.py)
+  cosyvoice_admission_refused_total       counter    requests refused by admission (cosyvoice2*)
   cosyvoice_requests_total{outcome}       counter    finished requests: ok | error | cancelled (cosyvoice2*)
   cosyvoice_voice_store_hits_total        counter    voice-store gets answered from the LRU (cosyvoice2*)
   cosyvoice_voice_store_misses_total      counter    gets of unknown voice ids
@@ -96,6 +100,12 @@ SYNTHESIS = {
                  "(the listener pausing when it runs dry); negative: the chunk ended a stall of that length",
                  "histogram", LEAD_BUCKETS),
     "active": Spec("cosyvoice_active_streams", "Synthesis requests in progress", "gauge"),
+    "queued": Spec("cosyvoice_queued_streams", "Synthesis requests admitted and waiting for a worker", "gauge"),
+    "slots": Spec("cosyvoice_stream_slots", "Synthesis requests an instance runs at once (its workers)", "gauge"),
+    "seconds_per_cost": Spec("cosyvoice_seconds_per_cost",
+                             "Measured running seconds per cost unit (cosyvoice_triton/admission.py)", "gauge"),
+    "refused": Spec("cosyvoice_admission_refused_total",
+                    "Requests refused by admission: at once, or after waiting max_queue_wait_s", "counter"),
     "requests": Spec("cosyvoice_requests_total", "Finished synthesis requests by outcome", "counter",
                      label_values=(("outcome", "ok"), ("outcome", "error"), ("outcome", "cancelled"))),
     "voice_hits": Spec("cosyvoice_voice_store_hits_total", "Voice-store gets answered from the LRU", "counter"),

@@ -23,6 +23,7 @@ class ParameterError(ValueError):
 Engine = Literal["torch", "onnxruntime", "openvino", "tensorrt"]
 Precision = Literal["fp32", "fp16", "bf16"]
 GraphEngine = Literal["onnxruntime", "openvino", "tensorrt"]  # for models that ship as ONNX only (CAM++)
+LLMPrecision = Literal["fp32", "bf16", "int8"]  # models.llm_precision.LLM_PRECISIONS
 ChunkKind = Literal["fixed", "adaptive"]  # messages.CHUNK_POLICIES: the server's chunk policy
 
 
@@ -82,7 +83,9 @@ class LLMParams:
     max_seq_len: int  # positions per stream (prompt + speech tokens)
     max_queue: int  # requests waiting for a slot; more are refused (UNAVAILABLE)
     max_token_text_ratio: float | None  # None: the model's own (20, as the official code)
-    torch_threads: int  # 0: torch's default
+    torch_threads: int  # 0: chosen from the core count (runtime/threads.py)
+    precision: LLMPrecision  # of the backbone (models/llm_precision.py)
+    exact_speech_tokens: int | None  # benchmarks only: every stream exactly this many tokens; None: off
 
 
 @dataclass(frozen=True)
@@ -92,11 +95,13 @@ class Token2WavParams:
     max_streams: int  # streams with state at once; more are refused (UNAVAILABLE)
     max_batch: int  # chunks per flow call (also the model's max_batch_size)
     idle_timeout_s: float  # a stream with no chunk for this long is freed
+    flow_cache_frames: int  # torch flow: mel frames cached per stream (models/flow_cache.py); 0: no cache
     torch_threads: int
     engine: Engine  # flow encoder, flow estimator and HiFT decode on this engine (engines/select.py)
     precision: Precision  # of TensorRT plans and OpenVINO's hint; torch and ONNX Runtime run fp32
     onnx_dir: str | None  # exported graphs (TensorRT plans in <onnx_dir>/trt); None: <model_dir>/onnx
     ort_providers: str | None  # onnxruntime's execution providers (engines/providers.py); None: CPU / CUDA
+    prompt_cache_mb: float = 512.0  # torch flow: MB of voices' frames kept (models/prompt_cache.py); 0: off
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,8 @@ class CosyVoice2Params:
     token2wav_timeout_s: float = 60.0  # longest wait for one remote token2wav chunk
     chunk_policy: ChunkKind = "fixed"  # requests that name none (runtime/chunk_policy.py)
     max_seq_len: int = 4096  # the llm's positions per stream: longer prompts are refused (prompt_budget)
+    # admission (cosyvoice_triton/admission.py): a request expected to wait longer to start is refused
+    max_queue_wait_s: float = 2.0
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,8 @@ from cosyvoice_triton.runtime.orchestrator import LLMStage, Orchestrator, Token2
 from cosyvoice_triton.runtime.prompt_budget import PromptBudget, speech_tokens_of
 from cosyvoice_triton.runtime.request import SynthesisRequest
 from cosyvoice_triton.runtime.voice_store import VoiceRecord, VoiceStore, register_once
-from cosyvoice_triton.triton.contracts import RegisterInputs, SynthesisInputs, VoiceAudio
+from cosyvoice_triton.runtime.bistream import TEXT_IDLE_TIMEOUT_S, TextFeeds
+from cosyvoice_triton.triton.contracts import RegisterInputs, SynthesisInputs, TextAppend, VoiceAudio
 
 
 def token_mel_ratio(model_dir: str | Path) -> int:
@@ -94,15 +95,37 @@ class SynthesisService:
         self.default_sampling = SpeechLMConfig.from_model_dir(model_dir).sampling
         self.voices = voices
         self.orchestrator = Orchestrator(self.preprocessor, llm, token2wav)
+        self.text_feeds = TextFeeds(idle_timeout_s=TEXT_IDLE_TIMEOUT_S)  # bistream syntheses by text_stream_id
 
     def request(self, inputs: SynthesisInputs) -> SynthesisRequest:
         policy = self.chunk_policy.with_overrides(**inputs.chunk_overrides)  # errors name chunk_*
         return SynthesisRequest(text=inputs.text, voice=self.voices.resolve(inputs), mode=inputs.mode,
                                 instruct_text=inputs.instruct_text, seed=inputs.seed, sampling=inputs.sampling,
                                 chunk_policy=policy,
-                                text_frontend=inputs.text_frontend).validate()
+                                text_frontend=inputs.text_frontend, speed=inputs.speed).validate()
 
     def run(self, inputs: SynthesisInputs, stream: bool, is_cancelled: Callable[[], bool],
             stream_id: str | None = None) -> Iterator[np.ndarray]:
+        if inputs.text_mode == "bistream":
+            return self._bistream(inputs, stream, is_cancelled, stream_id)
         request = self.request(inputs)
         return self.orchestrator.run(request, stream=stream, is_cancelled=is_cancelled, stream_id=stream_id)
+
+    def run_bistream(self, inputs: SynthesisInputs, text: Iterable[str], stream: bool, is_cancelled: Callable[[], bool],
+                     stream_id: str | None = None) -> Iterator[np.ndarray]:
+        """text_mode bistream: `inputs.text` is the first piece, `text` yields the rest as it comes."""
+        request = self.request(inputs)
+        return self.orchestrator.run_bistream(request, text, stream=stream, is_cancelled=is_cancelled,
+                                              stream_id=stream_id)
+
+    def append_text(self, append: TextAppend) -> None:
+        """A text_append request: the piece goes to bistream synthesis `append.stream_id` of this process."""
+        self.text_feeds.append(append.stream_id, append.text, append.end)
+
+    def _bistream(self, inputs: SynthesisInputs, stream: bool, is_cancelled: Callable[[], bool],
+                  stream_id: str | None) -> Iterator[np.ndarray]:
+        feed = self.text_feeds.open(inputs.text_stream_id)
+        try:
+            yield from self.run_bistream(inputs, feed, stream, is_cancelled, stream_id)
+        finally:
+            self.text_feeds.close(inputs.text_stream_id)

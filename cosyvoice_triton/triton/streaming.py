@@ -2,7 +2,8 @@
 
 A decoupled model whose requests make blocking BLS calls must not make them in `execute`: the
 instance would take no new request (or cancellation) meanwhile, and a BLS call back into a model
-waiting on this instance would deadlock. `RequestPool` runs each request in a thread of a bounded pool;
+waiting on this instance would deadlock. `RequestPool` runs each request in a thread of a bounded pool
+(admitted by cosyvoice_triton/admission.py's policy);
 `send_chunks` sends one request's audio chunks as they come, checks cancellation between chunks,
 observes the stream's lead at every chunk (`cosyvoice_stream_lead_seconds`), and always ends with
 exactly one final flag; `send_whole` sends them as one waveform in one final response
@@ -11,14 +12,17 @@ exactly one final flag; `send_whole` sends them as one waveform in one final res
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
+from cosyvoice_triton.admission import MEAN_COST, AdmissionPolicy, Decision, Load, SpeedMeter, expiry_message
 from cosyvoice_triton.audio_out import SAMPLE_RATE
 from cosyvoice_triton.errors import Cancelled
 from cosyvoice_triton.runtime.playback import Playback
@@ -26,33 +30,130 @@ from cosyvoice_triton.triton.tensors import classify, error_response
 
 
 class RequestPool:
-    """At most `max_workers` requests run at once and `max_pending` more wait; `try_submit` refuses
-    beyond that (the caller answers UNAVAILABLE)."""
+    """At most `max_workers` requests run at once; more wait, first come first served, while the admission
+    policy (cosyvoice_triton/admission.py) expects them to start within `max_wait_s` and fewer than
+    `max_pending` wait. `admit` refuses beyond that at once; a waiting request that has not started after
+    `max_wait_s` is refused then (`on_expired`), so no request waits longer than that for a worker.
 
-    def __init__(self, max_workers: int, max_pending: int, name: str):
+    `waiting` / `running` / `refused` are the counts that the model's metrics follow."""
+
+    def __init__(self, max_workers: int, max_pending: int, name: str,
+                 policy: AdmissionPolicy = AdmissionPolicy()):
         if max_workers < 1 or max_pending < 0:
             raise ValueError(f"max_workers ({max_workers}) must be >= 1 and max_pending ({max_pending}) >= 0")
-        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name)
-        self._capacity = threading.BoundedSemaphore(max_workers + max_pending)
+        self.name = name
+        self.max_workers = max_workers
+        self.max_pending = max_pending
+        self.policy = policy
+        self.speed = SpeedMeter()
         self.stopping = threading.Event()
+        self.running = 0
+        self.refused = 0  # requests refused (at once or after waiting), since the start
+        self._queue: deque[_Waiting] = deque()
+        self._queued_cost = 0.0
+        self._changed = threading.Condition()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(max_workers)]
+        self._threads.append(threading.Thread(target=self._expire, name=f"{name}-expiry", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
-    def try_submit(self, job: Callable[[], None]) -> bool:
-        if self.stopping.is_set() or not self._capacity.acquire(blocking=False):
-            return False
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
 
-        def run() -> None:
+    def load(self) -> Load:
+        return Load(capacity=self.max_workers, streams=self.running + len(self._queue), queued_cost=self._queued_cost,
+                    seconds_per_cost=self.speed.seconds_per_cost, mean_cost=self.speed.mean_cost)
+
+    def admit(self, job: Callable[[], None], cost: float = MEAN_COST,
+              on_expired: Callable[[str], None] | None = None) -> Decision:
+        """Queue `job` (run by a worker) or refuse it: the decision says which, and the wait estimated.
+        `on_expired(message)` answers a job refused after waiting `max_wait_s` (it never runs then)."""
+        with self._changed:
+            if self.stopping.is_set():
+                self.refused += 1
+                return Decision(False, math.inf, 1)
+            decision = self.policy.decide(self.load())
+            if decision.admit and len(self._queue) + self.running >= self.max_workers + self.max_pending:
+                decision = Decision(False, max(decision.wait_s, self.policy.max_wait_s), 1)  # max_pending
+            if not decision.admit:
+                self.refused += 1
+                return decision
+            self._queue.append(_Waiting(job, cost, time.monotonic(), on_expired))
+            self._queued_cost += cost
+            self._changed.notify_all()
+            return decision
+
+    def try_submit(self, job: Callable[[], None], cost: float = MEAN_COST) -> bool:
+        return self.admit(job, cost).admit
+
+    def _work(self) -> None:
+        while True:
+            with self._changed:
+                while not self._queue and not self.stopping.is_set():
+                    self._changed.wait()
+                if not self._queue:
+                    return
+                item = self._take()
+                self.running += 1
+            started = time.monotonic()
             try:
-                job()
+                item.job()
+            except BaseException:  # noqa: BLE001 - a job answers its own errors; the worker lives on
+                traceback.print_exc()
             finally:
-                self._capacity.release()
+                self.speed.add(item.cost, time.monotonic() - started)
+                with self._changed:
+                    self.running -= 1
+                    self._changed.notify_all()
 
-        self._executor.submit(run)
-        return True
+    def _take(self) -> _Waiting:
+        item = self._queue.popleft()
+        self._queued_cost = max(0.0, self._queued_cost - item.cost) if self._queue else 0.0
+        return item
+
+    def _expire(self) -> None:
+        """Refuse waiting jobs older than `max_wait_s` (a timed wait on the queue's condition, no polling)."""
+        limit = self.policy.max_wait_s
+        while True:
+            expired = []
+            with self._changed:
+                if self.stopping.is_set():
+                    return
+                now = time.monotonic()
+                while self._queue and now - self._queue[0].queued_at > limit:
+                    expired.append((self._take(), now))
+                    self.refused += 1
+                timeout = limit - (now - self._queue[0].queued_at) if self._queue else None
+                if not expired:
+                    self._changed.wait(timeout)
+            for item, now in expired:
+                if item.on_expired is not None:
+                    item.on_expired(expiry_message(self.name, now - item.queued_at))
 
     def close(self) -> None:
-        """Stop taking requests, tell running ones to stop (`stopping`), wait for them."""
-        self.stopping.set()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Stop taking requests, tell running ones to stop (`stopping`), refuse the waiting ones, wait for
+        the running ones."""
+        with self._changed:
+            self.stopping.set()
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._queued_cost = 0.0
+            self._changed.notify_all()
+        for item in dropped:
+            if item.on_expired is not None:
+                item.on_expired(f"{self.name} is shutting down")
+        for thread in self._threads:
+            thread.join()
+
+
+@dataclass(eq=False)
+class _Waiting:
+    job: Callable[[], None]
+    cost: float
+    queued_at: float
+    on_expired: Callable[[str], None] | None
 
 
 def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model: str, received_at: float,

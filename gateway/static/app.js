@@ -1,5 +1,6 @@
 // CosyVoice2 web page: voices (GET/POST/DELETE /v1/voices), microphone recording, and streamed
-// synthesis over WS /v1/tts/ws played through Web Audio as the chunks arrive.
+// synthesis over WS /v1/tts/ws played through Web Audio as the chunks arrive (audio.js), with the chunk
+// timeline (timeline.js); the convert tab is convert.js. Errors show beside the control that caused them.
 //
 // WebSocket protocol (gateway/routes_ws.py): we send {"type": "start", voice_id, mode, instruct, seed,
 // format: "pcm_f32", text} and {"type": "end"}; the gateway answers {"type": "started", seed, ...},
@@ -7,25 +8,18 @@
 // sentence, then {"type": "end", audio_seconds, first_chunk_ms, ...}, or {"type": "error", param, message}.
 "use strict";
 
-const SAMPLE_RATE = 24000;
-const SVG_NS = "http://www.w3.org/2000/svg";
-const START_DELAY_S = 0.05; // head room before the first chunk plays
 const $ = (id) => document.getElementById(id);
 
 const state = {
   ws: null,
-  audio: null, // AudioContext
-  nextTime: 0, // when the next chunk starts playing (AudioContext time)
-  sources: new Set(),
-  chunks: [], // Float32Array of everything received (for the download)
+  player: null, // Player (audio.js) of the speak tab
   arrivals: [], // seconds from sending the text to each chunk's arrival (the chunk timeline)
-  samples: 0,
+  durations: [], // seconds of audio of each chunk
   sentAt: 0,
   firstChunkMs: null,
   ended: false,
   failed: false,
-  recording: null, // {recorder, stream, parts}
-  recorded: null, // Blob (WAV) of the last recording
+  recorded: null, // Blob (WAV) of the last recording for a voice
   downloadUrl: null,
 };
 
@@ -40,19 +34,38 @@ function headers(extra = {}) {
   return key ? {...extra, Authorization: `Bearer ${key}`} : extra;
 }
 
+// An error answer of the gateway as an Error with the request field it names (`param`), if any.
 async function apiError(response) {
   let message = `${response.status} ${response.statusText}`;
+  let param = null;
   try {
     const body = await response.json();
-    if (body && body.error) message = body.error.message || message;
+    if (body && body.error) {
+      message = body.error.message || message;
+      param = body.error.param || null;
+    }
   } catch (_) { /* not JSON */ }
-  return new Error(message);
+  return Object.assign(new Error(message), {param});
 }
 
-function showError(message) {
-  const box = $("error");
-  box.textContent = message;
+// Show `message` beside the control with id `controlId` (in its <p id="{controlId}-error">); "" hides it.
+function showError(controlId, message) {
+  const box = $(`${controlId}-error`);
+  box.textContent = message || "";
   box.hidden = !message;
+  const control = $(controlId);
+  if (message) control.setAttribute("aria-invalid", "true");
+  else control.removeAttribute("aria-invalid");
+  if (message) control.setAttribute("aria-errormessage", box.id);
+}
+
+function clearErrors(scope) {
+  for (const box of scope.querySelectorAll(".error[id$='-error']")) showError(box.id.slice(0, -"-error".length), "");
+}
+
+// The control to show a server error beside: the one for the request field it names, else the action's button.
+function errorControl(fields, param, fallback) {
+  return (param && fields[param]) || fallback;
 }
 
 function setStatus(text, key) {
@@ -75,15 +88,23 @@ async function checkServer() {
     const body = await response.json();
     const servers = Object.keys(body.servers || {}).length;
     el.dataset.ready = body.ready ? "yes" : "no";
+    const waiting = (body.waiting_for || []).join(", ");
     el.textContent = body.ready
       ? `Ready: ${servers} Triton server${servers === 1 ? "" : "s"}`
-      : `Not ready yet (default voice: ${body.default_voice || "?"})`;
+      : `Starting${waiting ? `: waiting for ${waiting}` : ""}`;
+    showModelNotice(body.model);
     return body.ready;
   } catch (err) {
     el.dataset.ready = "no";
     el.textContent = "The gateway cannot be reached.";
     return false;
   }
+}
+
+// /readyz names the model when it is a random folder (model_hub / random_folder.marker): say so plainly.
+function showModelNotice(note) {
+  $("model-notice").hidden = !note;
+  $("model-note").textContent = note || "";
 }
 
 let voices = [];
@@ -95,10 +116,18 @@ async function loadVoices(select) {
     if (!response.ok) throw await apiError(response);
     voices = (await response.json()).voices || [];
   } catch (err) {
-    showError(`Could not list voices: ${err.message}`);
+    showError("voice", `Could not list voices: ${err.message}`);
+    showError("vc-voice", `Could not list voices: ${err.message}`);
     return;
   }
-  const keep = select || box.value || "default";
+  showError("voice", "");
+  showError("vc-voice", "");
+  fillVoices(box, select || box.value || "default");
+  fillVoices($("vc-voice"), $("vc-voice").value || "default");
+  describeVoice();
+}
+
+function fillVoices(box, keep) {
   box.replaceChildren();
   if (!voices.length) {
     box.append(new Option("No voices registered yet", ""));
@@ -109,7 +138,6 @@ async function loadVoices(select) {
   }
   if (voices.some((v) => v.id === keep)) box.value = keep;
   else if (voices.length) box.value = voices[0].id;
-  describeVoice();
 }
 
 function describeVoice() {
@@ -123,10 +151,10 @@ function describeVoice() {
 async function deleteVoice() {
   const id = $("voice").value;
   if (!id || !window.confirm(`Delete voice “${id}”?`)) return;
-  showError("");
+  showError("voice", "");
   const response = await fetch(`/v1/voices/${encodeURIComponent(id)}`, {method: "DELETE", headers: headers()});
   if (!response.ok) {
-    showError(`Could not delete the voice: ${(await apiError(response)).message}`);
+    showError("voice", `Could not delete the voice: ${(await apiError(response)).message}`);
     return;
   }
   await loadVoices("");
@@ -134,101 +162,33 @@ async function deleteVoice() {
 
 // ---- recording and registration ------------------------------------------------------------------
 
-function wavBlob(samples, rate) {
-  // 16-bit PCM mono WAV
-  const data = new DataView(new ArrayBuffer(44 + samples.length * 2));
-  const text = (offset, s) => { for (let i = 0; i < s.length; i++) data.setUint8(offset + i, s.charCodeAt(i)); };
-  text(0, "RIFF"); data.setUint32(4, 36 + samples.length * 2, true); text(8, "WAVE");
-  text(12, "fmt "); data.setUint32(16, 16, true); data.setUint16(20, 1, true); data.setUint16(22, 1, true);
-  data.setUint32(24, rate, true); data.setUint32(28, rate * 2, true); data.setUint16(32, 2, true);
-  data.setUint16(34, 16, true); text(36, "data"); data.setUint32(40, samples.length * 2, true);
-  for (let i = 0; i < samples.length; i++) {
-    const s = Math.max(-1, Math.min(1, samples[i]));
-    data.setInt16(44 + i * 2, Math.round(s * 32767), true);
-  }
-  return new Blob([data.buffer], {type: "audio/wav"});
-}
-
-async function toWav(blob) {
-  // Anything the browser can decode (webm/opus from MediaRecorder, mp3, m4a...) -> mono WAV.
-  const context = new (window.OfflineAudioContext || window.webkitOfflineAudioContext)(1, 1, 48000);
-  const buffer = await context.decodeAudioData(await blob.arrayBuffer());
-  const mono = new Float32Array(buffer.length);
-  for (let c = 0; c < buffer.numberOfChannels; c++) {
-    const channel = buffer.getChannelData(c);
-    for (let i = 0; i < mono.length; i++) mono[i] += channel[i] / buffer.numberOfChannels;
-  }
-  return wavBlob(mono, buffer.sampleRate);
-}
-
-function preview(blob) {
-  const player = $("voice-preview");
+function preview(player, blob) {
   if (player.src) URL.revokeObjectURL(player.src);
   player.src = URL.createObjectURL(blob);
   player.hidden = false;
 }
 
-async function toggleRecording() {
-  const button = $("record");
-  if (state.recording) {
-    state.recording.recorder.stop();
-    return;
-  }
-  showError("");
-  if (!navigator.mediaDevices || !window.MediaRecorder) {
-    showError("Recording needs a browser with MediaRecorder, on https:// or localhost.");
-    return;
-  }
-  let stream;
-  try {
-    stream = await navigator.mediaDevices.getUserMedia({audio: true});
-  } catch (err) {
-    showError(`The microphone is not available: ${err.message}`);
-    return;
-  }
-  const recorder = new MediaRecorder(stream);
-  const parts = [];
-  recorder.ondataavailable = (event) => { if (event.data.size) parts.push(event.data); };
-  recorder.onstop = async () => {
-    stream.getTracks().forEach((t) => t.stop());
-    state.recording = null;
-    button.textContent = "Record with microphone";
-    button.setAttribute("aria-pressed", "false");
-    try {
-      state.recorded = await toWav(new Blob(parts, {type: recorder.mimeType}));
-      $("voice-file").value = "";
-      preview(state.recorded);
-      $("register-status").textContent = "Recording ready: type its transcript and register it.";
-    } catch (err) {
-      showError(`Could not decode the recording: ${err.message}`);
-    }
-  };
-  state.recording = {recorder, stream, parts};
-  recorder.start();
-  button.textContent = "Stop recording";
-  button.setAttribute("aria-pressed", "true");
-  $("register-status").textContent = "Recording… speak now, then press Stop recording.";
-}
-
 async function chosenRecording() {
   const file = $("voice-file").files[0];
   if (!file) return state.recorded ? {blob: state.recorded, name: "recording.wav"} : null;
-  if (/\.(wav|flac|ogg|oga)$/i.test(file.name)) return {blob: file, name: file.name};
-  return {blob: await toWav(file), name: file.name.replace(/\.[^.]*$/, "") + ".wav"};
+  return uploadable(file);
 }
 
+const REGISTER_FIELDS = {audio: "voice-file", text: "voice-text", prompt_text: "voice-text", id: "voice-id",
+  voice_id: "voice-id", name: "voice-name"};
+
 async function registerVoice() {
-  showError("");
+  clearErrors($("panel-speak").querySelector("[aria-labelledby='add-title']"));
   const status = $("register-status");
   let recording;
   try {
     recording = await chosenRecording();
   } catch (err) {
-    showError(`This file cannot be decoded: ${err.message}`);
+    showError("voice-file", `This file cannot be decoded: ${err.message}`);
     return;
   }
   if (!recording) {
-    showError("Choose a recording file or record one first.");
+    showError("voice-file", "Choose a recording file or record one first.");
     return;
   }
   const form = new FormData();
@@ -247,7 +207,7 @@ async function registerVoice() {
     await loadVoices(voice.id);
   } catch (err) {
     status.textContent = "";
-    showError(`Could not register the voice: ${err.message}`);
+    showError(errorControl(REGISTER_FIELDS, err.param, "register"), `Could not register the voice: ${err.message}`);
   } finally {
     $("register").disabled = false;
   }
@@ -255,52 +215,14 @@ async function registerVoice() {
 
 // ---- streamed synthesis --------------------------------------------------------------------------
 
-function audioContext() {
-  if (!state.audio) {
-    const Context = window.AudioContext || window.webkitAudioContext;
-    try {
-      state.audio = new Context({sampleRate: SAMPLE_RATE, latencyHint: "interactive"});
-    } catch (_) {
-      state.audio = new Context(); // buffers stay at 24 kHz; the context resamples
-    }
-  }
-  if (state.audio.state === "suspended") state.audio.resume();
-  return state.audio;
-}
-
-function play(samples) {
-  const context = state.audio;
-  const buffer = context.createBuffer(1, samples.length, SAMPLE_RATE);
-  buffer.copyToChannel(samples, 0);
-  const source = context.createBufferSource();
-  source.buffer = buffer;
-  source.connect(context.destination);
-  const at = Math.max(state.nextTime, context.currentTime + START_DELAY_S);
-  source.start(at);
-  state.nextTime = at + buffer.duration;
-  state.sources.add(source);
-  source.onended = () => {
-    state.sources.delete(source);
-    if (!state.sources.size && state.ended) setStatus("Done", "done");
-  };
-}
-
-function stopPlayback() {
-  for (const source of state.sources) {
-    try { source.stop(); } catch (_) { /* not started */ }
-  }
-  state.sources.clear();
-  state.nextTime = 0;
-}
-
 function resetStats() {
-  state.chunks = [];
+  state.player.reset();
   state.arrivals = [];
+  state.durations = [];
   $("stalls").textContent = "0";
   $("stall-ms").textContent = "0";
   $("timeline").replaceChildren();
   $("timeline-figure").hidden = true;
-  state.samples = 0;
   state.firstChunkMs = null;
   state.ended = false;
   state.failed = false;
@@ -320,72 +242,25 @@ function onAudio(data) {
     $("first-chunk").textContent = state.firstChunkMs.toFixed(0);
     setStatus("Streaming", "streaming");
   }
-  state.chunks.push(samples);
   state.arrivals.push((performance.now() - state.sentAt) / 1000);
-  state.samples += samples.length;
-  $("audio-seconds").textContent = (state.samples / SAMPLE_RATE).toFixed(2);
-  $("chunks").textContent = String(state.chunks.length);
-  $("meter-bar").style.width = `${Math.min(100, (state.samples / SAMPLE_RATE) * 10)}%`;
-  play(samples);
-  drawTimeline();
-}
-
-// ---- chunk timeline ------------------------------------------------------------------------------
-
-// The listener of cosyvoice_triton/runtime/playback.py (as the benchmarks count stalls): it plays the
-// chunks back to back from the first one's arrival and waits when the next has not arrived yet.
-// -> [{arrival, start, end (audio seconds), playFrom, stall (seconds waited before it)}]
-function listen(arrivals, durations) {
-  const out = [];
-  let playedUntil = null;
-  let position = 0;
-  arrivals.forEach((arrival, k) => {
-    const stall = playedUntil === null ? 0 : Math.max(0, arrival - playedUntil);
-    const playFrom = playedUntil === null ? arrival : Math.max(arrival, playedUntil);
-    out.push({arrival, start: position, end: position + durations[k], playFrom, stall});
-    position += durations[k];
-    playedUntil = playFrom + durations[k];
-  });
-  return out;
-}
-
-function svgElement(name, attributes) {
-  const element = document.createElementNS(SVG_NS, name);
-  for (const [key, value] of Object.entries(attributes)) element.setAttribute(key, String(value));
-  return element;
-}
-
-function drawTimeline() {
-  const chunks = listen(state.arrivals, state.chunks.map((c) => c.length / SAMPLE_RATE));
-  const svg = $("timeline");
-  const [width, height, pad] = [600, 160, 6];
-  const last = chunks[chunks.length - 1];
-  const tMax = Math.max(last.playFrom + last.end - last.start, 0.001);
-  const aMax = Math.max(last.end, 0.001);
-  const x = (t) => pad + (t / tMax) * (width - 2 * pad);
-  const y = (a) => height - pad - (a / aMax) * (height - 2 * pad);
-  const parts = [svgElement("line", {class: "axis", x1: pad, y1: y(0), x2: width - pad, y2: y(0)})];
-  let stalls = 0;
-  let stallSeconds = 0;
-  const points = [`${x(chunks[0].arrival)},${y(0)}`];
-  for (const chunk of chunks) {
-    if (chunk.stall > 0) {
-      stalls += 1;
-      stallSeconds += chunk.stall;
-      parts.push(svgElement("rect", {class: "stall-mark", x: x(chunk.playFrom - chunk.stall), y: pad,
-        width: Math.max(1, x(chunk.playFrom) - x(chunk.playFrom - chunk.stall)), height: height - 2 * pad}));
-    }
-    points.push(`${x(chunk.playFrom)},${y(chunk.start)}`, `${x(chunk.playFrom + chunk.end - chunk.start)},${y(chunk.end)}`);
-  }
-  parts.push(svgElement("polyline", {class: "played", points: points.join(" ")}));
-  for (const chunk of chunks) {
-    parts.push(svgElement("circle", {class: "chunk-mark", cx: x(chunk.arrival), cy: y(chunk.end), r: 3.5}));
-  }
-  svg.replaceChildren(...parts);
+  state.durations.push(samples.length / SAMPLE_RATE);
+  state.player.add(samples);
+  const seconds = state.player.samples / SAMPLE_RATE;
+  $("audio-seconds").textContent = seconds.toFixed(2);
+  $("chunks").textContent = String(state.arrivals.length);
+  $("meter-bar").style.width = `${Math.min(100, seconds * 10)}%`;
+  const {stalls, stallSeconds} = drawTimeline($("timeline"), state.arrivals, state.durations);
   $("timeline-figure").hidden = false;
   $("stalls").textContent = String(stalls);
   $("stall-ms").textContent = (1000 * stallSeconds).toFixed(0);
 }
+
+// The last scheduled chunk has played.
+function onDrained() {
+  if (state.ended) setStatus("Done", "done");
+}
+
+const SPEAK_FIELDS = {voice_id: "voice", text: "text", seed: "seed", mode: "mode", instruct: "instruct"};
 
 function onMessage(message, raw) {
   if (message.type === "started") {
@@ -395,54 +270,59 @@ function onMessage(message, raw) {
     state.ended = true;
     finishDownload();
     setBusy(false);
-    setStatus(state.sources.size ? "Received all audio, playing" : "Done", state.sources.size ? "playing" : "done");
+    const playing = state.player.playing;
+    setStatus(playing ? "Received all audio, playing" : "Done", playing ? "playing" : "done");
     $("status").dataset.serverFirstChunkMs = message.first_chunk_ms == null ? "" : message.first_chunk_ms.toFixed(0);
   } else if (message.type === "error") {
     state.failed = true;
-    showError(message.message || "The synthesis failed.");
+    showError(errorControl(SPEAK_FIELDS, message.param, "speak"), message.message || "The synthesis failed.");
     setStatus("Failed", "error");
     setBusy(false);
   }
 }
 
 function finishDownload() {
-  if (!state.samples) return;
-  const all = new Float32Array(state.samples);
-  let at = 0;
-  for (const chunk of state.chunks) { all.set(chunk, at); at += chunk.length; }
+  if (!state.player.samples) return;
   if (state.downloadUrl) URL.revokeObjectURL(state.downloadUrl);
-  state.downloadUrl = URL.createObjectURL(wavBlob(all, SAMPLE_RATE));
+  state.downloadUrl = URL.createObjectURL(wavBlob(state.player.all(), SAMPLE_RATE));
   const link = $("download");
   link.href = state.downloadUrl;
   link.hidden = false;
 }
 
+// The seed field's digits as they are ("" for none), or null (and the error shown beside it) if it is not one.
+function seedDigits(controlId) {
+  const seed = $(controlId).value.trim().replace(/^0+(?=\d)/, ""); // JSON numbers have no leading zeros
+  if (seed !== "" && !/^\d+$/.test(seed)) {
+    showError(controlId, "The seed must be a whole number from 0 to 2^64 - 1.");
+    return null;
+  }
+  return seed;
+}
+
 function speak() {
-  showError("");
+  clearErrors($("panel-speak").querySelector("[aria-labelledby='speak-title']"));
   const text = $("text").value;
   if (!text.trim()) {
-    showError("Type some text first.");
+    showError("text", "Type some text first.");
     $("text").focus();
     return;
   }
   const voice = $("voice").value;
   if (!voice) {
-    showError("Choose a voice first (or register one below).");
+    showError("voice", "Choose a voice first (or register one below).");
     return;
   }
   const start = {type: "start", voice_id: voice, mode: $("mode").value, format: "pcm_f32", text};
   if (start.mode === "instruct2") start.instruct = $("instruct").value;
-  const seed = $("seed").value.trim().replace(/^0+(?=\d)/, ""); // JSON numbers have no leading zeros
-  if (seed !== "" && !/^\d+$/.test(seed)) {
-    showError("The seed must be a whole number from 0 to 2^63 - 1.");
-    return;
-  }
-  // Seeds go up to 2^63 - 1, past what a JavaScript number holds exactly: the digits go into the JSON as they are.
+  const seed = seedDigits("seed");
+  if (seed === null) return;
+  // Seeds go up to 2^64 - 1, past what a JavaScript number holds exactly: the digits go into the JSON as they are.
   const startJson = seed === "" ? JSON.stringify(start) : `${JSON.stringify(start).slice(0, -1)},"seed":${seed}}`;
 
   stopSpeaking(false);
   resetStats();
-  audioContext(); // created inside the click: browsers let it play
+  state.player.open(); // inside the click: browsers let it play
   setBusy(true);
   setStatus("Connecting", "connecting");
 
@@ -465,7 +345,7 @@ function speak() {
   ws.onerror = () => {
     if (ws !== state.ws || state.failed) return;
     state.failed = true;
-    showError("The WebSocket connection failed.");
+    showError("speak", "The WebSocket connection failed.");
   };
   ws.onclose = (event) => {
     if (ws !== state.ws) return;
@@ -473,7 +353,7 @@ function speak() {
     setBusy(false);
     if (!state.ended && !state.failed) {
       state.failed = true;
-      showError(`The connection closed before the end (code ${event.code}${event.reason ? `: ${event.reason}` : ""}).`);
+      showError("speak", `The connection closed before the end (code ${event.code}${event.reason ? `: ${event.reason}` : ""}).`);
       setStatus("Failed", "error");
     }
   };
@@ -483,7 +363,7 @@ function stopSpeaking(update = true) {
   const ws = state.ws;
   state.ws = null;
   if (ws && ws.readyState <= WebSocket.OPEN) ws.close(1000, "stopped"); // the gateway cancels the synthesis
-  stopPlayback();
+  state.player.stop();
   if (update) {
     setBusy(false);
     finishDownload();
@@ -491,17 +371,32 @@ function stopSpeaking(update = true) {
   }
 }
 
+// ---- tabs ----------------------------------------------------------------------------------------
+
+function selectTab(name) {
+  for (const tab of document.querySelectorAll("[role='tab']")) {
+    const selected = tab.id === `tab-${name}`;
+    tab.setAttribute("aria-selected", String(selected));
+    tab.tabIndex = selected ? 0 : -1;
+    $(tab.getAttribute("aria-controls")).hidden = !selected;
+  }
+}
+
 // ---- wiring --------------------------------------------------------------------------------------
 
 function init() {
+  state.player = new Player($("waveform"), onDrained);
   $("api-key").value = localStorage.getItem("cosyvoice-api-key") || "";
   $("api-key").addEventListener("change", () => {
     localStorage.setItem("cosyvoice-api-key", apiKey());
     loadVoices();
   });
   $("settings").addEventListener("submit", (event) => { event.preventDefault(); $("api-key").blur(); });
+  $("tab-speak").addEventListener("click", () => selectTab("speak"));
+  $("tab-convert").addEventListener("click", () => selectTab("convert"));
+  if (location.hash === "#convert") selectTab("convert");
   $("voice").addEventListener("change", describeVoice);
-  $("refresh-voices").addEventListener("click", () => { showError(""); loadVoices(); });
+  $("refresh-voices").addEventListener("click", () => { showError("voice", ""); loadVoices(); });
   $("delete-voice").addEventListener("click", deleteVoice);
   $("mode").addEventListener("change", () => { $("instruct-field").hidden = $("mode").value !== "instruct2"; });
   $("speak").addEventListener("click", speak);
@@ -509,10 +404,23 @@ function init() {
   $("text").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) speak();
   });
-  $("record").addEventListener("click", toggleRecording);
+  microphoneButton($("record"), {
+    onStart: () => {
+      showError("record", "");
+      $("register-status").textContent = "Recording… speak now, then press Stop recording.";
+    },
+    onDone: (wav) => {
+      state.recorded = wav;
+      $("voice-file").value = "";
+      preview($("voice-preview"), wav);
+      $("register-status").textContent = "Recording ready: type its transcript and register it.";
+    },
+    onError: (message) => showError("record", message),
+  });
   $("voice-file").addEventListener("change", () => {
     const file = $("voice-file").files[0];
-    if (file) { state.recorded = null; preview(file); }
+    showError("voice-file", "");
+    if (file) { state.recorded = null; preview($("voice-preview"), file); }
   });
   $("register").addEventListener("click", registerVoice);
   checkServer().then((ready) => {

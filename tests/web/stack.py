@@ -9,6 +9,8 @@ with serve_stack(tmp_path_factory.mktemp("stack")) as stack:
 The server runs with max_token_text_ratio 3 (the random LLM rarely stops on its own; 3 speech tokens per
 text token keeps requests short) and one torch thread per model. Skips, naming the reason, when no
 tritonserver can be found. Both voice stores are the same SQLite file, as with `cosyvoice-triton up`.
+Given a model folder, the tritonserver is shared by every module of the session that asks for the same
+folder and options (the gateway is each module's own); `triton_server(..., shared=False)` gives a private one.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import json
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +33,38 @@ class Stack:
     voice_store: str
 
 
+# Servers shared by the whole session, keyed by model folder: each start of the tiny stack costs
+# tens of seconds on 2 cores, and most modules need the same one. Stopped by `stop_shared_servers`
+# (tests/conftest.py, at the session's end).
+_shared_servers: dict[tuple, tuple[object, Path, str]] = {}
+_shared_exits = ExitStack()
+
+
 @contextmanager
-def triton_server(root: Path, model_dir: Path | None = None) -> Iterator[tuple[object, Path, str]]:
+def triton_server(root: Path, model_dir: Path | None = None, *, shared: bool = True,
+                  **options) -> Iterator[tuple[object, Path, str]]:
+    """A tritonserver on `model_dir` (a new tiny random folder when None). `options`: more ServeOptions
+    (e.g. max_queue_wait_s). With a folder given, no options and `shared` (the default), callers with the
+    same folder get one server, started by the first under its `root` and kept running (with its voice
+    store) until the session ends; pass shared=False for a server of your own (one a test stops or
+    kills, or whose counters must start at zero)."""
+    if model_dir is None or not shared or options:
+        with _own_triton_server(root, model_dir, **options) as server:
+            yield server
+        return
+    key = (Path(model_dir).resolve(),)
+    if key not in _shared_servers or not _shared_servers[key][0].is_running():
+        _shared_servers[key] = _shared_exits.enter_context(_own_triton_server(root, model_dir, **options))
+    yield _shared_servers[key]
+
+
+def stop_shared_servers() -> None:
+    _shared_exits.close()
+    _shared_servers.clear()
+
+
+@contextmanager
+def _own_triton_server(root: Path, model_dir: Path | None = None, **options) -> Iterator[tuple[object, Path, str]]:
     from cosyvoice_triton.random_folder.write import write_random_model
     from cosyvoice_triton.server.launcher import ServeOptions, prepare
     from triton_harness import tritonserver_or_skip
@@ -43,7 +75,7 @@ def triton_server(root: Path, model_dir: Path | None = None) -> Iterator[tuple[o
     voice_store = str(root / "voices.sqlite")
     options = ServeOptions(model_dir=model_dir, run_dir=root / "run", address="127.0.0.1", http_port=None,
                            grpc_port=None, metrics_port=None, voice_store=voice_store, max_token_text_ratio=RATIO,
-                           torch_threads=1, workers=4)
+                           torch_threads=1, **{"workers": 4, **options})
     server = prepare(options, binary=binary, die_with_parent=True)
     server.start()
     try:

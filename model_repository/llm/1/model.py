@@ -12,10 +12,13 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from cosyvoice_triton.models.llm_precision import describe_backbone
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.runtime.llm_scheduler import LLMScheduler
+from cosyvoice_triton.runtime.threads import thread_plan
 from cosyvoice_triton.triton import instance_device
-from cosyvoice_triton.triton.contracts import StreamCancel, parse_llm_request
+from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.triton.contracts import StreamCancel, TextAppend, parse_llm_request
 from cosyvoice_triton.triton.llm_streams import LLMStreamForwarder
 from cosyvoice_triton.triton.metrics import LLM_METRICS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import LLMParams, parse_parameters
@@ -52,15 +55,17 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ValueError(f"{self.name} must be decoupled (model_transaction_policy)")
         self.params = params = parse_parameters(LLMParams, config, self.name)
-        if params.torch_threads > 0:
-            torch.set_num_threads(params.torch_threads)
+        threads = params.torch_threads or thread_plan().llm  # beside token2wav's (runtime/threads.py)
+        torch.set_num_threads(threads)
         llm = SpeechLM.from_model_dir(params.model_dir, device=instance_device(params.device, args),
-                                      max_batch=params.max_batch, max_seq_len=params.max_seq_len)
+                                      max_batch=params.max_batch, max_seq_len=params.max_seq_len,
+                                      precision=params.precision)
         if params.max_token_text_ratio is not None:
             llm.config.max_token_text_ratio = params.max_token_text_ratio
         self.default_sampling = llm.config.sampling
         self.scheduler = LLMScheduler(llm, max_batch=params.max_batch, max_seq_len=params.max_seq_len,
-                                max_queue=params.max_queue)
+                                      max_queue=params.max_queue, exact_len=params.exact_speech_tokens)
+        pb_utils.Logger.log_info(f"{self.name}: backbone {describe_backbone(llm)}; {threads} torch threads")
         self.metrics = ModelMetrics(pb_utils, LLM_METRICS, instance_labels(args))
         self.streams = LLMStreamForwarder(self.scheduler, on_tokens=self._refresh, on_end=self._count_end)
         self.streams.start()
@@ -74,12 +79,24 @@ class TritonPythonModel:
                 if isinstance(item, StreamCancel):
                     self.streams.cancel(item.stream_id)
                     sender.send(flags=FINAL)
+                elif isinstance(item, TextAppend):
+                    self._append(item)
+                    sender.send(flags=FINAL)
                 else:
+                    if item.bistream:  # a BLS caller's exec() returns at the first response: it must
+                        sender.send(_opened_response())  # append the text before any token can come
                     self.streams.open(item, _TritonTokenSender(sender, self.name))
             except Exception as exc:  # noqa: BLE001 - answered to this request only
                 sender.send(error_response(pb_utils, exc, self.name), flags=FINAL)
         self._refresh()
         return None
+
+    def _append(self, item: TextAppend) -> None:
+        """Bistream text for a live stream (dropped when the stream has ended already)."""
+        try:
+            self.streams.append_text(item.stream_id, item.text, item.end)
+        except ValueError as exc:
+            raise InvalidInput("text_append", str(exc)) from None
 
     def _count_end(self, reason: str) -> None:
         self.metrics.labelled("ended", reason).increment(1)
@@ -95,3 +112,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.streams.stop()  # stops the scheduler, which fails every open stream; waits for their finals
+
+
+def _opened_response():
+    """An empty speech_tokens response: a bistream stream is open (callers skip responses without tokens)."""
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("speech_tokens", np.zeros(0, np.int32))])

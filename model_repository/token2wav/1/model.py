@@ -1,7 +1,8 @@
 """`token2wav`: the chunk requests of one dynamic batch run through `Token2WavScheduler.run` as one flow batch
 (contract: triton/contracts.py). Per-stream state lives in the scheduler, keyed by `stream_id`, and is freed
-on the final chunk, on a `cancel` request and after `idle_timeout_s` without chunks (checked on every
-batch, and by an `IdleSweeper` timer while no chunks come).
+on the final chunk, on a `cancel` request and after `idle_timeout_s` without chunks, counted on the
+scheduler's quiet clock from the latest chunk's answer (its idle rule; checked on every batch, and by an
+`IdleSweeper` timer while no chunks come).
 
 Metrics are updated only inside `execute`, on the stub's main thread: metric IPC from a background
 thread of this model is the suspect of a rare tritonserver crash (boost::interprocess::lock_exception in
@@ -24,7 +25,9 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.engines.select import build_token2wav
+from cosyvoice_triton.models.flow_cache import FlowCacheSettings
 from cosyvoice_triton.runtime.idle_sweeper import IdleSweeper
+from cosyvoice_triton.runtime.threads import thread_plan
 from cosyvoice_triton.runtime.token2wav_scheduler import Token2WavScheduler
 from cosyvoice_triton.triton import instance_device
 from cosyvoice_triton.triton.bls import bls_request
@@ -44,8 +47,8 @@ class TritonPythonModel:
         if int(config.get("max_batch_size", 0)) != params.max_batch:
             raise ValueError(f"{self.name}: max_batch_size {config.get('max_batch_size')} != max_batch "
                              f"{params.max_batch}")
-        if params.torch_threads > 0:
-            torch.set_num_threads(params.torch_threads)  # before the runners: ONNX Runtime takes as many
+        # Beside the LLM's (runtime/threads.py); before the runners: ONNX Runtime takes as many.
+        torch.set_num_threads(params.torch_threads or thread_plan().token2wav)
         device = instance_device(params.device, args)
         with library_logs_to_triton(pb_utils, self.name):
             # TensorRT profile: up to max_batch chunks (2 * max_batch estimator rows) per flow call.
@@ -53,7 +56,10 @@ class TritonPythonModel:
                                          onnx_dir=params.onnx_dir, max_streams=params.max_batch,
                                          ort_providers=params.ort_providers)
         self.scheduler = Token2WavScheduler(flow, hift, max_streams=params.max_streams, max_batch=params.max_batch,
-                                      idle_timeout_s=params.idle_timeout_s)
+                                      idle_timeout_s=params.idle_timeout_s,
+                                      flow_cache=FlowCacheSettings(enabled=params.flow_cache_frames > 0,
+                                                                   max_frames=max(1, params.flow_cache_frames),
+                                                                   prompt_cache_mb=params.prompt_cache_mb))
         self.metrics = ModelMetrics(pb_utils, TOKEN2WAV_METRICS, instance_labels(args))
         self._lock = threading.Lock()  # the scheduler has one caller at a time: execute or the idle sweeper
         # The idle sweeper's no-op request: a cancel of this id (random, so no client stream can have it).

@@ -1,0 +1,271 @@
+"""Streaming flow calls that compute only the frames not yet final, with a cache per stream.
+
+In streaming mode the estimator's attention is chunk-causal (a frame sees its own `static_chunk_size`-frame
+chunk and the chunks before it), all its convolutions are causal, the encoder's attention is chunk-causal
+per 25-token chunk and the noise is fixed. So once a call has seen every token of a 25-token chunk (plus
+its 3 look-ahead tokens, which are real tokens in a non-final call), the estimator's hidden states of that
+chunk's 50 frames never change again in that stream: at every Euler step and in both guidance halves, the
+frames after them see exactly the same keys, values and convolution inputs. Frames of a chunk that is not
+complete yet see look-ahead tokens and keys that will change: they are recomputed by the next call.
+
+`StreamFlowCache` keeps, per Euler step, for both guidance halves, over the stream's first `frames` frames
+(prompt included, a multiple of the chunk size):
+- the normed input of every attention layer (keys and values are recomputed from it each call: a quarter
+  of the memory of keys and values, for 2 of the 6 matrix products a cached frame would otherwise cost);
+- the last kernel - 1 input frames of every causal convolution.
+Full-size config (256 channels, 56 transformer blocks, 10 steps, 2 halves): 56 * 256 * 2 * 10 floats =
+1.15 MB per frame in fp32, 57 MB per second of audio (50 frames), prompt frames included.
+
+The encoder is run over all tokens at every call (one pass of a 10-layer conformer, against the
+estimator's 20 passes of 56 transformer blocks); only the estimator is cached. A row that is not streaming (the final full-attention
+pass) or has no cache computes every frame: with an empty cache the code is the plain estimator.
+
+The prompt's first frames depend only on the voice; models/prompt_cache.py keeps a cache over them per
+prompt, so that a new stream of that prompt starts from it (`cached_mel(..., voice_frames=...)` returns it).
+Cached tensors are never written in place: a cache grows into new tensors, so streams may share them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .flow import FlowConditions, FlowModel
+from .flow_encoder import chunked_attention_mask
+from .flow_estimator import BLOCKED_BIAS, CausalBlock, CausalConv1d, CausalResnetBlock, FlowEstimator, TransformerBlock
+
+
+@dataclass(frozen=True)
+class FlowCacheSettings:
+    """Per-stream flow caches (see the module docstring)."""
+
+    enabled: bool = True
+    max_frames: int = 1000  # frames cached per stream (prompt included; 1.15 MB each on the full-size config)
+    cached_final: bool = False  # final chunk: False = one full-attention pass (official); True = cached, streaming
+    # The voices' share (models/prompt_cache.py): MB of voice-final prompt frames kept per flow model; 0: off.
+    prompt_cache_mb: float = 512.0
+
+
+@dataclass
+class StreamFlowCache:
+    """The estimator's state over a stream's first `frames` mel frames (prompt included).
+
+    steps[s] lists, in the estimator's forward order, one tensor per attention layer (2, frames, C) and
+    per causal convolution (2, C_in, kernel - 1); dim 0 is the guidance half (conditioned, unconditioned).
+    """
+
+    frames: int = 0
+    steps: list[list[Tensor]] = field(default_factory=list)
+    # Set on a new stream's empty cache (models/prompt_cache.py): its first streaming call also returns the
+    # voice's frames, which the caller stores under this key.
+    voice_key: bytes | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for step in self.steps for t in step)
+
+    def replace_with(self, other: StreamFlowCache) -> None:
+        self.frames, self.steps, self.voice_key = other.frames, other.steps, other.voice_key
+
+
+def supports_cache(flow: FlowModel) -> bool:
+    """The cache needs the torch estimator's layers; ONNX / TensorRT / OpenVINO graphs re-run every frame."""
+    return isinstance(flow.decoder.estimator, FlowEstimator)
+
+
+class _Pass:
+    """One estimator pass over the new frames of a batch: cached slots are read in forward order, and the
+    new frames' slots are recorded in the same order."""
+
+    def __init__(self, past: list[Tensor]):
+        self.past = iter(past)
+        self.new: list[Tensor] = []
+
+    def conv(self, conv: CausalConv1d, x: Tensor) -> Tensor:
+        """x: (2B, C_in, N) masked input -> (2B, C_out, N), with the cached left context."""
+        self.new.append(x)
+        return F.conv1d(torch.cat([next(self.past), x], dim=2), conv.weight, conv.bias)
+
+    def causal_block(self, block: CausalBlock, x: Tensor, mask: Tensor) -> Tensor:
+        conv, *rest = block.block
+        h = self.conv(conv, x * mask)
+        for layer in rest:
+            h = layer(h)
+        return h * mask
+
+    def resnet(self, block: CausalResnetBlock, x: Tensor, mask: Tensor, t_emb: Tensor) -> Tensor:
+        h = self.causal_block(block.block1, x, mask) + block.mlp(t_emb)[:, :, None]
+        h = self.causal_block(block.block2, h, mask)
+        return h + block.res_conv(x * mask)
+
+    def transformer(self, block: TransformerBlock, x: Tensor, bias: Tensor) -> Tensor:
+        """x: (2B, N, C) new frames; bias: (2B, 1, N, M + N) over cached then new keys."""
+        attn = block.attn1
+        B2, N, _ = x.shape
+        H, D = attn.n_heads, attn.head_dim
+        normed = block.norm1(x)
+        self.new.append(normed)
+        keys_in = torch.cat([next(self.past), normed], dim=1)  # (2B, M + N, C)
+        q = attn.to_q(normed).view(B2, N, H, D).transpose(1, 2)  # (2B, H, N, D)
+        k = attn.to_k(keys_in).view(B2, -1, H, D).transpose(1, 2)  # (2B, H, M + N, D)
+        v = attn.to_v(keys_in).view(B2, -1, H, D).transpose(1, 2)  # (2B, H, M + N, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        x = attn.to_out[0](out.transpose(1, 2).reshape(B2, N, H * D)) + x  # (2B, H, N, D) -> (2B, N, H*D)
+        return block.ff(block.norm3(x)) + x
+
+    def estimator(self, est: FlowEstimator, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor,
+                  cond: Tensor, bias: Tensor) -> Tensor:
+        """`FlowEstimator.forward` over the new frames: x, mu, cond (2B, 80, N); mask (2B, 1, N) -> (2B, 80, N)."""
+        t_emb = est.time_mlp(t)  # (2B, time_embed_dim)
+        h = torch.cat([x, mu, spks[:, :, None].expand_as(x), cond], dim=1)  # (2B, 320, N)
+
+        def transformers(h: Tensor, blocks) -> Tensor:
+            h = h.transpose(1, 2)  # (2B, C, N) -> (2B, N, C)
+            for block in blocks:
+                h = self.transformer(block, h, bias)
+            return h.transpose(1, 2)  # (2B, N, C) -> (2B, C, N)
+
+        (resnet, blocks, downsample), = est.down_blocks
+        h = transformers(self.resnet(resnet, h, mask, t_emb), blocks)
+        skip = h
+        h = self.conv(downsample, h * mask)
+        for resnet, blocks in est.mid_blocks:
+            h = transformers(self.resnet(resnet, h, mask, t_emb), blocks)
+        (resnet, blocks, upsample), = est.up_blocks
+        h = torch.cat([h, skip], dim=1)  # (2B, 2C, N)
+        h = transformers(self.resnet(resnet, h, mask, t_emb), blocks)
+        h = self.conv(upsample, h * mask)
+        h = self.causal_block(est.final_block, h, mask)
+        return est.final_proj(h * mask) * mask
+
+
+def _empty_step(est: FlowEstimator, device: torch.device, dtype: torch.dtype) -> list[Tensor]:
+    """The slots of a pass over no cached frames: attention inputs of length 0, zero conv contexts."""
+    C = est.config.channels
+    slots: list[Tensor] = []
+
+    def resnet(block: CausalResnetBlock) -> None:
+        for causal in (block.block1, block.block2):
+            conv = causal.block[0]
+            slots.append(torch.zeros(2, conv.in_channels, conv.kernel_size[0] - 1, device=device, dtype=dtype))
+
+    def stage(resnet_block, blocks, conv=None) -> None:
+        resnet(resnet_block)
+        slots.extend(torch.zeros(2, 0, C, device=device, dtype=dtype) for _ in blocks)
+        if conv is not None:
+            slots.append(torch.zeros(2, conv.in_channels, conv.kernel_size[0] - 1, device=device, dtype=dtype))
+
+    (r, blocks, down), = est.down_blocks
+    stage(r, blocks, down)
+    for r, blocks in est.mid_blocks:
+        stage(r, blocks)
+    (r, blocks, up), = est.up_blocks
+    stage(r, blocks, up)
+    conv = est.final_block.block[0]
+    slots.append(torch.zeros(2, conv.in_channels, conv.kernel_size[0] - 1, device=device, dtype=dtype))
+    return slots
+
+
+def _batch_slots(per_row: list[list[Tensor]], attention: list[bool], width: int) -> list[Tensor]:
+    """Per-row slots (2, ...) -> batch slots (2B, ...), all rows' conditioned halves first; attention inputs
+    right-padded to `width` cached frames (the bias blocks the padding)."""
+    if len(per_row) == 1:
+        return per_row[0]
+    batch = []
+    for is_attention, slots in zip(attention, zip(*per_row)):
+        if is_attention:
+            slots = [F.pad(t, (0, 0, 0, width - t.size(1))) for t in slots]
+        batch.append(torch.stack(slots, dim=1).flatten(0, 1))  # (2, B, ...) -> (2B, ...)
+    return batch
+
+
+def _extend(old: list[Tensor], new: list[Tensor], attention: list[bool], b: int, B: int, keep: int) -> list[Tensor]:
+    """Row b's slots over its cached frames plus its first `keep` new frames."""
+    slots = []
+    for is_attention, past, now in zip(attention, old, new):
+        now = now[b::B]  # rows b and B + b: (2, ...)
+        if is_attention:  # (2, L, C) ++ (2, keep, C)
+            slots.append(torch.cat([past, now[:, :keep]], dim=1))
+        else:  # the kernel - 1 input frames before the new end
+            context = past.size(2)
+            slots.append(torch.cat([past, now[:, :, :keep]], dim=2)[:, :, keep:keep + context].clone())
+    return slots
+
+
+@torch.inference_mode()
+def cached_mel(flow: FlowModel, c: FlowConditions, caches: list[StreamFlowCache | None], cache_until: list[int],
+               max_frames: int, voice_frames: list[int] | None = None
+               ) -> tuple[Tensor, list[int], list[StreamFlowCache | None], list[StreamFlowCache | None]]:
+    """The solver over each row's frames from the end of its cache on.
+
+    c: `flow.conditions(...)` of B rows. caches[b]: row b's cache (None: the row keeps none). Streaming rows
+    start after their cached frames; other rows (full attention) compute every frame. A streaming, non-final
+    row caches the frames that are final, up to cache_until[b] (frames; the caller's next emitted frame) and
+    max_frames, in whole chunks. voice_frames[b] > 0 (whole chunks, from `prompt_cache.voice_final_frames`):
+    a streaming row that computes those frames also returns its cache over just them (the voice's share).
+    Returns (mel (B, 80, N): row b holds its frames starts[b] .. mel_len[b] - 1 from column 0, then zeros;
+    starts; the caches to keep, the old object where nothing was added; the voice caches, None where none).
+    """
+    est: FlowEstimator = flow.decoder.estimator
+    chunk, enc_chunk = est.config.static_chunk_size, flow.encoder.config.static_chunk_size
+    ratio, B, device, dtype = flow.config.token_mel_ratio, c.mu.size(0), c.mu.device, c.mu.dtype
+    streaming, finalize = c.streaming.tolist(), c.finalize.tolist()
+    mel_len, enc_len = c.mel_len.tolist(), c.enc_len.tolist()
+
+    empty = _empty_step(est, device, dtype)
+    attention = [t.size(1) == 0 for t in empty]
+    usable = [cache if cache is not None and streaming[b] and cache.steps else None
+              for b, cache in enumerate(caches)]
+    starts = [cache.frames if cache is not None else 0 for cache in usable]
+    keeps, voice_keeps = [], []
+    for b, cache in enumerate(caches):
+        final = ratio * (enc_len[b] // enc_chunk * enc_chunk)  # frames whose encoder input is final
+        end = min(final, cache_until[b], max_frames) // chunk * chunk
+        cacheable = cache is not None and streaming[b] and not finalize[b]
+        keeps.append(end - starts[b] if cacheable and end > starts[b] else 0)
+        voice_end = min(voice_frames[b] if voice_frames else 0, final, max_frames) // chunk * chunk
+        voice_keeps.append(voice_end - starts[b] if streaming[b] and voice_end > starts[b] else 0)
+
+    N = max(length - start for length, start in zip(mel_len, starts))
+    j = torch.arange(N, device=device)[None, :]  # (1, N)
+    start = torch.tensor(starts, device=device)[:, None]  # (B, 1)
+    frame = (start + j).clamp(max=c.mu.size(2) - 1)[:, None, :]  # (B, 1, N) absolute frame of column j
+    mask = (j < c.mel_len[:, None] - start).to(dtype)[:, None, :]  # (B, 1, N)
+    mu = c.mu.gather(2, frame.expand(-1, c.mu.size(1), -1))  # (B, 80, N)
+    cond = c.cond.gather(2, frame.expand(-1, c.cond.size(1), -1))  # (B, 80, N)
+    noise = flow.decoder.rand_noise
+    x = noise.expand(B, -1, -1).gather(2, frame.expand(-1, noise.size(1), -1)).to(dtype)  # (B, 80, N)
+
+    # Guidance: rows B..2B-1 repeat x and mask with mu, spks and cond zeroed (as FlowMatching.forward).
+    mask2, streaming2 = torch.cat([mask, mask]), torch.cat([c.streaming, c.streaming])
+    mu2, spks2 = torch.cat([mu, torch.zeros_like(mu)]), torch.cat([c.spks, torch.zeros_like(c.spks)])
+    cond2 = torch.cat([cond, torch.zeros_like(cond)])
+    M = max(starts)
+    past_valid = (torch.arange(M, device=device)[None, :] < start).repeat(2, 1)  # (2B, M) cached keys
+    new_allowed = chunked_attention_mask(mask2[:, 0] > 0, chunk, streaming2)  # (2B, N, N); starts are chunk-aligned
+    allowed = torch.cat([past_valid[:, None, :].expand(-1, N, -1), new_allowed], dim=2)  # (2B, N, M + N)
+    bias = ((1.0 - allowed.to(dtype)) * BLOCKED_BIAS)[:, None]  # (2B, 1, N, M + N)
+
+    solver = flow.decoder
+    new_steps: list[list[list[Tensor]]] = [[] for _ in range(B)]
+    voice_steps: list[list[list[Tensor]]] = [[] for _ in range(B)]
+    for step in range(solver.t_steps.size(0)):
+        rows = [cache.steps[step] if cache is not None else empty for cache in usable]
+        p = _Pass(_batch_slots(rows, attention, M))
+        t = solver.t_steps[step].expand(2 * B)
+        velocity = p.estimator(est, torch.cat([x, x]), mask2, mu2, t, spks2, cond2, bias)
+        v_cond, v_uncond = velocity.split(B)
+        velocity = (1.0 + solver.inference_cfg_rate) * v_cond - solver.inference_cfg_rate * v_uncond
+        x = x + solver.dt_steps[step] * velocity
+        for b, keep in enumerate(keeps):
+            if keep:
+                new_steps[b].append(_extend(rows[b], p.new, attention, b, B, keep))
+        for b, keep in enumerate(voice_keeps):
+            if keep:
+                voice_steps[b].append(_extend(rows[b], p.new, attention, b, B, keep))
+
+    kept = [StreamFlowCache(starts[b] + keep, new_steps[b]) if keep else caches[b] for b, keep in enumerate(keeps)]
+    voice = [StreamFlowCache(starts[b] + keep, voice_steps[b]) if keep else None for b, keep in enumerate(voice_keeps)]
+    return x * mask, starts, kept, voice

@@ -1,0 +1,370 @@
+"""Bistream text input: the speech LM reads the text as it arrives, in the trained 5:15 pattern.
+
+CosyVoice2 was trained on sequences that interleave 5 text tokens with 15 speech tokens, each group of
+speech tokens closed by the fill token (speech_token_size + 2). Decoding in that pattern lets speech start
+before the text is complete (the official `Qwen2LM.inference_bistream`):
+
+1. The input starts with sos. The prompt transcript's tokens are the first text; each 5 text tokens are laid
+   out with the next 15 prompt speech tokens, until the prompt speech is used up (the prompt speech is always
+   at least 3x its transcript, so this waits for text of the request).
+2. Then speech is decoded until a fill token: sampled (EOS banned), or forced once 15 speech tokens follow
+   the previous fill. After a fill, the next 5 text tokens are fed and decoding goes on.
+3. Once the text has ended: the text not yet fed, the task id (and any prompt speech not yet laid out, after
+   it, as in training) are fed and speech is decoded until a stop token, as in the one-shot layout.
+
+`BistreamPlan` decides what to feed, from the text tokens read so far; it reads arrived tokens one at a
+time, as the official loop does with the one-token pieces its frontend yields, so what is fed depends only
+on the token sequence, never on how the text was cut into pieces or when they came: the same seed gives
+the same speech however fast the text arrives. The LLM scheduler (`llm_scheduler`) runs a plan per
+bistream stream among its batched streams; `generate_bistream` is the single-stream reference.
+
+Two official slips are not copied: after a fill the official final step feeds its last input a second time
+(it is already in the cache), and it drops prompt speech not yet laid out when the text is short.
+Where the official code raises (the stop token speech_token_size + 1 sampled before the text ended, or a
+non-EOS stop token after it), the stream ends as on a stop token.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..errors import Cancelled, InvalidInput
+from ..messages import SamplingParams
+from ..models.qwen2 import kv_bucket
+from ..models.speech_lm import SOS_INDEX, TASK_ID_INDEX, SpeechLM
+from .sampling import RasSampler, make_generator
+
+MIX_TEXT, MIX_SPEECH = 5, 15  # the trained pattern: 5 text tokens, then 15 speech tokens and a fill token
+FILL_OFFSET = 2  # the fill token is speech_token_size + 2
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of LLM input positions of one kind: sos | task_id (one position each) | text | speech (ids)."""
+
+    kind: str
+    ids: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return 1 if self.kind in ("sos", "task_id") else len(self.ids)
+
+
+SOS = Segment("sos")
+TASK_ID = Segment("task_id")
+
+
+class BistreamPlan:
+    """What one bistream stream feeds the LLM next, and what its outputs mean. Not thread-safe: one owner.
+
+    The driver loop: `feed = next_feed()` (None: wait for text: `add_text` / `end_text`), one forward of
+    `feed`, then `token = forced_token()` or a draw from the step's log-probs (EOS banned while
+    `ban_eos`) over `history`, and `accept(token)` says "speech" (send it), "fill" or "stop"."""
+
+    def __init__(self, prompt_text_tokens: Sequence[int], prompt_speech_tokens: Sequence[int],
+                 speech_token_size: int, max_token_text_ratio: float):
+        self.speech_token_size = speech_token_size
+        self.fill_token = speech_token_size + FILL_OFFSET
+        self.max_token_text_ratio = max_token_text_ratio
+        self.history: list[int] = []  # every output, fill tokens included (the sampler's window sees them)
+        self.text_len = 0  # text tokens received (the prompt transcript excluded)
+        self.speech_out = 0  # speech tokens accepted
+        self.final = False  # the text has ended and is all fed: decode until a stop token
+        self.decoding = False  # the last output is a speech token, to be fed next
+        self._arrived: deque[int] = deque()  # text tokens received, not yet read
+        self._text_ended = False
+        self._text: list[int] = list(prompt_text_tokens)  # text read, not yet fed
+        self._prompt_speech: list[int] = list(prompt_speech_tokens)  # not yet laid out
+        self._pending: list[Segment] = [SOS]  # laid out, not yet fed
+        given = len(self._prompt_speech)  # the first fill comes where the prompt's last group of 15 ends
+        self._next_fill = (given // MIX_SPEECH + 1) * MIX_SPEECH - given
+
+    # ---- text in ---------------------------------------------------------------------------------------
+
+    def add_text(self, tokens: Iterable[int]) -> None:
+        if self._text_ended:
+            raise ValueError("the text has ended")
+        tokens = list(tokens)
+        self._arrived.extend(tokens)
+        self.text_len += len(tokens)
+
+    def end_text(self) -> None:
+        self._text_ended = True
+
+    @property
+    def has_input(self) -> bool:
+        """True when `next_feed` may have something without more text."""
+        return self.decoding or bool(self._arrived) or (self._text_ended and not self.final)
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+
+    @property
+    def ban_eos(self) -> bool:
+        return not self.final
+
+    def next_feed(self) -> list[Segment] | None:
+        """The segments to feed now, or None until more text (or its end) arrives."""
+        if self.decoding:
+            return [Segment("speech", (self.history[-1],))]
+        if self.final:
+            raise RuntimeError("a bistream plan that has stopped feeds nothing")
+        while self._arrived:
+            self._text.append(self._arrived.popleft())
+            feed = self._read_one()
+            if feed is not None:
+                return feed
+        if not self._text_ended:
+            return None
+        self.final = True
+        rest = [Segment("text", tuple(self._text))] if self._text else []
+        speech = [Segment("speech", tuple(self._prompt_speech))] if self._prompt_speech else []
+        self._text, self._prompt_speech = [], []
+        return self._take_pending() + rest + [TASK_ID] + speech
+
+    def forced_token(self) -> int | None:
+        """The fill token when 15 speech tokens follow the previous fill (text phase only), else None."""
+        if not self.final and len(self.history) == self._next_fill:
+            return self.fill_token
+        return None
+
+    def accept(self, token: int) -> str:
+        """Record the step's output: "speech" (a speech token to send), "fill" or "stop"."""
+        if not self.final and token == self.fill_token:
+            self._next_fill = len(self.history) + MIX_SPEECH + 1
+            self.history.append(token)
+            self.decoding = False
+            return "fill"
+        if token >= self.speech_token_size:
+            self.decoding = False
+            return "stop"
+        self.history.append(token)
+        self.speech_out += 1
+        self.decoding = True
+        return "speech"
+
+    @property
+    def max_len(self) -> int | None:
+        """Most speech tokens once the text has ended (the one-shot limit of its length), else None."""
+        return int(self.text_len * self.max_token_text_ratio) if self._text_ended else None
+
+    @property
+    def at_max_len(self) -> bool:
+        limit = self.max_len
+        return limit is not None and self.speech_out >= limit
+
+    # ---- helpers -----------------------------------------------------------------------------------------
+
+    def _read_one(self) -> list[Segment] | None:
+        """After reading one more text token: lay out prompt speech, or feed 5 text tokens when due."""
+        while self._prompt_speech and len(self._text) >= MIX_TEXT:
+            self._pending += [Segment("text", tuple(self._text[:MIX_TEXT])),
+                              Segment("speech", tuple(self._prompt_speech[:MIX_SPEECH]))]
+            del self._text[:MIX_TEXT], self._prompt_speech[:MIX_SPEECH]
+        if self._prompt_speech:
+            return None
+        if not self.history and self._pending != [SOS]:  # the prompt is laid out: decode before more text
+            return self._take_pending()
+        if len(self._text) >= MIX_TEXT:  # at the start, or after a fill
+            self._pending.append(Segment("text", tuple(self._text[:MIX_TEXT])))
+            del self._text[:MIX_TEXT]
+            return self._take_pending()
+        return None
+
+    def _take_pending(self) -> list[Segment]:
+        pending, self._pending = self._pending, []
+        return pending
+
+
+def embed_segments(llm: SpeechLM, segments: Sequence[Segment], device: torch.device) -> Tensor:
+    """LLM input embeddings of the segments, in order: (1, L, D)."""
+    weight = llm.llm_embedding.weight
+    parts = []
+    for segment in segments:
+        if segment.kind == "sos":
+            parts.append(weight[SOS_INDEX].reshape(1, 1, -1))  # (1, 1, D)
+        elif segment.kind == "task_id":
+            parts.append(weight[TASK_ID_INDEX].reshape(1, 1, -1))  # (1, 1, D)
+        else:
+            ids = torch.tensor(segment.ids, dtype=torch.int64, device=device).reshape(1, -1)  # (1, N)
+            embed = llm.backbone.embed_tokens if segment.kind == "text" else llm.speech_embedding
+            parts.append(embed(ids))  # (1, N, D)
+    return torch.cat(parts, dim=1)
+
+
+def new_plan(llm: SpeechLM, prompt_text_tokens: Sequence[int], prompt_speech_tokens: Sequence[int]) -> BistreamPlan:
+    config = llm.config
+    return BistreamPlan(prompt_text_tokens, prompt_speech_tokens, config.speech_token_size,
+                        config.max_token_text_ratio)
+
+
+@torch.inference_mode()
+def generate_bistream(llm: SpeechLM, text_pieces: Iterable[Sequence[int]], prompt_text_tokens: Sequence[int],
+                      prompt_speech_tokens: Sequence[int], sampling: SamplingParams | None = None,
+                      generator: torch.Generator | None = None, slot: int = 0) -> Iterator[int]:
+    """Speech tokens of one bistream stream in cache slot `slot`: the reference that `LLMScheduler` batches.
+
+    `text_pieces` yields lists of text token ids; a piece is read only when the plan needs more text, so a
+    generator that waits for its text (an LLM writing it) is consumed as the speech goes on. Ends at a stop
+    token, at the length limit of the whole text, or when the cache is full."""
+    sampling = (llm.config.sampling if sampling is None else sampling).validate()
+    sampler = RasSampler(sampling)
+    generator = generator if generator is not None else make_generator(sampling.seed)
+    device = llm.llm_decoder.weight.device
+    plan = new_plan(llm, prompt_text_tokens, prompt_speech_tokens)
+    pieces = iter(text_pieces)
+    slots = torch.tensor([slot], device=device)
+    pos = 0  # cache positions written
+    eos = llm.config.eos_token
+    while not plan.at_max_len:
+        feed = plan.next_feed()
+        if feed is None:
+            piece = next(pieces, None)
+            plan.end_text() if piece is None else plan.add_text(piece)
+            continue
+        x = embed_segments(llm, feed, device)  # (1, L, D)
+        if pos + x.shape[1] > llm.max_seq_len:
+            return
+        input_pos = torch.arange(pos, pos + x.shape[1], device=device)[None]  # (1, L)
+        pos += x.shape[1]
+        logp = llm.step_logits(x, input_pos, slots, kv_bucket(pos, llm.max_seq_len))[0].log_softmax(dim=-1)  # (V,)
+        token = plan.forced_token()
+        if token is None:
+            if plan.ban_eos:
+                logp[eos] = -math.inf
+            token = sampler(logp, plan.history, generator)
+        outcome = plan.accept(token)
+        if outcome == "stop":
+            return
+        if outcome == "speech":
+            yield token
+
+
+# ---- text pieces in -------------------------------------------------------------------------------------
+
+TEXT_IDLE_TIMEOUT_S = 120.0  # a bistream synthesis that gets no text for this long fails (it holds an LLM slot)
+WORD_HOLD_CHARS = 24  # a run of text without white space longer than this is tokenized without waiting
+
+
+class WordPieces:
+    """Text arriving in pieces -> text to tokenize, cut before white space, so a word cut across two pieces
+    is tokenized whole ("Hel" + "lo world" gives "Hello" then " world"): the tokens depend on the text, not
+    on its pieces. The last word waits for the next piece (or the end), unless it is longer than
+    WORD_HOLD_CHARS (text without spaces, as Chinese)."""
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        self._held += text
+        cut = max(self._held.rfind(" "), self._held.rfind("\n"), self._held.rfind("\t"))
+        if cut <= 0 and len(self._held) > WORD_HOLD_CHARS:
+            cut = len(self._held)
+        if cut <= 0:
+            return ""
+        ready, self._held = self._held[:cut], self._held[cut:]
+        return ready
+
+    def flush(self) -> str:
+        rest, self._held = self._held, ""
+        return rest
+
+
+_TEXT_END = object()
+
+
+class TextFeed:
+    """The text pieces of one bistream synthesis, from the thread that receives them to the one that reads
+    them. Iterating waits for each piece; it ends after `end()`; it raises TimeoutError when no piece comes
+    for `idle_timeout_s` (a writer that went quiet must not hold an LLM slot for ever)."""
+
+    def __init__(self, idle_timeout_s: float | None = None):
+        self.idle_timeout_s = idle_timeout_s
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.ended = False
+        self.created = time.monotonic()
+
+    def put(self, text: str) -> None:
+        if self.ended:
+            raise InvalidInput("text_end", "the text of this synthesis has ended")
+        self._queue.put(text)
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self._queue.put(_TEXT_END)
+
+    def __iter__(self) -> Iterator[str]:
+        return self.pieces()
+
+    def pieces(self, is_cancelled: Callable[[], bool] = lambda: False, check_s: float = 0.5) -> Iterator[str]:
+        """The pieces as they come; every `check_s` while waiting, Cancelled once `is_cancelled()`."""
+        idle_s = 0.0
+        while True:
+            try:
+                item = self._queue.get(timeout=check_s)
+            except queue.Empty:
+                if is_cancelled():
+                    raise Cancelled("the bistream synthesis was cancelled") from None
+                idle_s += check_s
+                if self.idle_timeout_s is not None and idle_s >= self.idle_timeout_s:
+                    raise TimeoutError(f"no text for {self.idle_timeout_s:g} s: the bistream synthesis ends") from None
+                continue
+            idle_s = 0.0
+            if item is _TEXT_END:
+                return
+            yield item
+
+
+class TextFeeds:
+    """The bistream syntheses of one process by the caller's text_stream_id: `append` hands a piece to the
+    synthesis that `open`ed the id. A piece may come before its open (two requests racing): it waits in a
+    feed of its own that the open takes over; such a feed is dropped after `unclaimed_s`."""
+
+    def __init__(self, idle_timeout_s: float | None = None, unclaimed_s: float = 60.0):
+        self.idle_timeout_s = idle_timeout_s
+        self.unclaimed_s = unclaimed_s
+        self._feeds: dict[str, TextFeed] = {}
+        self._claimed: set[str] = set()
+        self._lock = threading.Lock()
+
+    def open(self, stream_id: str) -> TextFeed:
+        with self._lock:
+            self._drop_unclaimed()
+            if stream_id in self._claimed:
+                raise InvalidInput("text_stream_id", f"{stream_id!r} is already streaming")
+            feed = self._feeds.setdefault(stream_id, TextFeed(self.idle_timeout_s))
+            self._claimed.add(stream_id)
+            return feed
+
+    def append(self, stream_id: str, text: str, end: bool) -> None:
+        with self._lock:
+            self._drop_unclaimed()
+            feed = self._feeds.setdefault(stream_id, TextFeed(self.idle_timeout_s))
+        if text:
+            feed.put(text)
+        if end:
+            feed.end()
+
+    def close(self, stream_id: str) -> None:
+        """The synthesis is over: end its feed (a reader still waiting returns) and forget the id."""
+        with self._lock:
+            feed = self._feeds.pop(stream_id, None)
+            self._claimed.discard(stream_id)
+        if feed is not None:
+            feed.end()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._feeds)
+
+    def _drop_unclaimed(self) -> None:
+        old = time.monotonic() - self.unclaimed_s
+        for stream_id in [s for s, f in self._feeds.items() if s not in self._claimed and f.created < old]:
+            del self._feeds[stream_id]

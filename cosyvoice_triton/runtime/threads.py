@@ -1,0 +1,103 @@
+"""How many torch threads the LLM and token2wav get, from the cores this process may use.
+
+The two run at the same time (the LLM decodes the next tokens while token2wav turns a chunk into
+audio), so together they ask for no more threads than there are cores: with more, OpenMP's workers
+wait on each other and both slow down. `thread_plan` splits the cores:
+- LLM: a decode step is a chain of matrix-vector products, one token per stream, bound by memory
+  bandwidth more than by arithmetic; past a few threads it gains little. It gets a third of the cores,
+  at least 1 and at most `LLM_MAX_THREADS`.
+- token2wav: the flow's estimator and HiFT run convolutions and attention over hundreds of frames per
+  call, which keep every thread busy. It gets the rest, at least 1.
+On 2 cores each gets 1. The Triton models (separate processes, each with its own OpenMP pool) take the
+plan as it is, unless `--torch-threads` names a count. In-process, `CoreShare` gives the LLM every core
+while token2wav is idle and its share while token2wav runs; token2wav gets its share for a stream's middle
+chunks, and every core for its first chunk (what first audio waits for: the LLM's decode steps wait
+while it runs, a unit run `alone`) and its last (which comes after the LLM's end). Its count is fixed per
+chunk kind, not by what runs beside it: the flow's sums come out differently (by ~1e-6) at different
+thread counts, and a seed's audio must not depend on timing. (The LLM's logits are the same at any
+count, and only when its steps run depends on the first chunk.)
+"""
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+LLM_MAX_THREADS = 4
+Module = Literal["llm", "token2wav"]
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    cores: int
+    llm: int  # torch threads of the LLM while token2wav runs beside it
+    token2wav: int  # torch threads of token2wav while the LLM runs beside it
+
+    def of(self, module: Module) -> int:
+        return self.llm if module == "llm" else self.token2wav
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, as a container's cpuset sets it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_plan(cores: int | None = None) -> ThreadPlan:
+    cores = max(1, cores or available_cores())
+    llm = min(LLM_MAX_THREADS, max(1, cores // 3))
+    return ThreadPlan(cores=cores, llm=llm, token2wav=max(1, cores - llm))
+
+
+_thread_counts = threading.local()  # .count: the last count set_torch_threads gave this thread
+
+
+def set_torch_threads(count: int) -> None:
+    """Set the calling thread's torch thread count (OpenMP keeps one per thread), when it differs."""
+    import torch
+
+    if getattr(_thread_counts, "count", None) != count:
+        torch.get_num_threads()  # torch's first-use setup of this thread, which would reset the count later
+        torch.set_num_threads(count)
+        _thread_counts.count = count
+
+
+class CoreShare:
+    """The cores of one in-process pipeline, shared by its LLM and token2wav threads.
+
+    Each unit of work (one LLM decode step, one token2wav chunk) runs inside `running(module)`, which sets
+    the calling thread's torch threads: every core when the other module is idle, the plan's share when
+    it is busy, or the count given (token2wav's, fixed per chunk kind). A unit keeps its count to its end.
+    A unit run `alone` waits for the other module's unit in progress to end, and the other module's next
+    units wait for it to end: it has the cores to itself."""
+
+    def __init__(self, plan: ThreadPlan | None = None):
+        self.plan = plan or thread_plan()
+        self._busy = {"llm": 0, "token2wav": 0}
+        self._alone = {"llm": 0, "token2wav": 0}  # units run alone, running or waiting to
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def running(self, module: Module, threads: int | None = None, alone: bool = False) -> Iterator[int]:
+        other: Module = "token2wav" if module == "llm" else "llm"
+        with self._changed:
+            self._changed.wait_for(lambda: self._alone[other] == 0)
+            if alone:
+                self._alone[module] += 1
+                self._changed.wait_for(lambda: self._busy[other] == 0)
+            self._busy[module] += 1
+            shared = self._busy[other] > 0
+        if threads is None:
+            threads = self.plan.of(module) if shared else self.plan.cores
+        set_torch_threads(threads)
+        try:
+            yield threads
+        finally:
+            with self._changed:
+                self._busy[module] -= 1
+                self._alone[module] -= alone
+                self._changed.notify_all()

@@ -1,0 +1,91 @@
+"""One access log line per request, on by default (`GatewayConfig.access_log`; `--no-access-log`):
+
+    access POST /v1/audio/speech 200 first_chunk_ms=412 audio_s=2.36 total_ms=1630
+
+method, the route as registered (`/v1/voices/{voice_id}`, never the query string: no keys, no ids from the
+URL), the status ("cancelled" when the client left, "aborted" when a stream was cut after its headers),
+the milliseconds from accepting the request to its first audio byte and the seconds of audio sent ("-"
+for requests without audio), and the time the request took. Nothing from headers or bodies is logged.
+
+The routes report audio with `first_chunk(request, seconds)` and `audio_sent(request, seconds)`; the
+middleware writes the line when the handler ends (after the last byte of a streamed answer). The lines go
+to the logger `cosyvoice_triton.gateway.access`, which gets its own stderr handler at INFO
+(`enable_access_log`), so they show whatever level the rest of the logs have.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from .request_keys import ABORTED, _request_key
+
+ACCESS_LOGGER = "cosyvoice_triton.gateway.access"
+log = logging.getLogger(ACCESS_LOGGER)
+
+
+@dataclass
+class AccessRecord:
+    started: float  # time.monotonic() when the request came in
+    first_chunk_s: float | None = None  # accepted -> first audio byte out
+    audio_s: float = 0.0  # seconds of audio sent
+
+
+ACCESS = _request_key("access", AccessRecord)
+
+
+def first_chunk(request: web.Request, seconds: float) -> None:
+    """The first audio byte of `request` went out `seconds` after it was accepted (the first call counts)."""
+    record = request.get(ACCESS)
+    if record is not None and record.first_chunk_s is None:
+        record.first_chunk_s = seconds
+
+
+def audio_sent(request: web.Request, seconds: float) -> None:
+    record = request.get(ACCESS)
+    if record is not None:
+        record.audio_s += seconds
+
+
+def access_line(method: str, route: str, status: str, record: AccessRecord, now: float) -> str:
+    first = "-" if record.first_chunk_s is None else f"{record.first_chunk_s * 1000:.0f}"
+    audio = f"{record.audio_s:.2f}" if record.first_chunk_s is not None or record.audio_s else "-"
+    return (f"access {method} {route} {status} first_chunk_ms={first} audio_s={audio} "
+            f"total_ms={(now - record.started) * 1000:.0f}")
+
+
+@web.middleware
+async def access_log_middleware(request: web.Request, handler):
+    record = AccessRecord(started=time.monotonic())
+    request[ACCESS] = record
+    status = "500"
+    try:
+        response = await handler(request)
+        status = "aborted" if request.get(ABORTED) else str(response.status)
+        return response
+    except asyncio.CancelledError:
+        status = "cancelled"
+        raise
+    except web.HTTPException as exc:
+        status = str(exc.status)
+        raise
+    finally:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        log.info("%s", access_line(request.method, route, status, record, time.monotonic()))
+
+
+def enable_access_log() -> None:
+    """Give the access logger its own stderr handler at INFO, once per process."""
+    if any(getattr(h, "_cosyvoice_access", False) for h in log.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    handler._cosyvoice_access = True  # type: ignore[attr-defined]
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False  # not twice where the root logger has a handler too

@@ -1,0 +1,128 @@
+"""Draining a gateway before it stops: new requests are refused, the ones in flight get a grace period.
+
+```
+drain = app[DRAIN]                          # every app has one (create_app), with its middleware
+drain.begin("the server is shutting down")  # from now on: 503 + Retry-After, naming the reason
+finished = await drain.wait_idle(router, grace_s=20)   # True when nothing is left in flight
+
+exit_code = await serve_until_stopped(app, host, port, drain_timeout_s=20, out=sys.stdout)
+```
+`serve_until_stopped` is how both `python -m cosyvoice_triton.gateway` (app.run) and `cosyvoice-triton up`
+serve: until SIGINT / SIGTERM (a Kubernetes pod gets SIGTERM at every rollout), then the drain above,
+then aiohttp's shutdown, which cuts what is still running after CUT_AFTER_DRAIN_S; exit code 0.
+What counts as in flight: HTTP requests being handled (a streamed /v1/tts until its last chunk), every
+Triton call of the router, and the WebSocket segments accepted and not yet sent (routes_ws counts them in
+`in_flight`). WebSocket sessions themselves are not waited for: an idle socket would hold the stop for the
+whole grace period; they are closed with GOING_AWAY when the application shuts down, after their streams
+finished or the grace period passed. While draining, a new WebSocket is refused at the upgrade, and an
+open session that asks for a new synthesis ("start", text that completes a segment, "flush", "vc") gets
+the same refusal (`Draining`: 503 "unavailable") once what it had asked for before is sent. `/healthz`,
+`/readyz` (which answers 503 "draining") and `/metrics` keep answering while the gateway drains.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+from aiohttp import web
+
+from .errors import ServiceUnavailable
+
+ALWAYS_SERVED = frozenset({"/healthz", "/readyz", "/metrics"})
+IDLE_CHECK_S = 0.1
+DRAIN_TIMEOUT_S = 20.0  # how long the requests in flight at SIGTERM may take to finish
+CUT_AFTER_DRAIN_S = 2.0  # aiohttp's shutdown timeout once the grace period is over
+WATCH_S = 1.0  # how often `servers_gone` is asked
+
+
+class Draining(ServiceUnavailable):
+    """A new request (or a new synthesis on an open WebSocket) while the gateway drains."""
+
+
+class Drain:
+    def __init__(self) -> None:
+        self.reason: str | None = None  # set once draining
+        # HTTP requests being handled (not ALWAYS_SERVED) + WebSocket segments accepted and not yet sent
+        self.in_flight = 0
+
+    @property
+    def draining(self) -> bool:
+        return self.reason is not None
+
+    def begin(self, reason: str) -> None:
+        self.reason = reason
+
+    def refuse_new(self) -> None:
+        """Raise `Draining` once draining: no new request or synthesis is taken."""
+        if self.reason is not None:
+            raise Draining(f"{self.reason}: no new requests are taken; retry on another instance")
+
+    def busy(self, router) -> int:
+        """Requests still in flight: HTTP handlers plus the router's Triton calls."""
+        return self.in_flight + sum(server.inflight for server in router.servers)
+
+    async def wait_idle(self, router, grace_s: float) -> bool:
+        """Wait until nothing is in flight (True) or `grace_s` passed (False)."""
+        deadline = time.monotonic() + grace_s
+        while self.busy(router):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(IDLE_CHECK_S)
+        return True
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        if request.path in ALWAYS_SERVED:
+            return await handler(request)
+        self.refuse_new()
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            return await handler(request)  # its streams count through the router
+        self.in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            self.in_flight -= 1
+
+
+def drain_readiness(drain: Drain) -> tuple[list[str], dict]:
+    """A READINESS_CHECKS entry: not ready once draining, and /readyz says "draining" with the reason."""
+    if not drain.draining:
+        return [], {}
+    return [f"nothing: {drain.reason}"], {"status": "draining", "draining": drain.reason}
+
+
+async def serve_until_stopped(app: web.Application, host: str, port: int, drain_timeout_s: float, out: TextIO,
+                              servers_gone: Callable[[], bool] | None = None) -> int:
+    """Serve `app` on host:port until SIGINT / SIGTERM, then drain it (`Drain`, up to `drain_timeout_s`)
+    and stop it: 0; 1 if `servers_gone()` (asked every WATCH_S) ended it instead."""
+    from .state import DRAIN, ROUTER  # state imports this module
+
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=CUT_AFTER_DRAIN_S)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        gone = False
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), WATCH_S)
+            if servers_gone is not None and servers_gone():
+                gone = True
+                break
+        drain, router = app[DRAIN], app[ROUTER]
+        drain.begin("the server is shutting down")
+        print(f"draining: {drain.busy(router)} request(s) in flight, up to {drain_timeout_s:g} s ...", file=out,
+              flush=True)
+        finished = await drain.wait_idle(router, drain_timeout_s)
+        left = drain.busy(router)
+        print("drained" if finished else f"drain timeout: {left} request(s) cut", file=out, flush=True)
+        return 1 if gone else 0
+    finally:
+        await runner.cleanup()  # WebSockets get GOING_AWAY; what is still running is cancelled
