@@ -215,9 +215,10 @@ def test_sqlite_processes_share_one_file(tmp_path):
     path = str(tmp_path / "voices.sqlite")
     parent = open_voice_store(path)
     parent.get(parent.register(make_features(seed=0)).voice_id)
-    # Forked, so the children skip the slow imports; both register seed 1, each one of its own too.
-    fork = multiprocessing.get_context("fork")
-    children = [fork.Process(target=_register_in_child, args=(path, seeds)) for seeds in ([1, 2, 0], [1, 3])]
+    # Spawned, not forked: this process has gRPC and torch threads by now, and fork() copies their locks
+    # mid-call. Both children register seed 1, each one of its own too.
+    spawn = multiprocessing.get_context("spawn")
+    children = [spawn.Process(target=_register_in_child, args=(path, seeds)) for seeds in ([1, 2, 0], [1, 3])]
     for child in children:
         child.start()
     for child in children:

@@ -27,7 +27,6 @@ python_backend's stub launcher):
 from __future__ import annotations
 
 import atexit
-import ctypes.util
 import logging
 import os
 import re
@@ -36,6 +35,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -292,10 +292,10 @@ class TritonProcess:
         self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
         self._log_file.flush()
         self.returncode = None
-        self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
+        self._proc = subprocess.Popen(term_with_parent(cmd) if self.die_with_parent else cmd,
+                                      stdout=self._log_file, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, env=self.environment(),
-                                      cwd=self.workdir, start_new_session=True,
-                                      preexec_fn=_term_with_parent if self.die_with_parent else None)
+                                      cwd=self.workdir, start_new_session=True)
         log.info("tritonserver pid %d: http %s grpc %s metrics %s, log %s", self._proc.pid,
                  self.http_url, self.grpc_url, self.metrics_url, self.log_path)
 
@@ -395,12 +395,21 @@ class TritonProcess:
         return f"TritonProcess({self.model_repository}, {state}, grpc {self.grpc_url})"
 
 
-def _term_with_parent() -> None:
-    """In the child before exec: ask the kernel for SIGTERM (a graceful stop) when the parent dies.
+# The child asks for its parent-death signal itself, then becomes the command. A `preexec_fn` would
+# do the same between fork and exec in *this* process, but it makes subprocess fork() instead of vfork():
+# the fork runs every atfork handler (gRPC's among them) in a process whose other threads are mid-call,
+# which the Python docs call unsafe with threads and which gRPC's fork support has crashed on. The
+# parent's pid is passed so that a parent gone before prctl ran is seen (the child then exits).
+_PARENT_DEATH_EXEC = ("import ctypes, os, signal, sys; "
+                      "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM); "  # PR_SET_PDEATHSIG
+                      "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
+                      "os.execvp(sys.argv[2], sys.argv[2:])")
+
+
+def term_with_parent(command: Sequence[str]) -> list[str]:
+    """`command` started so that the kernel sends it SIGTERM (a graceful stop) when the parent dies.
     Linux ties this to the *thread* that started the child, so only use it from a long-lived thread."""
-    PR_SET_PDEATHSIG = 1
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    return [sys.executable, "-I", "-S", "-c", _PARENT_DEATH_EXEC, str(os.getpid()), *command]
 
 
 def _kill_group(pgid: int) -> None:

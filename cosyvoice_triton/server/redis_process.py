@@ -17,7 +17,7 @@ from pathlib import Path
 import redis
 
 from cosyvoice_triton.errors import CosyVoiceError
-from cosyvoice_triton.server.process import _term_with_parent, free_port
+from cosyvoice_triton.server.process import free_port, term_with_parent
 
 
 class RedisNotFound(CosyVoiceError, RuntimeError):
@@ -108,8 +108,8 @@ def _launch(binary: str, workdir: Path, port: int, log_path: Path, persist: bool
     persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if persist else ["--appendonly", "no"]
     command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
                "--save", "", *persistence, "--logfile", str(log_path)]
-    return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT, preexec_fn=_term_with_parent)
+    return subprocess.Popen(term_with_parent(command), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
 
 
 def _log_tail(log_path: Path) -> str:
