@@ -52,7 +52,7 @@ TOKENS_PER_S = 25
 # What the official import path needs in its own virtualenv (torch: the CPU build this project pins).
 OFFICIAL_PACKAGES = ["torch==2.13.0", "transformers==4.51.3", "diffusers==0.29.0", "hyperpyyaml", "conformer",
                      "omegaconf", "hydra-core", "lightning", "einops", "librosa", "inflect", "onnxruntime",
-                     "matplotlib", "rootutils", "gdown", "wget"]
+                     "matplotlib", "rootutils", "rich", "gdown", "wget"]
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old green tree".split()
 
 
