@@ -307,6 +307,26 @@ def read_voice_audio(reader: TensorReader) -> VoiceAudio | None:
     return read_audio(reader, "reference_wav", "reference_sample_rate", "reference_audio")
 
 
+def read_voice_choice(reader: TensorReader) -> tuple[str | None, VoiceAudio | None]:
+    """The request's voice: a stored voice's id or a recording, exactly one of the two."""
+    voice_id = reader.string("reference_audio_id")
+    audio = read_voice_audio(reader)
+    if voice_id is not None and audio is not None:
+        raise InvalidInput("reference_audio_id", f"give reference_audio_id or {audio.field}, not both")
+    if voice_id is None and audio is None:
+        raise InvalidInput("reference_wav", "a voice is required: reference_audio_id, reference_wav "
+                                            "(+ reference_sample_rate) or reference_audio")
+    return voice_id, audio
+
+
+def read_chunk_overrides(reader: TensorReader) -> dict:
+    """The chunk-policy fields the request sets (ChunkPolicy.with_overrides' keywords)."""
+    overrides = {attr: reader.real(name) if attr == "hop_scale" else reader.integer(name)
+                 for name, attr in CHUNK_FIELDS.items()}
+    overrides["kind"] = reader.string("chunk_policy")
+    return {attr: value for attr, value in overrides.items() if value is not None}
+
+
 @dataclass(frozen=True)
 class SynthesisInputs:
     """A cosyvoice2 request as typed values (the voice still to be resolved)."""
@@ -362,25 +382,12 @@ def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParam
     mode = reader.string("mode", default="zero_shot")
     if mode not in MODES:
         raise InvalidInput("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
-    voice_id = reader.string("reference_audio_id")
-    audio = read_voice_audio(reader)
-    if voice_id is not None and audio is not None:
-        raise InvalidInput("reference_audio_id", f"give reference_audio_id or {audio.field}, not both")
-    if voice_id is None and audio is None:
-        raise InvalidInput("reference_wav", "a voice is required: reference_audio_id, reference_wav "
-                                            "(+ reference_sample_rate) or reference_audio")
-    overrides = {}
-    for name, attr in CHUNK_FIELDS.items():
-        value = reader.real(name) if attr == "hop_scale" else reader.integer(name)
-        if value is not None:
-            overrides[attr] = value
-    kind = reader.string("chunk_policy")
-    if kind is not None:
-        overrides["kind"] = kind
+    voice_id, audio = read_voice_choice(reader)
     return SynthesisInputs(text=text, mode=mode, instruct_text=reader.string("instruct_text", default=""),
                            voice_id=voice_id, audio=audio, prompt_text=reader.string("reference_text"),
                            seed=reader.integer("seed", low=0, high=SEED_LIMIT - 1),
-                           sampling=read_sampling(reader, default_sampling), chunk_overrides=overrides,
+                           sampling=read_sampling(reader, default_sampling),
+                           chunk_overrides=read_chunk_overrides(reader),
                            text_frontend=reader.boolean("text_frontend", default=True),
                            speed=reader.real("speed", 1.0),
                            text_mode=text_mode, text_stream_id=text_stream_id)
@@ -417,19 +424,10 @@ def parse_conversion_inputs(reader: TensorReader) -> ConversionInputs:
     if reader.has("target_text"):
         raise InvalidInput("target_text", "is not used in vc mode (the source recording is what is spoken)")
     source = read_source_audio(reader)
-    voice_id = reader.string("reference_audio_id")
-    audio = read_voice_audio(reader)
-    if voice_id is not None and audio is not None:
-        raise InvalidInput("reference_audio_id", f"give reference_audio_id or {audio.field}, not both")
-    if voice_id is None and audio is None:
-        raise InvalidInput("reference_wav", "a voice is required: reference_audio_id, reference_wav "
-                                            "(+ reference_sample_rate) or reference_audio")
-    overrides = {attr: reader.real(name) if attr == "hop_scale" else reader.integer(name)
-                 for name, attr in CHUNK_FIELDS.items()}
-    overrides["kind"] = reader.string("chunk_policy")
+    voice_id, audio = read_voice_choice(reader)
     return ConversionInputs(source=source, voice_id=voice_id, audio=audio,
                             seed=reader.integer("seed", low=0, high=SEED_LIMIT - 1),
-                            chunk_overrides={k: v for k, v in overrides.items() if v is not None},
+                            chunk_overrides=read_chunk_overrides(reader),
                             speed=reader.real("speed", 1.0))
 
 
