@@ -14,7 +14,6 @@ to the logger `cosyvoice_triton.gateway.access`, which gets its own stderr handl
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 import time
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from .request_keys import ABORTED, _request_key
+from .request_keys import _request_key, handle_and_report
 
 ACCESS_LOGGER = "cosyvoice_triton.gateway.access"
 log = logging.getLogger(ACCESS_LOGGER)
@@ -62,21 +61,11 @@ def access_line(method: str, route: str, status: str, record: AccessRecord, now:
 async def access_log_middleware(request: web.Request, handler):
     record = AccessRecord(started=time.monotonic())
     request[ACCESS] = record
-    status = "500"
-    try:
-        response = await handler(request)
-        status = "aborted" if request.get(ABORTED) else str(response.status)
-        return response
-    except asyncio.CancelledError:
-        status = "cancelled"
-        raise
-    except web.HTTPException as exc:
-        status = str(exc.status)
-        raise
-    finally:
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else "unmatched"
+
+    def write(route: str, status: str) -> None:
         log.info("%s", access_line(request.method, route, status, record, time.monotonic()))
+
+    return await handle_and_report(request, handler, write)
 
 
 def enable_access_log() -> None:

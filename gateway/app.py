@@ -44,7 +44,7 @@ from .default_voice import DefaultVoice
 from .drain import CUT_AFTER_DRAIN_S, DRAIN_TIMEOUT_S, Drain, drain_readiness, serve_until_stopped
 from .errors import error_middleware
 from .metrics import GatewayMetrics
-from .request_keys import ABORTED, ERROR_CODE
+from .request_keys import ERROR_CODE, handle_and_report
 from .routing import CostModel, Router
 from .state import (
     CONFIG,
@@ -173,24 +173,14 @@ async def _default_voice(app: web.Application):
 
 @web.middleware
 async def metrics_middleware(request: web.Request, handler):
-    status = "500"
-    try:
-        response = await handler(request)
-        status = "aborted" if request.get(ABORTED) else str(response.status)
-        return response
-    except asyncio.CancelledError:
-        status = "cancelled"  # the client went away
-        raise
-    except web.HTTPException as exc:
-        status = str(exc.status)
-        raise
-    finally:
+    def count(route: str, status: str) -> None:
         metrics_ = request.app.get(METRICS)
         if metrics_ is not None:
-            resource = request.match_info.route.resource
-            metrics_.requests.labels(resource.canonical if resource is not None else "unmatched", status).inc()
+            metrics_.requests.labels(route, status).inc()
             if request.get(ERROR_CODE):
                 metrics_.errors.labels(request[ERROR_CODE]).inc()
+
+    return await handle_and_report(request, handler, count)
 
 
 async def healthz(request: web.Request) -> web.Response:
