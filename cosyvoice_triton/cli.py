@@ -53,7 +53,7 @@ def _run_synth(args) -> int:
 
     from .preprocess.audio import decode_audio
     from .model_hub import resolve_model_dir
-    from .runtime.synthesizer import CosyVoice2, SynthesisRequest
+    from .pipeline.synthesizer import CosyVoice2, SynthesisRequest
 
     t0 = time.perf_counter()
     tts = CosyVoice2.from_model_dir(resolve_model_dir(args.model_dir), device=args.device)
@@ -209,8 +209,9 @@ def _add_voices(sub) -> None:
 
 def _run_voices_import(args) -> int:
     from .preprocess.text import TextPreprocessor
-    from .runtime.spk2info import import_spk2info
-    from .runtime.voice_store import open_voice_store, owner_tag
+    from .voices.spk2info import import_spk2info
+    from .voices.store import owner_tag
+    from .voices.stores import open_voice_store
 
     tokenizer = TextPreprocessor.from_model_dir(args.model_dir).tokenizer
     store = open_voice_store(args.voice_store)

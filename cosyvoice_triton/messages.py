@@ -31,8 +31,8 @@ VC_MODE = "vc"  # voice conversion: a source recording spoken again in a voice (
 SEED_LIMIT = 2**64  # seeds are integers in [0, SEED_LIMIT): UINT64 on the wire, torch.Generator's range
 MIN_HOP_TOKENS = 4  # the vocoder holds back 8 mel frames (4 tokens) of every non-final chunk
 TEXT_MODES = ("sentences", "bistream")  # sentences: one LLM stream per sentence; bistream: text fed as it arrives
-CHUNK_POLICIES = ("fixed", "adaptive")  # ChunkPolicy.kind; see runtime/chunk_policy.py
-MIN_SPEED, MAX_SPEED = 0.25, 4.0  # speaking speed: the mel interpolated by 1 / speed (runtime/mel_speed.py)
+CHUNK_POLICIES = ("fixed", "adaptive")  # ChunkPolicy.kind; see pipeline/chunk_policy.py
+MIN_SPEED, MAX_SPEED = 0.25, 4.0  # speaking speed: the mel interpolated by 1 / speed (token2wav/speed.py)
 
 
 def is_int(value: object) -> bool:
@@ -94,7 +94,7 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class ChunkPolicy:
-    """When a stream's tokens become audio (see `runtime/chunk_policy.py` for the schedule)."""
+    """When a stream's tokens become audio (see `pipeline/chunk_policy.py` for the schedule)."""
 
     first_hop: int = 25  # tokens in the first chunk, before the prompt alignment pad
     hop_scale: float = 2.0  # each later hop is the previous one times this
@@ -139,7 +139,7 @@ class PromptFeatures:
 @dataclass
 class FlowPrompt:
     """The flow-side prompt of a voice, as token2wav takes it: numpy arrays from the voice to the wire;
-    token2wav turns them into torch tensors once, when a stream opens (`runtime.token2wav.prompt_tensors`;
+    token2wav turns them into torch tensors once, when a stream opens (`token2wav.stream.prompt_tensors`;
     torch tensors are taken as they are)."""
 
     speech_tokens: np.ndarray | torch.Tensor  # (1, P) int32
@@ -219,4 +219,4 @@ class ChunkRequest:
     finalize: bool  # last chunk of the stream: emit everything, then free the state
     prompt: FlowPrompt | None  # required on the first request of a stream, ignored afterwards
     seed: int | None  # vocoder noise seed, used on the first request (None -> random)
-    speed: float = 1.0  # speaking speed of the stream, used on the first request (runtime/mel_speed.py)
+    speed: float = 1.0  # speaking speed of the stream, used on the first request (token2wav/speed.py)

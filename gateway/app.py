@@ -109,7 +109,7 @@ def create_app(config: GatewayConfig, *, resolve: Resolver = resolve_ips) -> web
 # ---- resources ------------------------------------------------------------------------------------------
 
 async def _voice_store(app: web.Application):
-    from cosyvoice_triton.runtime.voice_store import open_voice_store
+    from cosyvoice_triton.voices.stores import open_voice_store
     from cosyvoice_triton.server.launcher import resolve_voice_store
 
     config = app[CONFIG]

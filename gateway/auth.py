@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from cosyvoice_triton.runtime.voice_store import owner_tag
+from cosyvoice_triton.voices.store import owner_tag
 
 from .errors import RateLimited, TooManyStreams, Unauthorized
 from .request_keys import API_KEY, TENANT

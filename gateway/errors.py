@@ -16,7 +16,7 @@ import re
 from aiohttp import web
 
 from cosyvoice_triton.errors import Cancelled, InvalidInput, NotFound, Unavailable
-from cosyvoice_triton.runtime.voice_store import short_repr  # noqa: F401  (re-exported for the routes)
+from cosyvoice_triton.voices.store import short_repr  # noqa: F401  (re-exported for the routes)
 
 from .request_keys import ERROR_CODE
 

@@ -7,7 +7,7 @@
   response_format  mp3 (the default, as OpenAI's) | opus (Ogg, 48 kHz) | aac (ADTS) | flac | wav | pcm
                    (16-bit little-endian, 24 kHz, no header); encoded by cosyvoice_triton/audio_out.py
   speed            0.25 .. 4.0 as OpenAI's (default 1.0): the mel is interpolated along time by 1 / speed
-                   before the vocoder, as the official CosyVoice2 does, streamed or not (runtime/mel_speed.py);
+                   before the vocoder, as the official CosyVoice2 does, streamed or not (token2wav/speed.py);
                    outside the range: 400 naming `speed`
   instructions     switches to instruct2 mode with this instruction
   stream_format    audio (default): the audio bytes, streamed as they are encoded | sse: server-sent events

@@ -8,10 +8,10 @@ Body (JSON):
   instruct      the instruction (instruct2)
   text_frontend false: the text as given: no normalization, no sentence splitting (official text_frontend=False; default true)
   speed         0.25 .. 4.0 (default 1.0): the mel interpolated along time by 1 / speed before the vocoder, as the
-                official CosyVoice2, streamed or not (runtime/mel_speed.py); outside the range: 400 naming `speed`
+                official CosyVoice2, streamed or not (token2wav/speed.py); outside the range: 400 naming `speed`
   seed          0 .. 2^63-1: the same seed and inputs give the same audio (default: random, echoed in X-Seed)
   chunk_first_hop, chunk_hop_scale, chunk_max_hop
-                the streaming chunk policy (runtime/chunk_policy.py; default: the server's): speech tokens in
+                the streaming chunk policy (pipeline/chunk_policy.py; default: the server's): speech tokens in
                 the first chunk (int >= 4; smaller: earlier first audio), the growth of each later chunk
                 (number in [1, 16]) and its cap (int >= the first hop). The chunking changes where the flow
                 model's chunks fall, so the audio may differ slightly from the default's

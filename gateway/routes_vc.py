@@ -2,7 +2,7 @@
 
 Body (multipart/form-data):
   audio         required: the source recording, a WAV/FLAC/OGG file of 0.2 s to 10 min (longer than 30 s: cut
-                into pieces of at most 30 s at quiet frames and spoken in order, runtime/voice_conversion.py)
+                into pieces of at most 30 s at quiet frames and spoken in order, pipeline/voice_conversion.py)
   voice_id      a registered voice (default: "default"); or
   prompt_audio  a target recording (WAV/FLAC/OGG file, 0.5 to 30 s) whose voice is used (no transcript needed)
   seed          as on /v1/tts (default: random, echoed in X-Seed)
@@ -29,7 +29,7 @@ from aiohttp import web
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import check_speed
 from cosyvoice_triton.preprocess.audio import decode_audio
-from cosyvoice_triton.runtime.voice_conversion import validate_source_audio
+from cosyvoice_triton.pipeline.voice_conversion import validate_source_audio
 from cosyvoice_triton.triton.contracts import conversion_inputs
 
 from .auth import limit_key

@@ -33,7 +33,7 @@ from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.preprocess.audio import load_prompt_audio
 from cosyvoice_triton.preprocess.text import text_problem
 from cosyvoice_triton.preprocess.voice_features import audio_sha256
-from cosyvoice_triton.runtime.voice_store import VoiceRecord, check_voice_id, visible_to
+from cosyvoice_triton.voices.store import VoiceRecord, check_voice_id, visible_to
 from cosyvoice_triton.triton import contracts
 
 from .auth import RateLimiter, Tenant, current_tenant

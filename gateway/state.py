@@ -15,7 +15,7 @@ from .routing import CostModel, Router
 CONFIG = web.AppKey("config", GatewayConfig)
 RESOLVE = web.AppKey("resolve", object)  # a cosyvoice_triton.targets.Resolver: DNS lookups of dns:// specs
 ROUTER = web.AppKey("router", Router)
-STORE = web.AppKey("store", object)  # a cosyvoice_triton.runtime.voice_store.VoiceStore (blocking: use threads)
+STORE = web.AppKey("store", object)  # a cosyvoice_triton.voices.store.VoiceStore (blocking: use threads)
 COSTS = web.AppKey("costs", CostModel)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 LIMITER = web.AppKey("limiter", StreamLimiter)

@@ -27,9 +27,9 @@ from cosyvoice_triton.admission import AdmissionPolicy, retry_after_from_message
 from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.preprocess.audio import load_prompt_audio
 from cosyvoice_triton.preprocess.text import text_problem, validate_text
-from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
+from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy
 from cosyvoice_triton.messages import MODES, SEED_LIMIT, check_speed
-from cosyvoice_triton.runtime.voice_store import check_voice_id, visible_to
+from cosyvoice_triton.voices.store import check_voice_id, visible_to
 from cosyvoice_triton.triton.contracts import synthesis_inputs
 
 from . import admission

@@ -3,7 +3,7 @@
 Instead of one Triton request per complete sentence, the session opens one bistream request on one server
 (`text_mode` bistream, `text_stream_id`: contracts.py) and hands it every text message as it comes, in
 order, as text_append requests to the same server (the last with text_end). The LLM reads the text as it
-arrives, in the trained 5:15 text/speech pattern (runtime/bistream.py), so audio starts before the first
+arrives, in the trained 5:15 text/speech pattern (llm/bistream.py), so audio starts before the first
 sentence is complete. The audio comes back as one segment (index 0) of the session.
 """
 from __future__ import annotations

@@ -106,7 +106,7 @@ class OurSide:
 
     def __init__(self, model_dir: str, speech_tokens: int, text_tokens: int, prompt_tokens: int,
                  llm_precision: str = "fp32", decode_ahead: bool = True, first_chunk_alone: bool = True):
-        from cosyvoice_triton.runtime.synthesizer import CosyVoice2
+        from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
 
         self.load = lambda: CosyVoice2.from_model_dir(model_dir, llm_precision=llm_precision)
         self.synths = [self.load()]

@@ -66,9 +66,9 @@ def build(model_dir: Path, threads: int):
 
     from cosyvoice_triton.gateway import default_voice
     from cosyvoice_triton.models.speech_lm import SpeechLM
-    from cosyvoice_triton.runtime.llm_scheduler import LLMScheduler
-    from cosyvoice_triton.runtime.local_stages import LocalLLMStage
-    from cosyvoice_triton.runtime.synthesizer import CosyVoice2
+    from cosyvoice_triton.llm.scheduler import LLMScheduler
+    from cosyvoice_triton.pipeline.local_stages import LocalLLMStage
+    from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
 
     torch.set_num_threads(threads)
     tts = CosyVoice2.from_model_dir(model_dir)

@@ -33,7 +33,7 @@ AXES = ("voice_cache", "chunk_policy", "adaptive_chunks", "llm_batching", "engin
 SERVER_AXES = ("llm_batching", "engine")  # variants that differ in how the server is started
 INTERLEAVED_AXES = ("adaptive_chunks",)  # variants take turns at each level instead of running one after another
 
-# (name, what it is, per-request overrides of the `cosyvoice2` model; see runtime/chunk_policy.py)
+# (name, what it is, per-request overrides of the `cosyvoice2` model; see pipeline/chunk_policy.py)
 CHUNK_POLICIES = (
     ("default", "the server's policy: first hop 25 tokens (+ the prompt alignment pad), then x2 up to 100", {}),
     ("small-first", "first hop 10 tokens, then x2 up to 100: earlier first audio, more flow calls",

@@ -29,7 +29,7 @@ from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.flow_cache import FlowCacheSettings
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import ZeroNoise
-from cosyvoice_triton.runtime.token2wav import Token2Wav
+from cosyvoice_triton.token2wav.stream import Token2Wav
 
 MODES = {"uncached": FlowCacheSettings(enabled=False), "cached": FlowCacheSettings(max_frames=10 ** 6),
          "cached_final": FlowCacheSettings(max_frames=10 ** 6, cached_final=True)}

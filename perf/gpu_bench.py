@@ -39,10 +39,10 @@ from cosyvoice_triton.perf import scenarios
 from cosyvoice_triton.perf.gpu_report import RANDOM_LLM_NOTE, environment, progress_line, write_outputs
 from cosyvoice_triton.perf.stats import RequestResult, percentile
 from cosyvoice_triton.random_folder.write import write_random_model
-from cosyvoice_triton.runtime.local_stages import BatchingToken2WavStage, LocalLLMStage
-from cosyvoice_triton.runtime.llm_scheduler import LLMScheduler
-from cosyvoice_triton.runtime.orchestrator import Orchestrator
-from cosyvoice_triton.runtime.token2wav_scheduler import Token2WavScheduler
+from cosyvoice_triton.pipeline.local_stages import BatchingToken2WavStage, LocalLLMStage
+from cosyvoice_triton.llm.scheduler import LLMScheduler
+from cosyvoice_triton.pipeline.orchestrator import Orchestrator
+from cosyvoice_triton.token2wav.scheduler import Token2WavScheduler
 from cosyvoice_triton.server.launcher import ServeOptions
 
 QUICK_RATIO = 3.0  # --quick: at most 3 speech tokens per text token, so the random LLM stops early
@@ -87,7 +87,7 @@ class Stack:
     t2w_scheduler: Token2WavScheduler
     batcher: BatchingToken2WavStage
     prompt_encoder: PromptEncoder
-    sampling: object  # runtime.sampling.SamplingParams: the model's defaults
+    sampling: object  # llm.sampling.SamplingParams: the model's defaults
     sample_rate: int
     settings: dict
 

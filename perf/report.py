@@ -77,7 +77,7 @@ def stalls_note(summaries: list[dict]) -> str:
     return ("Stalls: a listener plays each stream's chunks back to back from the arrival of its first chunk "
             f"(and, with a start buffer, {buffer_ms:.0f} ms after it); a chunk that arrives after the audio "
             "before it has finished playing is a stall, as long as the listener waited "
-            "(cosyvoice_triton/runtime/playback.py). Stall times in ms.")
+            "(cosyvoice_triton/pipeline/playback.py). Stall times in ms.")
 
 
 def stall_cells(s: dict) -> str:

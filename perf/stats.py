@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from cosyvoice_triton.runtime.playback import stalls
+from cosyvoice_triton.pipeline.playback import stalls
 
 DEFAULT_START_BUFFER_S = 0.2  # the second stall figure: playback starts this long after the first chunk
 
@@ -31,7 +31,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def stall_summary(results: list[RequestResult], start_buffer_s: float = DEFAULT_START_BUFFER_S) -> dict:
-    """Playback stalls of the streams that sent audio (runtime/playback.py), per level: the share of
+    """Playback stalls of the streams that sent audio (pipeline/playback.py), per level: the share of
     streams with any stall, p50/p99 of the stall time per stream, stalls per stream (mean) and the worst
     single stall; playback starting at the first chunk, and (`buffered_*`) `start_buffer_s` after it."""
     streams = [r for r in results if r.arrivals]

@@ -5,17 +5,20 @@ Read from the source with `ast`, nothing imported: every `import` / `from ... im
 relative, resolved against the file's own package) and every `importlib.import_module("...")` /
 `__import__("...")` with a literal name.
 
-Inside the library, the layers import one way: base → models → engines → preprocess → runtime → triton → server → cli.
+Inside the library, the layers import one way: base → models → engines → preprocess → {llm, token2wav, voices}
+→ pipeline → triton → server → cli. The three stage rooms (llm, token2wav, voices) share a floor and never import
+each other; no module of the library takes part in an import circle.
 
 The rule this test encodes, read from the source with `ast` (nothing imported; every `import` and
 `from ... import`, relative ones resolved, those under `if TYPE_CHECKING:` included):
 
-- a module of `cosyvoice_triton` belongs to the layer of its first package (`cosyvoice_triton.runtime.x`
-  is in `runtime`); `cosyvoice_triton/cli.py` is the `cli` layer; every other top-level module
+- a module of `cosyvoice_triton` belongs to the layer of its first package (`cosyvoice_triton.llm.x`
+  is in `llm`); `cosyvoice_triton/cli.py` is the `cli` layer; every other top-level module
   (`config`, `errors`, `messages`, `targets`, `model_hub`, `audio_out`, ...) is `base`, the lowest layer;
 - a package that is none of the named layers sits where `PLACED` puts it (a new package fails the test
   until it is placed there);
-- a module may import its own layer and the layers before it, never a later one.
+- a module may import its own layer and the layers of lower floors, never a later floor nor another room of its
+  own floor.
 
 The tool folders (client/, gateway/, perf/, mapped into the namespace) are not layers of the library:
 the checks above keep the library from importing them.
@@ -89,7 +92,7 @@ def test_the_import_scan_sees_every_form(tmp_path):
                       "from .. import export\n"
                       "import importlib\n"
                       "importlib.import_module('cosyvoice_triton.gateway.config')\n"
-                      "from ..runtime import request\n"
+                      "from ..pipeline import seeds\n"
                       "from .launcher import serve\n")
     found = {name for _, name in imported_names(source, "cosyvoice_triton.server.bad") if names_a_tool(name)}
     assert found == {"cosyvoice_triton.gateway.app", "cosyvoice_triton.perf", "cosyvoice_triton.perf.bench",
@@ -132,10 +135,13 @@ def test_tool_folders_import_the_library_by_absolute_name():
 
 
 # ---- the library's own layers ----------------------------------------------------------------------
-LAYERS = ("base", "models", "engines", "preprocess", "runtime", "triton", "server", "cli")
+FLOORS = (("base",), ("models",), ("engines",), ("preprocess",), ("llm", "token2wav", "voices"), ("pipeline",),
+          ("triton",), ("server",), ("cli",))
+LAYERS = tuple(room for floor in FLOORS for room in floor)
+FLOOR_OF = {room: index for index, floor in enumerate(FLOORS) for room in floor}
 PLACED = {  # library packages outside the named layers, at the layer whose imports they may make
-    "random_folder": "runtime",  # writes random model folders from models + preprocess; serve uses it
-    "training": "runtime",  # fine-tuning data and losses over models + preprocess; a command uses it
+    "random_folder": "pipeline",  # writes random model folders from models + preprocess; serve uses it
+    "training": "pipeline",  # fine-tuning data and losses over models + preprocess; a command uses it
 }
 
 
@@ -173,7 +179,7 @@ def library_imports(path: Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             base = package[:len(package) - node.level + 1] if node.level else []
             name = ".".join([*base, *([node.module] if node.module else [])])
-            # `from cosyvoice_triton import runtime` names the package runtime, not base
+            # `from cosyvoice_triton import llm` names the package llm, not base
             found += [(node.lineno, f"{name}.{alias.name}" if name == "cosyvoice_triton" else name)
                       for alias in node.names]
     return [(line, name) for line, name in found if name.split(".")[0] == "cosyvoice_triton"]
@@ -184,26 +190,28 @@ def upward_imports(path: Path) -> list[str]:
     problems = []
     for line, name in library_imports(path):
         theirs = layer_of(name)
-        if theirs is not None and LAYERS.index(theirs) > LAYERS.index(mine):
+        above = theirs is not None and FLOOR_OF[theirs] > FLOOR_OF[mine]
+        beside = theirs is not None and FLOOR_OF[theirs] == FLOOR_OF[mine] and theirs != mine
+        if above or beside:
             problems.append(f"{path.relative_to(LIBRARY.parent)}:{line} ({mine}) imports {name} ({theirs})")
     return problems
 
 
 def test_the_scan_resolves_relative_imports_and_finds_an_upward_arrow(tmp_path, monkeypatch):
-    """The checker itself: a models module importing runtime (relative or absolute) is caught."""
+    """The checker itself: a models module importing a later floor (relative or absolute) is caught."""
     library = tmp_path / "cosyvoice_triton"
     (library / "models").mkdir(parents=True)
     source = library / "models" / "bad.py"
-    source.write_text("from ..runtime.sampling import draw\n"
+    source.write_text("from ..llm.sampling import draw\n"
                       "from cosyvoice_triton import triton\n"
                       "from ..errors import InvalidInput\n"
                       "from .qwen2 import Qwen2Config\n"
                       "import numpy\n")
     monkeypatch.setattr(sys.modules[__name__], "LIBRARY", library)
-    assert library_imports(source) == [(1, "cosyvoice_triton.runtime.sampling"), (2, "cosyvoice_triton.triton"),
+    assert library_imports(source) == [(1, "cosyvoice_triton.llm.sampling"), (2, "cosyvoice_triton.triton"),
                                        (3, "cosyvoice_triton.errors"), (4, "cosyvoice_triton.models.qwen2")]
     assert [problem.split(" imports ")[1] for problem in upward_imports(source)] == [
-        "cosyvoice_triton.runtime.sampling (runtime)", "cosyvoice_triton.triton (triton)"]
+        "cosyvoice_triton.llm.sampling (llm)", "cosyvoice_triton.triton (triton)"]
 
 
 def test_every_library_module_imports_only_its_own_layer_and_those_before_it():
@@ -211,3 +219,73 @@ def test_every_library_module_imports_only_its_own_layer_and_those_before_it():
     assert len(sources) > 50  # the whole library was read
     problems = [problem for path in sources for problem in upward_imports(path)]
     assert problems == []
+
+
+def test_rooms_of_one_floor_never_import_each_other(tmp_path, monkeypatch):
+    """The checker itself: token2wav importing llm (same floor, another room) is caught; its own room is not."""
+    library = tmp_path / "cosyvoice_triton"
+    (library / "token2wav").mkdir(parents=True)
+    source = library / "token2wav" / "bad.py"
+    source.write_text("from ..llm.scheduler import LLMScheduler\nfrom .stream import Token2Wav\n")
+    monkeypatch.setattr(sys.modules[__name__], "LIBRARY", library)
+    assert [problem.split(" imports ")[1] for problem in upward_imports(source)] == [
+        "cosyvoice_triton.llm.scheduler (llm)"]
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every library module -> the library modules it imports (a `from pkg import name` counts as importing
+    `pkg.name` when that is a module, else `pkg`)."""
+    modules = {library_module_name(path): path for path in LIBRARY.rglob("*.py")}
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for _, name in library_imports(path):
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_circle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_library_has_no_import_circles():
+    """Lazy imports inside functions count too: a circle hidden in a function is still a circle."""
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 5000))
+    assert circles(module_graph()) == []

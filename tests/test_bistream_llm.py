@@ -13,8 +13,8 @@ import torch
 from cosyvoice_triton.messages import LLMRequest, SamplingParams
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.random_folder.write import write_random_model
-from cosyvoice_triton.runtime.bistream import SOS, TASK_ID, BistreamPlan, Segment, generate_bistream
-from cosyvoice_triton.runtime.llm_scheduler import LLMScheduler
+from cosyvoice_triton.llm.bistream import SOS, TASK_ID, BistreamPlan, Segment, generate_bistream
+from cosyvoice_triton.llm.scheduler import LLMScheduler
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,7 +2,7 @@
 import pytest
 
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.runtime.chunk_policy import LOW_LEAD_S, ChunkPolicy, ChunkSchedule
+from cosyvoice_triton.pipeline.chunk_policy import LOW_LEAD_S, ChunkPolicy, ChunkSchedule
 
 LOOKAHEAD = 3
 PROMPT = 20  # tokens: the first hop is padded by 5 to end on a 25-token flow chunk
@@ -87,8 +87,8 @@ def test_the_in_process_pipeline_follows_the_request_policy(tiny_model_dir, prom
     """Same seed, same tokens: the same total audio, cut differently. An adaptive stream's first chunk
     leaves the listener 1.2 s at most, which cannot cover a 2 s hop: its second hop stays 25 tokens,
     where the fixed schedule doubles to 50 (whatever the clock says)."""
-    from cosyvoice_triton.runtime.request import SynthesisRequest
-    from cosyvoice_triton.runtime.synthesizer import CosyVoice2
+    from cosyvoice_triton.pipeline.seeds import SynthesisRequest
+    from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
 
     tts = CosyVoice2.from_model_dir(tiny_model_dir)
     samples, rate = prompt_wav_16k

@@ -1,5 +1,5 @@
 """The in-process pipeline overlaps the LLM and token2wav: the LLM decodes ahead in its own thread while a
-chunk is turned into audio, and the two share the pipeline's torch threads (runtime/threads.py).
+chunk is turned into audio, and the two share the pipeline's torch threads (pipeline/threads.py).
 
 Real components on the tiny random folder: the LLM, flow and HiFT of `CosyVoice2`; the only stand-in is
 a token2wav stage around the real one (inside the core share's unit) that reads the threads each chunk
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from cosyvoice_triton.perf.bench_official import make_inputs
-from cosyvoice_triton.runtime.threads import CoreShare, ThreadPlan, thread_plan
-from cosyvoice_triton.runtime.synthesizer import CosyVoice2
+from cosyvoice_triton.pipeline.threads import CoreShare, ThreadPlan, thread_plan
+from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
 from polling import wait_until
 
 pytestmark = pytest.mark.timeout(900)

@@ -43,8 +43,8 @@ from cosyvoice_triton.engines.onnx_graphs import HiFTDecodeGraph, example_inputs
 from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise, ZeroNoise
-from cosyvoice_triton.runtime.token2wav import FlowPrompt, Token2Wav
-from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest, Token2WavScheduler
+from cosyvoice_triton.token2wav.stream import FlowPrompt, Token2Wav
+from cosyvoice_triton.token2wav.scheduler import ChunkRequest, Token2WavScheduler
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GRAPH_TOL = {"flow_encoder": 1e-4, "flow_estimator": 1e-4, "hift_decode": 1e-5}

@@ -20,8 +20,8 @@ from cosyvoice_triton.engines.torch_runner import TorchRunner
 from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import ZeroNoise
-from cosyvoice_triton.runtime.token2wav import Token2Wav
-from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest, Token2WavScheduler
+from cosyvoice_triton.token2wav.stream import Token2Wav
+from cosyvoice_triton.token2wav.scheduler import ChunkRequest, Token2WavScheduler
 from test_engines_onnx import GRAPH_TOL, MEL_TOL, WAVE_TOL, golden_flow_call, golden_prompt, report
 
 openvino = pytest.importorskip("openvino", reason="the openvino extra is not installed")
@@ -141,8 +141,8 @@ def test_in_process_synthesis_on_openvino_matches_torch(tiny_model_dir, prompt_w
     same voice features (to 1e-4) and the same streamed audio as the torch pipeline for one seed."""
     import numpy as np
 
-    from cosyvoice_triton.runtime.request import SynthesisRequest
-    from cosyvoice_triton.runtime.synthesizer import CosyVoice2
+    from cosyvoice_triton.pipeline.seeds import SynthesisRequest
+    from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
 
     samples, rate = prompt_wav_16k
     audio, voices = {}, {}

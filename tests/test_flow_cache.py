@@ -15,8 +15,8 @@ from cosyvoice_triton.messages import FlowPrompt
 from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.flow_cache import FlowCacheSettings, StreamFlowCache, cached_mel
 from cosyvoice_triton.models.hift import HiFTGenerator
-from cosyvoice_triton.runtime.token2wav import Token2Wav
-from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest, Token2WavScheduler
+from cosyvoice_triton.token2wav.stream import Token2Wav
+from cosyvoice_triton.token2wav.scheduler import ChunkRequest, Token2WavScheduler
 
 MEL_ATOL = 1e-5  # cached against uncached; measured up to ~3e-6 on the tiny folder
 WAVE_ATOL = 1e-4

@@ -13,10 +13,10 @@ import pytest
 
 from cosyvoice_triton.cli import main as cli_main
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
-from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
-from cosyvoice_triton.runtime.request import SynthesisRequest
-from cosyvoice_triton.runtime.synthesizer import CosyVoice2
-from cosyvoice_triton.runtime.vocoder_stream import VocoderStreamConfig
+from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy
+from cosyvoice_triton.pipeline.seeds import SynthesisRequest
+from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
+from cosyvoice_triton.token2wav.vocoder_stream import VocoderStreamConfig
 
 pytestmark = pytest.mark.skipif(os.environ.get("COSYVOICE_SKIP_FULL") == "1", reason="COSYVOICE_SKIP_FULL=1")
 

@@ -313,7 +313,7 @@ def test_bad_inputs_get_a_4xx_naming_the_field(gateway, body, status, param):
 
 # ---- chunk-policy overrides ----------------------------------------------------------------------------
 
-FIRST_HOP = 4  # the smallest first hop (runtime/chunk_policy.py); the default is 25 tokens
+FIRST_HOP = 4  # the smallest first hop (pipeline/chunk_policy.py); the default is 25 tokens
 
 
 def chunk_tensors(overrides: dict) -> dict[str, np.ndarray]:

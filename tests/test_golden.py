@@ -26,10 +26,10 @@ from cosyvoice_triton.models.flow import FlowConfig, FlowMatching, FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise, RecordedNoise, ZeroNoise
 from cosyvoice_triton.models.speech_lm import SpeechLM
-from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy, ChunkSchedule
-from cosyvoice_triton.runtime.llm_generate import generate
-from cosyvoice_triton.runtime.token2wav import FlowPrompt, Token2Wav
-from cosyvoice_triton.runtime.vocoder_stream import VocoderStream
+from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy, ChunkSchedule
+from cosyvoice_triton.llm.generate import generate
+from cosyvoice_triton.token2wav.stream import FlowPrompt, Token2Wav
+from cosyvoice_triton.token2wav.vocoder_stream import VocoderStream
 from test_llm_sampling import greedy_sampler
 
 # The README's tolerances for a faithful fp32 implementation (max abs error).

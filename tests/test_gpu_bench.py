@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from cosyvoice_triton.perf import gpu_bench
-from cosyvoice_triton.runtime.local_stages import BatchingToken2WavStage
-from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest
+from cosyvoice_triton.pipeline.local_stages import BatchingToken2WavStage
+from cosyvoice_triton.token2wav.scheduler import ChunkRequest
 from polling import wait_until
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ import torch
 
 from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
-from cosyvoice_triton.runtime.idle_sweeper import IdleSweeper
-from cosyvoice_triton.runtime.token2wav import FlowPrompt
-from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest, Token2WavScheduler
+from cosyvoice_triton.token2wav.idle_sweeper import IdleSweeper
+from cosyvoice_triton.token2wav.stream import FlowPrompt
+from cosyvoice_triton.token2wav.scheduler import ChunkRequest, Token2WavScheduler
 from polling import wait_until
 
 pytestmark = pytest.mark.timeout(120)

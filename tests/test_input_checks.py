@@ -13,7 +13,7 @@ from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.preprocess.audio import load_prompt_audio, spectral_flatness
 from cosyvoice_triton.preprocess.text import validate_text
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
-from cosyvoice_triton.runtime.voice_store import check_voice_id, short_repr
+from cosyvoice_triton.voices.store import check_voice_id, short_repr
 
 
 @pytest.mark.parametrize("text, problem", [
@@ -72,7 +72,7 @@ def test_a_long_bad_id_is_echoed_short():
 def test_nan_and_inf_are_refused_at_model_boundaries():
     import torch
 
-    from cosyvoice_triton.runtime.finite import check_chunk_finite, check_finite
+    from cosyvoice_triton.triton.finite import check_chunk_finite, check_finite
 
     assert check_finite("wav16k", np.zeros(4, np.float32)).shape == (4,)
     for bad in (np.array([0.0, np.nan], np.float32), torch.tensor([np.inf])):
@@ -93,7 +93,7 @@ def test_nan_and_inf_are_refused_at_model_boundaries():
 
 def test_the_prompt_budget_refuses_transcripts_that_leave_no_room_for_a_sentence(tiny_model_dir):
     from cosyvoice_triton.preprocess.text import TextPreprocessor
-    from cosyvoice_triton.runtime.prompt_budget import SENTENCE_ROOM, PromptBudget, speech_tokens_of
+    from cosyvoice_triton.voices.prompt_budget import SENTENCE_ROOM, PromptBudget, speech_tokens_of
 
     budget = PromptBudget(4096, TextPreprocessor.from_model_dir(tiny_model_dir))
     assert speech_tokens_of(48000, 16000) == 75

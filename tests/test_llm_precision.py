@@ -19,8 +19,8 @@ from cosyvoice_triton.models.qwen2 import KV_BUCKET, kv_bucket
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.perf.llm_quality import quality_table
 from cosyvoice_triton.random_folder.write import write_random_model
-from cosyvoice_triton.runtime.llm_scheduler import LLMScheduler
-from cosyvoice_triton.runtime.llm_generate import generate
+from cosyvoice_triton.llm.scheduler import LLMScheduler
+from cosyvoice_triton.llm.generate import generate
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,8 +13,8 @@ from cosyvoice_triton.config import read_yaml
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import SamplingParams
 from cosyvoice_triton.models.speech_lm import SpeechLM
-from cosyvoice_triton.runtime.llm_generate import generate
-from cosyvoice_triton.runtime.sampling import RasSampler, make_generator
+from cosyvoice_triton.llm.generate import generate
+from cosyvoice_triton.llm.sampling import RasSampler, make_generator
 
 NUM_TOKENS = 30
 

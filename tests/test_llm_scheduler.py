@@ -19,10 +19,10 @@ from torch import Tensor
 from cosyvoice_triton.errors import InvalidInput, Unavailable
 from cosyvoice_triton.random_folder.write import write_random_model
 from cosyvoice_triton.models.speech_lm import SpeechLM
-from cosyvoice_triton.runtime.llm_scheduler import (SchedulerUnavailable, LLMScheduler, LLMRequest, LLMStepError,
+from cosyvoice_triton.llm.scheduler import (SchedulerUnavailable, LLMScheduler, LLMRequest, LLMStepError,
                                                   LLMStream)
-from cosyvoice_triton.runtime.llm_generate import generate
-from cosyvoice_triton.runtime.sampling import SamplingParams
+from cosyvoice_triton.llm.generate import generate
+from cosyvoice_triton.llm.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)  # a deadlock fails the test instead of hanging the session
 

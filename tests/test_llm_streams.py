@@ -14,7 +14,7 @@ import torch
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import LLMRequest, SamplingParams
 from cosyvoice_triton.models.speech_lm import SpeechLM
-from cosyvoice_triton.runtime.llm_scheduler import SchedulerUnavailable, LLMScheduler
+from cosyvoice_triton.llm.scheduler import SchedulerUnavailable, LLMScheduler
 from cosyvoice_triton.triton.llm_streams import LLMStreamForwarder
 from polling import wait_until
 

@@ -104,8 +104,8 @@ def test_every_public_module_imports_from_the_wheel(installed):
     target, modules = installed["target"], installed["modules"]
     assert installed["failed"] == {}
     assert under(installed["root"], target)
-    for package in ("models", "engines", "random_folder", "runtime", "triton", "server", "client", "gateway",
-                    "perf"):
+    for package in ("models", "engines", "random_folder", "llm", "token2wav", "voices", "pipeline", "triton", "server",
+                    "client", "gateway", "perf"):
         assert f"cosyvoice_triton.{package}" in modules, sorted(modules)
     assert "cosyvoice_triton.engines.onnx_export" in modules and "cosyvoice_triton.gateway.up" in modules
     outside = {name: path for name, path in modules.items() if not under(path, target)}

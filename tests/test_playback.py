@@ -1,7 +1,7 @@
 """The listener model behind every stall figure: hand-made arrival sequences with known stalls."""
 import pytest
 
-from cosyvoice_triton.runtime.playback import Playback, Stalls, stalls
+from cosyvoice_triton.pipeline.playback import Playback, Stalls, stalls
 
 
 def test_chunks_that_arrive_before_the_audio_runs_out_never_stall():

@@ -16,8 +16,8 @@ from cosyvoice_triton.models.flow_cache import FlowCacheSettings, StreamFlowCach
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise
 from cosyvoice_triton.models.prompt_cache import PromptCache, prompt_key, voice_final_frames
-from cosyvoice_triton.runtime.token2wav import Token2Wav
-from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest, Token2WavScheduler
+from cosyvoice_triton.token2wav.stream import Token2Wav
+from cosyvoice_triton.token2wav.scheduler import ChunkRequest, Token2WavScheduler
 
 WAVE_ATOL = 1e-4  # as tests/test_flow_cache.py: the per-stream cache's bound
 NO_PROMPT_CACHE = FlowCacheSettings(prompt_cache_mb=0)

@@ -20,7 +20,7 @@ from cosyvoice_triton.messages import LLMRequest, SamplingParams
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.perf import bench_official
 from cosyvoice_triton.random_folder.write import write_random_model
-from cosyvoice_triton.runtime.llm_generate import generate
+from cosyvoice_triton.llm.generate import generate
 from cosyvoice_triton.server.launcher import ServeOptions, prepare
 from cosyvoice_triton.triton.contracts import llm_inputs
 from triton_harness import GrpcStream, tritonserver_or_skip

@@ -1,4 +1,4 @@
-"""Speaking speed: the mel interpolated along time by 1 / speed before the vocoder (runtime/mel_speed.py),
+"""Speaking speed: the mel interpolated along time by 1 / speed before the vocoder (token2wav/speed.py),
 offline as the official `F.interpolate`, streamed chunk by chunk, through the token2wav scheduler and the
 in-process library. (Served audio at a speed: test_openai_api.py and the routes' tests.)"""
 from __future__ import annotations
@@ -14,8 +14,8 @@ from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import MAX_SPEED, MIN_SPEED, ChunkRequest, SynthesisRequest, check_speed
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise, ZeroNoise
-from cosyvoice_triton.runtime.mel_speed import MelSpeed, SpeedState
-from cosyvoice_triton.runtime.vocoder_stream import VocoderStream
+from cosyvoice_triton.token2wav.speed import MelSpeed, SpeedState
+from cosyvoice_triton.token2wav.vocoder_stream import VocoderStream
 
 
 def stretch_in_chunks(speed: float, mel: torch.Tensor, cuts: list[int]) -> torch.Tensor:
@@ -109,8 +109,8 @@ def golden_prompt_tokens(golden: dict[str, np.ndarray]):
 def test_scheduler_streams_at_speed_equal_the_solo_stream(token2wav_pair, golden_prompt_tokens):
     """The batched scheduler applies each stream's speed as the solo Token2WavStream does; streams of
     other speeds in the same batch do not change it."""
-    from cosyvoice_triton.runtime.token2wav import Token2Wav
-    from cosyvoice_triton.runtime.token2wav_scheduler import Token2WavScheduler
+    from cosyvoice_triton.token2wav.stream import Token2Wav
+    from cosyvoice_triton.token2wav.scheduler import Token2WavScheduler
 
     flow, hift = token2wav_pair
     prompt, tokens = golden_prompt_tokens

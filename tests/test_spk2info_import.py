@@ -71,7 +71,7 @@ def run_import(spk2info_path, model_dir, voice_store, *extra) -> int:
 
 
 def test_import_round_trips_the_saved_features(stack, spk2info, tokenizer, capsys):
-    from cosyvoice_triton.runtime.voice_store import open_voice_store
+    from cosyvoice_triton.voices.stores import open_voice_store
 
     path, table = spk2info
     assert run_import(path, stack.model_dir, stack.voice_store) == 0
@@ -118,7 +118,8 @@ def test_imported_voices_are_listed_and_spoken_through_the_gateway(stack, spk2in
 
 
 def test_owner_key_imports_voices_of_that_key(tmp_path, spk2info, tiny_model_dir):
-    from cosyvoice_triton.runtime.voice_store import open_voice_store, owner_tag
+    from cosyvoice_triton.voices.store import owner_tag
+    from cosyvoice_triton.voices.stores import open_voice_store
 
     store_path = str(tmp_path / "voices.sqlite")
     assert run_import(spk2info[0], tiny_model_dir, store_path, "--owner", "key-1") == 0

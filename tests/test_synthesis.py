@@ -10,8 +10,8 @@ import soundfile as sf
 from cosyvoice_triton.errors import Cancelled, InvalidInput
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.preprocess.audio import load_prompt_audio
-from cosyvoice_triton.runtime.request import SynthesisRequest
-from cosyvoice_triton.runtime.synthesizer import CosyVoice2
+from cosyvoice_triton.pipeline.seeds import SynthesisRequest
+from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
 
 SAMPLES_PER_TOKEN = 960  # 2 mel frames x 480 samples at 24 kHz
 

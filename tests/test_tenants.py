@@ -11,9 +11,9 @@ import sqlite3
 import pytest
 import redis
 
-from cosyvoice_triton.runtime.voice_store import (content_key, generated_voice_id, open_voice_store,
-                                                  register_once, visible_to)
-from cosyvoice_triton.runtime.voice_store_redis import CONTENT_KEY, IDS_KEY, voice_key
+from cosyvoice_triton.voices.store import content_key, generated_voice_id, register_once, visible_to
+from cosyvoice_triton.voices.stores import open_voice_store
+from cosyvoice_triton.voices.redis_store import CONTENT_KEY, IDS_KEY, voice_key
 from redis_harness import redis_server  # noqa: F401  (a fixture)
 from test_voice_store import make_features
 

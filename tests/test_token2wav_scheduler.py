@@ -16,9 +16,9 @@ from cosyvoice_triton.errors import InvalidInput, NotFound, Unavailable
 from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise
-from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy, ChunkSchedule
-from cosyvoice_triton.runtime.token2wav import FlowPrompt, Token2Wav
-from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest, Token2WavScheduler
+from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy, ChunkSchedule
+from cosyvoice_triton.token2wav.stream import FlowPrompt, Token2Wav
+from cosyvoice_triton.token2wav.scheduler import ChunkRequest, Token2WavScheduler
 
 WAVE_TOL = 1e-3
 

@@ -74,10 +74,10 @@ def reference_chunks(engine_model, prompt) -> list[np.ndarray]:
     """The streamed chunks of the library's pipeline, all on torch."""
     import torch
 
-    from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
-    from cosyvoice_triton.runtime.orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav
-    from cosyvoice_triton.runtime.request import SynthesisRequest
-    from cosyvoice_triton.runtime.synthesizer import CosyVoice2
+    from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy
+    from cosyvoice_triton.pipeline.orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav
+    from cosyvoice_triton.pipeline.seeds import SynthesisRequest
+    from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -73,8 +73,8 @@ class Reference:
     def __init__(self, model_dir: Path):
         import torch
 
-        from cosyvoice_triton.runtime.orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav
-        from cosyvoice_triton.runtime.synthesizer import CosyVoice2
+        from cosyvoice_triton.pipeline.orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav
+        from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
 
         torch.set_num_threads(1)
         self.tts = CosyVoice2.from_model_dir(model_dir)
@@ -89,8 +89,8 @@ class Reference:
     def chunks(self, text: str, voice, seed: int, stream: bool = True, mode: str = "zero_shot",
                limit: int | None = None, instruct_text: str = "", **policy) -> list[np.ndarray]:
         """The request's chunks (the first `limit` only, when given: the rest is not computed)."""
-        from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
-        from cosyvoice_triton.runtime.request import SynthesisRequest
+        from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy
+        from cosyvoice_triton.pipeline.seeds import SynthesisRequest
 
         request = SynthesisRequest(text=text, voice=voice, mode=mode, instruct_text=instruct_text, seed=seed,
                                    sampling=self.tts.llm.config.sampling,
@@ -520,8 +520,8 @@ def test_token2wav_frees_a_stream_left_idle(t2w_server):
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    from cosyvoice_triton.runtime.token2wav import FlowPrompt
-    from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest
+    from cosyvoice_triton.token2wav.stream import FlowPrompt
+    from cosyvoice_triton.token2wav.scheduler import ChunkRequest
     from cosyvoice_triton.triton.contracts import chunk_inputs
 
     generator = torch.Generator().manual_seed(0)

@@ -14,10 +14,10 @@ import torch
 
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
-from cosyvoice_triton.runtime.llm_scheduler import LLMRequest
-from cosyvoice_triton.runtime.sampling import SamplingParams
-from cosyvoice_triton.runtime.token2wav import FlowPrompt
-from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest
+from cosyvoice_triton.llm.scheduler import LLMRequest
+from cosyvoice_triton.llm.sampling import SamplingParams
+from cosyvoice_triton.token2wav.stream import FlowPrompt
+from cosyvoice_triton.token2wav.scheduler import ChunkRequest
 from cosyvoice_triton.server.launcher import DEFAULT_REPOSITORY, ServeOptions, repository_values
 from cosyvoice_triton.server.templates import model_names, render_template
 from cosyvoice_triton.triton import contracts
@@ -157,8 +157,8 @@ def test_model_files_fall_back_from_tensorrt_with_one_log_line(tiny, tmp_path, c
     """token2wav and speaker_embedding asked for TensorRT on this CPU: ONNX Runtime, one warning line each
     in Triton's log (pb.Logger), the same chunk audio as the torch reference."""
     from cosyvoice_triton.engines.select import build_token2wav
-    from cosyvoice_triton.runtime.orchestrator import ReferenceToken2Wav
-    from cosyvoice_triton.runtime.token2wav import Token2Wav
+    from cosyvoice_triton.pipeline.orchestrator import ReferenceToken2Wav
+    from cosyvoice_triton.token2wav.stream import Token2Wav
 
     values = {"engine": "tensorrt", "onnx_dir": tmp_path / "onnx"}
     with pb_fake.installed() as pb, caplog.at_level(logging.INFO, logger="triton_python_backend_utils.fake"):
@@ -410,8 +410,8 @@ def fake(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny):
-    from cosyvoice_triton.runtime.orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav
-    from cosyvoice_triton.runtime.synthesizer import CosyVoice2
+    from cosyvoice_triton.pipeline.orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav
+    from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
 
     tts = CosyVoice2.from_model_dir(tiny)
     tts.llm.config.max_token_text_ratio = 3
@@ -419,7 +419,7 @@ def reference(tiny):
 
 
 def _reference_chunks(reference, text, wav, seed, stream=True):
-    from cosyvoice_triton.runtime.request import SynthesisRequest
+    from cosyvoice_triton.pipeline.seeds import SynthesisRequest
 
     tts, orchestrator = reference
     request = SynthesisRequest(text=text, voice=tts.encode_voice(wav, RATE, "a prompt"), seed=seed,
@@ -518,7 +518,7 @@ def test_token2wav_model_batches_streams_and_frees_them(fake, reference):
                     for c in chunks]
         return [r.outputs()["waveform"][0] if not r.has_error() else r.error() for r in model.execute(requests)]
 
-    from cosyvoice_triton.runtime.orchestrator import ReferenceToken2Wav
+    from cosyvoice_triton.pipeline.orchestrator import ReferenceToken2Wav
 
     solo = ReferenceToken2Wav(tts.token2wav)
     got = run(first)

@@ -9,7 +9,7 @@ import torch
 
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise, ZeroNoise
-from cosyvoice_triton.runtime.vocoder_stream import VocoderStream, VocoderStreamConfig
+from cosyvoice_triton.token2wav.vocoder_stream import VocoderStream, VocoderStreamConfig
 
 
 @pytest.fixture(scope="module")

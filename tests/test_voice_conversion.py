@@ -34,7 +34,7 @@ SOURCE = source_recording(SOURCE_SECONDS)
 
 def test_a_short_source_is_one_piece_and_a_long_one_is_cut_in_its_pauses():
     from cosyvoice_triton.random_folder.sample_prompt import speech_like
-    from cosyvoice_triton.runtime.voice_conversion import SAMPLES_PER_TOKEN, split_source
+    from cosyvoice_triton.pipeline.voice_conversion import SAMPLES_PER_TOKEN, split_source
 
     short = speech_like(30.0, 16000, seed=1)
     assert len(split_source(short)) == 1
@@ -53,8 +53,8 @@ def test_a_short_source_is_one_piece_and_a_long_one_is_cut_in_its_pauses():
 def test_the_library_converts_piece_by_piece_in_order(library):
     """Each piece's audio is its own token2wav stream: a 2-piece source gives the audio of its pieces."""
     from cosyvoice_triton.messages import ConversionRequest
-    from cosyvoice_triton.runtime import voice_conversion
-    from cosyvoice_triton.runtime.request import sentence_seeds
+    from cosyvoice_triton.pipeline import voice_conversion
+    from cosyvoice_triton.pipeline.seeds import sentence_seeds
 
     tts, voice = library
     converter = voice_conversion.local_converter(tts)
@@ -94,7 +94,7 @@ def decoded(data: bytes) -> tuple[np.ndarray, int]:
 
 def library_vc_samples(library, samples, rate, seed, stream, voice=None) -> np.ndarray:
     from cosyvoice_triton.messages import ConversionRequest
-    from cosyvoice_triton.runtime.voice_conversion import local_converter
+    from cosyvoice_triton.pipeline.voice_conversion import local_converter
 
     tts, default = library
     request = ConversionRequest(samples, rate, voice or default, seed=seed)
@@ -286,7 +286,7 @@ def test_triton_refuses_a_vc_request_with_text_or_without_a_source(stack):
 def test_a_long_source_is_split_and_spoken_in_order_as_the_library_does(stack, library):
     """31 s: two pieces (the S3 tokenizer takes at most 30 s), one offline flow pass each, in order."""
     from cosyvoice_triton.client import GatewayTTS
-    from cosyvoice_triton.runtime.voice_conversion import split_source
+    from cosyvoice_triton.pipeline.voice_conversion import split_source
 
     source = source_recording(31.0, seed=3)
     assert len(split_source(decoded(source)[0])) == 2
@@ -299,7 +299,7 @@ def test_a_long_source_is_split_and_spoken_in_order_as_the_library_does(stack, l
 
 def test_the_library_vc_takes_a_speed_as_the_official_inference_vc(library):
     from cosyvoice_triton.messages import ConversionRequest
-    from cosyvoice_triton.runtime.voice_conversion import local_converter
+    from cosyvoice_triton.pipeline.voice_conversion import local_converter
 
     tts, voice = library
     samples, rate = decoded(SOURCE)
@@ -312,7 +312,7 @@ def test_the_library_vc_takes_a_speed_as_the_official_inference_vc(library):
 
 def test_v1_vc_takes_a_speed_and_refuses_one_out_of_range(stack, library):
     from cosyvoice_triton.messages import ConversionRequest
-    from cosyvoice_triton.runtime.voice_conversion import local_converter
+    from cosyvoice_triton.pipeline.voice_conversion import local_converter
 
     tts, voice = library
     samples, rate = decoded(SOURCE)

@@ -14,9 +14,10 @@ import redis
 
 from cosyvoice_triton.errors import InvalidInput, NotFound, Unavailable
 from cosyvoice_triton.preprocess.prompt import PromptFeatures, audio_sha256
-from cosyvoice_triton.runtime.voice_store import (CorruptVoice, VoiceStore, decode_features, encode_features,
-                                                  generated_voice_id, open_voice_store, register_once)
-from cosyvoice_triton.runtime.voice_store_redis import voice_key
+from cosyvoice_triton.voices.store import (CorruptVoice, VoiceStore, decode_features, encode_features,
+                                           generated_voice_id, register_once)
+from cosyvoice_triton.voices.stores import open_voice_store
+from cosyvoice_triton.voices.redis_store import voice_key
 from redis_harness import redis_binary_or_skip, redis_server, start_redis  # noqa: F401  (a fixture)
 
 OpenStore = Callable[..., VoiceStore]

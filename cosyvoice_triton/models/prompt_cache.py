@@ -113,7 +113,7 @@ class PromptCache:
         return seeded if seeded is not None else StreamFlowCache(voice_key=key)
 
 
-# ---- what a token2wav stage (runtime/token2wav.py, runtime/token2wav_scheduler.py) does with it ----
+# ---- what a token2wav stage (token2wav/stream.py, token2wav/scheduler.py) does with it ----
 
 def stage_prompt_cache(flow_cache: FlowCacheSettings | None, shared: PromptCache | None) -> PromptCache | None:
     """A stage's prompt cache: `shared` (another stage's) if given, else one of the settings' size; None while

@@ -4,8 +4,8 @@ The module tree mirrors the official `Qwen2LM` so that `llm.pt` loads with `stri
 `llm_embedding` (sos, task id), `llm.model.model.*` (backbone), `llm.model.lm_head` (unused, tied),
 `llm_decoder` (hidden -> speech_token_size + 3 logits) and `speech_embedding` (speech token -> input).
 
-The model builds the prompt and gives logits; it does not sample. Decoding loops live in the runtime:
-`runtime.llm_generate.generate` (one stream, the reference) and `runtime.llm_scheduler` (in-flight batching).
+The model builds the prompt and gives logits; it does not sample. Decoding loops live in `llm/`:
+`llm.generate.generate` (one stream, the reference) and `llm.scheduler` (in-flight batching).
 """
 from __future__ import annotations
 

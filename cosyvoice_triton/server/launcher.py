@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
-from cosyvoice_triton.runtime.threads import available_cores
+from cosyvoice_triton.pipeline.threads import available_cores
 from cosyvoice_triton.server.process import TritonProcess, describe_exit
 from cosyvoice_triton.server.templates import model_names, render_repository
 from cosyvoice_triton.targets import TritonTarget, check_spec, is_discovery
@@ -82,7 +82,7 @@ class ServeOptions:
     t2w_queue_delay_us: int = 500
     prompt_max_batch: int = 8
     prompt_queue_delay_us: int = 1000
-    torch_threads: int = 0  # per llm / token2wav instance; 0: chosen from the core count (runtime/threads.py)
+    torch_threads: int = 0  # per llm / token2wav instance; 0: chosen from the core count (pipeline/threads.py)
     llm_precision: str = "fp32"  # the LLM backbone's: fp32 | bf16 | int8 (models/llm_precision.py)
     exact_speech_tokens: int | None = None  # benchmarks only: every LLM stream exactly this many tokens
     engine: str = "torch"  # token2wav: torch | onnxruntime | openvino | tensorrt (CAM++ too; torch: onnxruntime)
@@ -212,7 +212,7 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
                       "idle_timeout_s": options.t2w_idle_timeout_s,
                       "flow_cache_frames": options.flow_cache_frames, "queue_delay_us": options.t2w_queue_delay_us,
                       "prompt_cache_mb": options.prompt_cache_mb,
-                      # A backend server runs token2wav alone: every core (runtime/threads.py).
+                      # A backend server runs token2wav alone: every core (pipeline/threads.py).
                       "torch_threads": options.torch_threads or (available_cores() if options.role == "backend" else 0),
                       "engine": options.engine,
                       "precision": options.precision, "onnx_dir": onnx_dir, "ort_providers": providers},

@@ -19,8 +19,8 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from cosyvoice_triton.preprocess.prompt import PromptFeatures
-from cosyvoice_triton.runtime.llm_scheduler import LLMRequest
-from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest
+from cosyvoice_triton.llm.scheduler import LLMRequest
+from cosyvoice_triton.token2wav.scheduler import ChunkRequest
 from cosyvoice_triton.triton import contracts
 from cosyvoice_triton.triton.tensors import RemoteError, output_tensors, response_arrays
 

@@ -38,14 +38,14 @@ cosyvoice2 (decoupled) and cosyvoice2_offline (its non-decoupled twin, same temp
        source_sample_rate     INT32 [1]  opt  ... at this rate (required with source_wav)
        source_audio           STRING [1] opt  or: a WAV/FLAC/OGG file's bytes
   with exactly one source and one voice, plus seed, speed and chunk_* as above; 0.2 s .. 600 s, split into pieces
-  of at most 30 s and spoken in order (runtime/voice_conversion.py states the split rule).
+  of at most 30 s and spoken in order (pipeline/voice_conversion.py states the split rule).
 
 llm (decoupled, max_batch_size 0; one in-flight batching engine per instance)
   in   stream_id              STRING [1]      caller-chosen id; a cancel request names it
        cancel                 BOOL [1]   opt  true: end stream `stream_id` (only stream_id needed)
        text_tokens            INT32 [-1]      the sentence's text tokens (required unless cancel)
        bistream               BOOL [1]   opt  true: text_tokens are the first text (may be empty); more comes
-                                              with text_append requests (runtime/bistream.py)
+                                              with text_append requests (llm/bistream.py)
        text_append            BOOL [1]   opt  true: append text_tokens to bistream stream `stream_id`
        text_end               BOOL [1]   opt  with text_append: no text after these
        prompt_text_tokens     INT32 [-1] opt  (empty when absent)
@@ -65,7 +65,7 @@ token2wav (max_batch_size = engine max_batch, dynamic batching, one instance: se
        prompt_speech_tokens   INT32 [-1] opt  first chunk only: the voice's prompt tokens (P,)
        prompt_mel             FP32 [-1, 80] opt  first chunk only: (2P, 80)
        embedding              FP32 [192] opt  first chunk only: speaker embedding
-       speed                  FP32 [1]   opt  first chunk only: speaking speed (default 1.0; runtime/mel_speed.py)
+       speed                  FP32 [1]   opt  first chunk only: speaking speed (default 1.0; token2wav/speed.py)
   out  waveform               FP32 [-1]       the chunk's audio (empty for a cancel)
 
 prompt_encoder (ensemble, max_batch_size 8): prompt_audio -> (speaker_embedding || audio_tokenizer)

@@ -21,8 +21,8 @@ from typing import Protocol
 
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import LLMRequest
-from cosyvoice_triton.runtime.llm_scheduler import LLMScheduler
-from cosyvoice_triton.runtime.llm_stream import LLMStream
+from cosyvoice_triton.llm.scheduler import LLMScheduler
+from cosyvoice_triton.llm.stream import LLMStream
 
 log = logging.getLogger(__name__)
 

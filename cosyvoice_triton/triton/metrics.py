@@ -5,7 +5,7 @@ Every metric carries the labels `model` and `instance`. Names (Prometheus):
   cosyvoice_first_chunk_latency_seconds   histogram  request received -> first audio chunk sent (cosyvoice2*)
   cosyvoice_stream_lead_seconds           histogram  at every chunk sent, the stream's lead just before it: audio
                                                      already sent minus wall time since the first chunk, with
-                                                     the listener pausing when it runs dry (runtime/playback.py);
+                                                     the listener pausing when it runs dry (pipeline/playback.py);
                                                      negative = that chunk ended a stall (cosyvoice2)
   cosyvoice_active_streams                gauge      requests being synthesized (cosyvoice2*)
   cosyvoice_queued_streams                gauge      requests admitted, waiting for a worker (cosyvoice2*)

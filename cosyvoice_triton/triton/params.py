@@ -83,7 +83,7 @@ class LLMParams:
     max_seq_len: int  # positions per stream (prompt + speech tokens)
     max_queue: int  # requests waiting for a slot; more are refused (UNAVAILABLE)
     max_token_text_ratio: float | None  # None: the model's own (20, as the official code)
-    torch_threads: int  # 0: chosen from the core count (runtime/threads.py)
+    torch_threads: int  # 0: chosen from the core count (pipeline/threads.py)
     precision: LLMPrecision  # of the backbone (models/llm_precision.py)
     exact_speech_tokens: int | None  # benchmarks only: every stream exactly this many tokens; None: off
 
@@ -133,7 +133,7 @@ class CosyVoice2Params:
     # grpc://host:port[?metrics=URL]; None: this server's own token2wav, through BLS.
     token2wav_backends: str | None = None
     token2wav_timeout_s: float = 60.0  # longest wait for one remote token2wav chunk
-    chunk_policy: ChunkKind = "fixed"  # requests that name none (runtime/chunk_policy.py)
+    chunk_policy: ChunkKind = "fixed"  # requests that name none (pipeline/chunk_policy.py)
     max_seq_len: int = 4096  # the llm's positions per stream: longer prompts are refused (prompt_budget)
     # admission (cosyvoice_triton/admission.py): a request expected to wait longer to start is refused
     max_queue_wait_s: float = 2.0

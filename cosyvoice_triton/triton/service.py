@@ -16,12 +16,13 @@ from cosyvoice_triton.preprocess.audio import decode_audio, to_mono, validate_pr
 from cosyvoice_triton.preprocess.prompt import PromptFeatures, audio_sha256
 from cosyvoice_triton.preprocess.text import TextPreprocessor, check_clean_text
 from cosyvoice_triton.models.speech_lm import SpeechLMConfig
-from cosyvoice_triton.runtime.chunk_policy import ChunkPolicy
-from cosyvoice_triton.runtime.orchestrator import LLMStage, Orchestrator, Token2WavStage
-from cosyvoice_triton.runtime.prompt_budget import PromptBudget, speech_tokens_of
-from cosyvoice_triton.runtime.request import SynthesisRequest
-from cosyvoice_triton.runtime.voice_store import VoiceRecord, VoiceStore, register_once
-from cosyvoice_triton.runtime.bistream import TEXT_IDLE_TIMEOUT_S, TextFeeds
+from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy
+from cosyvoice_triton.pipeline.orchestrator import Orchestrator
+from cosyvoice_triton.pipeline.stages import LLMStage, Token2WavStage
+from cosyvoice_triton.voices.prompt_budget import PromptBudget, speech_tokens_of
+from cosyvoice_triton.pipeline.seeds import SynthesisRequest
+from cosyvoice_triton.voices.store import VoiceRecord, VoiceStore, register_once
+from cosyvoice_triton.llm.bistream import TEXT_IDLE_TIMEOUT_S, TextFeeds
 from cosyvoice_triton.triton.contracts import RegisterInputs, SynthesisInputs, TextAppend, VoiceAudio
 
 

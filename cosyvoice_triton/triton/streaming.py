@@ -25,7 +25,7 @@ import numpy as np
 from cosyvoice_triton.admission import MEAN_COST, AdmissionPolicy, Decision, Load, SpeedMeter, expiry_message
 from cosyvoice_triton.audio_out import SAMPLE_RATE
 from cosyvoice_triton.errors import Cancelled
-from cosyvoice_triton.runtime.playback import Playback
+from cosyvoice_triton.pipeline.playback import Playback
 from cosyvoice_triton.triton.tensors import classify, error_response
 
 

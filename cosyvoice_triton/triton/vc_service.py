@@ -13,8 +13,8 @@ import numpy as np
 
 from cosyvoice_triton.messages import ChunkPolicy, ConversionRequest
 from cosyvoice_triton.preprocess.audio import decode_audio, to_mono
-from cosyvoice_triton.runtime.orchestrator import Token2WavStage
-from cosyvoice_triton.runtime.voice_conversion import VoiceConverter
+from cosyvoice_triton.pipeline.stages import Token2WavStage
+from cosyvoice_triton.pipeline.voice_conversion import VoiceConverter
 from cosyvoice_triton.triton import contracts
 from cosyvoice_triton.triton.bls import bls_request
 from cosyvoice_triton.triton.contracts import ConversionInputs

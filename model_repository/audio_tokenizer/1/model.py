@@ -10,7 +10,7 @@ import triton_python_backend_utils as pb_utils
 from cosyvoice_triton.config import ModelPaths
 from cosyvoice_triton.engines.onnx_session import open_session
 from cosyvoice_triton.preprocess.prompt import PromptEncoder
-from cosyvoice_triton.runtime.finite import check_finite
+from cosyvoice_triton.triton.finite import check_finite
 from cosyvoice_triton.triton.params import PromptStepParams, parse_parameters
 from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each
 

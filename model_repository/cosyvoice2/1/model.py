@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 from cosyvoice_triton.admission import AdmissionPolicy, refusal_message, request_cost, text_tokens_estimate
 from cosyvoice_triton.errors import Unavailable
 from cosyvoice_triton.messages import ChunkPolicy
-from cosyvoice_triton.runtime.voice_store import open_voice_store
+from cosyvoice_triton.voices.stores import open_voice_store
 from cosyvoice_triton.triton.bls import BlsLLM, BlsPromptEncoder, BlsToken2Wav
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.triton.contracts import TextAppend, parse_synthesis_inputs, read_text_append

@@ -1,1 +1,162 @@
-../../cosyvoice2/1/model.py
+"""`cosyvoice2` (decoupled) and `cosyvoice2_offline` (its twin): text + voice -> 24 kHz audio.
+
+Tensors in -> `SynthesisInputs` -> `SynthesisService` (voice from the store or prompt_encoder, then the
+shared Orchestrator over BLS calls to llm and token2wav) -> `waveform` responses. execute() only parses:
+each request runs in a bounded worker pool and answers through its response sender. The config's
+transaction policy decides the mode: decoupled requests stream their chunks; the twin sends the whole
+waveform in one final response (python_backend allows a response sender in non-decoupled models).
+Mode "vc" (voice conversion: a source recording, no text) runs `ConversionService` instead (triton/vc_service.py).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import triton_python_backend_utils as pb_utils
+
+from cosyvoice_triton.admission import AdmissionPolicy, refusal_message, request_cost, text_tokens_estimate
+from cosyvoice_triton.errors import Unavailable
+from cosyvoice_triton.messages import ChunkPolicy
+from cosyvoice_triton.voices.stores import open_voice_store
+from cosyvoice_triton.triton.bls import BlsLLM, BlsPromptEncoder, BlsToken2Wav
+from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.triton.contracts import TextAppend, parse_synthesis_inputs, read_text_append
+from cosyvoice_triton.messages import VC_MODE
+from cosyvoice_triton.triton.contracts import ConversionInputs, parse_conversion_inputs
+from cosyvoice_triton.triton.vc_service import BlsAudioTokenizer, ConversionService
+from cosyvoice_triton.triton.metrics import REMOTE_TOKEN2WAV, SYNTHESIS, ModelMetrics, instance_labels
+from cosyvoice_triton.triton.params import CosyVoice2Params, parse_parameters
+from cosyvoice_triton.triton.remote_token2wav import RemoteToken2Wav
+from cosyvoice_triton.triton.service import SynthesisService, Voices, prompt_budget, token_mel_ratio
+from cosyvoice_triton.triton.streaming import RequestPool, send_chunks, send_whole
+from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.name = args["model_name"]
+        self.params = params = parse_parameters(CosyVoice2Params, config, self.name)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", [])) or 1
+        self.store = open_voice_store(params.voice_store)
+        voices = Voices(self.store, BlsPromptEncoder(pb_utils, params.prompt_encoder_model,
+                                                     token_mel_ratio(params.model_dir)),
+                        prompt_budget(params.model_dir, params.max_seq_len))
+        # Split deployment: token2wav on the backend servers named in the config; else this server's own.
+        self.token2wav = RemoteToken2Wav.from_specs(params.token2wav_backends, params.token2wav_model,
+                                                    params.token2wav_timeout_s) \
+            if params.token2wav_backends else BlsToken2Wav(pb_utils, params.token2wav_model)
+        self.service = SynthesisService(params.model_dir, voices, BlsLLM(pb_utils, params.llm_model),
+                                        self.token2wav, params.max_text_chars, ChunkPolicy(kind=params.chunk_policy))
+        self.conversion = ConversionService(voices, BlsAudioTokenizer(pb_utils), self.token2wav,
+                                            ChunkPolicy(kind=params.chunk_policy))
+        self.metrics = ModelMetrics(pb_utils, SYNTHESIS, instance_labels(args))
+        self.remote_metrics = None
+        if isinstance(self.token2wav, RemoteToken2Wav):  # a split frontend: its view of the backends
+            self.remote_metrics = ModelMetrics(pb_utils, REMOTE_TOKEN2WAV, instance_labels(args))
+            self.token2wav.on_change = self._follow_backends
+            self._follow_backends()
+        self.pool = RequestPool(params.max_workers, params.max_pending, self.name,
+                                AdmissionPolicy(params.max_queue_wait_s))
+        self.metrics["slots"].set(params.max_workers)
+
+    def execute(self, requests):
+        for request in requests:
+            self._submit(request)
+        return None
+
+    def _submit(self, request) -> None:
+        """Parse here; synthesize in a worker thread, which answers through the response sender:
+        chunk by chunk (decoupled) or with the whole waveform in one final response (the twin)."""
+        received = time.monotonic()
+        sender = request.get_response_sender()
+        try:
+            inputs = self._parse(request)
+        except Exception as exc:  # noqa: BLE001 - answered to this request only
+            self.metrics.labelled("requests", "error").increment(1)
+            sender.send(error_response(pb_utils, exc, self.name), flags=FINAL)
+            return
+        if isinstance(inputs, TextAppend):  # bistream: a text piece for a synthesis of this instance
+            self.service.append_text(inputs)
+            sender.send(flags=FINAL)
+            return
+        stream_id = _request_id(request)
+
+        def cancelled() -> bool:
+            return sender.is_cancelled() or self.pool.stopping.is_set()
+
+        def job() -> None:
+            self._follow_pool()
+            send = send_chunks if self.decoupled else send_whole
+            send(pb_utils, sender, lambda: self._service_of(inputs).run(inputs, self.decoupled, cancelled, stream_id),
+                 model=self.name, received_at=received, metrics=self.metrics, is_cancelled=cancelled)
+            self._follow_store()
+            self._follow_backends()
+
+        def expired(message: str) -> None:  # waited max_queue_wait_s without a worker: never started
+            self._refuse(sender, message)
+
+        cost = request_cost(text_tokens_estimate(inputs.text), 0, inputs.audio is not None)
+        decision = self.pool.admit(job, cost, expired)
+        if not decision.admit:
+            self._refuse(sender, refusal_message(self.name, decision, self.params.max_queue_wait_s))
+        self._follow_pool()
+
+    def _refuse(self, sender, message: str) -> None:
+        """Admission said no (cosyvoice_triton/admission.py): UNAVAILABLE with "retry after N s"."""
+        self.metrics.labelled("requests", "error").increment(1)
+        sender.send(error_response(pb_utils, Unavailable(message), self.name), flags=FINAL)
+        self._follow_pool()
+
+    # ---- helpers -----------------------------------------------------------------------------------
+
+    def _parse(self, request):
+        reader = TensorReader(request_arrays(request))
+        if reader.string("mode") == VC_MODE:  # voice conversion: a source recording, no text
+            return parse_conversion_inputs(reader)
+        append = read_text_append(reader, self.params.max_text_chars)
+        if append is not None or reader.string("text_mode") != "bistream":
+            return append or parse_synthesis_inputs(reader, self.service.default_sampling, self.params.max_text_chars)
+        if not self.decoupled or self.instances > 1:  # the appends must reach the instance that reads them
+            raise InvalidInput("text_mode", f"bistream needs a streaming model of one instance ({self.name} is "
+                                            f"{'decoupled' if self.decoupled else 'not decoupled'}, "
+                                            f"{self.instances} instances)")
+        return parse_synthesis_inputs(reader, self.service.default_sampling, self.params.max_text_chars)
+
+    def _follow_pool(self) -> None:
+        pool = self.pool
+        self.metrics.set_gauges(lambda: {"queued": pool.waiting, "seconds_per_cost": pool.speed.seconds_per_cost})
+        self.metrics.follow_counter("refused", pool.refused)
+
+    def _service_of(self, inputs):
+        return self.conversion if isinstance(inputs, ConversionInputs) else self.service
+
+    def _follow_store(self) -> None:
+        stats = self.store.stats
+        self.metrics.follow_counter("voice_hits", stats.hits)
+        self.metrics.follow_counter("voice_misses", stats.misses)
+        self.metrics.follow_counter("voice_loads", stats.loads)
+
+    def _follow_backends(self) -> None:
+        if self.remote_metrics is None:
+            return
+        stats = self.token2wav.stats()
+        self.remote_metrics.set_gauges(lambda: {"backends": stats.backends, "healthy": stats.healthy,
+                                                "streams": stats.open_streams})
+        self.remote_metrics.follow_counter("failures", stats.failures)
+
+    def finalize(self):
+        self.pool.close()
+        self.store.close()
+        if isinstance(self.token2wav, RemoteToken2Wav):
+            self.token2wav.close()
+
+
+def _request_id(request) -> str:
+    """The client's request id when it gave one (made unique), for logs and stream ids."""
+    given = request.request_id() or ""
+    return f"{given[:40]}-{uuid.uuid4().hex[:12]}" if given else uuid.uuid4().hex

@@ -14,8 +14,8 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.models.llm_precision import describe_backbone
 from cosyvoice_triton.models.speech_lm import SpeechLM
-from cosyvoice_triton.runtime.llm_scheduler import LLMScheduler
-from cosyvoice_triton.runtime.threads import thread_plan
+from cosyvoice_triton.llm.scheduler import LLMScheduler
+from cosyvoice_triton.pipeline.threads import thread_plan
 from cosyvoice_triton.triton import instance_device
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.triton.contracts import StreamCancel, TextAppend, parse_llm_request
@@ -55,7 +55,7 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ValueError(f"{self.name} must be decoupled (model_transaction_policy)")
         self.params = params = parse_parameters(LLMParams, config, self.name)
-        threads = params.torch_threads or thread_plan().llm  # beside token2wav's (runtime/threads.py)
+        threads = params.torch_threads or thread_plan().llm  # beside token2wav's (pipeline/threads.py)
         torch.set_num_threads(threads)
         llm = SpeechLM.from_model_dir(params.model_dir, device=instance_device(params.device, args),
                                       max_batch=params.max_batch, max_seq_len=params.max_seq_len,

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.runtime.voice_store import open_voice_store
+from cosyvoice_triton.voices.stores import open_voice_store
 from cosyvoice_triton.triton.bls import BlsPromptEncoder
 from cosyvoice_triton.triton.contracts import parse_register_inputs
 from cosyvoice_triton.triton.params import RegisterVoiceParams, parse_parameters

@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.engines.select import open_campplus
 from cosyvoice_triton.preprocess.prompt import PromptEncoder
-from cosyvoice_triton.runtime.finite import check_finite
+from cosyvoice_triton.triton.finite import check_finite
 from cosyvoice_triton.triton.logs import library_logs_to_triton
 from cosyvoice_triton.triton.params import SpeakerEmbeddingParams, parse_parameters
 from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each

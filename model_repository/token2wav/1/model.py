@@ -26,12 +26,12 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.engines.select import build_token2wav
 from cosyvoice_triton.models.flow_cache import FlowCacheSettings
-from cosyvoice_triton.runtime.idle_sweeper import IdleSweeper
-from cosyvoice_triton.runtime.threads import thread_plan
-from cosyvoice_triton.runtime.token2wav_scheduler import Token2WavScheduler
+from cosyvoice_triton.token2wav.idle_sweeper import IdleSweeper
+from cosyvoice_triton.pipeline.threads import thread_plan
+from cosyvoice_triton.token2wav.scheduler import Token2WavScheduler
 from cosyvoice_triton.triton import instance_device
 from cosyvoice_triton.triton.bls import bls_request
-from cosyvoice_triton.runtime.finite import check_chunk_finite
+from cosyvoice_triton.triton.finite import check_chunk_finite
 from cosyvoice_triton.triton.contracts import StreamCancel, parse_chunk, token2wav_cancel_inputs
 from cosyvoice_triton.triton.logs import library_logs_to_triton
 from cosyvoice_triton.triton.metrics import TOKEN2WAV_METRICS, ModelMetrics, instance_labels
@@ -47,7 +47,7 @@ class TritonPythonModel:
         if int(config.get("max_batch_size", 0)) != params.max_batch:
             raise ValueError(f"{self.name}: max_batch_size {config.get('max_batch_size')} != max_batch "
                              f"{params.max_batch}")
-        # Beside the LLM's (runtime/threads.py); before the runners: ONNX Runtime takes as many.
+        # Beside the LLM's (pipeline/threads.py); before the runners: ONNX Runtime takes as many.
         torch.set_num_threads(params.torch_threads or thread_plan().token2wav)
         device = instance_device(params.device, args)
         with library_logs_to_triton(pb_utils, self.name):

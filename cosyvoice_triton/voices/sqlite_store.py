@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cosyvoice_triton.errors import NotFound
 from cosyvoice_triton.preprocess.voice_features import PromptFeatures
-from cosyvoice_triton.runtime.voice_store import (CachedVoiceStore, VoiceRecord, check_same_voice, check_voice_id,
+from cosyvoice_triton.voices.store import (CachedVoiceStore, VoiceRecord, check_same_voice, check_voice_id,
                                                   content_key, decode_features, id_taken, prepare_registration)
 
 SCHEMA = """

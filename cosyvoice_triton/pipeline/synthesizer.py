@@ -13,7 +13,7 @@ sentence then decodes exactly n speech tokens, stop tokens masked (perf/bench_of
 
 With `decode_ahead` (the default) the LLM decodes in a thread of its own, ahead of the chunks, so the
 next tokens come while token2wav turns a chunk into audio; the two share the torch threads this
-pipeline was made with (`torch.get_num_threads()` then; runtime/threads.py): side by side they split
+pipeline was made with (`torch.get_num_threads()` then; pipeline/threads.py): side by side they split
 them (on 2: one each), the LLM alone and a stream's last chunk get all, and a stream's first chunk gets
 all while the LLM waits (first audio waits for that chunk). Without it, the LLM waits while token2wav
 runs.
@@ -34,12 +34,12 @@ from ..preprocess.prompt import PromptEncoder, PromptFeatures
 from ..preprocess.text import TextPreprocessor
 from ..models.flow_cache import FlowCacheSettings
 from ..models.speech_lm import SpeechLM
-from .llm_generate import generate
+from ..llm.generate import generate
 from .local_stages import CoreSharingToken2Wav, DecodeAheadLLM
 from .orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav, _GeneratorStream
-from .request import SynthesisRequest
+from .seeds import SynthesisRequest
 from .threads import CoreShare, thread_plan
-from .token2wav import Token2Wav
+from ..token2wav.stream import Token2Wav
 
 
 class CosyVoice2:

@@ -10,7 +10,7 @@ throughput and fewer re-computations of the flow.
 Two kinds of policy (`ChunkPolicy.kind`):
 
 - `fixed`: the official schedule above, whatever the load.
-- `adaptive`: the hops follow the listener's lead (runtime/playback.py), which the caller passes in
+- `adaptive`: the hops follow the listener's lead (pipeline/playback.py), which the caller passes in
   with every decision, so the same leads always give the same chunk boundaries. After each non-final
   chunk, cut while the listener had `lead_s` seconds left:
   - grow: if `lead_s` plus this chunk's audio covers the grown hop's audio (hop x hop_scale, up to

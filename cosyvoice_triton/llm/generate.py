@@ -1,7 +1,7 @@
 """Single-stream decoding of the speech LM: the reference that `LLMScheduler` batches.
 
 The model (`models.speech_lm.SpeechLM`) builds the prompt and gives logits; the sampling is here, in
-the runtime, as in the engine: repetition-aware sampling with a generator of the request's own.
+`llm/`, as in the official code: repetition-aware sampling with a generator of the request's own.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import InvalidInput
 from ..messages import PromptFeatures
-from .voice_store import VoiceStore
+from .store import VoiceStore
 
 ZERO_SHOT_KEYS = ("prompt_text", "llm_prompt_speech_token", "prompt_speech_feat", "llm_embedding")
 

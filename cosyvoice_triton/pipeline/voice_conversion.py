@@ -10,7 +10,7 @@ equal-length cut, so every piece is at most 30 s and cuts fall in pauses where t
 own token2wav stream (streamed: the chunk schedule of a TTS sentence; not streamed: one full-attention flow
 pass) with the vocoder seed of sentence i (`request.sentence_seeds`), and the pieces' audio follows in order.
 The voice's prompt features are the stored ones (tokens and mel aligned as the zero-shot frontend makes them);
-`speed` stretches the mel before HiFT as in synthesis (runtime/mel_speed.py).
+`speed` stretches the mel before HiFT as in synthesis (token2wav/speed.py).
 
 The same `VoiceConverter` runs in-process (`local_converter`: the prompt encoder's tokenizer and the reference
 token2wav) and inside the Triton `cosyvoice2` model (BLS calls to audio_tokenizer and token2wav), so both give
@@ -29,9 +29,10 @@ from ..messages import ConversionRequest, FlowPrompt
 from ..preprocess.audio import check_samples, resample, to_mono
 from .chunk_policy import ChunkSchedule
 from .chunk_sender import ChunkSender
-from .orchestrator import Token2WavStage, flow_prompt_of
+from .orchestrator import flow_prompt_of
+from .stages import Token2WavStage
 from .playback import Playback
-from .request import random_seed, sentence_seeds
+from .seeds import random_seed, sentence_seeds
 
 TOKENIZER_RATE = 16000  # the S3 tokenizer's input rate
 SAMPLES_PER_TOKEN = 640  # 16 kHz / 25 Hz

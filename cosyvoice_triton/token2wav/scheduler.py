@@ -19,7 +19,7 @@ All chunks of one `run` go through one flow call (rows padded; the flow masks pe
 `max_batch` rows, earliest deadline first: a stream's deadline is the moment its listener would run dry
 (the clock time of its first audio + the seconds of audio made since), a new stream's is now; so first
 chunks and streams that are running low go before streams that are well ahead. A stream's `speed` (its
-first chunk's) stretches its mel before HiFT (runtime/mel_speed.py). HiFT is non-causal, so
+first chunk's) stretches its mel before HiFT (token2wav/speed.py). HiFT is non-causal, so
 only rows with the same number of mel frames share a vocoder call. A chunk that fails its checks changes
 nothing, and a stream's tokens, offset and caches change only once the audio of its whole batch is made
 (an unexpected failure of the batch leaves them as they were; only a vocoder noise generator may have
@@ -58,7 +58,7 @@ from ..models.hift import HiFTGenerator
 from ..models.prompt_cache import PromptCache, frames_to_store, new_stream_cache, stage_prompt_cache
 from ..models.hift_source import GeneratorNoise, StackedNoise
 from ..messages import MIN_HOP_TOKENS, ChunkRequest, FlowPrompt, check_seed
-from .token2wav import prompt_tensors
+from .stream import prompt_tensors
 from .vocoder_stream import VocoderStream
 
 log = logging.getLogger(__name__)

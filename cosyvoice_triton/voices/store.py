@@ -140,34 +140,6 @@ class VoiceStore(Protocol):
     def close(self) -> None: ...
 
 
-def open_voice_store(url: str | None, *, lru_size: int = 256) -> VoiceStore:
-    """Open the store that `url` names.
-
-    None                         → embedded, $COSYVOICE_HOME/voices.sqlite (default ~/.cache/cosyvoice_triton)
-    "sqlite:///abs/voices.sqlite" or a plain path → embedded SQLite file (folders are created)
-    "redis://host:port/db" (or rediss://)          → Redis, shared between servers
-    """
-    # Imported here: the store kinds (SQLite, Redis) import this module, and `redis` is only needed when it is used.
-    if url is not None and url.startswith(("redis://", "rediss://")):
-        from cosyvoice_triton.runtime.voice_store_redis import RedisVoiceStore
-        return RedisVoiceStore(url, lru_size=lru_size)
-    from cosyvoice_triton.runtime.voice_store_sqlite import SqliteVoiceStore
-    return SqliteVoiceStore(_sqlite_path(url), lru_size=lru_size)
-
-
-def _sqlite_path(url: str | None) -> Path:
-    if url is None:
-        home = Path(os.environ.get("COSYVOICE_HOME", "~/.cache/cosyvoice_triton")).expanduser()
-        return home / "voices.sqlite"
-    if url.startswith("sqlite://"):
-        url = url[len("sqlite://"):]  # "sqlite:///abs/x.sqlite" → "/abs/x.sqlite"
-    elif "://" in url:
-        raise ValueError(f"voice store url {url!r}: use sqlite:///path, redis://host:port/db or a path")
-    if not url:
-        raise ValueError("voice store url names no file")
-    return Path(url).expanduser()
-
-
 # ---- ids ------------------------------------------------------------------------------------------
 
 def content_key(audio_sha256: str, text: str, owner: str | None = None) -> str:

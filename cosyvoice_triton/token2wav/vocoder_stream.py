@@ -6,7 +6,7 @@ so the excitation runs on continuously. A non-final chunk holds back its last `s
 samples; the next chunk fades them out while it fades its own first samples in (a symmetric Hamming
 window of twice that length, rising half and falling half). The final chunk emits everything.
 
-`speed` != 1.0 interpolates each chunk's new mel frames along time by 1 / speed first (runtime/mel_speed.py,
+`speed` != 1.0 interpolates each chunk's new mel frames along time by 1 / speed first (token2wav/speed.py,
 as the official CosyVoice2), so the caches and the cross-fade work on the stretched frames alike.
 
 `push` runs the three steps; `prepare` / `commit` split them around the vocoder call for a caller that
@@ -24,7 +24,7 @@ from torch import Tensor
 from ..errors import InvalidInput
 from ..models.hift import HiFTGenerator
 from ..models.hift_source import HiFTNoise
-from .mel_speed import MelSpeed, SpeedState
+from .speed import MelSpeed, SpeedState
 
 
 @dataclass(frozen=True)

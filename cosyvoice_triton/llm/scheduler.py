@@ -9,7 +9,7 @@ Each loop round (gpt-fast style, over the model's static KV cache of `max_batch`
 4. sample every row with the request's own generator, push the token to its stream, retire streams
    on a stop token, at max_len, or on error.
 
-A bistream stream (`LLMRequest.bistream`, runtime/bistream.py) is not prefilled at once: its
+A bistream stream (`LLMRequest.bistream`, llm/bistream.py) is not prefilled at once: its
 `BistreamPlan` says what to feed as its text arrives (`LLMStream.append_text`). Each round feeds, one stream
 at a time (B = 1), the text (and prompt) segments that are due; a stream that is decoding speech joins
 the batched decode step; one waiting for text sits out the round, holding its slot.
@@ -43,7 +43,7 @@ from ..messages import LLMRequest, SamplingParams, check_seed
 from ..models.qwen2 import kv_bucket
 from ..models.speech_lm import SpeechLM
 from .bistream import BistreamPlan, Segment, embed_segments, new_plan
-from .llm_stream import LLMStream
+from .stream import LLMStream
 from .sampling import RasSampler, make_generator
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ same `Orchestrator` that the `cosyvoice2` model drives over BLS run without Trit
 
 `DecodeAheadLLM` and `CoreSharingToken2Wav` overlap the two in one pipeline (the in-process `CosyVoice2`):
 each LLM stream decodes in a thread of its own, ahead of its consumer, so the next tokens come while
-token2wav turns a chunk into audio; both take their torch threads from one `CoreShare` (runtime/threads.py),
+token2wav turns a chunk into audio; both take their torch threads from one `CoreShare` (pipeline/threads.py),
 so that together they use the cores and no more. A stream's first chunk, which first audio waits for,
 has every core to itself: the LLM's next decode steps wait for it.
 """
@@ -19,9 +19,9 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from cosyvoice_triton.runtime.llm_scheduler import LLMScheduler, LLMRequest, LLMStream
-from cosyvoice_triton.runtime.threads import CoreShare
-from cosyvoice_triton.runtime.token2wav_scheduler import ChunkRequest, Token2WavScheduler
+from cosyvoice_triton.llm.scheduler import LLMScheduler, LLMRequest, LLMStream
+from cosyvoice_triton.pipeline.threads import CoreShare
+from cosyvoice_triton.token2wav.scheduler import ChunkRequest, Token2WavScheduler
 
 CHUNK_TIMEOUT_S = 300.0  # a chunk that waits longer fails its stream instead of hanging the client
 

@@ -7,7 +7,7 @@ sentence it opens an LLM token stream, follows the chunk schedule (small first c
 request's `Playback` follows its listener across sentences; an adaptive chunk policy reads its lead.
 
 `run_bistream` takes the text as it is written instead (text_mode "bistream"): one LLM stream reads it
-as it comes, in the trained 5:15 text/speech pattern (runtime/bistream.py), so audio starts before the
+as it comes, in the trained 5:15 text/speech pattern (llm/bistream.py), so audio starts before the
 first sentence is complete. A feeder thread tokenizes the pieces (cut before white space: `WordPieces`)
 and appends them to the live LLM stream while this thread turns its tokens into audio. As in the official
 bistream, the text is spoken as given (no normalization, no sentence splitting).
@@ -18,41 +18,22 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
 
 import numpy as np
 
 from ..errors import Cancelled
 from ..preprocess.text import TextPreprocessor, validate_text
 from ..messages import ChunkRequest, FlowPrompt, LLMRequest, SynthesisRequest
-from .bistream import TextFeed, WordPieces, generate_bistream
+from ..llm.bistream import TextFeed, WordPieces, generate_bistream
 from .chunk_policy import ChunkSchedule
 from .chunk_sender import ChunkSender
-from .llm_generate import generate
+from .stages import LLMStage, Token2WavStage, TokenStream  # noqa: F401 - the stages a pipeline is built from
+from ..llm.generate import generate
 from .playback import Playback
-from .request import END_OF_PROMPT, random_seed, sentence_seeds
+from .seeds import END_OF_PROMPT, random_seed, sentence_seeds
 
 
 log = logging.getLogger(__name__)
-
-
-class TokenStream(Protocol):
-    def __iter__(self) -> Iterator[list[int]]: ...
-
-    def cancel(self) -> None: ...
-
-    def append_text(self, tokens: list[int], end: bool = False) -> None:
-        """Bistream streams only: more text for the live stream."""
-
-
-class LLMStage(Protocol):
-    def stream(self, request: LLMRequest) -> TokenStream: ...
-
-
-class Token2WavStage(Protocol):
-    def chunk(self, chunk: ChunkRequest) -> np.ndarray: ...
-
-    def cancel(self, stream_id: str) -> None: ...
 
 
 def flow_prompt_of(voice) -> FlowPrompt:

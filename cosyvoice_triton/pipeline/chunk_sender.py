@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,9 +19,7 @@ from ..errors import Cancelled
 from ..messages import ChunkRequest, FlowPrompt
 from .chunk_policy import ChunkSchedule
 from .playback import Playback
-
-if TYPE_CHECKING:
-    from .orchestrator import Token2WavStage
+from .stages import Token2WavStage
 
 
 @dataclass
