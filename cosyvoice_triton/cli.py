@@ -53,7 +53,7 @@ def _run_synth(args) -> int:
 
     from .preprocess.audio import decode_audio
     from .model_hub import resolve_model_dir
-    from .pipeline.synthesizer import CosyVoice2, SynthesisRequest
+    from .pipeline.cosyvoice2 import CosyVoice2, SynthesisRequest
 
     t0 = time.perf_counter()
     tts = CosyVoice2.from_model_dir(resolve_model_dir(args.model_dir), device=args.device)

@@ -86,7 +86,7 @@ def make_inputs(tts, text_tokens: int, prompt_tokens: int):
     voice = dataclasses.replace(voice, speech_tokens=tokens, mel=np.asarray(voice.mel)[:2 * len(tokens)])
 
     def sentences(text: str):  # the LLM requests the pipeline makes of `text` (normalized, split, tokenized)
-        return tts.orchestrator.llm_requests(SynthesisRequest(text=text, voice=voice, seed=1), "bench", 1)
+        return tts.pipeline.llm_requests(SynthesisRequest(text=text, voice=voice, seed=1), "bench", 1)
 
     text = text_with_tokens(lambda text: sentences(text)[0].text_tokens, text_tokens)
     request = SynthesisRequest(text=text, voice=voice, seed=1)
@@ -106,7 +106,7 @@ class OurSide:
 
     def __init__(self, model_dir: str, speech_tokens: int, text_tokens: int, prompt_tokens: int,
                  llm_precision: str = "fp32", decode_ahead: bool = True, first_chunk_alone: bool = True):
-        from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
+        from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
 
         self.load = lambda: CosyVoice2.from_model_dir(model_dir, llm_precision=llm_precision)
         self.synths = [self.load()]
@@ -125,7 +125,7 @@ class OurSide:
         for tts in self.synths:
             tts.use_decode_ahead(self.decode_ahead)
             if self.decode_ahead:  # its CoreSharingToken2Wav
-                tts.orchestrator.token2wav.first_chunk_alone = self.first_chunk_alone
+                tts.pipeline.token2wav.first_chunk_alone = self.first_chunk_alone
         return concurrent_round([lambda tts=tts: self._stream(tts) for tts in self.synths[:concurrency]])
 
     def _stream(self, tts) -> dict:

@@ -2,9 +2,9 @@
 
 The text arrives word by word at `--tokens-per-s` (an LLM agent writing it; default 10 text tokens per
 second). Sentence mode is the WebSocket's default: a sentence is synthesized once its end mark has come, so
-its first audio waits for the whole sentence. Bistream (`Orchestrator.run_bistream`) feeds the LLM as the
+its first audio waits for the whole sentence. Bistream (`Pipeline.run_bistream`) feeds the LLM as the
 words come. Both run the serving path in this process: the in-flight batching LLM scheduler
-(`LLMScheduler`) and token2wav behind the shared `Orchestrator`, one request at a time, the same voice,
+(`LLMScheduler`) and token2wav behind the shared `Pipeline`, one request at a time, the same voice,
 text and seed; the numbers are medians of `--runs` runs of each, alternated, with the load average.
 
     python perf/bistream_latency.py --model-dir models/tiny --runs 3
@@ -47,17 +47,17 @@ def first_chunk_after(chunks, started: list[float]) -> float:
     raise RuntimeError("no audio")
 
 
-def first_audio_bistream(orchestrator, request, text: str, tokens_per_s: float) -> float:
+def first_audio_bistream(pipeline, request, text: str, tokens_per_s: float) -> float:
     started: list[float] = []
-    words = paced_words(text, orchestrator.preprocessor.tokenizer.encode, tokens_per_s, started)
-    return first_chunk_after(orchestrator.run_bistream(request, words, stream=True), started)
+    words = paced_words(text, pipeline.preprocessor.tokenizer.encode, tokens_per_s, started)
+    return first_chunk_after(pipeline.run_bistream(request, words, stream=True), started)
 
 
-def first_audio_sentences(orchestrator, request, text: str, tokens_per_s: float) -> float:
+def first_audio_sentences(pipeline, request, text: str, tokens_per_s: float) -> float:
     """Sentence mode: the words arrive at the same pace; synthesis starts at the sentence's end mark."""
     started: list[float] = []
-    received = "".join(paced_words(text, orchestrator.preprocessor.tokenizer.encode, tokens_per_s, started))
-    return first_chunk_after(orchestrator.run(replace(request, text=received), stream=True), started)
+    received = "".join(paced_words(text, pipeline.preprocessor.tokenizer.encode, tokens_per_s, started))
+    return first_chunk_after(pipeline.run(replace(request, text=received), stream=True), started)
 
 
 def build(model_dir: Path, threads: int):
@@ -68,14 +68,14 @@ def build(model_dir: Path, threads: int):
     from cosyvoice_triton.models.speech_lm import SpeechLM
     from cosyvoice_triton.llm.scheduler import LLMScheduler
     from cosyvoice_triton.pipeline.local_stages import LocalLLMStage
-    from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
+    from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
 
     torch.set_num_threads(threads)
     tts = CosyVoice2.from_model_dir(model_dir)
     llm = SpeechLM.from_model_dir(model_dir, max_batch=2, max_seq_len=2048)
     scheduler = LLMScheduler(llm, max_batch=2, max_seq_len=2048)
     scheduler.start()
-    tts.orchestrator.llm = LocalLLMStage(scheduler)
+    tts.pipeline.llm = LocalLLMStage(scheduler)
     audio, rate = sf.read(default_voice.RECORDING, dtype="float32")
     voice = tts.encode_voice(audio, rate, default_voice.TRANSCRIPT)
     return tts, scheduler, voice
@@ -100,8 +100,8 @@ def main() -> None:
     loads = [os.getloadavg()[0]]
     try:
         for _ in range(args.runs):
-            results["bistream"].append(first_audio_bistream(tts.orchestrator, request, args.text, args.tokens_per_s))
-            results["sentences"].append(first_audio_sentences(tts.orchestrator, request, args.text,
+            results["bistream"].append(first_audio_bistream(tts.pipeline, request, args.text, args.tokens_per_s))
+            results["sentences"].append(first_audio_sentences(tts.pipeline, request, args.text,
                                                               args.tokens_per_s))
             loads.append(os.getloadavg()[0])
     finally:

@@ -15,7 +15,7 @@ import torch
 
 from cosyvoice_triton.messages import SynthesisRequest
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
-from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
+from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old green tree".split()
 

@@ -199,7 +199,7 @@ def time_pipelines(model_dir: Path, onnx_dir: Path, rounds: int, seconds: float)
     from cosyvoice_triton.messages import SynthesisRequest
     from cosyvoice_triton.perf.cpu_synth_timing import run_once, text_with_tokens
     from cosyvoice_triton.random_folder.sample_prompt import speech_like
-    from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
+    from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
     from cosyvoice_triton.token2wav.stream import Token2Wav
 
     pipelines = {"torch": CosyVoice2.from_model_dir(model_dir)}

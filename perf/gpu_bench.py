@@ -3,7 +3,7 @@
     bash perf/gpu_bench.sh                                          # on the GPU machine (device tool)
     python -m cosyvoice_triton.perf.gpu_bench --device cpu --size tiny --quick      # a smoke run on a CPU
 
-What runs is the `cosyvoice2` model's serving path without its transport: the shared `Orchestrator`
+What runs is the `cosyvoice2` model's serving path without its transport: the shared `Pipeline`
 (sentences -> LLM token streams -> token2wav chunks) over `LLMScheduler` (in-flight batching of the LLM
 streams in its own thread, as the `llm` model runs it) and `Token2WavScheduler` (flow + HiFT batched across
 streams) behind `BatchingToken2WavStage`, which gathers waiting chunks into one scheduler call as Triton's dynamic
@@ -41,7 +41,7 @@ from cosyvoice_triton.perf.stats import RequestResult, percentile
 from cosyvoice_triton.random_folder.write import write_random_model
 from cosyvoice_triton.pipeline.local_stages import BatchingToken2WavStage, LocalLLMStage
 from cosyvoice_triton.llm.scheduler import LLMScheduler
-from cosyvoice_triton.pipeline.orchestrator import Orchestrator
+from cosyvoice_triton.pipeline.pipeline import Pipeline
 from cosyvoice_triton.token2wav.scheduler import Token2WavScheduler
 from cosyvoice_triton.server.launcher import ServeOptions
 
@@ -82,7 +82,7 @@ def check_packages() -> tuple[tuple[UnchangedText, UnchangedText] | None, list[s
 class Stack:
     """Everything one run serves with."""
 
-    orchestrator: Orchestrator
+    pipeline: Pipeline
     llm_scheduler: LLMScheduler
     t2w_scheduler: Token2WavScheduler
     batcher: BatchingToken2WavStage
@@ -98,7 +98,7 @@ class Stack:
 
 def open_stack(model_dir: Path, args: argparse.Namespace, device: torch.device, onnx_dir: Path,
                normalizers: tuple | None) -> Stack:
-    """The engines and the orchestrator on `device`, set up as the Triton models set them up (the text
+    """The engines and the pipeline on `device`, set up as the Triton models set them up (the text
     preprocessor with `normalizers`, None: wetext's)."""
     llm = SpeechLM.from_model_dir(model_dir, device=device, max_batch=args.llm_max_batch,
                                   max_seq_len=args.llm_max_seq_len)
@@ -124,8 +124,8 @@ def open_stack(model_dir: Path, args: argparse.Namespace, device: torch.device, 
     # The two threads start last: nothing after them can fail and leave them running.
     batcher = BatchingToken2WavStage(t2w_scheduler, args.t2w_max_batch, args.queue_delay_us / 1e6)
     llm_scheduler.start()
-    orchestrator = Orchestrator(preprocessor, LocalLLMStage(llm_scheduler), batcher)
-    return Stack(orchestrator=orchestrator, llm_scheduler=llm_scheduler, t2w_scheduler=t2w_scheduler, batcher=batcher,
+    pipeline = Pipeline(preprocessor, LocalLLMStage(llm_scheduler), batcher)
+    return Stack(pipeline=pipeline, llm_scheduler=llm_scheduler, t2w_scheduler=t2w_scheduler, batcher=batcher,
                  prompt_encoder=prompt_encoder, sampling=llm.config.sampling,
                  sample_rate=hift.config.sampling_rate, settings=settings)
 
@@ -133,13 +133,13 @@ def open_stack(model_dir: Path, args: argparse.Namespace, device: torch.device, 
 # ---- load generation ------------------------------------------------------------------------------
 
 def one_request(stack: Stack, case: scenarios.Case, voice, seed: int) -> RequestResult:
-    """Stream one request through the orchestrator; times from handing it over (s)."""
+    """Stream one request through the pipeline; times from handing it over (s)."""
     result, chunks, samples = RequestResult(), 0, 0
     start = time.perf_counter()
     try:
         request = SynthesisRequest(text=case.text, voice=voice, mode=case.mode, seed=seed,
                                      sampling=stack.sampling)
-        for chunk in stack.orchestrator.run(request, stream=True):
+        for chunk in stack.pipeline.run(request, stream=True):
             if chunk.size == 0:
                 continue
             chunks, samples = chunks + 1, samples + chunk.size

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU benchmark of the in-process serving path (perf/gpu_bench.py): the LLM scheduler, the token2wav scheduler
-# and the orchestrator of the cosyvoice2 model in one process, no tritonserver, N client threads per
+# and the pipeline of the cosyvoice2 model in one process, no tritonserver, N client threads per
 # concurrency level. Per level: first / second chunk and total latency percentiles, RTF, throughput,
 # errors; the targets marked met / not met.
 #

@@ -35,8 +35,8 @@ def target_rows(results: dict) -> list[dict]:
 
 
 MEASURES_NOTE = (
-    "The serving engines and the orchestrator in one process, no Triton transport (gRPC, BLS and copies "
-    "between models are excluded). Times in ms from handing the request to the orchestrator; RTF = level "
+    "The serving engines and the pipeline in one process, no Triton transport (gRPC, BLS and copies "
+    "between models are excluded). Times in ms from handing the request to the pipeline; RTF = level "
     "wall time / audio seconds made; throughput = audio seconds per second; flow batch = mean chunks per "
     "token2wav flow call.")
 TABLE_HEADER = ("| concurrency | requests | errors | first chunk p50 / p90 / p99 | second chunk p50 | total p50 "

@@ -142,7 +142,7 @@ def profiling(tts, stream: int, timeline: Timeline):
     restores = [wrap(tts.llm, "step_logits", timeline, stream, describe_llm_step),
                 wrap(token2wav, "mel", timeline, stream, describe_flow(token2wav.token_mel_ratio)),
                 wrap(token2wav.hift, "inference", timeline, stream, describe_hift),
-                wrap(tts.orchestrator.token2wav, "chunk", timeline, stream, describe_token2wav)]
+                wrap(tts.pipeline.token2wav, "chunk", timeline, stream, describe_token2wav)]
     try:
         yield
     finally:

@@ -2,7 +2,7 @@
 
 The text comes word by word, as an LLM agent writes it: over the WebSocket (`"text_mode": "bistream"`) and
 through the SDK's gRPC form (`TritonTTS.stream_text`, and `AsyncTritonTTS.stream_text` from an async or a
-plain iterable). All give the library's bistream audio for the same seed (`Orchestrator.run_bistream`), and the WebSocket's first audio arrives while the first sentence is
+plain iterable). All give the library's bistream audio for the same seed (`Pipeline.run_bistream`), and the WebSocket's first audio arrives while the first sentence is
 still incomplete: the test sends its last word only after that audio has come (an order of events, no
 timing). The LLM-level parts (the 5:15 plan, the scheduler) are tests/test_bistream_llm.py.
 """
@@ -38,7 +38,7 @@ def library_audio(stack) -> np.ndarray:
 
     tts, voice = library_pipeline(stack)
     request = SynthesisRequest(text="", voice=voice, seed=SEED, sampling=tts.llm.config.sampling)
-    chunks = list(tts.orchestrator.run_bistream(request, iter(WORDS), stream=True))
+    chunks = list(tts.pipeline.run_bistream(request, iter(WORDS), stream=True))
     assert len(chunks) > 1
     return np.concatenate(chunks)
 
@@ -49,7 +49,7 @@ def test_the_library_speaks_the_same_however_the_text_is_cut(stack, library_audi
     tts, voice = library_pipeline(stack)
     request = SynthesisRequest(text=SENTENCE[:7], voice=voice, seed=SEED, sampling=tts.llm.config.sampling)
     cut = [SENTENCE[7:30], "", SENTENCE[30:31], SENTENCE[31:]]  # mid-word cuts and an empty piece
-    audio = np.concatenate(list(tts.orchestrator.run_bistream(request, iter(cut), stream=True)))
+    audio = np.concatenate(list(tts.pipeline.run_bistream(request, iter(cut), stream=True)))
     np.testing.assert_allclose(audio, library_audio, rtol=0, atol=ATOL)
 
 

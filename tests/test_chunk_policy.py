@@ -87,8 +87,8 @@ def test_the_in_process_pipeline_follows_the_request_policy(tiny_model_dir, prom
     """Same seed, same tokens: the same total audio, cut differently. An adaptive stream's first chunk
     leaves the listener 1.2 s at most, which cannot cover a 2 s hop: its second hop stays 25 tokens,
     where the fixed schedule doubles to 50 (whatever the clock says)."""
-    from cosyvoice_triton.pipeline.seeds import SynthesisRequest
-    from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
+    from cosyvoice_triton.messages import SynthesisRequest
+    from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
 
     tts = CosyVoice2.from_model_dir(tiny_model_dir)
     samples, rate = prompt_wav_16k

@@ -17,7 +17,7 @@ import torch
 
 from cosyvoice_triton.perf.bench_official import make_inputs
 from cosyvoice_triton.pipeline.threads import CoreShare, ThreadPlan, thread_plan
-from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
+from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
 from polling import wait_until
 
 pytestmark = pytest.mark.timeout(900)
@@ -103,17 +103,17 @@ def test_decode_ahead_gives_the_same_audio(pipelines) -> None:
 
 def test_a_first_chunk_runs_alone_on_every_core_and_middle_chunks_beside_the_llm(pipelines) -> None:
     tts = pipelines[True]
-    orchestrator = tts.orchestrator
-    llm_stage, token2wav_stage = orchestrator.llm, orchestrator.token2wav
+    pipeline = tts.pipeline
+    llm_stage, token2wav_stage = pipeline.llm, pipeline.token2wav
     counting = CountingLLM(llm_stage.inner)
     watching = WatchingToken2Wav(token2wav_stage.inner, lambda: counting.decoded)
-    orchestrator.llm = type(llm_stage)(counting, llm_stage.share)
+    pipeline.llm = type(llm_stage)(counting, llm_stage.share)
     token2wav_stage.inner = watching
     try:
         request, _ = make_inputs(tts, text_tokens=6, prompt_tokens=20)
         audio(tts, request)
     finally:
-        orchestrator.llm, token2wav_stage.inner = llm_stage, watching.inner
+        pipeline.llm, token2wav_stage.inner = llm_stage, watching.inner
     assert counting.decoded == N
     kinds = [kind for kind, _, _ in watching.seen]
     assert kinds[0] == "first" and kinds[-1] == "last" and "middle" in kinds
@@ -132,7 +132,7 @@ def test_a_cancelled_stream_stops_its_decoding_before_the_next_request(pipelines
     request, _ = make_inputs(tts, text_tokens=6, prompt_tokens=20)
     chunks = tts.synthesize(request, stream=True)
     next(chunks)
-    chunks.close()  # the orchestrator cancels the LLM stream: its decoding thread has ended
+    chunks.close()  # the pipeline cancels the LLM stream: its decoding thread has ended
     assert not [t for t in threading.enumerate() if t.name == "llm-decode-ahead"]
     assert [c.size for c in audio(tts, request)] == [c.size for c in audio(pipelines[False], request)]
 

@@ -141,8 +141,8 @@ def test_in_process_synthesis_on_openvino_matches_torch(tiny_model_dir, prompt_w
     same voice features (to 1e-4) and the same streamed audio as the torch pipeline for one seed."""
     import numpy as np
 
-    from cosyvoice_triton.pipeline.seeds import SynthesisRequest
-    from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
+    from cosyvoice_triton.messages import SynthesisRequest
+    from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
 
     samples, rate = prompt_wav_16k
     audio, voices = {}, {}

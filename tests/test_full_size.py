@@ -14,8 +14,8 @@ import pytest
 from cosyvoice_triton.cli import main as cli_main
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy
-from cosyvoice_triton.pipeline.seeds import SynthesisRequest
-from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
+from cosyvoice_triton.messages import SynthesisRequest
+from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
 from cosyvoice_triton.token2wav.vocoder_stream import VocoderStreamConfig
 
 pytestmark = pytest.mark.skipif(os.environ.get("COSYVOICE_SKIP_FULL") == "1", reason="COSYVOICE_SKIP_FULL=1")
@@ -62,7 +62,7 @@ def test_full_size_folder_streams_a_first_chunk(tts: CosyVoice2) -> None:
     chunks = tts.synthesize(SynthesisRequest(text=TEXT, voice=voice, seed=1, chunk_policy=policy), stream=True)
     audio = next(chunks)
     chunks.close()  # the client leaves: the LLM stream and the vocoder state are dropped
-    assert not tts.orchestrator.token2wav.streams
+    assert not tts.pipeline.token2wav.streams
     frames = FIRST_HOP * tts.token2wav.token_mel_ratio
     held_back = VocoderStreamConfig().mel_cache_frames  # frames kept for the next chunk's cross-fade
     assert audio.shape == ((frames - held_back) * tts.token2wav.samples_per_frame,)

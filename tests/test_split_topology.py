@@ -1,7 +1,7 @@
 """The split deployment as a user starts it: `cosyvoice-triton up --frontends 2 --backends 1` (three
 tritonservers, a redis-server and the gateway from one command, tiny random folder).
 
-Its audio must equal the single-server pipeline for the same seeds (the library's own orchestrator, which
+Its audio must equal the single-server pipeline for the same seeds (the library's own pipeline, which
 tests/test_triton_serving.py holds the single server to), and it must survive losing a frontend: streams
 there end with an error instead of hanging, new requests go to the other frontend, and the backend frees
 the dead frontend's stream state by its idle timeout.

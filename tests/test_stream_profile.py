@@ -75,7 +75,7 @@ def test_the_wrapped_stages_are_restored_and_the_audio_is_the_same(profiled) -> 
     side, _, _, before, after = profiled
     tts = side.synths[0]
     assert "step_logits" not in vars(tts.llm) and "mel" not in vars(tts.token2wav)
-    assert "inference" not in vars(tts.token2wav.hift) and "chunk" not in vars(tts.orchestrator.token2wav)
+    assert "inference" not in vars(tts.token2wav.hift) and "chunk" not in vars(tts.pipeline.token2wav)
     for audio in (side.chunks[0], after):
         assert len(audio) == len(before)
         assert all(np.array_equal(a, b) for a, b in zip(audio, before))

@@ -10,8 +10,8 @@ import soundfile as sf
 from cosyvoice_triton.errors import Cancelled, InvalidInput
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.preprocess.audio import load_prompt_audio
-from cosyvoice_triton.pipeline.seeds import SynthesisRequest
-from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
+from cosyvoice_triton.messages import SynthesisRequest
+from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
 
 SAMPLES_PER_TOKEN = 960  # 2 mel frames x 480 samples at 24 kHz
 
@@ -43,11 +43,11 @@ def test_every_mode_offline(tts, voice, mode, extra):
 
 def test_modes_give_different_llm_prompts(tts, voice):
     request = SynthesisRequest(text="hello", voice=voice, seed=1)
-    zero_shot = tts.orchestrator.llm_requests(request, "r", 1)[0]
+    zero_shot = tts.pipeline.llm_requests(request, "r", 1)[0]
     request.mode = "cross_lingual"
-    cross = tts.orchestrator.llm_requests(request, "r", 1)[0]
+    cross = tts.pipeline.llm_requests(request, "r", 1)[0]
     request.mode, request.instruct_text = "instruct2", "Speak slowly."
-    instruct = tts.orchestrator.llm_requests(request, "r", 1)[0]
+    instruct = tts.pipeline.llm_requests(request, "r", 1)[0]
     assert zero_shot.prompt_speech_tokens == [int(t) for t in voice.speech_tokens]
     assert zero_shot.prompt_text_tokens and not cross.prompt_text_tokens and not cross.prompt_speech_tokens
     end_of_prompt = tts.preprocessor.tokenizer.token_to_id("<|endofprompt|>")
@@ -91,7 +91,7 @@ def test_cancel_mid_stream_stops_and_frees_state(tts, voice):
     with pytest.raises(Cancelled):
         for chunk in tts.synthesize(request, stream=True, is_cancelled=cancelled):
             got.append(chunk)
-    assert tts.orchestrator.token2wav.streams == {}
+    assert tts.pipeline.token2wav.streams == {}
     assert synth(tts, voice)  # still serves
 
 

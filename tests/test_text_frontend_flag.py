@@ -55,8 +55,8 @@ def post_tts(url: str, body: dict) -> tuple[int, bytes]:
 def test_the_llm_gets_the_text_as_given(library):
     tts, voice = library
     encode = tts.preprocessor.tokenizer.encode
-    raw = tts.orchestrator.llm_requests(request(library, False), "r", SEED)
-    normalized = tts.orchestrator.llm_requests(request(library, True), "r", SEED)
+    raw = tts.pipeline.llm_requests(request(library, False), "r", SEED)
+    normalized = tts.pipeline.llm_requests(request(library, True), "r", SEED)
     assert [r.text_tokens for r in raw] == [encode(TEXT)]  # one piece, digits and all
     assert [r.text_tokens for r in normalized] != [r.text_tokens for r in raw]
     assert "three" in tts.preprocessor.tokenizer.decode(normalized[0].text_tokens)

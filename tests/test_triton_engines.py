@@ -3,7 +3,7 @@ cannot run (no GPU, no tensorrt package), which must fall back to ONNX Runtime a
 
 Both servers run every model of model_repository/ on a tiny random folder, started as `cosyvoice-triton
 serve --engine ...` starts them (free ports, max_token_text_ratio 3 as in test_triton_serving.py). Their
-streamed audio is compared with the library's in-process pipeline on torch (`Orchestrator` over the
+streamed audio is compared with the library's in-process pipeline on torch (`Pipeline` over the
 reference LLM and token2wav) for the same inputs and seed. Tolerance 1e-3 absolute, as the engine tests'
 end-to-end waveforms: ONNX Runtime's graphs differ from torch by ~1e-6 on mels, which moves HiFT's F0 and
 so its harmonic phase a little. Measured ~1e-5 here, where the tiny model's audio peaks at ~5e-2 and
@@ -75,19 +75,20 @@ def reference_chunks(engine_model, prompt) -> list[np.ndarray]:
     import torch
 
     from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy
-    from cosyvoice_triton.pipeline.orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav
-    from cosyvoice_triton.pipeline.seeds import SynthesisRequest
-    from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
+    from cosyvoice_triton.pipeline.local_stages import ReferenceLLM, ReferenceToken2Wav
+    from cosyvoice_triton.pipeline.pipeline import Pipeline
+    from cosyvoice_triton.messages import SynthesisRequest
+    from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         tts = CosyVoice2.from_model_dir(engine_model)
         tts.llm.config.max_token_text_ratio = RATIO
-        orchestrator = Orchestrator(tts.preprocessor, ReferenceLLM(tts.llm), ReferenceToken2Wav(tts.token2wav))
+        pipeline = Pipeline(tts.preprocessor, ReferenceLLM(tts.llm), ReferenceToken2Wav(tts.token2wav))
         request = SynthesisRequest(text=TEXT, voice=tts.encode_voice(prompt, RATE, PROMPT_TEXT), seed=SEED,
                                    sampling=tts.llm.config.sampling, chunk_policy=ChunkPolicy())
-        return [chunk for chunk in orchestrator.run(request, stream=True) if chunk.size]
+        return [chunk for chunk in pipeline.run(request, stream=True) if chunk.size]
     finally:
         torch.set_num_threads(threads)
 

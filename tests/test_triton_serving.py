@@ -1,7 +1,7 @@
 """CosyVoice2 on a real tritonserver: every model of model_repository/ on a tiny random folder.
 
 One server per session (started like `cosyvoice-triton serve`, on free ports); its audio is compared with
-the library's own in-process pipeline (`Orchestrator` over the reference LLM and token2wav) for the same
+the library's own in-process pipeline (`Pipeline` over the reference LLM and token2wav) for the same
 inputs and seed. The server runs with max_token_text_ratio 3 (the official 20 lets the random LLM speak
 ~7 times longer than needed here); everything else is as served by default. No test depends on another
 having run: the restart test restarts the session's server and leaves it warm, and the idle-timeout
@@ -73,13 +73,14 @@ class Reference:
     def __init__(self, model_dir: Path):
         import torch
 
-        from cosyvoice_triton.pipeline.orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav
-        from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
+        from cosyvoice_triton.pipeline.local_stages import ReferenceLLM, ReferenceToken2Wav
+        from cosyvoice_triton.pipeline.pipeline import Pipeline
+        from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
 
         torch.set_num_threads(1)
         self.tts = CosyVoice2.from_model_dir(model_dir)
         self.tts.llm.config.max_token_text_ratio = RATIO
-        self.orchestrator = Orchestrator(self.tts.preprocessor, ReferenceLLM(self.tts.llm),
+        self.pipeline = Pipeline(self.tts.preprocessor, ReferenceLLM(self.tts.llm),
                                          ReferenceToken2Wav(self.tts.token2wav))
         self.lock = threading.Lock()
 
@@ -90,14 +91,14 @@ class Reference:
                limit: int | None = None, instruct_text: str = "", **policy) -> list[np.ndarray]:
         """The request's chunks (the first `limit` only, when given: the rest is not computed)."""
         from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy
-        from cosyvoice_triton.pipeline.seeds import SynthesisRequest
+        from cosyvoice_triton.messages import SynthesisRequest
 
         request = SynthesisRequest(text=text, voice=voice, mode=mode, instruct_text=instruct_text, seed=seed,
                                    sampling=self.tts.llm.config.sampling,
                                    chunk_policy=ChunkPolicy().with_overrides(**policy))
         out = []
         with self.lock:
-            run = self.orchestrator.run(request, stream=stream)
+            run = self.pipeline.run(request, stream=stream)
             for chunk in run:
                 if chunk.size:
                     out.append(chunk)

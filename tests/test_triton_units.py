@@ -157,7 +157,7 @@ def test_model_files_fall_back_from_tensorrt_with_one_log_line(tiny, tmp_path, c
     """token2wav and speaker_embedding asked for TensorRT on this CPU: ONNX Runtime, one warning line each
     in Triton's log (pb.Logger), the same chunk audio as the torch reference."""
     from cosyvoice_triton.engines.select import build_token2wav
-    from cosyvoice_triton.pipeline.orchestrator import ReferenceToken2Wav
+    from cosyvoice_triton.pipeline.pipeline import ReferenceToken2Wav
     from cosyvoice_triton.token2wav.stream import Token2Wav
 
     values = {"engine": "tensorrt", "onnx_dir": tmp_path / "onnx"}
@@ -410,21 +410,22 @@ def fake(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny):
-    from cosyvoice_triton.pipeline.orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav
-    from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
+    from cosyvoice_triton.pipeline.local_stages import ReferenceLLM, ReferenceToken2Wav
+    from cosyvoice_triton.pipeline.pipeline import Pipeline
+    from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
 
     tts = CosyVoice2.from_model_dir(tiny)
     tts.llm.config.max_token_text_ratio = 3
-    return tts, Orchestrator(tts.preprocessor, ReferenceLLM(tts.llm), ReferenceToken2Wav(tts.token2wav))
+    return tts, Pipeline(tts.preprocessor, ReferenceLLM(tts.llm), ReferenceToken2Wav(tts.token2wav))
 
 
 def _reference_chunks(reference, text, wav, seed, stream=True):
-    from cosyvoice_triton.pipeline.seeds import SynthesisRequest
+    from cosyvoice_triton.messages import SynthesisRequest
 
-    tts, orchestrator = reference
+    tts, pipeline = reference
     request = SynthesisRequest(text=text, voice=tts.encode_voice(wav, RATE, "a prompt"), seed=seed,
                                sampling=tts.llm.config.sampling)
-    return [c for c in orchestrator.run(request, stream=stream) if c.size]
+    return [c for c in pipeline.run(request, stream=stream) if c.size]
 
 
 def test_cosyvoice2_streams_what_the_library_streams(fake, reference):
@@ -518,7 +519,7 @@ def test_token2wav_model_batches_streams_and_frees_them(fake, reference):
                     for c in chunks]
         return [r.outputs()["waveform"][0] if not r.has_error() else r.error() for r in model.execute(requests)]
 
-    from cosyvoice_triton.pipeline.orchestrator import ReferenceToken2Wav
+    from cosyvoice_triton.pipeline.pipeline import ReferenceToken2Wav
 
     solo = ReferenceToken2Wav(tts.token2wav)
     got = run(first)

@@ -1,4 +1,4 @@
-"""One token2wav stream fed from a growing list of speech tokens: what a TTS sentence (`Orchestrator`) and a
+"""One token2wav stream fed from a growing list of speech tokens: what a TTS sentence (`Pipeline`) and a
 voice-conversion piece (`VoiceConverter`) share.
 
 The first chunk carries the voice's flow prompt and the vocoder seed; each chunk carries only the tokens

@@ -1,8 +1,8 @@
-"""The orchestrator's backends over the serving schedulers in this process, for many client threads.
+"""The pipeline's stages in this process: over the serving schedulers (many client threads), and the reference.
 
 `LocalLLMStage` (over a started `LLMScheduler`) and `BatchingToken2WavStage` (over a `Token2WavScheduler`, gathering the
 chunks that wait into one scheduler call as Triton's dynamic batcher does for the `token2wav` model) let the
-same `Orchestrator` that the `cosyvoice2` model drives over BLS run without Triton: the GPU benchmark
+same `Pipeline` that the `cosyvoice2` model drives over BLS run without Triton: the GPU benchmark
 (`perf/gpu_bench.py`) measures the serving path this way where no tritonserver is at hand.
 
 `DecodeAheadLLM` and `CoreSharingToken2Wav` overlap the two in one pipeline (the in-process `CosyVoice2`):
@@ -10,6 +10,9 @@ each LLM stream decodes in a thread of its own, ahead of its consumer, so the ne
 token2wav turns a chunk into audio; both take their torch threads from one `CoreShare` (pipeline/threads.py),
 so that together they use the cores and no more. A stream's first chunk, which first audio waits for,
 has every core to itself: the LLM's next decode steps wait for it.
+
+`ReferenceLLM` and `ReferenceToken2Wav` run the single-stream code (`llm.generate`, `token2wav.stream`) in the
+caller's thread: the reference that the batching stages are checked against.
 """
 from __future__ import annotations
 
@@ -17,17 +20,27 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from cosyvoice_triton.llm.scheduler import LLMScheduler, LLMRequest, LLMStream
-from cosyvoice_triton.pipeline.threads import CoreShare
-from cosyvoice_triton.token2wav.scheduler import ChunkRequest, Token2WavScheduler
+import numpy as np
+import torch
+
+from ..llm.bistream import generate_bistream
+from ..llm.generate import generate
+from ..llm.scheduler import LLMScheduler, LLMRequest, LLMStream
+from ..messages import ChunkRequest
+from ..models.hift_source import GeneratorNoise
+from ..token2wav.scheduler import Token2WavScheduler
+from .seeds import random_seed
+from .stages import TokenStream
+from .threads import CoreShare
 
 CHUNK_TIMEOUT_S = 300.0  # a chunk that waits longer fails its stream instead of hanging the client
 
 
 class LocalLLMStage:
-    """The orchestrator's LLMStage over a started `LLMScheduler`: an `LLMStream` is already a TokenStream
+    """The pipeline's LLMStage over a started `LLMScheduler`: an `LLMStream` is already a TokenStream
     (iterates token lists, `cancel()` frees the slot at the scheduler's next round)."""
 
     def __init__(self, scheduler: LLMScheduler):
@@ -43,7 +56,7 @@ class _Cancel:
 
 
 class BatchingToken2WavStage:
-    """The orchestrator's Token2WavStage for many client threads. `chunk()` queues the chunk and waits;
+    """The pipeline's Token2WavStage for many client threads. `chunk()` queues the chunk and waits;
     one thread takes what is waiting into one `Token2WavScheduler.run`, as Triton's dynamic batcher does for
     the token2wav model: once a request has come it waits up to `queue_delay_s` for more, up to
     `max_batch`. Cancels go through the same thread, since the scheduler takes one caller at a time."""
@@ -207,3 +220,87 @@ class CoreSharingToken2Wav:
 def is_first(chunk: ChunkRequest) -> bool:
     """A stream's first chunk: the only one that carries its prompt."""
     return chunk.prompt is not None
+
+
+# ---- the reference stages: the single-stream code, in the caller's thread ------------------------
+
+class GeneratorStream:
+    """A TokenStream over a plain token iterator (the reference single-stream LLM loop)."""
+
+    def __init__(self, tokens: Iterable[int]):
+        self._tokens = iter(tokens)
+        self._cancelled = False
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for token in self._tokens:
+            if self._cancelled:
+                return
+            yield [token]
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+
+class ReferenceBistream(GeneratorStream):
+    """A bistream TokenStream over `generate_bistream`, which reads the appended text from a queue."""
+
+    def __init__(self, llm, request: LLMRequest):
+        self._pieces: queue.SimpleQueue = queue.SimpleQueue()  # token lists, then None
+        self._pieces.put(list(request.text_tokens))
+        super().__init__(generate_bistream(llm, iter(self._pieces.get, None), request.prompt_text_tokens,
+                                           request.prompt_speech_tokens, request.sampling,
+                                           torch.Generator().manual_seed(request.seed)))
+
+    def append_text(self, tokens: list[int], end: bool = False) -> None:
+        self._pieces.put(list(tokens))
+        if end:
+            self._pieces.put(None)
+
+    def cancel(self) -> None:
+        super().cancel()
+        self._pieces.put(None)  # a generator waiting for text goes on (and stops at its next token)
+
+
+class ReferenceLLM:
+    """LLMStage that runs `llm.generate.generate` (or `bistream.generate_bistream`) in the caller's thread,
+    one stream at a time."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def stream(self, request: LLMRequest) -> TokenStream:
+        if request.bistream:
+            return ReferenceBistream(self.llm, request)
+
+        def as_tensor(ids: list[int]) -> torch.Tensor:
+            return torch.tensor([ids], dtype=torch.int32).reshape(1, -1)
+
+        tokens = generate(self.llm, as_tensor(request.text_tokens), as_tensor(request.prompt_text_tokens),
+                          as_tensor(request.prompt_speech_tokens), request.sampling,
+                          torch.Generator().manual_seed(request.seed))
+        return GeneratorStream(tokens)
+
+
+class ReferenceToken2Wav:
+    """Token2WavStage over single-stream `Token2WavStream`s, one flow call per chunk."""
+
+    def __init__(self, token2wav):
+        self.token2wav = token2wav
+        self.streams: dict[str, object] = {}
+
+    def chunk(self, chunk: ChunkRequest) -> np.ndarray:
+        state = self.streams.get(chunk.stream_id)
+        if state is None:
+            seed = chunk.seed if chunk.seed is not None else random_seed()
+            state = self.token2wav.stream(chunk.prompt, GeneratorNoise(torch.Generator().manual_seed(seed)),
+                                          speed=chunk.speed)
+            self.streams[chunk.stream_id] = state
+        audio = state.chunk(chunk.tokens, chunk.finalize)
+        if chunk.finalize:
+            del self.streams[chunk.stream_id]
+        return audio
+
+    def cancel(self, stream_id: str) -> None:
+        state = self.streams.pop(stream_id, None)
+        if state is not None:
+            state.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from ..messages import SEED_LIMIT, SynthesisRequest  # noqa: F401 - the request itself is a message
+from ..messages import SEED_LIMIT
 
 END_OF_PROMPT = "<|endofprompt|>"
 

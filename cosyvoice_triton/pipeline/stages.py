@@ -1,4 +1,4 @@
-"""The stages a pipeline is built from: what the orchestrator and voice conversion need of an LLM and of token2wav.
+"""The stages a pipeline is built from: what the pipeline and voice conversion need of an LLM and of token2wav.
 
 Implementations: `local_stages` (the schedulers or the reference code in this process), `triton.bls` (the llm and
 token2wav Triton models over BLS) and `triton.remote_token2wav` (token2wav servers over gRPC).

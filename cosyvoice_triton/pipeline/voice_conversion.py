@@ -29,7 +29,7 @@ from ..messages import ConversionRequest, FlowPrompt
 from ..preprocess.audio import check_samples, resample, to_mono
 from .chunk_policy import ChunkSchedule
 from .chunk_sender import ChunkSender
-from .orchestrator import flow_prompt_of
+from .pipeline import flow_prompt_of
 from .stages import Token2WavStage
 from .playback import Playback
 from .seeds import random_seed, sentence_seeds
@@ -125,4 +125,4 @@ class VoiceConverter:
 def local_converter(tts) -> VoiceConverter:
     """The in-process converter of a `synthesizer.CosyVoice2`: its prompt encoder's tokenizer and its
     reference token2wav (the same flow + HiFT as its synthesis)."""
-    return VoiceConverter(tts.prompt_encoder.speech_tokens, tts.orchestrator.token2wav)
+    return VoiceConverter(tts.prompt_encoder.speech_tokens, tts.pipeline.token2wav)

@@ -5,7 +5,7 @@ all of this is unit-testable with the fake `pb_utils` in tests/pb_fake.py.
 contracts  the tensor contracts between models (module docstring), with builders and parsers
 tensors    typed reading of request tensors (errors name the input), errors as TritonErrors
 params     config.pbtxt `parameters` -> frozen dataclasses
-bls        BLS clients: the orchestrator's LLM and token2wav backends, the prompt encoder
+bls        BLS clients: the pipeline's LLM and token2wav backends, the prompt encoder
 service    voice resolution (store or prompt_encoder) and the synthesis service of `cosyvoice2`
 streaming  decoupled requests in a bounded worker pool; chunks out with one final flag
 metrics    custom metric families

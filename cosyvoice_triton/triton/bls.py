@@ -1,7 +1,7 @@
 """BLS clients of our models, for code running inside a Python-backend model (`pb` = pb_utils).
 
-`BlsLLM` and `BlsToken2Wav` are the orchestrator's `LLMStage` and `Token2WavStage`: the same
-`Orchestrator.run` that drives the in-process engines drives the `llm` and `token2wav` models.
+`BlsLLM` and `BlsToken2Wav` are the pipeline's `LLMStage` and `Token2WavStage`: the same
+`Pipeline.run` that drives the in-process engines drives the `llm` and `token2wav` models.
 `BlsPromptEncoder` turns a reference recording into `PromptFeatures` through the `prompt_encoder`
 ensemble. Calls block the calling thread, so callers run them in their own worker threads (never in a
 decoupled model's `execute`).

@@ -263,7 +263,7 @@ def prompt_features_from_outputs(outputs: dict[str, np.ndarray], text: str, audi
                                  text, audio_sha256, token_mel_ratio)
 
 
-def read_prompt_audio(reader: TensorReader) -> tuple[np.ndarray, int]:
+def read_prompt_audio_batch(reader: TensorReader) -> tuple[np.ndarray, int]:
     """prompt_audio's batched inputs -> (samples (N,) float32, rate)."""
     samples = reader.array("reference_wav", np.float32, 1, required=True)
     rate = reader.integer("reference_sample_rate", required=True, low=1, high=1_000_000)
@@ -273,7 +273,7 @@ def read_prompt_audio(reader: TensorReader) -> tuple[np.ndarray, int]:
 # ---- voices in requests (cosyvoice2, register_voice) -------------------------------------------------
 
 @dataclass(frozen=True)
-class VoiceAudio:
+class PromptAudio:
     """A reference recording as given: samples + rate, or the bytes of an audio file."""
 
     samples: np.ndarray | None = None
@@ -285,7 +285,7 @@ class VoiceAudio:
         return "reference_audio" if self.file_bytes is not None else "reference_wav"
 
 
-def read_audio(reader: TensorReader, wav: str, rate_name: str, blob: str) -> VoiceAudio | None:
+def read_audio(reader: TensorReader, wav: str, rate_name: str, blob: str) -> PromptAudio | None:
     """A recording sent as samples (`wav` + `rate_name`) or as a file (`blob`), or None when neither came."""
     samples = reader.array(wav, np.float32, 1)
     rate = reader.integer(rate_name, low=1, high=1_000_000)
@@ -295,22 +295,22 @@ def read_audio(reader: TensorReader, wav: str, rate_name: str, blob: str) -> Voi
     if samples is not None:
         if rate is None:
             raise InvalidInput(rate_name, f"is required with {wav}")
-        return VoiceAudio(samples=np.array(samples, dtype=np.float32), sample_rate=rate)
+        return PromptAudio(samples=np.array(samples, dtype=np.float32), sample_rate=rate)
     if rate is not None:
         raise InvalidInput(wav, f"is required with {rate_name}")
     if file_bytes is not None:
-        return VoiceAudio(file_bytes=file_bytes)
+        return PromptAudio(file_bytes=file_bytes)
     return None
 
 
-def read_voice_audio(reader: TensorReader) -> VoiceAudio | None:
+def read_prompt_audio(reader: TensorReader) -> PromptAudio | None:
     return read_audio(reader, "reference_wav", "reference_sample_rate", "reference_audio")
 
 
-def read_voice_choice(reader: TensorReader) -> tuple[str | None, VoiceAudio | None]:
+def read_voice_choice(reader: TensorReader) -> tuple[str | None, PromptAudio | None]:
     """The request's voice: a stored voice's id or a recording, exactly one of the two."""
     voice_id = reader.string("reference_audio_id")
-    audio = read_voice_audio(reader)
+    audio = read_prompt_audio(reader)
     if voice_id is not None and audio is not None:
         raise InvalidInput("reference_audio_id", f"give reference_audio_id or {audio.field}, not both")
     if voice_id is None and audio is None:
@@ -335,7 +335,7 @@ class SynthesisInputs:
     mode: str = "zero_shot"
     instruct_text: str = ""
     voice_id: str | None = None
-    audio: VoiceAudio | None = None
+    audio: PromptAudio | None = None
     prompt_text: str | None = None
     seed: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -399,9 +399,9 @@ def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParam
 class ConversionInputs:
     """A cosyvoice2 voice-conversion request as typed values (the voice still to be resolved)."""
 
-    source: VoiceAudio  # the recording to speak again (source_wav + source_sample_rate, or source_audio)
+    source: PromptAudio  # the recording to speak again (source_wav + source_sample_rate, or source_audio)
     voice_id: str | None = None
-    audio: VoiceAudio | None = None  # or the voice's prompt recording
+    audio: PromptAudio | None = None  # or the voice's prompt recording
     seed: int | None = None
     chunk_overrides: dict = field(default_factory=dict)  # ChunkPolicy field -> value
     speed: float = 1.0  # speaking speed (messages.check_speed)
@@ -412,7 +412,7 @@ class ConversionInputs:
         return ""
 
 
-def read_source_audio(reader: TensorReader) -> VoiceAudio:
+def read_source_audio(reader: TensorReader) -> PromptAudio:
     audio = read_audio(reader, "source_wav", "source_sample_rate", "source_audio")
     if audio is None:
         raise InvalidInput("source_audio", "the recording to convert is required in vc mode: source_audio or "
@@ -511,7 +511,7 @@ def register_inputs(*, voice_id: str | None = None, name: str | None = None, own
 
 @dataclass(frozen=True)
 class RegisterInputs:
-    audio: VoiceAudio
+    audio: PromptAudio
     text: str
     voice_id: str | None
     name: str | None
@@ -519,7 +519,7 @@ class RegisterInputs:
 
 
 def parse_register_inputs(reader: TensorReader) -> RegisterInputs:
-    audio = read_voice_audio(reader)
+    audio = read_prompt_audio(reader)
     if audio is None:
         raise InvalidInput("reference_wav", "is required (or reference_audio)")
     return RegisterInputs(audio=audio, text=reader.string("reference_text", default=""),

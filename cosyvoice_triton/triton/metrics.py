@@ -38,7 +38,7 @@ token2wav's queue is Triton's own `nv_inference_pending_request_count{model="tok
 `nv_inference_queue_duration_us`): token2wav is non-decoupled with dynamic batching and one instance,
 so every chunk request that waits, waits in Triton's scheduler queue, where the model cannot see it.
 Inside an execute there is no backlog worth a gauge: each stream has at most one chunk in flight
-(the orchestrator waits for a chunk's audio before it sends the next) and max_batch equals
+(the pipeline waits for a chunk's audio before it sends the next) and max_batch equals
 max_batch_size, so a batch is one flow call. (A former `cosyvoice_token2wav_queue_depth` gauge was set
 to the batch size and back to 0 around that call: it only repeated the batch size.)
 

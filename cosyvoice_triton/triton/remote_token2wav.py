@@ -1,7 +1,7 @@
 """token2wav on other Triton servers: the split deployment's `Token2WavStage`, over Triton gRPC.
 
 A frontend server (cosyvoice2, llm, prompt encoder) is given the addresses of one or more backend servers
-(token2wav). `RemoteToken2Wav` is what the orchestrator calls instead of the in-server BLS client:
+(token2wav). `RemoteToken2Wav` is what the pipeline calls instead of the in-server BLS client:
 
 - A stream's state (prompt, tokens so far, vocoder caches) lives on the backend that served its first
   chunk, so the stream is pinned there until its final chunk, its cancel, or a failure of that backend.

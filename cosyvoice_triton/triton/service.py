@@ -2,7 +2,7 @@
 
 `Voices` resolves a request's voice: a registered id from the voice store, or a recording through the
 `prompt_encoder` ensemble (the audio is checked here first, so errors name the request's field).
-`SynthesisService` turns a parsed request into audio chunks with the shared `Orchestrator`.
+`ServedPipeline` turns a parsed request into audio chunks with the shared `Pipeline`.
 """
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from cosyvoice_triton.preprocess.prompt import PromptFeatures, audio_sha256
 from cosyvoice_triton.preprocess.text import TextPreprocessor, check_clean_text
 from cosyvoice_triton.models.speech_lm import SpeechLMConfig
 from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy
-from cosyvoice_triton.pipeline.orchestrator import Orchestrator
+from cosyvoice_triton.pipeline.pipeline import Pipeline
 from cosyvoice_triton.pipeline.stages import LLMStage, Token2WavStage
 from cosyvoice_triton.voices.prompt_budget import PromptBudget, speech_tokens_of
-from cosyvoice_triton.pipeline.seeds import SynthesisRequest
+from cosyvoice_triton.messages import SynthesisRequest
 from cosyvoice_triton.voices.store import VoiceRecord, VoiceStore, register_once
 from cosyvoice_triton.llm.bistream import TEXT_IDLE_TIMEOUT_S, TextFeeds
-from cosyvoice_triton.triton.contracts import RegisterInputs, SynthesisInputs, TextAppend, VoiceAudio
+from cosyvoice_triton.triton.contracts import RegisterInputs, SynthesisInputs, TextAppend, PromptAudio
 
 
 def token_mel_ratio(model_dir: str | Path) -> int:
@@ -52,7 +52,7 @@ class Voices:
             self.budget.check(text, prompt_speech_tokens, "reference_text")
 
     @staticmethod
-    def samples(audio: VoiceAudio) -> tuple[np.ndarray, int]:
+    def samples(audio: PromptAudio) -> tuple[np.ndarray, int]:
         """(samples (N,) float32 mono, rate) of a request's recording, checked; errors name its field."""
         if audio.file_bytes is not None:
             samples, rate = decode_audio(audio.file_bytes, field="reference_audio")
@@ -61,7 +61,7 @@ class Voices:
         validate_prompt_audio(samples, rate, audio.field)
         return samples, rate
 
-    def from_audio(self, audio: VoiceAudio, text: str) -> PromptFeatures:
+    def from_audio(self, audio: PromptAudio, text: str) -> PromptFeatures:
         samples, rate = self.samples(audio)
         self.check_transcript(text, speech_tokens_of(samples.shape[0], rate))
         return self.encoder.encode(samples, rate, text, audio_sha256(samples, rate))
@@ -86,8 +86,8 @@ class Voices:
                              voice_id=inputs.voice_id, name=inputs.name, owner=inputs.owner)
 
 
-class SynthesisService:
-    """Parsed cosyvoice2 request -> float32 24 kHz chunks (the orchestrator with the given backends)."""
+class ServedPipeline:
+    """Parsed cosyvoice2 request -> float32 24 kHz chunks (the pipeline with the given backends)."""
 
     def __init__(self, model_dir: str | Path, voices: Voices, llm: LLMStage, token2wav: Token2WavStage,
                  max_text_chars: int, chunk_policy: ChunkPolicy = ChunkPolicy()):
@@ -95,7 +95,7 @@ class SynthesisService:
         self.preprocessor = TextPreprocessor.from_model_dir(model_dir, max_chars=max_text_chars)
         self.default_sampling = SpeechLMConfig.from_model_dir(model_dir).sampling
         self.voices = voices
-        self.orchestrator = Orchestrator(self.preprocessor, llm, token2wav)
+        self.pipeline = Pipeline(self.preprocessor, llm, token2wav)
         self.text_feeds = TextFeeds(idle_timeout_s=TEXT_IDLE_TIMEOUT_S)  # bistream syntheses by text_stream_id
 
     def request(self, inputs: SynthesisInputs) -> SynthesisRequest:
@@ -110,13 +110,13 @@ class SynthesisService:
         if inputs.text_mode == "bistream":
             return self._bistream(inputs, stream, is_cancelled, stream_id)
         request = self.request(inputs)
-        return self.orchestrator.run(request, stream=stream, is_cancelled=is_cancelled, stream_id=stream_id)
+        return self.pipeline.run(request, stream=stream, is_cancelled=is_cancelled, stream_id=stream_id)
 
     def run_bistream(self, inputs: SynthesisInputs, text: Iterable[str], stream: bool, is_cancelled: Callable[[], bool],
                      stream_id: str | None = None) -> Iterator[np.ndarray]:
         """text_mode bistream: `inputs.text` is the first piece, `text` yields the rest as it comes."""
         request = self.request(inputs)
-        return self.orchestrator.run_bistream(request, text, stream=stream, is_cancelled=is_cancelled,
+        return self.pipeline.run_bistream(request, text, stream=stream, is_cancelled=is_cancelled,
                                               stream_id=stream_id)
 
     def append_text(self, append: TextAppend) -> None:

@@ -126,7 +126,7 @@ def library_pipeline(stack: Stack, voice_id: str = "default"):
     thread), and the stored voice `voice_id`: (CosyVoice2, PromptFeatures) for audio to compare with."""
     import torch
 
-    from cosyvoice_triton.pipeline.synthesizer import CosyVoice2
+    from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
     from cosyvoice_triton.voices.stores import open_voice_store
 
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """`cosyvoice2` (decoupled) and `cosyvoice2_offline` (its twin): text + voice -> 24 kHz audio.
 
-Tensors in -> `SynthesisInputs` -> `SynthesisService` (voice from the store or prompt_encoder, then the
-shared Orchestrator over BLS calls to llm and token2wav) -> `waveform` responses. execute() only parses:
+Tensors in -> `SynthesisInputs` -> `ServedPipeline` (voice from the store or prompt_encoder, then the
+shared Pipeline over BLS calls to llm and token2wav) -> `waveform` responses. execute() only parses:
 each request runs in a bounded worker pool and answers through its response sender. The config's
 transaction policy decides the mode: decoupled requests stream their chunks; the twin sends the whole
 waveform in one final response (python_backend allows a response sender in non-decoupled models).
@@ -28,7 +28,7 @@ from cosyvoice_triton.triton.vc_service import BlsAudioTokenizer, ConversionServ
 from cosyvoice_triton.triton.metrics import REMOTE_TOKEN2WAV, SYNTHESIS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import CosyVoice2Params, parse_parameters
 from cosyvoice_triton.triton.remote_token2wav import RemoteToken2Wav
-from cosyvoice_triton.triton.service import SynthesisService, Voices, prompt_budget, token_mel_ratio
+from cosyvoice_triton.triton.service import ServedPipeline, Voices, prompt_budget, token_mel_ratio
 from cosyvoice_triton.triton.streaming import RequestPool, send_chunks, send_whole
 from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
 
@@ -50,7 +50,7 @@ class TritonPythonModel:
         self.token2wav = RemoteToken2Wav.from_specs(params.token2wav_backends, params.token2wav_model,
                                                     params.token2wav_timeout_s) \
             if params.token2wav_backends else BlsToken2Wav(pb_utils, params.token2wav_model)
-        self.service = SynthesisService(params.model_dir, voices, BlsLLM(pb_utils, params.llm_model),
+        self.service = ServedPipeline(params.model_dir, voices, BlsLLM(pb_utils, params.llm_model),
                                         self.token2wav, params.max_text_chars, ChunkPolicy(kind=params.chunk_policy))
         self.conversion = ConversionService(voices, BlsAudioTokenizer(pb_utils), self.token2wav,
                                             ChunkPolicy(kind=params.chunk_policy))

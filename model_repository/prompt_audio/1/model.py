@@ -14,7 +14,7 @@ from cosyvoice_triton.config import ModelPaths, read_yaml
 from cosyvoice_triton.preprocess.audio import resample, validate_prompt_audio
 from cosyvoice_triton.preprocess.features import MelConfig, prompt_mel
 from cosyvoice_triton.preprocess.prompt import SPEAKER_RATE
-from cosyvoice_triton.triton.contracts import read_prompt_audio
+from cosyvoice_triton.triton.contracts import read_prompt_audio_batch
 from cosyvoice_triton.triton.params import PromptStepParams, parse_parameters
 from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each
 
@@ -29,7 +29,7 @@ class TritonPythonModel:
         return respond_each(pb_utils, requests, self.name, self.outputs)
 
     def outputs(self, request) -> dict[str, np.ndarray]:
-        samples, rate = read_prompt_audio(TensorReader(request_arrays(request), batched=True))
+        samples, rate = read_prompt_audio_batch(TensorReader(request_arrays(request), batched=True))
         validate_prompt_audio(samples, rate, "reference_wav")
         wav16k = resample(samples, rate, SPEAKER_RATE)
         mel = prompt_mel(resample(samples, rate, self.mel_config.sampling_rate), self.mel_config).numpy()

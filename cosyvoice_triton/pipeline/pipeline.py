@@ -1,6 +1,6 @@
 """The per-request streaming logic: sentences -> speech tokens -> audio chunks.
 
-The same code runs in-process (local backends) and inside the Triton `cosyvoice2` model (BLS backends
+The same code runs in-process (local stages) and inside the Triton `cosyvoice2` model (BLS stages
 that call the `llm` and `token2wav` models), so both give the same audio for the same seed. For each
 sentence it opens an LLM token stream, follows the chunk schedule (small first chunk, growing hops,
 `lookahead` tokens of right context) and sends each due chunk's new tokens to token2wav. The
@@ -22,14 +22,13 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from ..errors import Cancelled
+from ..llm.bistream import TextFeed, WordPieces
+from ..messages import FlowPrompt, LLMRequest, SynthesisRequest
 from ..preprocess.text import TextPreprocessor, validate_text
-from ..messages import ChunkRequest, FlowPrompt, LLMRequest, SynthesisRequest
-from ..llm.bistream import TextFeed, WordPieces, generate_bistream
 from .chunk_policy import ChunkSchedule
 from .chunk_sender import ChunkSender
-from .stages import LLMStage, Token2WavStage, TokenStream  # noqa: F401 - the stages a pipeline is built from
-from ..llm.generate import generate
 from .playback import Playback
+from .stages import LLMStage, Token2WavStage, TokenStream
 from .seeds import END_OF_PROMPT, random_seed, sentence_seeds
 
 
@@ -46,7 +45,7 @@ def flow_prompt_of(voice) -> FlowPrompt:
     )
 
 
-class Orchestrator:
+class Pipeline:
     def __init__(self, preprocessor: TextPreprocessor, llm: LLMStage, token2wav: Token2WavStage):
         self.preprocessor = preprocessor
         self.llm = llm
@@ -189,98 +188,3 @@ class _TextFeeder:
         """Raise the feed's error, if it failed (the LLM stream was cancelled for it)."""
         if self.error is not None:
             raise self.error
-
-
-# ---- in-process backends --------------------------------------------------------------------------
-
-class _GeneratorStream:
-    """A TokenStream over a plain token iterator (the reference single-stream LLM loop)."""
-
-    def __init__(self, tokens: Iterable[int]):
-        self._tokens = iter(tokens)
-        self._cancelled = False
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for token in self._tokens:
-            if self._cancelled:
-                return
-            yield [token]
-
-    def cancel(self) -> None:
-        self._cancelled = True
-
-
-class _ReferenceBistream(_GeneratorStream):
-    """A bistream TokenStream over `generate_bistream`, which reads the appended text from a queue."""
-
-    def __init__(self, llm, request: LLMRequest):
-        import queue
-
-        import torch
-
-        self._pieces: queue.SimpleQueue = queue.SimpleQueue()  # token lists, then None
-        self._pieces.put(list(request.text_tokens))
-        super().__init__(generate_bistream(llm, iter(self._pieces.get, None), request.prompt_text_tokens,
-                                           request.prompt_speech_tokens, request.sampling,
-                                           torch.Generator().manual_seed(request.seed)))
-
-    def append_text(self, tokens: list[int], end: bool = False) -> None:
-        self._pieces.put(list(tokens))
-        if end:
-            self._pieces.put(None)
-
-    def cancel(self) -> None:
-        super().cancel()
-        self._pieces.put(None)  # a generator waiting for text goes on (and stops at its next token)
-
-
-class ReferenceLLM:
-    """LLMStage that runs `llm_generate.generate` (or `bistream.generate_bistream`) in the caller's thread,
-    one stream at a time."""
-
-    def __init__(self, llm):
-        self.llm = llm
-
-    def stream(self, request: LLMRequest) -> TokenStream:
-        import torch
-
-        if request.bistream:
-            return _ReferenceBistream(self.llm, request)
-
-        def as_tensor(ids: list[int]) -> torch.Tensor:
-            return torch.tensor([ids], dtype=torch.int32).reshape(1, -1)
-
-        tokens = generate(self.llm, as_tensor(request.text_tokens), as_tensor(request.prompt_text_tokens),
-                          as_tensor(request.prompt_speech_tokens), request.sampling,
-                          torch.Generator().manual_seed(request.seed))
-        return _GeneratorStream(tokens)
-
-
-class ReferenceToken2Wav:
-    """Token2WavStage over single-stream `Token2WavStream`s, one flow call per chunk."""
-
-    def __init__(self, token2wav):
-        self.token2wav = token2wav
-        self.streams: dict[str, object] = {}
-
-    def chunk(self, chunk: ChunkRequest) -> np.ndarray:
-        import torch
-
-        from ..models.hift_source import GeneratorNoise
-
-        state = self.streams.get(chunk.stream_id)
-        if state is None:
-            seed = chunk.seed if chunk.seed is not None else random_seed()
-            state = self.token2wav.stream(chunk.prompt, GeneratorNoise(torch.Generator().manual_seed(seed)),
-                                          speed=chunk.speed)
-            self.streams[chunk.stream_id] = state
-        audio = state.chunk(chunk.tokens, chunk.finalize)
-        if chunk.finalize:
-            del self.streams[chunk.stream_id]
-        return audio
-
-    def cancel(self, stream_id: str) -> None:
-        state = self.streams.pop(stream_id, None)
-        if state is not None:
-            state.close()
-

@@ -5,7 +5,7 @@ This is the reference pipeline. The Triton models run the same steps, split acro
 2. voice: prompt features (speaker embedding, prompt speech tokens, prompt mel, prompt text);
 3. LLM: speech tokens, one sentence at a time, prompt laid out by mode;
 4. token2wav: flow + HiFT, chunk by chunk when streaming.
-Steps 1, 3 and 4 are the `Orchestrator`; here it runs with in-process backends. `engine`,
+Steps 1, 3 and 4 are the `Pipeline`; here it runs with in-process backends. `engine`,
 `precision` and `ort_providers` choose where token2wav's graphs and CAM++ run, as `serve` does
 (engines/select.py); `device` is checked first (engines/providers.py). `llm_precision` (fp32 | bf16 |
 int8, models/llm_precision.py) is the LLM backbone's. `exact_speech_tokens(n)` is a benchmark knob: every
@@ -36,8 +36,9 @@ from ..models.flow_cache import FlowCacheSettings
 from ..models.speech_lm import SpeechLM
 from ..llm.generate import generate
 from .local_stages import CoreSharingToken2Wav, DecodeAheadLLM
-from .orchestrator import Orchestrator, ReferenceLLM, ReferenceToken2Wav, _GeneratorStream
-from .seeds import SynthesisRequest
+from .local_stages import GeneratorStream, ReferenceLLM, ReferenceToken2Wav
+from .pipeline import Pipeline
+from ..messages import SynthesisRequest
 from .threads import CoreShare, thread_plan
 from ..token2wav.stream import Token2Wav
 
@@ -57,7 +58,7 @@ class CosyVoice2:
         self.token2wav = token2wav
         self.sample_rate = token2wav.hift.config.sampling_rate
         self.cores = CoreShare(thread_plan(torch.get_num_threads()))
-        self.orchestrator = Orchestrator(preprocessor, ReferenceLLM(llm), ReferenceToken2Wav(token2wav))
+        self.pipeline = Pipeline(preprocessor, ReferenceLLM(llm), ReferenceToken2Wav(token2wav))
         self._exact_len: int | None = None
         self.use_decode_ahead(decode_ahead)
 
@@ -68,7 +69,7 @@ class CosyVoice2:
         token2wav = ReferenceToken2Wav(self.token2wav)
         if on:
             llm, token2wav = DecodeAheadLLM(llm, self.cores), CoreSharingToken2Wav(token2wav, self.cores)
-        self.orchestrator.llm, self.orchestrator.token2wav = llm, token2wav
+        self.pipeline.llm, self.pipeline.token2wav = llm, token2wav
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str = "cpu", *, engine: str = "torch",
@@ -102,7 +103,7 @@ class CosyVoice2:
     def synthesize(self, request: SynthesisRequest, stream: bool = False,
                    is_cancelled: Callable[[], bool] = lambda: False) -> Iterator[np.ndarray]:
         """Yield float32 audio chunks at `sample_rate`. Offline mode yields one chunk per sentence."""
-        return self.orchestrator.run(request, stream=stream, is_cancelled=is_cancelled)
+        return self.pipeline.run(request, stream=stream, is_cancelled=is_cancelled)
 
 
 class ExactLengthLLM(ReferenceLLM):
@@ -121,4 +122,4 @@ class ExactLengthLLM(ReferenceLLM):
         tokens = generate(self.llm, as_tensor(request.text_tokens), as_tensor(request.prompt_text_tokens),
                           as_tensor(request.prompt_speech_tokens), request.sampling,
                           torch.Generator().manual_seed(request.seed), exact_len=self.n)
-        return _GeneratorStream(tokens)
+        return GeneratorStream(tokens)
