@@ -13,8 +13,8 @@ which package has them and which provider is used instead (once per process and 
 supports on the CPU provider.
 
 torch devices: `check_torch_device("xpu:0")` returns the `torch.device` when torch knows the type and
-its backend can run here, or raises `DeviceUnavailable` saying what is missing: an unknown type, a
-plugin that is not installed (`npu` needs torch_npu, `hpu` habana_frameworks), or a backend with no
+its torch device module can run here, or raises `DeviceUnavailable` saying what is missing: an unknown type, a
+plugin that is not installed (`npu` needs torch_npu, `hpu` habana_frameworks), or a device module with no
 device.
 """
 from __future__ import annotations
@@ -155,12 +155,12 @@ def check_torch_device(name: str) -> torch.device:
 
 
 def _device_count(kind: str) -> int | None:
-    """How many devices of `kind` torch can use (None: it has a backend but cannot count them)."""
+    """How many devices of `kind` torch can use (None: it has a device module but cannot count them)."""
     if kind == "mps":
         return int(torch.backends.mps.is_available())
-    backend = getattr(torch, kind, None)  # torch.cuda, torch.xpu, torch.npu once torch_npu is imported, ...
-    if backend is None or not hasattr(backend, "is_available"):
+    module = getattr(torch, kind, None)  # torch.cuda, torch.xpu, torch.npu once torch_npu is imported, ...
+    if module is None or not hasattr(module, "is_available"):
         return 0
-    if not backend.is_available():
+    if not module.is_available():
         return 0
-    return backend.device_count() if hasattr(backend, "device_count") else None
+    return module.device_count() if hasattr(module, "device_count") else None

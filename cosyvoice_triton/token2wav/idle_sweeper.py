@@ -1,7 +1,7 @@
 """`IdleSweeper`: a timer thread that frees abandoned token2wav streams while no chunk comes.
 
-Every `interval_s` it calls `free_idle()` (the engine's `sweep_idle`, which reads the engine's own clock
-and returns the ids it freed) under the engine's lock, and, when something was freed, `wake()`. The
+Every `interval_s` it calls `free_idle()` (the scheduler's `sweep_idle`, which reads the scheduler's own clock
+and returns the ids it freed) under the scheduler's lock, and, when something was freed, `wake()`. The
 token2wav model's `wake` sends the model a no-op request over BLS so that an `execute`, on the stub's
 main thread, publishes the frees in the metrics: the sweeper itself never touches metrics (see
 model_repository/token2wav/1/model.py). The loop waits on an Event, so `stop` ends it at once.
@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 class IdleSweeper:
     def __init__(self, free_idle: Callable[[], Sequence[str]], wake: Callable[[], None], interval_s: float,
                  lock: AbstractContextManager | None = None, name: str = "idle-sweeper"):
-        """`lock` is held around each `free_idle()` (the engine has one caller at a time), not around
+        """`lock` is held around each `free_idle()` (the scheduler has one caller at a time), not around
         `wake()`, which may make the model run an execute that takes the same lock."""
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")

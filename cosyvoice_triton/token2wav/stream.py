@@ -105,24 +105,24 @@ class Token2WavStream:
     before starts from its voice-final frames (models/prompt_cache.py).
     """
 
-    def __init__(self, engine: Token2Wav, prompt: FlowPrompt, noise, lookahead: int, speed: float = 1.0):
-        self.engine = engine
+    def __init__(self, token2wav: Token2Wav, prompt: FlowPrompt, noise, lookahead: int, speed: float = 1.0):
+        self.token2wav = token2wav
         self.prompt = prompt
         self.lookahead = lookahead
-        self.vocoder = VocoderStream(engine.hift, noise=noise, speed=speed)
+        self.vocoder = VocoderStream(token2wav.hift, noise=noise, speed=speed)
         self.tokens: list[int] = []
         self.offset = 0  # tokens already turned into audio
-        self.flow_cache = engine.new_flow_cache(self.prompt)
+        self.flow_cache = token2wav.new_flow_cache(self.prompt)
 
     def chunk(self, new_tokens: list[int], finalize: bool) -> np.ndarray:
         self.tokens.extend(new_tokens)
         tokens = torch.tensor([self.tokens], dtype=torch.int32)
         if self.flow_cache is None:
-            mel = self.engine.mel(tokens, self.prompt, self.offset, finalize=finalize, streaming=not finalize)
+            mel = self.token2wav.mel(tokens, self.prompt, self.offset, finalize=finalize, streaming=not finalize)
         else:
-            streaming = not finalize or self.engine.flow_cache.cached_final
-            mel = self.engine.mel(tokens, self.prompt, self.offset, finalize=finalize, streaming=streaming,
-                                  cache=self.flow_cache, next_offset=len(self.tokens) - self.lookahead)
+            streaming = not finalize or self.token2wav.flow_cache.cached_final
+            mel = self.token2wav.mel(tokens, self.prompt, self.offset, finalize=finalize, streaming=streaming,
+                                     cache=self.flow_cache, next_offset=len(self.tokens) - self.lookahead)
         self.vocoder.check_chunk(mel.shape[2], finalize)
         audio = _to_numpy(self.vocoder.push(mel, finalize=finalize))
         if finalize:

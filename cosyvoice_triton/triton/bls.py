@@ -1,14 +1,14 @@
 """BLS clients of our models, for code running inside a Python-backend model (`pb` = pb_utils).
 
 `BlsLLM` and `BlsToken2Wav` are the pipeline's `LLMStage` and `Token2WavStage`: the same
-`Pipeline.run` that drives the in-process engines drives the `llm` and `token2wav` models.
+`Pipeline.run` that drives the in-process stages drives the `llm` and `token2wav` models.
 `BlsPromptEncoder` turns a reference recording into `PromptFeatures` through the `prompt_encoder`
 ensemble. Calls block the calling thread, so callers run them in their own worker threads (never in a
 decoupled model's `execute`).
 
 Cancelling an LLM stream: python_backend 2.51 has no way to cancel a BLS request from the caller's side
 (`InferenceResponseIterator.cancel()` came later), so the caller sends a second request to `llm` with
-`cancel=true` and the stream's id; the engine retires the stream at its next round and the stream ends
+`cancel=true` and the stream's id; the LLM scheduler retires the stream at its next round and the stream ends
 with its final response, which `cancel()` waits for. This requires the request to reach the instance
 that holds the stream, hence one `llm` instance per server (see llm/config.pbtxt).
 """
