@@ -36,49 +36,44 @@ from .routing import Router
 LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 
 
+# Per-server gauges: (metric name, help, the value of one pool member). The wait is read from the router.
+SERVER_GAUGES = (
+    ("cosyvoice_gateway_server_healthy", "1 if the server is in the pool",
+     lambda server, router: 1.0 if server.healthy else 0.0),
+    ("cosyvoice_gateway_outstanding_cost", "Estimated cost of this gateway's requests in flight per server",
+     lambda server, router: server.outstanding_cost),
+    ("cosyvoice_gateway_server_inflight", "This gateway's requests in flight per server",
+     lambda server, router: server.inflight),
+    ("cosyvoice_gateway_server_pending", "Triton's pending requests of the synthesis model (last scrape)",
+     lambda server, router: server.pending),
+    ("cosyvoice_gateway_server_queued", "Requests admitted by the server, waiting for a worker (last scrape)",
+     lambda server, router: server.queued),
+    ("cosyvoice_gateway_server_slots", "Streams the server runs at once (last scrape; 0: not scraped yet)",
+     lambda server, router: server.slots),
+    ("cosyvoice_gateway_server_expected_wait_seconds", "Admission's estimated wait for a new request on the server now",
+     lambda server, router: _expected_wait(server, router)),
+    ("cosyvoice_gateway_llm_free_slots", "The server's free LLM KV-cache slots (last scrape)",
+     lambda server, router: server.llm_free_slots),
+    ("cosyvoice_gateway_token2wav_pending", "Chunks waiting in the server's token2wav queue (last scrape)",
+     lambda server, router: server.token2wav_pending),
+)
+
+
+def _expected_wait(server, router: Router) -> float:
+    load = server_load(server, router.mean_cost)
+    return 0.0 if load is None else estimate_wait(load)
+
+
 class _RouterCollector:
     def __init__(self, router: Router):
         self.router = router
 
     def collect(self):
-        families = {
-            "healthy": GaugeMetricFamily("cosyvoice_gateway_server_healthy", "1 if the server is in the pool",
-                                         labels=["server"]),
-            "cost": GaugeMetricFamily("cosyvoice_gateway_outstanding_cost",
-                                      "Estimated cost of this gateway's requests in flight per server",
-                                      labels=["server"]),
-            "inflight": GaugeMetricFamily("cosyvoice_gateway_server_inflight",
-                                          "This gateway's requests in flight per server", labels=["server"]),
-            "pending": GaugeMetricFamily("cosyvoice_gateway_server_pending",
-                                         "Triton's pending requests of the synthesis model (last scrape)",
-                                         labels=["server"]),
-            "queued": GaugeMetricFamily("cosyvoice_gateway_server_queued",
-                                        "Requests admitted by the server, waiting for a worker (last scrape)",
-                                        labels=["server"]),
-            "slots": GaugeMetricFamily("cosyvoice_gateway_server_slots",
-                                       "Streams the server runs at once (last scrape; 0: not scraped yet)",
-                                       labels=["server"]),
-            "wait": GaugeMetricFamily("cosyvoice_gateway_server_expected_wait_seconds",
-                                      "Admission's estimated wait for a new request on the server now",
-                                      labels=["server"]),
-            "llm_free": GaugeMetricFamily("cosyvoice_gateway_llm_free_slots",
-                                          "The server's free LLM KV-cache slots (last scrape)", labels=["server"]),
-            "t2w_pending": GaugeMetricFamily("cosyvoice_gateway_token2wav_pending",
-                                             "Chunks waiting in the server's token2wav queue (last scrape)",
-                                             labels=["server"]),
-        }
-        for b in self.router.servers:
-            families["healthy"].add_metric([b.name], 1.0 if b.healthy else 0.0)
-            families["cost"].add_metric([b.name], b.outstanding_cost)
-            families["inflight"].add_metric([b.name], b.inflight)
-            families["pending"].add_metric([b.name], b.pending)
-            families["queued"].add_metric([b.name], b.queued)
-            families["slots"].add_metric([b.name], b.slots)
-            load = server_load(b, self.router.mean_cost)
-            families["wait"].add_metric([b.name], 0.0 if load is None else estimate_wait(load))
-            families["llm_free"].add_metric([b.name], b.llm_free_slots)
-            families["t2w_pending"].add_metric([b.name], b.token2wav_pending)
-        yield from families.values()
+        for name, help_text, value_of in SERVER_GAUGES:
+            family = GaugeMetricFamily(name, help_text, labels=["server"])
+            for server in self.router.servers:
+                family.add_metric([server.name], value_of(server, self.router))
+            yield family
 
     def describe(self):
         return []
