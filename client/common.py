@@ -1,13 +1,13 @@
 """What the Triton and gateway clients share: the error type, voice records, prompt audio and WAV files.
 
-Everything here needs only numpy, the standard library and `cosyvoice_triton.admission` (standard library
-only), whose refusal messages say "retry after N s".
+Everything here needs only numpy, the standard library and the library's light base modules: `errors` (a
+Triton error is read with `errors.from_wire`, the one reader of the error JSON our models send) and
+`messages` (SAMPLE_RATE).
 """
 from __future__ import annotations
 
 import io
 import os
-import re
 import struct
 import time
 import wave
@@ -17,14 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from cosyvoice_triton.admission import retry_after_from_message
-
-SAMPLE_RATE = 24000  # CosyVoice2 speaks at 24 kHz, mono
+from cosyvoice_triton.errors import CosyVoiceError
+from cosyvoice_triton.messages import SAMPLE_RATE
 
 # A prompt recording: a file (path or its bytes: WAV, FLAC, OGG, ...) or samples in [-1, 1].
 PromptAudio = str | os.PathLike | bytes | np.ndarray
-
-_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*):\s")
 
 
 class TTSError(Exception):
@@ -33,9 +30,10 @@ class TTSError(Exception):
     `message` is the server's text ("text: must not be empty"), `field` the request field at fault when
     the server named one ("text", "voice_id", "target_text", ...), `status` an HTTP status or a gRPC code
     name ("INVALID_ARGUMENT", "UNAVAILABLE", ...), `code` the gateway's short reason ("invalid_input",
-    "not_found", "too_many_streams", ...), `retry_after_s` the seconds the server asked the client to wait
-    before trying again when it refused under overload or a limit (the gateway's `Retry-After` header or
-    WebSocket `retry_after`, Triton's "retry after N s"), else None.
+    "not_found", "too_many_streams", ...; Triton's: the library error's `code`), `retry_after_s` the seconds
+    the server asked the client to wait before trying again when it refused under overload or a limit (the
+    gateway's `Retry-After` header or WebSocket `retry_after`, the `retry_after_s` of Triton's error), else
+    None.
     """
 
     def __init__(self, message: str, *, field: str | None = None, status: int | str | None = None,
@@ -48,13 +46,10 @@ class TTSError(Exception):
         super().__init__(message if not field or message.startswith(f"{field}:") else f"{field}: {message}")
 
     @classmethod
-    def from_message(cls, text: str, status: int | str | None = None) -> TTSError:
-        """A Triton error text; by this project's convention "field: problem" names the field, and a
-        refusal under overload ends "retry after N s"."""
-        text = (text or "unknown error").strip()
-        match = _FIELD.match(text)
-        return cls(text, field=match.group(1) if match else None, status=status,
-                   retry_after_s=retry_after_from_message(text, default=None))
+    def from_error(cls, error: CosyVoiceError, status: int | str | None = None) -> TTSError:
+        """A Triton error, as `errors.from_wire` read it (`status`: the call's gRPC status name, if any)."""
+        return cls(error.message, field=error.field, status=status, code=error.code,
+                   retry_after_s=error.retry_after_s)
 
     @classmethod
     def from_body(cls, body: object, status: int | None = None, retry_after: str | None = None) -> TTSError:

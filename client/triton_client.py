@@ -17,10 +17,12 @@ A stream is one gRPC `ModelStreamInfer` call carrying one request to the decoupl
 the empty final response (`triton_enable_empty_final_response`). Closing a stream before that cancels
 the call, which Triton passes on to the model as a cancellation (its LLM slot and vocoder state are
 freed). Errors (a bad field, an unknown voice, a busy server) raise `TTSError` with the field named; a
-refusal under overload ("... retry after N s") sets its `retry_after_s`.
+refusal under overload sets its `retry_after_s` (the error's data, read with `errors.from_wire`).
 
 Requests are built straight from Triton's protobuf messages, so the blocking and asyncio clients share
-them, and the blocking client needs no callback thread of its own.
+them, and the blocking client needs no callback thread of its own. The responses are read by
+`cosyvoice_triton.triton.grpc_stream` (final flag, end of the call, cancellation), the one reader the
+gateway uses too.
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from cosyvoice_triton.messages import MODES
 from cosyvoice_triton.triton import contracts
-from cosyvoice_triton.triton.wire import (CHANNEL_OPTIONS, STREAM_END_WAIT_S, infer_request, is_final,
-                                          response_outputs)
+from cosyvoice_triton.triton.grpc_stream import AsyncStreamReader, StreamReader, status_error, status_name
+from cosyvoice_triton.triton.wire import CHANNEL_OPTIONS, infer_request, response_outputs
 
 from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo, as_samples, prompt_bytes
 
@@ -131,9 +133,7 @@ def _waveform(response: service_pb2.ModelInferResponse) -> np.ndarray:
 
 
 def _rpc_error(exc: grpc.RpcError) -> TTSError:
-    code = exc.code() if hasattr(exc, "code") else None
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    return TTSError.from_message(details or str(code), status=code.name if code is not None else None)
+    return TTSError.from_error(status_error(exc), status=status_name(exc))
 
 
 def _register_result(response: service_pb2.ModelInferResponse, prompt_text: str | None,
@@ -173,43 +173,33 @@ class StreamStats:
 # ---- blocking client ---------------------------------------------------------------------------------
 
 class _StreamResponses:
-    """What the blocking and asyncio streams share: turning `ModelStreamInfer` responses into chunks."""
+    """What the blocking and asyncio streams share around their `grpc_stream` reader: the request's id, its
+    stats, the event that closes our side of the call when the reading ends, a response's chunk."""
 
     def _begin(self, request: service_pb2.ModelInferRequest, done) -> None:
         self.request_id = request.id
         self.stats = StreamStats()
         self._done = done  # a threading or asyncio Event: set when our side of the call may close
-        self._finished = False
         self._started = time.monotonic()
 
-    def _chunk_of(self, response) -> np.ndarray | None:
-        """The response's audio (None for a response without any); raises TTSError for an error response."""
-        if response.error_message:
-            self._finish()
-            raise TTSError.from_message(response.error_message)
-        if response.infer_response.id.startswith(_append_prefix(self.request_id)):
-            return None  # a bistream text_append's own (empty, final) answer
-        chunk = response_outputs(response.infer_response).get("waveform")
-        if is_final(response.infer_response):
-            self._finish()
-        if chunk is not None and chunk.size:
-            self.stats.add(chunk, self._started)
-            return chunk.astype(np.float32, copy=False)
-        return None
+    def _reader_options(self) -> dict:
+        return {"skip": self._is_append_answer, "on_end": self._finish, "as_error": TTSError.from_error}
 
-    def _ended_early(self) -> TTSError:
-        self._finish()
-        return TTSError("the server closed the stream before the final response", status="UNAVAILABLE")
+    def _is_append_answer(self, result: service_pb2.ModelInferResponse) -> bool:
+        """A bistream text_append's own (empty, final) answer."""
+        return result.id.startswith(_append_prefix(self.request_id))
 
-    def _failed(self, exc: grpc.RpcError) -> TTSError:
-        self._finish()
-        return _rpc_error(exc)
+    def _chunk(self, outputs: dict[str, np.ndarray]) -> np.ndarray | None:
+        """A response's audio, None when it has none."""
+        chunk = outputs.get("waveform")
+        if chunk is None or not chunk.size:
+            return None
+        self.stats.add(chunk, self._started)
+        return chunk.astype(np.float32, copy=False)
 
     def _finish(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self.stats.total_s = time.monotonic() - self._started
-            self._done.set()
+        self.stats.total_s = time.monotonic() - self._started
+        self._done.set()
 
 
 class AudioStream(_StreamResponses, Iterator[np.ndarray]):
@@ -221,48 +211,26 @@ class AudioStream(_StreamResponses, Iterator[np.ndarray]):
     def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub, request: service_pb2.ModelInferRequest,
                  timeout_s: float | None):
         self._begin(request, threading.Event())
+        self._call = stub.ModelStreamInfer(self._requests(request), timeout=timeout_s)
+        self._responses = StreamReader(self._call, **self._reader_options())
 
-        def requests():
-            yield request
-            self._done.wait()  # keep our side open until the last response (or a cancel)
-
-        self._call = stub.ModelStreamInfer(requests(), timeout=timeout_s)
+    def _requests(self, request: service_pb2.ModelInferRequest) -> Iterator[service_pb2.ModelInferRequest]:
+        yield request
+        self._done.wait()  # keep our side open until the last response (or a cancel)
 
     def __iter__(self) -> AudioStream:
         return self
 
     def __next__(self) -> np.ndarray:
-        while not self._finished:
-            try:
-                response = next(self._call)
-            except StopIteration:
-                raise self._ended_early() from None
-            except grpc.RpcError as exc:
-                raise self._failed(exc) from None
-            try:
-                chunk = self._chunk_of(response)
-            finally:  # the final response, or an error one (our models send errors as the final)
-                if self._finished:
-                    self._await_end()
+        for outputs in self._responses:
+            chunk = self._chunk(outputs)
             if chunk is not None:
                 return chunk
         raise StopIteration
 
-    def _await_end(self) -> None:
-        """After the final response: read the call to its end (our side has closed, so the server ends it
-        with OK at once). Dropping it unread would cancel it, and a cancel racing Triton 2.51's own end of
-        the call can leave the request held in its gRPC frontend (the model then never unloads)."""
-        try:
-            for _ in self._call:
-                pass
-        except grpc.RpcError:
-            pass
-
     def close(self) -> None:
         """Cancel the request if it is still running."""
-        if not self._finished:
-            self._finish()
-            self._call.cancel()
+        self._responses.close()
 
     @property
     def cancelled(self) -> bool:
@@ -277,7 +245,7 @@ class AudioStream(_StreamResponses, Iterator[np.ndarray]):
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:  # noqa: BLE001 - interpreter shutdown, or a stream that never started
             pass
 
 
@@ -300,19 +268,18 @@ class TextAudioStream(AudioStream):
 
     def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub, request: service_pb2.ModelInferRequest,
                  text: Iterable[str], timeout_s: float | None):
-        self._begin(request, threading.Event())
+        self._text = text
+        super().__init__(stub, request, timeout_s)
 
-        def requests():
-            yield request
-            count = 0
-            for count, piece in enumerate(text, start=1):
-                if self._finished:
-                    return
-                yield _text_append(request, count, piece)
-            yield _text_append(request, count + 1, "", end=True)
-            self._done.wait()  # keep our side open until the last response (or a cancel)
-
-        self._call = stub.ModelStreamInfer(requests(), timeout=timeout_s)
+    def _requests(self, request: service_pb2.ModelInferRequest) -> Iterator[service_pb2.ModelInferRequest]:
+        yield request
+        count = 0
+        for count, piece in enumerate(self._text, start=1):
+            if self._done.is_set():
+                return
+            yield _text_append(request, count, piece)
+        yield _text_append(request, count + 1, "", end=True)
+        self._done.wait()  # keep our side open until the last response (or a cancel)
 
 
 class _Settings:
@@ -419,7 +386,7 @@ class AsyncAudioStream(_StreamResponses, AsyncIterator[np.ndarray]):
     def __init__(self, stub, request: service_pb2.ModelInferRequest, timeout_s: float | None):
         self._begin(request, asyncio.Event())
         self._call = stub.ModelStreamInfer(self._requests(request), timeout=timeout_s)
-        self._responses = self._call.__aiter__()
+        self._responses = AsyncStreamReader(self._call, **self._reader_options())
 
     async def _requests(self, request: service_pb2.ModelInferRequest) -> AsyncIterator[service_pb2.ModelInferRequest]:
         yield request
@@ -429,36 +396,15 @@ class AsyncAudioStream(_StreamResponses, AsyncIterator[np.ndarray]):
         return self
 
     async def __anext__(self) -> np.ndarray:
-        while not self._finished:
-            try:
-                response = await self._responses.__anext__()
-            except StopAsyncIteration:
-                raise self._ended_early() from None
-            except grpc.RpcError as exc:
-                raise self._failed(exc) from None
-            try:
-                chunk = self._chunk_of(response)
-            finally:
-                if self._finished:
-                    await self._await_end()
+        async for outputs in self._responses:
+            chunk = self._chunk(outputs)
             if chunk is not None:
                 return chunk
         raise StopAsyncIteration
 
-    async def _await_end(self) -> None:
-        """`AudioStream._await_end`, bounded: a server that does not end the call is cancelled by aclose."""
-        try:
-            async with asyncio.timeout(STREAM_END_WAIT_S):
-                async for _ in self._responses:
-                    pass
-        except (TimeoutError, grpc.RpcError):
-            pass
-
     async def aclose(self) -> None:
         """Cancel the request if it is still running."""
-        if not self._finished:
-            self._finish()
-            self._call.cancel()
+        await self._responses.aclose()
 
     async def __aenter__(self) -> AsyncAudioStream:
         return self
@@ -480,7 +426,7 @@ class AsyncTextAudioStream(AsyncAudioStream):
         yield request
         count = 0
         async for piece in _pieces(self._text):
-            if self._finished:
+            if self._done.is_set():
                 return
             count += 1
             yield _text_append(request, count, piece)

@@ -24,15 +24,17 @@ room again (wait_s - max_wait_s, rounded up, at least 1 s). An admitted request 
 `max_wait_s` all the same (the estimate was wrong) is refused then, before any audio: a queued request's
 wait is bounded, never left to a client's timeout.
 
-Refusals say "busy" and "retry after N s" in their message (`refusal_message`), which is how a gateway
-reads them back from Triton (`retry_after_from_message`).
+A refusal is an `Unavailable` error (`refusal`, `expiry`) whose `retry_after_s` carries the seconds as data:
+it crosses Triton in the error's JSON (`CosyVoiceError.to_wire`), and a gateway or client reads it back
+with `errors.from_wire`; the message says the same in words for people.
 """
 from __future__ import annotations
 
 import math
-import re
 import threading
 from dataclasses import dataclass
+
+from cosyvoice_triton.errors import Unavailable
 
 SPEECH_PER_TEXT_TOKEN = 10.0  # LLM decode steps and token2wav work grow with the output
 PROMPT_WEIGHT = 0.5  # per prompt speech token: the LLM's prefill and the flow's attention over the prompt
@@ -42,8 +44,6 @@ MEAN_COST = BASE_COST + 10 * SPEECH_PER_TEXT_TOKEN  # a typical request, before 
 TOKEN2WAV_CHUNK_COST = 25.0  # a chunk waiting in token2wav's queue: about 25 speech tokens of work
 DEFAULT_SECONDS_PER_COST = 0.01  # before any request has finished: 1.25 s for a typical request
 DEFAULT_MAX_WAIT_S = 2.0
-
-_RETRY_AFTER = re.compile(r"retry after (\d+) s")
 
 
 def request_cost(text_tokens: int, prompt_tokens: int = 0, encodes_prompt: bool = False) -> float:
@@ -93,19 +93,17 @@ class AdmissionPolicy:
         return Decision(False, wait_s, max(1, math.ceil(wait_s - self.max_wait_s)))
 
 
-def refusal_message(who: str, decision: Decision, max_wait_s: float) -> str:
-    return (f"{who} is busy: a new request would wait about {decision.wait_s:.1f} s to start (the limit is "
-            f"{max_wait_s:g} s); retry after {decision.retry_after_s} s")
+def refusal(who: str, decision: Decision, max_wait_s: float) -> Unavailable:
+    """The error that refuses a request at once: it would wait more than `max_wait_s` to start."""
+    return Unavailable(f"{who} is busy: a new request would wait about {decision.wait_s:.1f} s to start (the "
+                       f"limit is {max_wait_s:g} s); retry after {decision.retry_after_s} s",
+                       retry_after_s=decision.retry_after_s)
 
 
-def expiry_message(who: str, waited_s: float) -> str:
-    return f"{who} is busy: the request waited {waited_s:.1f} s without starting; retry after 1 s"
-
-
-def retry_after_from_message(message: str, default: int | None = 1) -> int | None:
-    """The seconds a refusal message asks a client to wait (`refusal_message`), else `default`."""
-    match = _RETRY_AFTER.search(message)
-    return max(1, int(match.group(1))) if match else default
+def expiry(who: str, waited_s: float) -> Unavailable:
+    """The error that refuses an admitted request that has waited its limit without starting."""
+    return Unavailable(f"{who} is busy: the request waited {waited_s:.1f} s without starting; retry after 1 s",
+                       retry_after_s=1)
 
 
 class SpeedMeter:

@@ -28,7 +28,7 @@ from fractions import Fraction
 import av
 import numpy as np
 
-SAMPLE_RATE = 24000  # token2wav's output
+from cosyvoice_triton.messages import SAMPLE_RATE
 
 
 @dataclass(frozen=True)

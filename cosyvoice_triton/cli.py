@@ -7,8 +7,12 @@ import sys
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import CosyVoiceError
+
+if TYPE_CHECKING:
+    from .server.launcher import ServeOptions
 
 COMMANDS_GROUP = "cosyvoice_triton.commands"  # entry points: name = "module:add_command"
 
@@ -81,11 +85,17 @@ def _run_synth(args) -> int:
 
 
 def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="start tritonserver with every CosyVoice2 model; Ctrl-C stops it")
+    add_serve_arguments(p)
+    p.set_defaults(func=_run_serve)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """`serve`'s flags (`serve_options_from_args` reads them), also for tools that start a server their own way."""
     from .messages import CHUNK_POLICIES
     from .models.llm_precision import LLM_PRECISIONS
     from .server.launcher import ENGINES, PRECISIONS, ROLES
 
-    p = sub.add_parser("serve", help="start tritonserver with every CosyVoice2 model; Ctrl-C stops it")
     p.add_argument("--model-dir", default=None,
                    help="model folder or hub id (default: a tiny random model made on first use)")
     p.add_argument("--run-dir", type=Path, default=None, help="where the rendered repository and log go")
@@ -115,9 +125,6 @@ def _add_serve(sub) -> None:
     p.add_argument("--llm-precision", choices=LLM_PRECISIONS, default="fp32",
                    help="the LLM backbone's precision: fp32 (the reference), bf16, int8 (weight-only; quality "
                         "against fp32 in perf/RESULTS.md)")
-    p.add_argument("--exact-speech-tokens", type=int, default=None, metavar="N",
-                   help="benchmarks only: every LLM stream decodes exactly N speech tokens, stop tokens masked "
-                        "(bench-official --triton)")
     p.add_argument("--engine", choices=ENGINES, default="torch",
                    help="engine of token2wav's flow and HiFT decode (torch: the reference); openvino and tensorrt "
                         "also run CAM++. One that cannot run here falls back (tensorrt -> onnxruntime -> torch, "
@@ -154,25 +161,30 @@ def _add_serve(sub) -> None:
                    help="MB of voices' prompt frames token2wav keeps, least recently used evicted, so that a new "
                         "stream of a prompt seen before computes only the frames after them (torch flow with the "
                         "flow cache; 0: off; full size: 115 MB per 75-token prompt)")
-    p.set_defaults(func=_run_serve)
+
+
+def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
+    """The `ServeOptions` of the arguments `add_serve_arguments` added."""
+    from .server.launcher import ServeOptions
+
+    return ServeOptions(model_dir=args.model_dir, run_dir=args.run_dir, address=args.address,
+                        http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                        device=args.device, instances=args.instances, workers=args.workers,
+                        max_queue_wait_s=args.max_queue_wait,
+                        voice_store=args.voice_store, llm_max_batch=args.llm_max_batch,
+                        t2w_max_streams=args.t2w_max_streams, t2w_max_batch=args.t2w_max_batch,
+                        torch_threads=args.torch_threads, llm_precision=args.llm_precision,
+                        engine=args.engine, precision=args.precision,
+                        ort_providers=args.ort_providers, onnx_dir=args.onnx_dir, role=args.role,
+                        backends=tuple(args.backend),
+                        t2w_idle_timeout_s=args.t2w_idle_timeout, flow_cache_frames=args.flow_cache_frames,
+                        prompt_cache_mb=args.prompt_cache_mb, chunk_policy=args.chunk_policy)
 
 
 def _run_serve(args) -> int:
-    from .server.launcher import ServeOptions, serve
+    from .server.launcher import serve
 
-    options = ServeOptions(model_dir=args.model_dir, run_dir=args.run_dir, address=args.address,
-                           http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-                           device=args.device, instances=args.instances, workers=args.workers,
-                           max_queue_wait_s=args.max_queue_wait,
-                           voice_store=args.voice_store, llm_max_batch=args.llm_max_batch,
-                           t2w_max_streams=args.t2w_max_streams, t2w_max_batch=args.t2w_max_batch,
-                           torch_threads=args.torch_threads, llm_precision=args.llm_precision,
-                           exact_speech_tokens=args.exact_speech_tokens, engine=args.engine, precision=args.precision,
-                           ort_providers=args.ort_providers, onnx_dir=args.onnx_dir, role=args.role,
-                           backends=tuple(args.backend),
-                           t2w_idle_timeout_s=args.t2w_idle_timeout, flow_cache_frames=args.flow_cache_frames,
-                           prompt_cache_mb=args.prompt_cache_mb, chunk_policy=args.chunk_policy)
-    return serve(options)
+    return serve(serve_options_from_args(args))
 
 
 def _add_finetune(sub) -> None:

@@ -1,39 +1,166 @@
-"""Errors that a caller can act on. Each names the request field that caused it."""
+"""Errors that a caller can act on, as data: one type per kind, each with a machine `code`, the request
+`field` at fault (or None) and a retry hint `retry_after_s` (seconds, or None); the message stays prose
+for people and is never parsed.
+
+Across Triton an error travels as `to_wire()`, a small JSON object that a model puts into
+`TritonError(message, code)`:
+
+    {"code": "invalid_input", "field": "seed", "message": "seed: must be an integer", "retry_after_s": null}
+
+and `from_wire(message, status)` is the one reader of it (gateway, client SDKs, remote token2wav). A
+message that is not ours (Triton's own "Request for unknown model ...", a gRPC status text) becomes the
+kind its `status` names: a gRPC status name ("INVALID_ARGUMENT", "UNAVAILABLE", ...) or a Triton error
+code name ("INVALID_ARG", ...); anything else is internal.
+
+    code           class              Triton code   gRPC status (non-JSON)
+    invalid_input  InvalidInput       INVALID_ARG   INVALID_ARGUMENT, INVALID_ARG
+    not_found      NotFound           NOT_FOUND     NOT_FOUND
+    cancelled      Cancelled          CANCELLED     CANCELLED
+    unavailable    Unavailable        UNAVAILABLE   RESOURCE_EXHAUSTED  (busy: a retry hint may say when)
+    unreachable    Unreachable        UNAVAILABLE   UNAVAILABLE         (the server did not answer)
+    timeout        DeadlineExceeded   UNAVAILABLE   DEADLINE_EXCEEDED
+    model_folder   ModelFolderError   INTERNAL      -
+    internal       CosyVoiceError     INTERNAL      anything else
+"""
 from __future__ import annotations
+
+import json
 
 
 class CosyVoiceError(Exception):
-    """Base class of the library's own errors."""
+    """Base class of the library's own errors; on its own, an internal error."""
+
+    code = "internal"
+    triton_code = "INTERNAL"  # the pb_utils.TritonError attribute a Triton model answers with
+    field: str | None = None
+    retry_after_s: int | None = None
+
+    def __init__(self, *args, field: str | None = None, retry_after_s: int | None = None):
+        super().__init__(*args)
+        if field is not None:
+            self.field = field
+        if retry_after_s is not None:
+            self.retry_after_s = max(1, int(retry_after_s))
+
+    @property
+    def message(self) -> str:
+        return str(self) or self.code
+
+    def to_wire(self) -> str:
+        """The text of a TritonError: this error as a JSON object (see the module docstring)."""
+        return json.dumps({"code": self.code, "field": self.field, "message": self.message,
+                           "retry_after_s": self.retry_after_s}, ensure_ascii=False)
+
+    @classmethod
+    def _rebuild(cls, message: str, field: str | None, retry_after_s: int | None) -> CosyVoiceError:
+        """This kind made from its wire parts, without the subclass's own constructor."""
+        error = cls.__new__(cls)
+        CosyVoiceError.__init__(error, message, field=field, retry_after_s=retry_after_s)
+        return error
 
 
-class InvalidInput(CosyVoiceError, ValueError):
+class _FieldError(CosyVoiceError):
+    """An error about one request field: "field: problem"."""
+
+    def __init__(self, field: str, problem: str):
+        self.problem = problem
+        super().__init__(f"{field}: {problem}", field=field)
+
+    @classmethod
+    def _rebuild(cls, message: str, field: str | None, retry_after_s: int | None) -> CosyVoiceError:
+        error = super()._rebuild(message, field, retry_after_s)
+        prefix = f"{field}: "
+        error.problem = message[len(prefix):] if field and message.startswith(prefix) else message
+        return error
+
+
+class InvalidInput(_FieldError, ValueError):
     """A request field is missing, malformed or out of range. Maps to INVALID_ARG / HTTP 400."""
 
-    def __init__(self, field: str, problem: str):
-        self.field = field
-        self.problem = problem
-        super().__init__(f"{field}: {problem}")
+    code, triton_code = "invalid_input", "INVALID_ARG"
 
 
-class NotFound(CosyVoiceError, KeyError):
+class NotFound(_FieldError, KeyError):
     """A referenced object (a voice id, a stream id) does not exist. Maps to NOT_FOUND / HTTP 404."""
 
-    def __init__(self, field: str, problem: str):
-        self.field = field
-        self.problem = problem
-        super().__init__(f"{field}: {problem}")
+    code, triton_code = "not_found", "NOT_FOUND"
 
     def __str__(self) -> str:  # KeyError would quote the message
-        return f"{self.field}: {self.problem}"
+        return str(self.args[0]) if self.args else ""
 
 
 class ModelFolderError(CosyVoiceError, FileNotFoundError):
     """The model folder is missing files or cannot be read."""
 
+    code = "model_folder"
+
 
 class Cancelled(CosyVoiceError):
     """The client went away or cancelled the request. Maps to CANCELLED / HTTP 499."""
 
+    code, triton_code = "cancelled", "CANCELLED"
+
 
 class Unavailable(CosyVoiceError):
-    """The server cannot take the request now (queue full, shutting down). Maps to UNAVAILABLE / HTTP 503."""
+    """The server cannot take the request now (queue full, shutting down). Maps to UNAVAILABLE / HTTP 503.
+    `retry_after_s`: when the server expects to have room (admission refusals say it)."""
+
+    code, triton_code = "unavailable", "UNAVAILABLE"
+
+
+class Unreachable(Unavailable):
+    """The server did not answer (connection refused or reset): another server may."""
+
+    code = "unreachable"
+
+
+class DeadlineExceeded(CosyVoiceError):
+    """The server did not answer in time. Maps to HTTP 504."""
+
+    code, triton_code = "timeout", "UNAVAILABLE"
+
+
+KINDS: dict[str, type[CosyVoiceError]] = {kind.code: kind for kind in (
+    CosyVoiceError, InvalidInput, NotFound, ModelFolderError, Cancelled, Unavailable, Unreachable,
+    DeadlineExceeded)}
+
+# The kind of a message that is not ours, by the status it came with: gRPC status names and
+# Triton error code names (pb_utils.TritonError / TRITONSERVER_Error_Code).
+STATUS_KINDS: dict[str, str] = {
+    "INVALID_ARGUMENT": "invalid_input", "INVALID_ARG": "invalid_input",
+    "NOT_FOUND": "not_found",
+    "CANCELLED": "cancelled",
+    "RESOURCE_EXHAUSTED": "unavailable",
+    "UNAVAILABLE": "unreachable",
+    "DEADLINE_EXCEEDED": "timeout",
+}
+
+
+def from_wire(message: str, status: str | None = None) -> CosyVoiceError:
+    """The error that a TritonError's text (or a gRPC status's details) stands for; see the module docstring."""
+    text = (message or "").strip()
+    fields = _wire_fields(text)
+    if fields is None:
+        kind = KINDS[STATUS_KINDS.get((status or "").upper(), "internal")]
+        return kind._rebuild(text or status or "unknown error", None, None)
+    kind = KINDS.get(fields.get("code"), CosyVoiceError)
+    field, retry_after_s = fields.get("field"), fields.get("retry_after_s")
+    return kind._rebuild(str(fields.get("message") or kind.code),
+                         field if isinstance(field, str) and field else None,
+                         retry_after_s if _is_seconds(retry_after_s) else None)
+
+
+def _wire_fields(text: str) -> dict | None:
+    """The JSON object of `to_wire` in `text` (Triton may put words before it), or None."""
+    start = text.find("{")
+    if start < 0 or not text.endswith("}"):
+        return None
+    try:
+        fields = json.loads(text[start:])
+    except ValueError:
+        return None
+    return fields if isinstance(fields, dict) and isinstance(fields.get("code"), str) else None
+
+
+def _is_seconds(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0

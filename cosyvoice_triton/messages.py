@@ -33,6 +33,8 @@ MIN_HOP_TOKENS = 4  # the vocoder holds back 8 mel frames (4 tokens) of every no
 TEXT_MODES = ("sentences", "bistream")  # sentences: one LLM stream per sentence; bistream: text fed as it arrives
 CHUNK_POLICIES = ("fixed", "adaptive")  # ChunkPolicy.kind; see pipeline/chunk_policy.py
 MIN_SPEED, MAX_SPEED = 0.25, 4.0  # speaking speed: the mel interpolated by 1 / speed (token2wav/speed.py)
+SAMPLE_RATE = 24000  # Hz: CosyVoice2 speaks at 24 kHz, mono (token2wav's output)
+SPEECH_TOKENS_PER_SECOND = 25  # speech tokens per second of audio (the S3 tokenizer's and the LLM's rate)
 
 
 def is_int(value: object) -> bool:
@@ -50,6 +52,16 @@ def check_seed(seed: object, field_name: str = "seed") -> int:
     if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
         raise InvalidInput(field_name, f"must be an integer in [0, 2**64), got {seed!r}")
     return seed
+
+
+def check_mode(mode: object, instruct_text: str) -> str:
+    """`mode` if it is one of MODES and, in instruct2, comes with an instruction; InvalidInput naming `mode`
+    or `instruct_text` otherwise."""
+    if mode not in MODES:
+        raise InvalidInput("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "instruct2" and not instruct_text.strip():
+        raise InvalidInput("instruct_text", "is required in instruct2 mode")
+    return mode
 
 
 def voice_modes(prompt_text: str) -> tuple[str, ...]:
@@ -164,10 +176,7 @@ class SynthesisRequest:
     speed: float = 1.0  # speaking speed in [MIN_SPEED, MAX_SPEED]: the mel interpolated by 1 / speed
 
     def validate(self) -> SynthesisRequest:
-        if self.mode not in MODES:
-            raise InvalidInput("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.mode == "instruct2" and not self.instruct_text.strip():
-            raise InvalidInput("instruct_text", "is required in instruct2 mode")
+        check_mode(self.mode, self.instruct_text)
         if self.mode == "zero_shot" and not self.voice.text.strip():
             raise InvalidInput("reference_text", "is required in zero_shot mode (the transcript of the voice prompt)")
         if self.seed is not None:

@@ -12,8 +12,8 @@ A server's load, as this gateway sees it (`server_load`):
                 each chunk waiting in token2wav's queue (`nv_inference_pending_request_count{model=token2wav}`)
   speed         the server's measured `cosyvoice_seconds_per_cost`
 Until a server's metrics were scraped once (slots 0) the gateway admits and lets the server decide: the
-cosyvoice2 model applies the same policy to everything it receives, and its refusal ("busy ... retry after
-N s") comes back as the same 503 with the same Retry-After.
+cosyvoice2 model applies the same policy to everything it receives, and its refusal (an Unavailable error
+whose `retry_after_s` crosses Triton as data) comes back as the same 503 with the same Retry-After.
 """
 from __future__ import annotations
 

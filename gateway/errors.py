@@ -6,16 +6,19 @@ Body (the OpenAI error object, so OpenAI clients read it too; `param` names the 
 A message echoes at most a short, repr-escaped piece of the offending value (`short_repr` where it is
 made; every message is cut to MAX_MESSAGE_CHARS here as a last bound). JSON nested deeper than Python
 can parse is a 400 naming `body`, never a 500.
+
+A GatewayError is one of the library's errors (`CosyVoiceError`): it carries its `code`, `field` and retry
+hint `retry_after_s` as data, which the answer says as `code`, `param` and the Retry-After header (a
+WebSocket error's `retry_after`); the client SDK reads them back from there (`TTSError.from_body`).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 
 from aiohttp import web
 
-from cosyvoice_triton.errors import Cancelled, InvalidInput, NotFound, Unavailable
+from cosyvoice_triton.errors import Cancelled, CosyVoiceError, InvalidInput, NotFound, Unavailable
 from cosyvoice_triton.voices.store import short_repr  # noqa: F401  (re-exported for the routes)
 
 from .request_keys import ERROR_CODE
@@ -25,16 +28,17 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_CHARS = 400
 
 
-class GatewayError(Exception):
+class GatewayError(CosyVoiceError):
     status = 500
     code = "internal"
     kind = "server_error"  # the OpenAI `type`
 
-    def __init__(self, message: str, field: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.message = message
-        self.field = field
-        self.headers = headers or {}
+    def __init__(self, message: str, field: str | None = None, headers: dict[str, str] | None = None,
+                 retry_after_s: int | None = None):
+        super().__init__(message, field=field, retry_after_s=retry_after_s)
+        self.headers = dict(headers or {})
+        if self.retry_after_s is not None:
+            self.headers["Retry-After"] = str(self.retry_after_s)
 
 
 class BadRequest(GatewayError):
@@ -83,14 +87,14 @@ class TooManyStreams(GatewayError):
     status, code, kind = 429, "too_many_streams", "rate_limit_error"
 
     def __init__(self, message: str):
-        super().__init__(message, headers={"Retry-After": "1"})
+        super().__init__(message, retry_after_s=1)
 
 
 class RateLimited(GatewayError):
     status, code, kind = 429, "rate_limited", "rate_limit_error"
 
     def __init__(self, message: str, retry_after_s: int):
-        super().__init__(message, headers={"Retry-After": str(max(1, retry_after_s))})
+        super().__init__(message, retry_after_s=retry_after_s)
 
 
 class SessionTimeout(GatewayError):
@@ -108,8 +112,7 @@ class ServiceUnavailable(GatewayError):
     status, code, kind = 503, "unavailable", "server_error"
 
     def __init__(self, message: str, retry_after_s: int = 1):
-        super().__init__(message, headers={"Retry-After": str(max(1, retry_after_s))})
-        self.retry_after_s = max(1, retry_after_s)
+        super().__init__(message, retry_after_s=retry_after_s)
 
 
 class Overloaded(ServiceUnavailable):
@@ -130,7 +133,7 @@ class UpstreamTimeout(GatewayError):
 
 
 def as_gateway_error(exc: BaseException) -> GatewayError:
-    """Any exception as a GatewayError (library errors keep their field)."""
+    """Any exception as a GatewayError (library errors keep their field and retry hint)."""
     if isinstance(exc, GatewayError):
         return exc
     if isinstance(exc, InvalidInput):
@@ -138,15 +141,11 @@ def as_gateway_error(exc: BaseException) -> GatewayError:
     if isinstance(exc, NotFound):
         return VoiceNotFound(exc.field, exc.problem)
     if isinstance(exc, Unavailable):
-        return ServiceUnavailable(str(exc))
+        return ServiceUnavailable(exc.message, exc.retry_after_s or 1)
     if isinstance(exc, Cancelled):
-        return ServiceUnavailable(str(exc) or "cancelled")
+        return ServiceUnavailable(exc.message)
     if isinstance(exc, RecursionError):  # json.loads of deeply nested arrays
         return BadRequest("body", "is nested too deeply")
-    if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        sizes = [int(n) for n in re.findall(r"\d+", exc.text or "")]  # aiohttp: "... size MAX exceeded, actual ACTUAL"
-        return PayloadTooLarge.upload("the request body", sizes[1] if len(sizes) > 1 else None,
-                                      sizes[0] if sizes else 0)
     if isinstance(exc, web.HTTPException):
         error = GatewayError(exc.reason if not exc.text or exc.text.startswith(str(exc.status)) else exc.text)
         error.status = exc.status
@@ -172,8 +171,8 @@ def ws_error(error: GatewayError) -> dict:
     """The same error as a WebSocket message."""
     message = {"type": "error", "status": error.status, "code": error.code,
                "param": bounded(error.field, MAX_FIELD_CHARS), "message": bounded(error.message)}
-    if "Retry-After" in error.headers:  # 429, 503: the seconds an HTTP answer would say in Retry-After
-        message["retry_after"] = int(error.headers["Retry-After"])
+    if error.retry_after_s is not None:  # 429, 503: the seconds an HTTP answer would say in Retry-After
+        message["retry_after"] = error.retry_after_s
     return message
 
 
@@ -183,6 +182,8 @@ async def error_middleware(request: web.Request, handler):
         return await handler(request)
     except asyncio.CancelledError:
         raise
+    except web.HTTPRequestEntityTooLarge:  # aiohttp's own limit on the body (app.body_limit)
+        return _json_error(PayloadTooLarge.upload("the request body", None, request.client_max_size), request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

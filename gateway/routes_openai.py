@@ -20,118 +20,24 @@
 """
 from __future__ import annotations
 
-import asyncio
-import base64
-import json
-import time
-import uuid
-from contextlib import aclosing
-
 from aiohttp import web
 
-from cosyvoice_triton.audio_out import AudioEncoder, AudioFormat
-from cosyvoice_triton.errors import NotFound
-
-from . import access_log
+from .audio_response import AUDIO_BYTES, AudioEvents, send_audio
 from .auth import limit_key
-from .errors import BadRequest, GatewayError
-from .routes_tts import abort, audio_headers, check_format, json_body, send_audio
-from .state import CONFIG, COSTS, LIMITER, METRICS, STORE
-from .synthesis import OPENAI_FIELDS, prepare, stream_audio
-
-OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer",
-                           "verse", "marin", "cedar"})
-OPENAI_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")  # OpenAI's response_format values
-
-
-async def _voice(app: web.Application, voice: object) -> str:
-    if isinstance(voice, dict):
-        voice = voice.get("id")
-    if not isinstance(voice, str) or not voice:
-        raise BadRequest("voice", "is required: a registered voice id, or {\"id\": ...}")
-    if voice.lower() in OPENAI_VOICES:
-        try:
-            await asyncio.to_thread(app[STORE].info, voice)
-        except NotFound:
-            return "default"
-        except Exception:  # noqa: BLE001 - a malformed id: let the checks name it
-            return voice
-    return voice
+from .fields import OPENAI_FIELDS
+from .protocol import json_body, parse_speech
+from .state import CONFIG, COSTS, LIMITER
+from .synthesis import prepare, routing_cost
 
 
 async def speech(request: web.Request) -> web.StreamResponse:
     app = request.app
-    body = await json_body(request)
-    model = body.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise BadRequest("model", "is required (any model name is accepted, e.g. \"cosyvoice2\")")
-    fmt = check_format(body.get("response_format", "mp3"), "response_format", OPENAI_FORMATS)
-    stream = body.get("stream", True)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream", "must be true or false")
-    stream_format = body.get("stream_format", "audio")
-    if stream_format not in ("audio", "sse"):
-        raise BadRequest("stream_format", f"must be audio or sse, got {stream_format!r}")
-    instructions = body.get("instructions") or None
-    synthesis = await prepare(app, text=body.get("input"), voice_id=await _voice(app, body.get("voice")),
-                              mode="instruct2" if instructions else "zero_shot", instruct=instructions,
-                              seed=body.get("seed"), speed=body.get("speed", 1.0), fields=OPENAI_FIELDS)
+    speech = parse_speech(await json_body(request), app[CONFIG].limits)
+    inputs, prompt_tokens = await prepare(app, speech.inputs, OPENAI_FIELDS, stock_voice=speech.stock_voice)
+    body = AudioEvents(app[COSTS].text_tokens(inputs.text)) if speech.events else AUDIO_BYTES
     with app[LIMITER].slot(limit_key(request)):
-        if stream_format == "sse":
-            return await _send_events(request, synthesis, fmt)
-        return await send_audio(request, synthesis, fmt, stream=stream, route="openai")
-
-
-async def _send_events(request: web.Request, synthesis, fmt: AudioFormat) -> web.StreamResponse:
-    """Server-sent events: a speech.audio.delta for each chunk's encoded bytes (base64; none while the encoder
-    holds them), then one for what finishing the file adds, then speech.audio.done."""
-    app = request.app
-    metrics, rate = app[METRICS], app[CONFIG].sample_rate
-    request_id = uuid.uuid4().hex
-    accepted = time.monotonic()
-    chunks = stream_audio(app, synthesis, request_id)
-    async with aclosing(chunks):
-        first = await anext(chunks, None)
-        metrics.first_chunk.labels("openai").observe(time.monotonic() - accepted)
-        access_log.first_chunk(request, time.monotonic() - accepted)
-        response = web.StreamResponse(headers={**audio_headers(request_id, synthesis, fmt, rate),
-                                               "Content-Type": "text/event-stream", "Cache-Control": "no-store"})
-        await response.prepare(request)
-        samples = 0
-        encoder = AudioEncoder(fmt, rate)
-        try:
-            chunk = first
-            while chunk is not None:
-                await _write_delta(response, encoder.feed(chunk))
-                samples += chunk.size
-                chunk = await anext(chunks, None)
-            await _write_delta(response, encoder.finish())
-        except GatewayError as exc:  # the stream ends with an error event
-            metrics.errors.labels(exc.code).inc()
-            await response.write(_event({"type": "error", "error": {"message": exc.message, "code": exc.code}}))
-            await response.write_eof()
-            return response
-        except ConnectionError:
-            return abort(request, response)
-        finally:
-            encoder.close()
-        metrics.audio_seconds.labels("openai").inc(samples / rate)
-        access_log.audio_sent(request, samples / rate)
-        tokens = app[COSTS].text_tokens(synthesis.text)
-        await response.write(_event({"type": "speech.audio.done",
-                                     "usage": {"input_tokens": tokens, "output_tokens": 0, "total_tokens": tokens}}))
-        await response.write_eof()
-        return response
-
-
-async def _write_delta(response: web.StreamResponse, data: bytes) -> None:
-    if data:
-        audio = base64.b64encode(data).decode("ascii")
-        await response.write(_event({"type": "speech.audio.delta", "audio": audio}))
-
-
-def _event(data: dict) -> bytes:
-    return f"data: {json.dumps(data)}\n\n".encode()
+        return await send_audio(request, inputs, routing_cost(app, inputs, prompt_tokens), OPENAI_FIELDS,
+                                speech.format, speech.stream or speech.events, route="openai", body=body)
 
 
 def add_routes(app: web.Application) -> None:

@@ -22,31 +22,31 @@ key's voice answers 404 everywhere, as if it did not exist (never 403, which wou
 Shared voices (`default` among them) are visible to all and deleted only with an admin key; without
 keys every caller may delete a shared voice except `default`. Ids are one namespace: an explicit `id`
 that another key already uses is refused as taken (400 naming `id`).
+
+A registration is parsed once into a `VoiceRegistration` (protocol.py); its recording is decoded once here
+(for the idempotency check's hash) and sent to `register_voice` as samples.
 """
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from aiohttp import web
 
 from cosyvoice_triton.errors import InvalidInput, NotFound
-from cosyvoice_triton.preprocess.audio import load_prompt_audio
-from cosyvoice_triton.preprocess.text import text_problem
 from cosyvoice_triton.preprocess.voice_features import audio_sha256
 from cosyvoice_triton.voices.store import VoiceRecord, check_voice_id, visible_to
-from cosyvoice_triton.triton import contracts
+from cosyvoice_triton.triton.contracts import PromptAudio, RegisterInputs, registered_voice_id
 
 from .auth import RateLimiter, Tenant, current_tenant
 from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
-from .errors import BadRequest, Forbidden, GatewayError, PayloadTooLarge, VoiceNotFound
+from .errors import BadRequest, Forbidden, GatewayError, VoiceNotFound
+from .fields import REGISTER_FIELDS
+from .protocol import json_body, parse_registration
 from .routing import ENCODE_COST
 from .state import CONFIG, REGISTRATION_RATE, STORE
-from .synthesis import Fields, call_model, decode_base64, gateway_error, optional_string
+from .synthesis import call_model, decode_recording, gateway_error
 from .triton_channel import TritonCallError
-
-REGISTER_FIELDS = Fields(text="text", voice="id", prompt_audio="audio", prompt_text="text")
-_REGISTER_INPUTS = {"reference_audio": "audio", "reference_wav": "audio", "reference_text": "text",
-                    "voice_id": "id", "name": "name"}
 
 
 class AlreadyRegistered(GatewayError):
@@ -74,35 +74,28 @@ async def register(app: web.Application, audio: bytes, text: str, voice_id: str 
     """(VoiceRecord, created) for a registration through Triton, owned by `owner` (None: shared).
     Raises GatewayError / TritonCallError."""
     store = app[STORE]
-    try:
-        samples, rate = await asyncio.to_thread(load_prompt_audio, audio, "audio")
-        if voice_id is not None:
+    recording = await decode_recording(PromptAudio(file_bytes=audio), "audio")
+    if voice_id is not None:
+        try:
             check_voice_id(voice_id, "id")
-    except InvalidInput as exc:
-        raise BadRequest(exc.field, exc.problem) from None
-    sha = await asyncio.to_thread(audio_sha256, samples, rate)
+        except InvalidInput as exc:
+            raise BadRequest(exc.field, exc.problem) from None
+    sha = await asyncio.to_thread(audio_sha256, recording.samples, recording.sample_rate)
     stored = await asyncio.to_thread(store.find, sha, text, owner)  # this content, this owner, any id
     if stored is not None and voice_id is not None and voice_id != stored.voice_id:
         raise AlreadyRegistered(stored, voice_id)
-    inputs = contracts.register_inputs(voice_id=voice_id, name=name, owner=owner, audio_file=audio, prompt_text=text)
-    outputs = await call_model(app, app[CONFIG].register_model, inputs, ENCODE_COST,
+    inputs = RegisterInputs(audio=recording, text=text, voice_id=voice_id, name=name, owner=owner)
+    outputs = await call_model(app, app[CONFIG].register_model, inputs.tensors(), ENCODE_COST,
                                app[CONFIG].routing.register_timeout_s)
-    registered = outputs["voice_id"].reshape(-1)[0].decode("utf-8")
+    registered = registered_voice_id(outputs)
     created = stored is None
     return await asyncio.to_thread(store.info, registered), created
 
 
 async def _form(request: web.Request) -> dict:
+    """A JSON body (audio: base64), or the multipart fields (audio: the file's bytes, strings for the rest)."""
     if request.content_type == "application/json":
-        try:
-            body = await request.json()
-        except ValueError:  # JSON, UTF-8
-            raise BadRequest("body", "is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise BadRequest("body", "must be a JSON object")
-        body = dict(body)
-        body["audio"] = decode_base64(body.get("audio"), "audio", request.app[CONFIG].limits.max_upload_bytes)
-        return body
+        return await json_body(request)
     if request.content_type != "multipart/form-data":
         raise BadRequest("body", "send multipart/form-data (audio file + text) or JSON")
     form = await request.post()  # bounded by client_max_size: 413 beyond
@@ -118,47 +111,23 @@ async def _form(request: web.Request) -> dict:
     return values
 
 
-def _shared(value: object, tenant: Tenant) -> bool:
-    """The `shared` field: JSON true/false, or a form's "true"/"false"; only admin keys may say true."""
-    if value in (None, False, "false", "0", ""):
-        return False
-    if value not in (True, "true", "1"):
-        raise BadRequest("shared", "must be true or false")
-    if not tenant.admin:
-        raise Forbidden("shared", "only an admin key may register shared voices")
-    return True
-
-
 async def create_voice(request: web.Request) -> web.Response:
     tenant = current_tenant()
     request.app[REGISTRATION_RATE].take(tenant)
-    values = await _form(request)
-    owner = None if _shared(values.get("shared"), tenant) else tenant.owner
-    audio = values.get("audio")
-    if not audio:
-        raise BadRequest("audio", "is required: the prompt recording (WAV, FLAC or OGG)")
-    limit = request.app[CONFIG].limits.max_upload_bytes
-    if len(audio) > limit:
-        raise PayloadTooLarge.upload("audio", len(audio), limit, "audio")
-    text_field = "text" if "text" in values else "prompt_text"  # either name; errors use the one sent
-    text = optional_string(values.get(text_field, ""), text_field) or ""
-    voice_id = optional_string(values.get("id"), "id") or None
-    name = optional_string(values.get("name"), "name") or None
-    for field, value in ((text_field, text), ("name", name)):
-        problem = text_problem(value or "")
-        if problem:
-            raise BadRequest(field, problem)
+    registration = parse_registration(await _form(request), request.app[CONFIG].limits)
+    if registration.shared and not tenant.admin:
+        raise Forbidden("shared", "only an admin key may register shared voices")
+    owner = None if registration.shared else tenant.owner
     try:
-        info, created = await register(request.app, audio, text, voice_id, name, owner=owner)
+        info, created = await register(request.app, registration.audio, registration.text, registration.voice_id,
+                                       registration.name, owner=owner)
     except AlreadyRegistered as exc:
         return web.json_response({"error": {"message": exc.message, "type": exc.kind, "code": exc.code,
                                             "param": "id"},
                                   "id": exc.existing.voice_id}, status=409)
     except TritonCallError as exc:
-        if exc.kind == "invalid":
-            field = text_field if exc.field == "reference_text" else _REGISTER_INPUTS.get(exc.field, exc.field)
-            raise BadRequest(field or "audio", exc.problem) from None
-        raise gateway_error(exc, REGISTER_FIELDS) from None
+        fields = replace(REGISTER_FIELDS, prompt_text=registration.text_field)  # the transcript as it was sent
+        raise gateway_error(exc, fields, unnamed="audio") from None
     return web.json_response(voice_json(info, created), status=201 if created else 200)
 
 

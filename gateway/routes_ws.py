@@ -41,6 +41,9 @@ Segments are separate Triton requests, routed one by one; up to `ws_pipeline_dep
 being sent, and their audio is sent strictly in order. Segment i uses seed + 1000 * i; every segment has
 the start message's voice, mode and chunk policy. A client that goes away (or closes) cancels every
 running segment, which frees its LLM slot and token2wav state.
+
+The start message is parsed once into a `StartMessage` (protocol.py) and its voice settled once
+(`synthesis.prepare`); each segment is that wire request with its own text and seed.
 """
 from __future__ import annotations
 
@@ -51,30 +54,27 @@ import re
 import time
 import uuid
 from contextlib import aclosing, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from cosyvoice_triton.messages import SEED_LIMIT, TEXT_MODES
-
 from cosyvoice_triton.audio_out import AudioEncoder, audio_format
+from cosyvoice_triton.messages import SEED_LIMIT
+from cosyvoice_triton.triton.contracts import ConversionInputs, SynthesisInputs
 
 from . import access_log
 from .auth import limit_key
 from .drain import Draining
 from .errors import BadRequest, GatewayError, PayloadTooLarge, SessionTimeout, as_gateway_error, ws_error
-from .fields import resolve_aliases
-from .routes_tts import check_format
-from .routes_vc import VoiceConversion, ws_conversion
-from .state import CONFIG, COSTS, DRAIN, LIMITER, METRICS, WEBSOCKETS
-from .synthesis import TTS_FIELDS, Synthesis, decode_base64, prepare, stream_audio
+from .fields import TTS_FIELDS
+from .protocol import parse_start, parse_vc_message
+from .state import CONFIG, DRAIN, LIMITER, METRICS, WEBSOCKETS
+from .synthesis import WireRequest, conversion_in_voice, prepare, routing_cost, stream_audio
 from .ws_bistream import BistreamText
 
 log = logging.getLogger(__name__)
 
 SEGMENT_SEED_STRIDE = 1000
-START_KEYS = frozenset({"type", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
-                        "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "format", "text"}) | {"text_frontend", "text_mode", "speed"}
 # A sentence is complete at an end mark followed by white space, a CJK end mark, or a newline.
 _BOUNDARY = re.compile(r"[.!?;]+[\"'”’)\]]*\s+|[。！？；…]+[\"”’」』）)]*\s*|\n+")
 _DONE = object()
@@ -147,7 +147,8 @@ class Session:
         self.held = 0  # segments queued and not yet sent: counted in the drain's in_flight
         self.refusal: Draining | None = None  # a message refused while draining: sent in place of "end"
         self.request_id = uuid.uuid4().hex
-        self.base: Synthesis | None = None
+        self.base: SynthesisInputs | None = None  # the start message's request, its voice settled
+        self.prompt_tokens = 0  # of the voice: each segment's cost share
         self.fmt = audio_format("pcm_f32")
         self.encoder: AudioEncoder | None = None  # one file across the session's segments
         self.buffer = SentenceBuffer(self.config.limits.max_text_chars)
@@ -217,33 +218,16 @@ class Session:
         if message.get("type") != "start":
             raise BadRequest("type", "the first message must be {\"type\": \"start\", ...}")
         self.drain.refuse_new()
-        unknown = sorted(set(message) - START_KEYS)
-        if unknown:
-            raise BadRequest(unknown[0], "is not a field of the start message "
-                                         f"(fields: {', '.join(sorted(START_KEYS))})")
-        self.fmt = check_format(message.get("format", "pcm_f32"), "format")
-        text_mode = message.get("text_mode", "sentences")
-        if text_mode not in TEXT_MODES:
-            raise BadRequest("text_mode", f"must be one of {', '.join(TEXT_MODES)}, got {text_mode!r}")
-        self.bistream = BistreamText() if text_mode == "bistream" else None
-        message = resolve_aliases(message)
-        prompt_audio = message.get("prompt_audio")
-        if prompt_audio is not None:
-            prompt_audio = decode_base64(prompt_audio, "prompt_audio", self.config.limits.max_upload_bytes)
-        self.base = await prepare(self.app, text="", check_text=False,
-                                  voice_id=message.get("voice_id"), prompt_audio=prompt_audio,
-                                  prompt_text=message.get("prompt_text"), mode=message.get("mode"),
-                                  instruct=message.get("instruct"), seed=message.get("seed"),
-                                  chunk_first_hop=message.get("chunk_first_hop"),
-                                  chunk_hop_scale=message.get("chunk_hop_scale"),
-                                  chunk_max_hop=message.get("chunk_max_hop"), text_frontend=message.get("text_frontend"), speed=message.get("speed"),
-                                  chunk_policy=message.get("chunk_policy"), fields=TTS_FIELDS)
+        start = parse_start(message, self.config.limits)
+        self.fmt = start.format
+        self.bistream = BistreamText() if start.inputs.text_mode == "bistream" else None
+        self.base, self.prompt_tokens = await prepare(self.app, start.inputs, TTS_FIELDS)
         await self.ws.send_json({"type": "started", "request_id": self.request_id,
                                  "sample_rate": self.fmt.output_rate(self.config.sample_rate),
                                  "format": self.fmt.name, "seed": self.base.seed})
         self.encoder = AudioEncoder(self.fmt, self.config.sample_rate)
-        if message.get("text") is not None:
-            self._add_text(message["text"])
+        if start.text is not None:
+            self._add_text(start.text)
 
     async def _read(self) -> None:
         """Client messages until it closes (after "end" too, to notice it leaving)."""
@@ -267,7 +251,8 @@ class Session:
                 raise BadRequest("type", "a bistream session takes text only (vc needs text_mode sentences)")
             elif kind == "vc":  # a recording to speak again in the session's voice, after the text before it
                 self.drain.refuse_new()
-                conversion = await ws_conversion(self.app, message, self.base)
+                source = parse_vc_message(message, self.config.limits)
+                conversion = await conversion_in_voice(self.base, source, TTS_FIELDS)
                 self._queue([*self.buffer.flush(), conversion])
             else:
                 raise BadRequest("type", f"must be text, flush, vc or end, got {kind!r}")
@@ -284,7 +269,7 @@ class Session:
             return
         self._queue(self.buffer.feed(text))
 
-    def _queue(self, items: list[str | VoiceConversion]) -> None:
+    def _queue(self, items: list[str | ConversionInputs]) -> None:
         """New segments (refused while draining), held in the drain's count until they are sent."""
         if not items:
             return
@@ -299,18 +284,17 @@ class Session:
         self.drain.in_flight -= count
 
     async def _start_segments(self) -> None:
-        costs = self.app[COSTS]
-        while (text := await self.pending.get()) is not None:
+        while (item := await self.pending.get()) is not None:
             await self.ahead.acquire()  # released by the sender once the segment is sent
             index = len(self.segments)
             seed = (self.base.seed + SEGMENT_SEED_STRIDE * index) % SEED_LIMIT
-            if isinstance(text, VoiceConversion):  # a vc message: its own request, with the segment's seed
-                synthesis, text = text.with_seed(seed), ""
-            else:
-                cost = costs.estimate(text, self.base.prompt_tokens, self.base.prompt_audio is not None)
-                synthesis = self.base.with_text(text, seed, cost)
+            if isinstance(item, ConversionInputs):  # a vc message: its own request, with the segment's seed
+                inputs, text = replace(item, seed=seed), ""
+            else:  # the session's voice and settings with this segment's text
+                inputs, text = replace(self.base, text=item, seed=seed), item
             segment = Segment(index, text, time.monotonic())
-            segment.task = asyncio.create_task(self._synthesize(segment, synthesis))
+            cost = routing_cost(self.app, inputs, self.prompt_tokens)
+            segment.task = asyncio.create_task(self._synthesize(segment, inputs, cost))
             self.segments.append(segment)
             self.order.put_nowait(segment)
         self.order.put_nowait(None)
@@ -318,19 +302,20 @@ class Session:
     async def _start_bistream(self) -> None:
         """text_mode bistream: one segment, synthesized as its text comes (gateway/ws_bistream.py)."""
         segment = Segment(0, "", time.monotonic())
-        synthesis = self.base.with_text("", self.base.seed, self.base.cost)
-        segment.task = asyncio.create_task(self._bistream_segment(segment, synthesis))
+        segment.task = asyncio.create_task(self._bistream_segment(segment))
         self.segments.append(segment)
         self.order.put_nowait(segment)
         self.order.put_nowait(None)
 
-    async def _bistream_segment(self, segment: Segment, synthesis: Synthesis) -> None:
-        await self.bistream.run(self.app, synthesis, segment.queue, f"{self.request_id}-0", _DONE)
+    async def _bistream_segment(self, segment: Segment) -> None:
+        cost = routing_cost(self.app, self.base, self.prompt_tokens)
+        await self.bistream.run(self.app, self.base, cost, TTS_FIELDS, segment.queue, f"{self.request_id}-0", _DONE)
         segment.text = self.bistream.text
 
-    async def _synthesize(self, segment: Segment, synthesis: Synthesis) -> None:
+    async def _synthesize(self, segment: Segment, inputs: WireRequest, cost: float) -> None:
         try:
-            async with aclosing(stream_audio(self.app, synthesis, f"{self.request_id}-{segment.index}")) as chunks:
+            chunks = stream_audio(self.app, inputs, cost, TTS_FIELDS, f"{self.request_id}-{segment.index}")
+            async with aclosing(chunks):
                 async for chunk in chunks:
                     segment.queue.put_nowait(chunk)
             segment.queue.put_nowait(_DONE)

@@ -38,6 +38,7 @@ from pathlib import Path
 import aiohttp
 
 from cosyvoice_triton.admission import BASE_COST, ENCODE_COST, MEAN_COST, request_cost, text_tokens_estimate  # noqa: F401 (re-exported)
+from cosyvoice_triton.messages import SPEECH_TOKENS_PER_SECOND as TOKENS_PER_SECOND  # noqa: F401 (re-exported)
 from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.server_pool import Server, ServerPool
 from cosyvoice_triton.targets import Resolver, TritonTarget, discover, resolve_ips
@@ -48,7 +49,6 @@ from .triton_channel import TritonClient
 
 log = logging.getLogger(__name__)
 
-TOKENS_PER_SECOND = 25  # prompt speech tokens per second of prompt audio
 LLM_MODEL, TOKEN2WAV_MODEL = "llm", "token2wav"  # the models cosyvoice2 calls (their metrics steer admission)
 
 

@@ -6,25 +6,29 @@ One `grpc.aio` channel per server; every synthesis request is its own `ModelStre
 one request (sent, then the client half-closes). Cancelling the call (the caller went away, a timeout)
 cancels the request inside Triton: the model sees `is_cancelled()` and frees its LLM slot and
 token2wav state. So the caller iterates `stream()` inside `contextlib.aclosing`, and a task that is
-cancelled while waiting for a chunk cancels the call.
+cancelled while waiting for a chunk cancels the call. The call is read by `grpc_stream.AsyncStreamReader`,
+the one reader of a decoupled call (final flag, end of the call, cancellation) that the SDK shares.
 
-Triton reports a decoupled request's error as a message only (no status code), so `classify_message`
-reads the model's convention: library errors say "<input name>: <problem>"; a full worker pool says
-"... is busy ...". (Triton's `triton_grpc_error` header would carry the code as a gRPC status, but
-tritonserver 2.51 crashed (SIGSEGV) after such a stream closed when we tried it; it is not used.)
+Triton reports a decoupled request's error as a message only (no status code), so our models send the
+error as data (`CosyVoiceError.to_wire`: code, field, retry hint), read back with `errors.from_wire`, the
+one reader; a gRPC status error of a call is read by it too, its status naming the kind. `TritonCallError`
+carries that error, and its `kind` is the gateway's routing word for it. (Triton's `triton_grpc_error`
+header would carry the code as a gRPC status, but tritonserver 2.51 crashed (SIGSEGV) after such a stream
+closed when we tried it; it is not used.)
 """
 from __future__ import annotations
 
-import asyncio
-import re
 from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing
 
 import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from cosyvoice_triton.errors import CosyVoiceError
 from cosyvoice_triton.triton import wire
-from cosyvoice_triton.triton.wire import STREAM_END_WAIT_S, infer_request, response_outputs
+from cosyvoice_triton.triton.grpc_stream import AsyncStreamReader, status_error
+from cosyvoice_triton.triton.wire import infer_request, response_outputs
 
 CHANNEL_OPTIONS = [
     *wire.CHANNEL_OPTIONS,
@@ -33,77 +37,57 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-# Inputs of cosyvoice2 and register_voice: an error message starting with one of them names that field.
-MODEL_INPUTS = frozenset({
-    "target_text", "mode", "reference_audio_id", "reference_wav", "reference_sample_rate", "reference_audio",
-    "reference_text", "instruct_text", "seed", "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy",
-    "top_p", "top_k", "win_size", "tau_r", "voice_id", "name",
-})
-_FIELD_MESSAGE = re.compile(r"^([a-z_]+): (.+)$", re.DOTALL)
-_BUSY_WORDS = ("busy", "queue is full", "unavailable", "no free", "limit reached")
+# The gateway's routing word for each kind of library error (also the label of its `triton_<kind>` metric).
+_KINDS = {"invalid_input": "invalid", "not_found": "not_found", "unavailable": "busy", "unreachable": "unreachable",
+          "timeout": "timeout", "cancelled": "cancelled"}
 
 
 class TritonCallError(Exception):
-    """A call to Triton failed.
+    """A call to Triton failed; `error` is the failure as the library's error (its code, field and retry
+    hint), as `errors.from_wire` read it from the model or the call's status.
 
     kind: unreachable (transport) | busy | timeout | invalid (a field) | not_found | cancelled | internal
     retryable: another server may succeed (only ever done before the first byte reached the client)
     """
 
-    def __init__(self, kind: str, message: str, field: str | None = None, problem: str | None = None):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.field = field
-        self.problem = problem if problem is not None else message
+    def __init__(self, error: CosyVoiceError):
+        super().__init__(error.message)
+        self.error = error
+
+    @property
+    def kind(self) -> str:
+        if self.error.code == "not_found" and self.error.field is None:
+            return "internal"  # Triton's own NOT_FOUND (an unknown model) is the deployment's fault
+        return _KINDS.get(self.error.code, "internal")
+
+    @property
+    def message(self) -> str:
+        return self.error.message
+
+    @property
+    def field(self) -> str | None:
+        return self.error.field
+
+    @property
+    def problem(self) -> str:
+        """The message without its "field: " (an InvalidInput's or NotFound's problem)."""
+        return getattr(self.error, "problem", self.error.message)
+
+    @property
+    def retry_after_s(self) -> int | None:
+        return self.error.retry_after_s
 
     @property
     def retryable(self) -> bool:
         return self.kind in ("unreachable", "busy", "timeout")
 
 
-def classify_message(message: str) -> TritonCallError:
-    """A model's error message -> TritonCallError (see the module docstring)."""
-    match = _FIELD_MESSAGE.match(message.strip())
-    if match and match.group(1) in MODEL_INPUTS:
-        field, problem = match.groups()
-        kind = "not_found" if field == "reference_audio_id" and problem.startswith("no voice") else "invalid"
-        return TritonCallError(kind, message, field, problem)
-    if any(word in message.lower() for word in _BUSY_WORDS):
-        return TritonCallError("busy", message)
-    return TritonCallError("internal", message)
-
-
 def rpc_error(error: grpc.aio.AioRpcError) -> TritonCallError:
-    code, details = error.code(), error.details() or str(error.code())
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        classified = classify_message(details)
-        return classified if classified.kind in ("invalid", "not_found") else TritonCallError("invalid", details)
-    if code == grpc.StatusCode.NOT_FOUND:
-        classified = classify_message(details)
-        return classified if classified.field else TritonCallError("internal", details)  # e.g. model not loaded
-    kind = {grpc.StatusCode.UNAVAILABLE: "unreachable", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
-            grpc.StatusCode.CANCELLED: "cancelled", grpc.StatusCode.RESOURCE_EXHAUSTED: "busy"}.get(code, "internal")
-    if kind == "unreachable" and "busy" in details.lower():
-        kind = "busy"
-    return TritonCallError(kind, f"{code.name}: {details}")
+    """A failed call's gRPC status (our model's error JSON, or the status's own text) as a TritonCallError."""
+    return TritonCallError(status_error(error))
 
 
 # ---- the client -----------------------------------------------------------------------------------------
-
-async def await_end(call) -> None:
-    """Let a `ModelStreamInfer` call whose final response (audio or an error) has come end on the server's
-    side (our side closed after its one request): read to its EOF. A cancel there instead races Triton
-    2.51's own end of the call, and a lost race leaves the request held in its gRPC frontend: the model
-    can then never be unloaded, and tritonserver exits 1 at its exit timeout on every stop. (Dropping the
-    call unread cancels it too: grpc cancels an unfinished call it collects.)"""
-    try:
-        async with asyncio.timeout(STREAM_END_WAIT_S):
-            while await call.read() is not grpc.aio.EOF:
-                pass
-    except (TimeoutError, grpc.aio.AioRpcError):
-        pass  # the caller cancels what did not end
-
 
 class TritonClient:
     """Async calls to one server. Create and use it inside one event loop; `close()` when done."""
@@ -116,44 +100,21 @@ class TritonClient:
     async def stream(self, model: str, inputs: Mapping[str, np.ndarray], request_id: str = "", *,
                      first_timeout_s: float, chunk_timeout_s: float) -> AsyncIterator[np.ndarray]:
         """The request's `waveform` chunks as they come (float32, non-empty). Raises TritonCallError.
-        Iterate it inside `contextlib.aclosing`: closing early, or cancelling the task, cancels the call."""
+        Iterate it inside `contextlib.aclosing`: closing early, or cancelling the task, cancels the call
+        (`grpc_stream.AsyncStreamReader` reads it)."""
         request = infer_request(model, inputs, request_id, empty_final=True)
 
         async def one_request():
             yield request
 
         call = self._stub.ModelStreamInfer(one_request())
-        produced = finished = False
-        try:
-            while True:
-                timeout = chunk_timeout_s if produced else first_timeout_s
-                try:
-                    response = await asyncio.wait_for(call.read(), timeout)
-                except asyncio.TimeoutError:
-                    what = "the next audio chunk" if produced else "the first audio chunk"
-                    raise TritonCallError("timeout", f"{self.url}: no {what} within {timeout:g} s") from None
-                except grpc.aio.AioRpcError as error:
-                    raise rpc_error(error) from None
-                if response is grpc.aio.EOF:
-                    raise TritonCallError("unreachable", f"{self.url}: the stream ended without a final response")
-                if response.error_message:  # our models send an error as the request's final response
-                    finished = True
-                    raise classify_message(response.error_message)
-                result = response.infer_response
-                for tensor, raw in zip(result.outputs, result.raw_output_contents, strict=False):
-                    if tensor.name == "waveform" and raw:
-                        produced = True
-                        yield np.frombuffer(raw, dtype=np.float32)
-                if result.parameters["triton_final_response"].bool_param:
-                    finished = True
-                    return
-        finally:
-            try:
-                if finished:
-                    await await_end(call)
-            finally:
-                if not call.done():
-                    call.cancel()
+        responses = AsyncStreamReader(call, as_error=lambda error, _status: TritonCallError(error),
+                                      first_timeout_s=first_timeout_s, next_timeout_s=chunk_timeout_s)
+        async with aclosing(responses):
+            async for outputs in responses:
+                waveform = outputs.get("waveform")
+                if waveform is not None and waveform.size:
+                    yield waveform.reshape(-1)
 
     async def infer(self, model: str, inputs: Mapping[str, np.ndarray], timeout_s: float,
                     request_id: str = "") -> dict[str, np.ndarray]:

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
+from dataclasses import replace
 
 import numpy as np
 
-from cosyvoice_triton.triton.contracts import text_append_inputs
-from cosyvoice_triton.triton.tensors import string_array
+from cosyvoice_triton.triton.contracts import SynthesisInputs, text_append_inputs
 
+from .fields import Fields
 from .state import CONFIG, METRICS, ROUTER
-from .synthesis import Synthesis, gateway_error
+from .synthesis import gateway_error
 from .triton_channel import TritonCallError
 
 class BistreamText:
@@ -34,28 +35,30 @@ class BistreamText:
     def end(self) -> None:
         self.pieces.put_nowait(None)
 
-    async def run(self, app, synthesis: Synthesis, out: asyncio.Queue, stream_id: str, done: object) -> None:
-        """Stream the synthesis's chunks into `out`, then `done` (or the exception that ended it), while
-        its text goes to the same server. Not retried elsewhere: the server holds the text read so far."""
+    async def run(self, app, inputs: SynthesisInputs, cost: float, fields: Fields, out: asyncio.Queue, stream_id: str,
+                  done: object) -> None:
+        """Stream the synthesis's chunks (`inputs`: text_mode bistream, the session's voice and settings) into
+        `out`, then `done` (or the exception that ended it), while its text goes to the same server. Not retried
+        elsewhere: the server holds the text read so far."""
         try:
-            await self._run(app, synthesis, out, stream_id)
+            await self._run(app, replace(inputs, text_stream_id=stream_id), cost, out)
             out.put_nowait(done)
         except TritonCallError as exc:
-            out.put_nowait(gateway_error(exc, synthesis.fields))
+            out.put_nowait(gateway_error(exc, fields))
         except Exception as exc:  # noqa: BLE001 - handed to the sender
             out.put_nowait(exc)
 
-    async def _run(self, app, synthesis: Synthesis, out: asyncio.Queue, stream_id: str) -> None:
+    async def _run(self, app, inputs: SynthesisInputs, cost: float, out: asyncio.Queue) -> None:
         router, config = app[ROUTER], app[CONFIG]
         server = router.pick()
         app[METRICS].routed.labels(server.name).inc()
         # The text may pause for as long as the session may be idle: the wait for audio allows that too.
         wait_s = config.limits.ws_idle_timeout_s + config.routing.first_chunk_timeout_s
-        inputs = {**synthesis.inputs(), "text_mode": string_array("bistream"), "text_stream_id": string_array(stream_id)}
-        with router.lease(server, synthesis.cost):
+        stream_id = inputs.text_stream_id
+        with router.lease(server, cost):
             appender = asyncio.create_task(self._append(server, config.synthesis_model, stream_id, wait_s))
             try:
-                chunks = server.client.stream(config.synthesis_model, inputs, stream_id,
+                chunks = server.client.stream(config.synthesis_model, inputs.tensors(), stream_id,
                                               first_timeout_s=wait_s, chunk_timeout_s=wait_s)
                 async with aclosing(chunks):
                     async for chunk in chunks:

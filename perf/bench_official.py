@@ -10,8 +10,8 @@
 
 Both sides get the same text token ids, prompt text ids, prompt speech tokens, prompt mel and speaker
 embedding (computed once by our prompt encoder from a speech-like recording of P / 25 s) and decode
-exactly N speech tokens (stop tokens masked; `generate(exact_len=N)` here, the same masking patched
-into the official `Qwen2LM` by perf/official_driver.py). Each side runs in its own process (the
+exactly N speech tokens (stop tokens masked: our LLM made exact-length by perf/exact_length.py, the same
+masking patched into the official `Qwen2LM` by perf/official_driver.py). Each side runs in its own process (the
 official one with the official virtualenv's python, made with `python -m venv` + pip when
 `--official-venv` is not given) and the rounds alternate official, ours, official, ours, ... for every
 concurrency level, each round recorded with the load average. c concurrent streams: c threads calling
@@ -19,7 +19,8 @@ concurrency level, each round recorded with the load average. c concurrent strea
 Writes side_by_side.md (ratios ours / official) and side_by_side.json under --out.
 
 Our side alone (no --official-src) times the in-process pipeline, and with `--triton HOST:PORT` also a
-running tritonserver of the same folder (started with `cosyvoice-triton serve --exact-speech-tokens N`),
+running tritonserver of the same folder (started with `python -m cosyvoice_triton.perf.exact_length
+--exact-speech-tokens N`: `serve` with perf's exact-length `llm` overlay),
 rounds interleaved in-process, Triton, ..., with the Triton path's ratios over in-process. Its prompt is
 the same recording, P / 25 s long (P speech tokens), sent to the server as audio. `--decode-ahead both`
 times the pipeline with the LLM waiting while token2wav runs and with the two overlapped, interleaved;
@@ -45,10 +46,10 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_triton.audio_out import SAMPLE_RATE
+from cosyvoice_triton.messages import SPEECH_TOKENS_PER_SECOND
 
 HERE = Path(__file__).resolve().parent
 DRIVER = HERE / "official_driver.py"
-TOKENS_PER_S = 25
 # What the official import path needs in its own virtualenv (torch: the CPU build this project pins).
 OFFICIAL_PACKAGES = ["torch==2.13.0", "transformers==4.51.3", "diffusers==0.29.0", "hyperpyyaml", "conformer",
                      "omegaconf", "hydra-core", "lightning", "einops", "librosa", "inflect", "onnxruntime",
@@ -71,10 +72,10 @@ PROMPT_TEXT = "hello there"
 
 
 def prompt_recording(prompt_tokens: int) -> np.ndarray:
-    """A speech-like recording of exactly `prompt_tokens` speech tokens (25 per second)."""
+    """A speech-like recording of exactly `prompt_tokens` speech tokens."""
     from cosyvoice_triton.random_folder.sample_prompt import speech_like
 
-    return speech_like(prompt_tokens / TOKENS_PER_S, PROMPT_RATE)
+    return speech_like(prompt_tokens / SPEECH_TOKENS_PER_SECOND, PROMPT_RATE)
 
 
 def make_inputs(tts, text_tokens: int, prompt_tokens: int):
@@ -107,21 +108,22 @@ class OurSide:
     def __init__(self, model_dir: str, speech_tokens: int, text_tokens: int, prompt_tokens: int,
                  llm_precision: str = "fp32", decode_ahead: bool = True, first_chunk_alone: bool = True):
         from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
+        from cosyvoice_triton.perf.exact_length import exact_length
 
-        self.load = lambda: CosyVoice2.from_model_dir(model_dir, llm_precision=llm_precision)
+        def load() -> CosyVoice2:
+            tts = CosyVoice2.from_model_dir(model_dir, llm_precision=llm_precision)
+            exact_length(tts.llm, speech_tokens)
+            return tts
+
+        self.load = load
         self.synths = [self.load()]
-        self.speech_tokens = speech_tokens
         self.decode_ahead = decode_ahead
         self.first_chunk_alone = first_chunk_alone
-        for tts in self.synths:
-            tts.exact_speech_tokens(speech_tokens)
         self.request, self.arrays = make_inputs(self.synths[0], text_tokens, prompt_tokens)
 
     def round(self, concurrency: int) -> dict:
         while len(self.synths) < concurrency:
-            tts = self.load()
-            tts.exact_speech_tokens(self.speech_tokens)
-            self.synths.append(tts)
+            self.synths.append(self.load())
         for tts in self.synths:
             tts.use_decode_ahead(self.decode_ahead)
             if self.decode_ahead:  # its CoreSharingToken2Wav
@@ -133,7 +135,7 @@ class OurSide:
 
 
 class TritonSide:
-    """Our side through a running tritonserver of the same folder (`serve --exact-speech-tokens N`): c
+    """Our side through a running tritonserver of the same folder (`perf.exact_length --exact-speech-tokens N`): c
     streams of the `cosyvoice2` model at once over gRPC, the same text, the prompt sent as audio."""
 
     def __init__(self, url: str, model_dir: str, text_tokens: int, prompt_tokens: int):
@@ -426,7 +428,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(our side alone)")
     parser.add_argument("--triton", metavar="HOST:PORT", default=None,
                         help="our side alone: also time a running tritonserver of the same folder over gRPC "
-                             "(started with serve --exact-speech-tokens N), interleaved with in-process")
+                             "(started with python -m cosyvoice_triton.perf.exact_length --exact-speech-tokens N), "
+                             "interleaved with in-process")
     parser.add_argument("--out", default="bench_official_out")
     parser.add_argument("--json", action="store_true", help="our side alone: print its JSON on one line")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

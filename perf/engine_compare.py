@@ -103,7 +103,7 @@ def module_runners(model_dir: Path, onnx_dir: Path, threads: int, ep_python: str
     import torch
 
     from cosyvoice_triton.config import ModelPaths
-    from cosyvoice_triton.engines.base import SchedulerUnavailable
+    from cosyvoice_triton.engines.base import EngineUnavailable
     from cosyvoice_triton.engines.onnx_export import token2wav_onnx
     from cosyvoice_triton.engines.onnx_graphs import campplus_spec, example_inputs, token2wav_specs
     from cosyvoice_triton.engines.openvino_runner import OPENVINO_PRECISIONS, OpenVINORunner
@@ -133,7 +133,7 @@ def module_runners(model_dir: Path, onnx_dir: Path, threads: int, ep_python: str
             try:
                 engines[f"openvino {precision}"] = OpenVINORunner(paths[name], spec, precision=precision,
                                                                   threads=threads)
-            except SchedulerUnavailable as exc:
+            except EngineUnavailable as exc:
                 unavailable[f"openvino {precision}"] = str(exc)
         if worker is not None:
             feeds = work / f"{name}.inputs.npz"

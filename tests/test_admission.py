@@ -12,9 +12,9 @@ from cosyvoice_triton.admission import (
     Load,
     SpeedMeter,
     estimate_wait,
-    refusal_message,
-    retry_after_from_message,
+    refusal,
 )
+from cosyvoice_triton.errors import Unavailable
 from cosyvoice_triton.triton.streaming import RequestPool
 
 
@@ -32,8 +32,8 @@ def test_the_wait_grows_with_the_queued_work_and_refuses_past_the_limit():
     assert policy.decide(Load(4, 4, 400, 0.01, 100.0)).admit
     refused = policy.decide(Load(4, 4, 1600, 0.01, 100.0))  # 4.25 s: 2.25 s past the limit
     assert not refused.admit and refused.retry_after_s == 3
-    message = refusal_message("cosyvoice2", refused, 2.0)
-    assert "busy" in message and retry_after_from_message(message) == 3
+    error = refusal("cosyvoice2", refused, 2.0)
+    assert isinstance(error, Unavailable) and error.retry_after_s == 3 and "busy" in error.message
 
 
 def test_the_speed_follows_finished_requests():
@@ -64,12 +64,12 @@ def test_a_request_that_waits_past_the_limit_is_refused_and_never_runs():
     pool = RequestPool(max_workers=1, max_pending=10, name="t", policy=AdmissionPolicy(max_wait_s=0.2))
     pool.speed.seconds_per_cost = 1e-6  # the estimate says "no wait": only the expiry can refuse it
     ran, refused = threading.Event(), threading.Event()
-    messages = []
+    errors = []
     try:
         assert pool.admit(gate.wait).admit
-        assert pool.admit(ran.set, on_expired=lambda m: (messages.append(m), refused.set())).admit
+        assert pool.admit(ran.set, on_expired=lambda e: (errors.append(e), refused.set())).admit
         assert refused.wait(10)
-        assert "busy" in messages[0] and retry_after_from_message(messages[0]) == 1
+        assert isinstance(errors[0], Unavailable) and errors[0].retry_after_s == 1 and "busy" in errors[0].message
         assert pool.waiting == 0 and pool.refused == 1
     finally:
         gate.set()
@@ -80,15 +80,16 @@ def test_a_request_that_waits_past_the_limit_is_refused_and_never_runs():
 def test_closing_the_pool_answers_the_waiting_requests():
     gate, answered = threading.Event(), threading.Event()
     pool = RequestPool(max_workers=1, max_pending=10, name="t", policy=AdmissionPolicy(max_wait_s=60))
-    messages = []
+    errors = []
     assert pool.admit(gate.wait).admit
-    assert pool.admit(lambda: None, on_expired=lambda m: (messages.append(m), answered.set())).admit
+    assert pool.admit(lambda: None, on_expired=lambda e: (errors.append(e), answered.set())).admit
     closing = threading.Thread(target=pool.close)
     closing.start()  # waits for the running request, after answering the waiting one
     assert answered.wait(10)
     gate.set()
     closing.join(10)
-    assert messages == ["t is shutting down"] and pool.waiting == 0 and not closing.is_alive()
+    assert [(type(e), e.message) for e in errors] == [(Unavailable, "t is shutting down")]
+    assert pool.waiting == 0 and not closing.is_alive()
 
 
 # ---- the gateway's view of a server ----------------------------------------------------------------------

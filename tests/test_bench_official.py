@@ -1,5 +1,8 @@
 """perf/bench_official.py: our side's timing entry (exactly N tokens) and the report from official rounds
-recorded by the tool itself (tests/data/official_rounds_tiny.json).
+recorded by the tool itself (tests/data/official_rounds_tiny.json); perf/exact_length.py: exactly N tokens
+on every decoding path (`generate`, the scheduler) and in a server's `llm` model through perf's overlay
+(under pb_fake here; on a real tritonserver in tests/test_served_bench_knobs.py), with `serve` itself
+carrying no such knob.
 
 The real side by side needs a checkout of the official repository and a virtualenv with its packages;
 making that venv takes longer than a test may, so it is a benchmark (perf/README.md, perf/RESULTS.md),
@@ -11,9 +14,19 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from cosyvoice_triton.perf import bench_official
+import pb_fake
+from cosyvoice_triton.cli import build_parser
+from cosyvoice_triton.llm.generate import generate
+from cosyvoice_triton.llm.scheduler import LLMScheduler
+from cosyvoice_triton.messages import LLMRequest, SamplingParams
+from cosyvoice_triton.models.speech_lm import SpeechLM
+from cosyvoice_triton.perf import bench_official, exact_length as exact_length_module
+from cosyvoice_triton.perf.exact_length import PARAMETER, exact_length, exact_length_options
 from cosyvoice_triton.random_folder.write import write_random_model
+from cosyvoice_triton.server.launcher import DEFAULT_REPOSITORY, ServeOptions, render_run_repository
+from cosyvoice_triton.triton.contracts import llm_inputs
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -71,3 +84,83 @@ def test_report_from_recorded_official_rounds(model_dir: Path, tmp_path: Path) -
     ratio = ours["first_audio_s"] / official["first_audio_s"]
     assert f"| 1 | first audio (median) | {official['first_audio_s']:.2f}s | {ours['first_audio_s']:.2f}s | {ratio:.2f} |" in table
     assert f"exactly {meta['speech_tokens']} speech tokens" in table
+
+
+# ---- exactly N tokens (perf/exact_length.py) ---------------------------------------------------------
+
+REQUEST = LLMRequest(stream_id="exact", text_tokens=[5, 9], prompt_text_tokens=[3, 4],
+                     prompt_speech_tokens=[7, 8, 9, 10], sampling=SamplingParams(), seed=5)
+LONG = 90  # speech tokens: more than the 2 text tokens' max_len (40) and than the model would stop at
+
+
+def reference_tokens(llm: SpeechLM, request: LLMRequest = REQUEST) -> list[int]:
+    """`generate`'s tokens for `request`, as the scheduler seeds it."""
+    ids = [torch.tensor([tokens], dtype=torch.int64)
+           for tokens in (request.text_tokens, request.prompt_text_tokens, request.prompt_speech_tokens)]
+    return list(generate(llm, *ids, request.sampling, torch.Generator().manual_seed(request.seed)))
+
+
+def test_an_exact_length_llm_decodes_exactly_n_tokens_on_every_path(model_dir: Path) -> None:
+    served = SpeechLM.from_model_dir(model_dir, max_seq_len=512)
+    natural = reference_tokens(served)
+    assert len(natural) < LONG  # as served: a stop token or max_len ends it sooner
+
+    llm = exact_length(SpeechLM.from_model_dir(model_dir, max_seq_len=512), LONG)
+    tokens = reference_tokens(llm)
+    assert len(tokens) == LONG
+    assert not set(tokens) & set(llm.config.stop_tokens)
+    assert reference_tokens(served) == natural  # the class and other instances stay as served
+
+    scheduler = LLMScheduler(llm, max_batch=2, max_seq_len=512)
+    scheduler.start()
+    try:
+        stream = scheduler.submit(REQUEST)
+        assert [token for chunk in stream for token in chunk] == tokens
+    finally:
+        scheduler.stop()
+    with pytest.raises(ValueError):
+        exact_length(served, 0)
+
+
+def test_the_server_overlay_serves_the_served_llm_with_exactly_n_tokens(model_dir: Path, tmp_path: Path) -> None:
+    options = exact_length_options(ServeOptions(model_dir=model_dir, run_dir=tmp_path / "run", torch_threads=1), N)
+    templates = options.repository
+    assert templates == tmp_path / "run" / "templates"
+    served_file = DEFAULT_REPOSITORY / "llm" / "1" / "model.py"
+    assert (templates / "llm" / "1" / "served_model.py").read_text() == served_file.read_text()
+    assert (templates / "llm" / "1" / "model.py").read_text() == exact_length_module.OVERLAY.read_text()
+    for shipped in (served_file, DEFAULT_REPOSITORY / "llm" / "config.pbtxt"):  # serve itself has no such knob
+        assert "exact" not in shipped.read_text()
+
+    repo = render_run_repository(options, model_dir, str(tmp_path / "voices.sqlite"), tmp_path / "run" / "repo")
+    config = pb_fake.pbtxt_to_dict((repo / "llm" / "config.pbtxt").read_text())
+    assert config["parameters"][PARAMETER]["string_value"] == str(N)
+    threads = torch.get_num_threads()
+    with pb_fake.installed() as pb:
+        model = pb_fake.load_model(repo / "llm" / "1" / "model.py").TritonPythonModel()
+        model.initialize(pb_fake.initialize_args(config))
+        try:
+            request = pb.InferenceRequest(inputs=[pb.Tensor(k, v) for k, v in llm_inputs(REQUEST).items()])
+            model.execute([request])
+            responses = request.sender.wait_final(120)
+        finally:
+            model.finalize()
+            torch.set_num_threads(threads)
+    assert not [r.error() for r in responses if r.has_error()]
+    served = [int(t) for r in responses if "speech_tokens" in r.outputs() for t in r.outputs()["speech_tokens"]]
+    want = reference_tokens(exact_length(SpeechLM.from_model_dir(model_dir, max_seq_len=4096), N))
+    assert len(served) == N
+    assert served == want
+
+
+def test_the_exact_length_server_takes_every_serve_flag_and_serve_takes_none(tmp_path: Path, monkeypatch) -> None:
+    started = []
+    monkeypatch.setattr(exact_length_module, "serve", lambda options: started.append(options) or 0)
+    assert exact_length_module.main(["--exact-speech-tokens", "7", "--model-dir", "DIR", "--run-dir",
+                                     str(tmp_path), "--grpc-port", "18001", "--llm-precision", "int8"]) == 0
+    [options] = started
+    assert (options.model_dir, options.grpc_port, options.llm_precision) == ("DIR", 18001, "int8")
+    assert options.repository == tmp_path / "templates"
+    assert f'key: "{PARAMETER}" value: {{ string_value: "7" }}' in (tmp_path / "templates/llm/config.pbtxt").read_text()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--exact-speech-tokens", "7"])

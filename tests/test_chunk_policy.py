@@ -109,13 +109,13 @@ def test_the_gateway_and_the_sdk_carry_the_policy():
     from cosyvoice_triton.client.gateway_client import tts_body
     from cosyvoice_triton.client.triton_client import synthesis_inputs
     from cosyvoice_triton.gateway.errors import BadRequest
-    from cosyvoice_triton.gateway.synthesis import TTS_FIELDS, check_chunk_policy
+    from cosyvoice_triton.gateway.config import Limits
+    from cosyvoice_triton.gateway.protocol import START_KEYS, TTS_KEYS, parse_tts
 
-    assert check_chunk_policy(None, None, None, TTS_FIELDS, "adaptive")["chunk_policy"] == "adaptive"
+    request = parse_tts({"text": "Hi.", "chunk_policy": "adaptive"}, Limits())
+    assert request.inputs.tensors()["chunk_policy"].tolist() == [b"adaptive"]
     with pytest.raises(BadRequest, match="^chunk_policy: must be one of fixed, adaptive"):
-        check_chunk_policy(None, None, None, TTS_FIELDS, "eager")
-    from cosyvoice_triton.gateway.routes_tts import TTS_KEYS
-    from cosyvoice_triton.gateway.routes_ws import START_KEYS
+        parse_tts({"text": "Hi.", "chunk_policy": "eager"}, Limits())
 
     assert "chunk_policy" in TTS_KEYS and "chunk_policy" in START_KEYS  # fields /v1/tts and the WebSocket take
     assert tts_body("Hi.", chunk_policy="adaptive")["chunk_policy"] == "adaptive"

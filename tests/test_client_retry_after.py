@@ -1,8 +1,9 @@
 """`TTSError.retry_after_s`: the server's retry hint in every form a refusal carries it (no server here;
 the real refusals are asserted in tests/test_load.py and tests/test_limits.py):
 
-- Triton: a refusal under overload ends "retry after N s" (cosyvoice_triton.admission.refusal_message),
-  over a gRPC status (UNAVAILABLE) or a stream's error response;
+- Triton: a refusal under overload is an Unavailable error whose `retry_after_s` crosses as data in the
+  error's JSON (cosyvoice_triton.admission.refusal, errors.from_wire), over a gRPC status (UNAVAILABLE)
+  or a stream's error response;
 - the gateway over HTTP: the `Retry-After` header, in delta-seconds or as an HTTP date;
 - the gateway over the WebSocket: the error message's `retry_after`.
 """
@@ -15,26 +16,28 @@ from datetime import datetime, timezone
 import grpc
 import pytest
 
-from cosyvoice_triton.admission import Decision, expiry_message, refusal_message
+from cosyvoice_triton.admission import Decision, expiry, refusal
 from cosyvoice_triton.client import TTSError
 from cosyvoice_triton.client.common import retry_after_seconds
 from cosyvoice_triton.client.gateway_streams import error_from_body
 from cosyvoice_triton.client.triton_client import _rpc_error
+from cosyvoice_triton.errors import InvalidInput, from_wire
 
 OVERLOADED = {"error": {"message": "every server is busy; retry after 3 s", "type": "server_error",
                         "code": "overloaded", "param": None}}
 
 
-def test_a_triton_refusal_message_gives_its_seconds():
-    message = refusal_message("cosyvoice2", Decision(False, 4.2, 3), max_wait_s=1.0)
-    error = TTSError.from_message(message)
-    assert error.retry_after_s == 3 and error.message == message
-    assert TTSError.from_message(expiry_message("cosyvoice2", 2.5)).retry_after_s == 1
+def test_a_triton_refusal_gives_its_seconds():
+    refused = refusal("cosyvoice2", Decision(False, 4.2, 3), max_wait_s=1.0)
+    error = TTSError.from_error(from_wire(refused.to_wire()))
+    assert error.retry_after_s == 3 and error.message == refused.message and error.code == "unavailable"
+    assert TTSError.from_error(from_wire(expiry("cosyvoice2", 2.5).to_wire())).retry_after_s == 1
 
 
 def test_a_triton_error_without_a_hint_has_none():
-    error = TTSError.from_message("text: must not be empty", status="INVALID_ARGUMENT")
-    assert error.retry_after_s is None and error.field == "text"
+    wire = InvalidInput("text", "must not be empty").to_wire()
+    error = TTSError.from_error(from_wire(wire, "INVALID_ARGUMENT"), status="INVALID_ARGUMENT")
+    assert error.retry_after_s is None and error.field == "text" and error.status == "INVALID_ARGUMENT"
 
 
 class _RpcError(grpc.RpcError):
@@ -48,9 +51,12 @@ class _RpcError(grpc.RpcError):
         return self._details
 
 
-def test_a_grpc_unavailable_status_gives_the_seconds_of_its_text():
-    error = _rpc_error(_RpcError(grpc.StatusCode.UNAVAILABLE, "cosyvoice2 is busy: ...; retry after 7 s"))
-    assert (error.status, error.retry_after_s) == ("UNAVAILABLE", 7)
+def test_a_grpc_unavailable_status_gives_the_seconds_of_its_error():
+    refused = refusal("cosyvoice2", Decision(False, 9.0, 7), max_wait_s=2.0)
+    error = _rpc_error(_RpcError(grpc.StatusCode.UNAVAILABLE, refused.to_wire()))
+    assert (error.status, error.retry_after_s, error.code) == ("UNAVAILABLE", 7, "unavailable")
+    unreachable = _rpc_error(_RpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"))
+    assert (unreachable.status, unreachable.retry_after_s, unreachable.code) == ("UNAVAILABLE", None, "unreachable")
 
 
 @pytest.mark.parametrize("header, seconds", [("2", 2.0), (" 15 ", 15.0), (None, None), ("soon", None),

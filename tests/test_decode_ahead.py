@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from cosyvoice_triton.perf.bench_official import make_inputs
+from cosyvoice_triton.perf.exact_length import exact_length
 from cosyvoice_triton.pipeline.threads import CoreShare, ThreadPlan, thread_plan
 from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
 from polling import wait_until
@@ -35,7 +36,7 @@ def pipelines(tiny_model_dir: Path) -> dict[bool, CosyVoice2]:
     finally:
         torch.set_num_threads(threads)
     for tts in made.values():
-        tts.exact_speech_tokens(N)
+        exact_length(tts.llm, N)
     return made
 
 

@@ -30,7 +30,7 @@ import onnx
 import pytest
 import torch
 
-from cosyvoice_triton.engines.base import SchedulerUnavailable, RunnerModule
+from cosyvoice_triton.engines.base import EngineUnavailable, RunnerModule
 from cosyvoice_triton.engines.onnx_precision import mixed_precision
 from cosyvoice_triton.engines.ort_runner import OrtRunner
 from cosyvoice_triton.engines.select import (RunnerHiFT, build_token2wav, open_campplus, open_runner,
@@ -312,9 +312,9 @@ def test_tensorrt_cache_key_changes_with_everything_an_engine_depends_on():
 def test_tensorrt_is_a_clear_error_without_tensorrt_or_cuda(folder):
     _, model_dir, paths = folder
     spec = token2wav_specs(FlowModel.from_model_dir(model_dir).config)["flow_estimator"]
-    with pytest.raises(SchedulerUnavailable, match="tensorrt|CUDA"):
+    with pytest.raises(EngineUnavailable, match="tensorrt|CUDA"):
         build_plan(paths["flow_estimator"], spec, {"B": (2, 8, 32), "T": (1, 400, 3000)}, device="cpu")
-    with pytest.raises(SchedulerUnavailable, match="tensorrt|CUDA"):
+    with pytest.raises(EngineUnavailable, match="tensorrt|CUDA"):
         open_runner(paths["flow_estimator"], spec, "tensorrt", "cpu", ranges={"B": (2, 8, 32), "T": (1, 4, 9)})
 
 

@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from cosyvoice_triton.engines.base import SchedulerUnavailable, RunnerModule
+from cosyvoice_triton.engines.base import EngineUnavailable, RunnerModule
 from cosyvoice_triton.engines.onnx_export import token2wav_onnx
 from cosyvoice_triton.engines.onnx_graphs import example_inputs, token2wav_specs
 from cosyvoice_triton.engines.select import RunnerHiFT, build_token2wav, open_campplus, resolve_engine
@@ -112,10 +112,10 @@ def test_precisions_this_cpu_lacks_are_a_clear_error(folder):
         if capability in capabilities:
             assert OpenVINORunner(paths["hift_decode"], spec, precision=precision).precision == precision
         else:
-            with pytest.raises(SchedulerUnavailable, match=f"cannot compute in {precision}: it offers .*FP32"):
+            with pytest.raises(EngineUnavailable, match=f"cannot compute in {precision}: it offers .*FP32"):
                 OpenVINORunner(paths["hift_decode"], spec, precision=precision)
     if "NPU" not in core.available_devices:
-        with pytest.raises(SchedulerUnavailable, match="no device 'NPU'"):
+        with pytest.raises(EngineUnavailable, match="no device 'NPU'"):
             compile_config(core, "NPU", "fp32", 1)
     with pytest.raises(ValueError, match="precision must be one of"):
         compile_config(core, "CPU", "int4", 1)

@@ -26,10 +26,12 @@ from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.audio_out import encode
 from cosyvoice_triton.gateway.config import GatewayConfig, Limits, RoutingConfig
 from cosyvoice_triton.gateway.routes_ws import SentenceBuffer
-from cosyvoice_triton.gateway.synthesis import TTS_FIELDS, Synthesis, gateway_error
-from cosyvoice_triton.gateway.triton_channel import classify_message
+from cosyvoice_triton.gateway.fields import TTS_FIELDS
+from cosyvoice_triton.gateway.synthesis import gateway_error
+from cosyvoice_triton.errors import InvalidInput, from_wire
+from cosyvoice_triton.gateway.triton_channel import TritonCallError
 from cosyvoice_triton.gateway.testing import GatewayThread
-from cosyvoice_triton.triton.contracts import synthesis_inputs
+from cosyvoice_triton.triton.contracts import SynthesisInputs, synthesis_inputs
 from triton_harness import GrpcStream, metric_value, scrape, tritonserver_or_skip, wait_for_metric
 
 pytestmark = pytest.mark.timeout(300)
@@ -370,15 +372,14 @@ def test_websocket_segments_keep_the_start_messages_chunk_policy(gateway, triton
 
 
 def test_chunk_overrides_are_sent_only_when_given_and_triton_errors_on_them_name_the_field():
-    synthesis = Synthesis(text="", mode="zero_shot", seed=1, voice_id="default", prompt_audio=None,
-                          prompt_text=None, instruct="", prompt_tokens=50, cost=1.0, fields=TTS_FIELDS,
-                          chunk_hop_scale=1.5)
-    inputs = synthesis.with_text("Hi.", seed=2, cost=2.0).inputs()  # a WebSocket segment
+    session = SynthesisInputs(text="", seed=1, voice_id="default", chunk_overrides={"hop_scale": 1.5})
+    inputs = replace(session, text="Hi.", seed=2).tensors()  # a WebSocket segment
     assert inputs["chunk_hop_scale"].dtype == np.float32 and inputs["chunk_hop_scale"].tolist() == [1.5]
     assert "chunk_first_hop" not in inputs and "chunk_max_hop" not in inputs
-    assert "chunk_hop_scale" not in replace(synthesis, chunk_hop_scale=None).inputs()
+    assert "chunk_hop_scale" not in replace(session, chunk_overrides={}).tensors()
     # a server with another default policy may refuse what the gateway let through: its error names the field
-    error = gateway_error(classify_message("chunk_max_hop: must be >= first hop 60, got 50"), TTS_FIELDS)
+    refused = InvalidInput("chunk_max_hop", "must be >= first hop 60, got 50").to_wire()
+    error = gateway_error(TritonCallError(from_wire(refused)), TTS_FIELDS)
     assert (error.status, error.field, error.message) == (400, "chunk_max_hop",
                                                          "chunk_max_hop: must be >= first hop 60, got 50")
 

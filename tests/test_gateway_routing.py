@@ -27,7 +27,8 @@ from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.gateway.state import ROUTER
 from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.gateway.testing import GatewayThread, get_json
-from cosyvoice_triton.gateway.triton_channel import classify_message
+from cosyvoice_triton.errors import CosyVoiceError, InvalidInput, NotFound, Unavailable, from_wire
+from cosyvoice_triton.gateway.triton_channel import TritonCallError
 from cosyvoice_triton.server import free_port
 from cli_harness import CliProcess
 from polling import wait_until
@@ -120,13 +121,18 @@ def test_metric_parsing_and_error_messages():
             'cosyvoice_active_streams{instance="cosyvoice2_1_0",model="cosyvoice2"} 1\n')
     assert metric_sum(text, "nv_inference_pending_request_count", "cosyvoice2") == 3
     assert metric_sum(text, "cosyvoice_active_streams", "cosyvoice2") == 3
-    invalid = classify_message("target_text: must not be empty")
+    def read(error) -> TritonCallError:  # as a model's error comes back to the gateway
+        return TritonCallError(from_wire(error.to_wire()))
+
+    invalid = read(InvalidInput("target_text", "must not be empty"))
     assert (invalid.kind, invalid.field, invalid.problem, invalid.retryable) == (
         "invalid", "target_text", "must not be empty", False)
-    assert classify_message("reference_audio_id: no voice 'x' is registered").kind == "not_found"
-    busy = classify_message("cosyvoice2 is busy: 16 requests running and 64 waiting")
+    assert read(NotFound("reference_audio_id", "no voice 'x' is registered")).kind == "not_found"
+    busy = read(Unavailable("cosyvoice2 has 16 requests running and 64 waiting"))
     assert busy.kind == "busy" and busy.retryable
-    assert classify_message("internal error (KeyError: 'x')").kind == "internal"
+    assert read(CosyVoiceError("internal error (KeyError)")).kind == "internal"
+    assert TritonCallError(from_wire("Request for unknown model 'x'", "NOT_FOUND")).kind == "internal"
+    assert TritonCallError(from_wire("failed to connect to all addresses", "UNAVAILABLE")).kind == "unreachable"
 
 
 # ---- two real servers --------------------------------------------------------------------------------

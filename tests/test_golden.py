@@ -24,12 +24,13 @@ from cosyvoice_triton.config import read_yaml
 from cosyvoice_triton.engines.onnx_session import input_names, open_session
 from cosyvoice_triton.models.flow import FlowConfig, FlowMatching, FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
-from cosyvoice_triton.models.hift_source import GeneratorNoise, RecordedNoise, ZeroNoise
+from cosyvoice_triton.models.hift_source import GeneratorNoise, ZeroNoise
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy, ChunkSchedule
 from cosyvoice_triton.llm.generate import generate
 from cosyvoice_triton.token2wav.stream import FlowPrompt, Token2Wav
 from cosyvoice_triton.token2wav.vocoder_stream import VocoderStream
+from recorded_noise import RecordedNoise
 from test_llm_sampling import greedy_sampler
 
 # The README's tolerances for a faithful fp32 implementation (max abs error).

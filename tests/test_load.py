@@ -1,7 +1,7 @@
 """Overload and load through the gateway on a real tritonserver (tiny model, one stack for the module):
 
 - an overloaded service refuses at once: 503 + Retry-After (HTTP), an error message with retry_after
-  (WebSocket), UNAVAILABLE "busy ... retry after N s" (gRPC, through the SDK: `TTSError.retry_after_s`),
+  (WebSocket), UNAVAILABLE with its retry hint as data (gRPC, through the SDK: `TTSError.retry_after_s`),
   while the requests it admitted are still
   running (the order of outcomes shows it: no refusal comes after the last admitted request finished, as a
   refusal after a wait for a slot or a late timeout would), and the refusals are counted;
@@ -236,6 +236,7 @@ class BreaksAfterFirstChunk:
         self.client = client
 
     async def stream(self, *args, **kwargs):
+        from cosyvoice_triton.errors import CosyVoiceError
         from cosyvoice_triton.gateway.triton_channel import TritonCallError
 
         chunks = self.client.stream(*args, **kwargs)
@@ -243,7 +244,7 @@ class BreaksAfterFirstChunk:
             async for chunk in chunks:
                 yield chunk
                 break
-        raise TritonCallError("internal", "injected: the stream broke after its first chunk")
+        raise TritonCallError(CosyVoiceError("injected: the stream broke after its first chunk"))
 
     def __getattr__(self, name):
         return getattr(self.client, name)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cosyvoice_triton.engines import providers
-from cosyvoice_triton.engines.base import SchedulerUnavailable
+from cosyvoice_triton.engines.base import EngineUnavailable
 from cosyvoice_triton.engines.onnx_export import token2wav_onnx
 from cosyvoice_triton.engines.onnx_graphs import example_inputs, token2wav_specs
 from cosyvoice_triton.engines.ort_runner import OrtRunner
@@ -62,7 +62,7 @@ def test_missing_providers_fall_back_to_the_next_with_one_line(caplog):
 
 
 def test_no_installed_provider_is_an_error_naming_what_is_missing():
-    with pytest.raises(SchedulerUnavailable) as error:
+    with pytest.raises(EngineUnavailable) as error:
         choose_providers(",".join(MISSING))
     message = str(error.value)
     assert all(name in message for name in MISSING) and f"onnxruntime {ort.__version__} has" in message
@@ -89,7 +89,7 @@ def test_token2wav_and_campplus_take_the_provider_list(tiny_model_dir, tmp_path,
     assert len(caplog.records) == 1  # one line for the flow encoder, estimator, HiFT decode and CAM++
     assert built.decoder.estimator.runner.session.get_providers() == ["CPUExecutionProvider"]
     assert campplus.session.get_providers() == ["CPUExecutionProvider"]
-    with pytest.raises(SchedulerUnavailable, match="ROCMExecutionProvider"):
+    with pytest.raises(EngineUnavailable, match="ROCMExecutionProvider"):
         build_token2wav(tiny_model_dir, "onnxruntime", onnx_dir=tmp_path, ort_providers="rocm")
 
 

@@ -1,11 +1,13 @@
-"""The serve knobs that speed and its benchmarks use, on one real tritonserver: `--llm-precision` and
-`--exact-speech-tokens` reach the served `llm` model, and `bench-official --triton` times that server.
+"""The knobs that speed and its benchmarks use, on one real tritonserver: `serve --llm-precision` reaches the
+served `llm` model, perf's exact-length overlay (perf/exact_length.py) makes its streams exactly N tokens,
+and `bench-official --triton` times that server.
 
-The server runs every model on a tiny random folder, started as `cosyvoice-triton serve --llm-precision
-int8 --exact-speech-tokens N` starts it. The llm model's log names what its backbone really computes in
-(read from its modules, not from the flag); its streams are exactly N tokens, the same as the library's
-reference decoding loop on an int8 LLM of the same folder; and our side's timing entry, in-process and
-through this server, reports exactly N tokens of audio on both paths.
+The server runs every model on a tiny random folder, started as `python -m cosyvoice_triton.perf.exact_length
+--exact-speech-tokens N --llm-precision int8` starts it. The llm model's log names what its backbone really
+computes in (read from its modules, not from the flag) and the overlay's N; its streams are exactly N
+tokens, the same as the library's reference decoding loop on an exact-length int8 LLM of the same folder;
+and our side's timing entry, in-process and through this server, reports exactly N tokens of audio on both
+paths.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from cosyvoice_triton.messages import LLMRequest, SamplingParams
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.perf import bench_official
+from cosyvoice_triton.perf.exact_length import exact_length, exact_length_options
 from cosyvoice_triton.random_folder.write import write_random_model
 from cosyvoice_triton.llm.generate import generate
 from cosyvoice_triton.server.launcher import ServeOptions, prepare
@@ -40,9 +43,10 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def int8_server(model_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("serve_int8")
-    options = ServeOptions(model_dir=model_dir, run_dir=run_dir, address="127.0.0.1", http_port=None,
-                           grpc_port=None, metrics_port=None, voice_store=str(run_dir / "voices.sqlite"),
-                           torch_threads=1, workers=2, llm_precision="int8", exact_speech_tokens=EXACT)
+    options = exact_length_options(ServeOptions(model_dir=model_dir, run_dir=run_dir, address="127.0.0.1",
+                                                http_port=None, grpc_port=None, metrics_port=None,
+                                                voice_store=str(run_dir / "voices.sqlite"), torch_threads=1,
+                                                workers=2, llm_precision="int8"), EXACT)
     server = prepare(options, binary=tritonserver_or_skip(), die_with_parent=True)
     server.start()
     try:
@@ -61,11 +65,12 @@ def test_the_served_llm_runs_in_the_precision_asked_for(int8_server, model_dir) 
     match = re.search(r"llm: backbone int8 \(computes in (\w+); (\d+) int8 weight-only Linear layers\)", log)
     assert match, log[-2000:]
     assert int(match.group(2)) > 0
+    assert f"llm: exactly {EXACT} speech tokens per stream" in log
 
-    llm = SpeechLM.from_model_dir(model_dir, max_seq_len=4096, precision="int8")
+    llm = exact_length(SpeechLM.from_model_dir(model_dir, max_seq_len=4096, precision="int8"), EXACT)
     ids = [torch.tensor([tokens], dtype=torch.int64)
            for tokens in (REQUEST.text_tokens, REQUEST.prompt_text_tokens, REQUEST.prompt_speech_tokens)]
-    want = list(generate(llm, *ids, REQUEST.sampling, torch.Generator().manual_seed(REQUEST.seed), exact_len=EXACT))
+    want = list(generate(llm, *ids, REQUEST.sampling, torch.Generator().manual_seed(REQUEST.seed)))
     assert len(served) == EXACT
     assert served == want
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.errors import InvalidInput, from_wire
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.llm.scheduler import LLMRequest
 from cosyvoice_triton.llm.sampling import SamplingParams
@@ -157,7 +157,7 @@ def test_model_files_fall_back_from_tensorrt_with_one_log_line(tiny, tmp_path, c
     """token2wav and speaker_embedding asked for TensorRT on this CPU: ONNX Runtime, one warning line each
     in Triton's log (pb.Logger), the same chunk audio as the torch reference."""
     from cosyvoice_triton.engines.select import build_token2wav
-    from cosyvoice_triton.pipeline.pipeline import ReferenceToken2Wav
+    from cosyvoice_triton.pipeline.local_stages import ReferenceToken2Wav
     from cosyvoice_triton.token2wav.stream import Token2Wav
 
     values = {"engine": "tensorrt", "onnx_dir": tmp_path / "onnx"}
@@ -270,6 +270,7 @@ def test_errors_map_to_triton_codes():
     assert classify(Cancelled("gone")).code_name == "CANCELLED"
     assert classify(Unavailable("busy")).code_name == "UNAVAILABLE"
     assert classify(RemoteError("llm", "stream_id: x", 3)).code_name == "INVALID_ARG"
+    assert classify(RemoteError("llm", Unavailable("full", retry_after_s=2).to_wire(), 4)).code_name == "UNAVAILABLE"
     assert classify(ValueError("oops")).code_name == "INTERNAL"
 
 
@@ -345,7 +346,8 @@ def test_send_chunks_reports_an_error_in_the_final_response():
         assert send_chunks(pb, request.sender, produce, model="m", received_at=0.0) == "error"
         responses = request.sender.wait_final(1)
     assert responses[0].outputs()["waveform"].shape == (3,)
-    assert responses[1].error().message() == "target_text: bad"
+    sent = from_wire(responses[1].error().message())  # the error as data (CosyVoiceError.to_wire)
+    assert (type(sent), sent.field, sent.message) == (InvalidInput, "target_text", "target_text: bad")
     assert responses[1].error().code() == pb_fake.TritonError.INVALID_ARG
 
 
@@ -471,10 +473,10 @@ def test_bad_requests_get_errors_naming_the_field(fake):
     fake.models["cosyvoice2"].execute([request])
     (response,) = request.sender.wait_final(5)
     assert response.error().code() == pb_fake.TritonError.INVALID_ARG
-    assert response.error().message().startswith("target_text:")
+    assert from_wire(response.error().message()).field == "target_text", response.error().message()
     silent = fake.call("register_voice", {"reference_wav": np.zeros(RATE, np.float32),
                                           "reference_sample_rate": np.array([RATE], np.int32)})
-    assert "reference_wav" in silent.error().message()
+    assert from_wire(silent.error().message()).field == "reference_wav"
 
 
 def test_cosyvoice2_refuses_beyond_its_pool(fake):
@@ -519,7 +521,7 @@ def test_token2wav_model_batches_streams_and_frees_them(fake, reference):
                     for c in chunks]
         return [r.outputs()["waveform"][0] if not r.has_error() else r.error() for r in model.execute(requests)]
 
-    from cosyvoice_triton.pipeline.pipeline import ReferenceToken2Wav
+    from cosyvoice_triton.pipeline.local_stages import ReferenceToken2Wav
 
     solo = ReferenceToken2Wav(tts.token2wav)
     got = run(first)

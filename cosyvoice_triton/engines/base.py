@@ -24,7 +24,7 @@ PRECISIONS = ("fp32", "fp16", "bf16")  # of TensorRT builds and OpenVINO's hint;
 Shapes = Sequence[tuple[int, ...]]
 
 
-class SchedulerUnavailable(RuntimeError):
+class EngineUnavailable(RuntimeError):
     """The engine cannot run here (package or device missing); the message says what is missing."""
 
 

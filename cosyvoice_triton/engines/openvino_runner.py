@@ -9,7 +9,7 @@ Torch tensors go in and come out through numpy on the host; the output is copied
 buffer, which the next call overwrites. `ov_device` is OpenVINO's device ("CPU", "GPU" for Intel GPUs,
 "NPU", "AUTO"); only "CPU" is tested here. precision sets `INFERENCE_PRECISION_HINT`: "fp32" (f32),
 "bf16" or "fp16", each only where the device lists it in `OPTIMIZATION_CAPABILITIES` (an x86 CPU has
-BF16 with AVX512-BF16 / AMX, FP16 with AMX-FP16); otherwise `SchedulerUnavailable` says what the device has.
+BF16 with AVX512-BF16 / AMX, FP16 with AMX-FP16); otherwise `EngineUnavailable` says what the device has.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import SchedulerUnavailable, GraphSpec, Runner, check_arity
+from .base import EngineUnavailable, GraphSpec, Runner, check_arity
 
 # precision -> (INFERENCE_PRECISION_HINT, the OPTIMIZATION_CAPABILITIES entry it needs)
 OPENVINO_PRECISIONS = {"fp32": ("f32", "FP32"), "bf16": ("bf16", "BF16"), "fp16": ("f16", "FP16")}
@@ -31,7 +31,7 @@ def import_openvino():
     try:
         import openvino
     except ImportError as exc:
-        raise SchedulerUnavailable(f"the openvino package is not installed (pip install "
+        raise EngineUnavailable(f"the openvino package is not installed (pip install "
                                 f"'cosyvoice-triton[openvino]'): {exc}") from None
     return openvino
 
@@ -40,7 +40,7 @@ def openvino_unavailable_reason() -> str | None:
     """Why OpenVINO cannot run here, or None."""
     try:
         import_openvino()
-    except SchedulerUnavailable as exc:
+    except EngineUnavailable as exc:
         return str(exc)
     return None
 
@@ -51,10 +51,10 @@ def compile_config(core, ov_device: str, precision: str, threads: int) -> dict[s
         raise ValueError(f"OpenVINO precision must be one of {sorted(OPENVINO_PRECISIONS)}, got {precision!r}")
     hint, capability = OPENVINO_PRECISIONS[precision]
     if ov_device.split(".")[0] not in core.available_devices:
-        raise SchedulerUnavailable(f"OpenVINO has no device {ov_device!r} here (it has {core.available_devices})")
+        raise EngineUnavailable(f"OpenVINO has no device {ov_device!r} here (it has {core.available_devices})")
     capabilities = core.get_property(ov_device, "OPTIMIZATION_CAPABILITIES")
     if capability not in capabilities:
-        raise SchedulerUnavailable(f"OpenVINO {ov_device} here cannot compute in {precision}: it offers "
+        raise EngineUnavailable(f"OpenVINO {ov_device} here cannot compute in {precision}: it offers "
                                 f"{', '.join(capabilities)}")
     config = {"INFERENCE_PRECISION_HINT": hint, "PERFORMANCE_HINT": "LATENCY"}
     if ov_device == "CPU" and threads > 0:

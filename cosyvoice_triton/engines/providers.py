@@ -9,7 +9,7 @@ each with its options after a colon as `key=value` pairs separated by semicolons
 `choose_providers` keeps, in order, those that the installed onnxruntime has
 (`onnxruntime.get_available_providers()`); the ones it lacks are named in one warning line that says
 which package has them and which provider is used instead (once per process and list, not per graph). If it has none of them, that is an
-`SchedulerUnavailable` naming what is missing. ONNX Runtime itself runs nodes that no listed provider
+`EngineUnavailable` naming what is missing. ONNX Runtime itself runs nodes that no listed provider
 supports on the CPU provider.
 
 torch devices: `check_torch_device("xpu:0")` returns the `torch.device` when torch knows the type and
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import onnxruntime as ort
 import torch
 
-from .base import SchedulerUnavailable
+from .base import EngineUnavailable
 
 log = logging.getLogger(__name__)
 _warned: set[tuple[str, ...]] = set()  # provider lists whose fallback has been logged
@@ -109,7 +109,7 @@ def choose_providers(wanted: tuple[Provider, ...] | str, available: list[str] | 
     packages = "; ".join(f"{name} comes with {PROVIDER_PACKAGES.get(name, 'a build of onnxruntime that has it')}"
                          for name in missing)
     if not usable:
-        raise SchedulerUnavailable(f"none of the ONNX Runtime providers {', '.join(p.name for p in wanted)} is "
+        raise EngineUnavailable(f"none of the ONNX Runtime providers {', '.join(p.name for p in wanted)} is "
                                 f"installed ({where}; {packages})")
     if missing and tuple(missing) not in _warned:
         _warned.add(tuple(missing))

@@ -30,7 +30,7 @@ import onnx
 import torch
 
 from ..models.flow import FlowConfig
-from .base import PRECISIONS, SchedulerUnavailable, GraphSpec, sha256_file
+from .base import PRECISIONS, EngineUnavailable, GraphSpec, sha256_file
 from .onnx_precision import LOW_PRECISION_OPS, mixed_precision
 
 log = logging.getLogger(__name__)
@@ -43,11 +43,11 @@ FBANK_FRAMES_PER_SECOND = 100  # CAM++ input: Kaldi fbank, 10 ms shift
 
 
 def import_tensorrt():
-    """The `tensorrt` module, or SchedulerUnavailable saying how to get it."""
+    """The `tensorrt` module, or EngineUnavailable saying how to get it."""
     try:
         import tensorrt
     except ImportError as error:
-        raise SchedulerUnavailable("the tensorrt Python package is not installed (pip install tensorrt, "
+        raise EngineUnavailable("the tensorrt Python package is not installed (pip install tensorrt, "
                                 "or the project's [gpu] extra)") from error
     return tensorrt
 
@@ -121,7 +121,7 @@ def build_plan(onnx_path: str | Path, spec: GraphSpec, ranges: DimRanges, precis
     trt = import_tensorrt()
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
-        raise SchedulerUnavailable(f"TensorRT needs a CUDA device; got {device} (CUDA available: "
+        raise EngineUnavailable(f"TensorRT needs a CUDA device; got {device} (CUDA available: "
                                 f"{torch.cuda.is_available()})")
     onnx_path = Path(onnx_path)
     cache_dir = Path(cache_dir) if cache_dir is not None else onnx_path.parent / "trt"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .base import SchedulerUnavailable, GraphSpec, Runner, check_arity
+from .base import EngineUnavailable, GraphSpec, Runner, check_arity
 from .trt_build import import_tensorrt
 
 
@@ -31,7 +31,7 @@ class TensorRTRunner(Runner):
         self.spec = spec
         self.device = torch.device(device)
         if self.device.type != "cuda" or not torch.cuda.is_available():
-            raise SchedulerUnavailable(f"TensorRT needs a CUDA device; got {self.device} "
+            raise EngineUnavailable(f"TensorRT needs a CUDA device; got {self.device} "
                                     f"(CUDA available: {torch.cuda.is_available()})")
         self.logger = trt.Logger(trt.Logger.WARNING)
         with torch.cuda.device(self.device):

@@ -20,7 +20,7 @@ from .sampling import RasSampler, Sampler, make_generator
 @torch.inference_mode()
 def generate(llm: SpeechLM, text_token: Tensor, prompt_text_token: Tensor, prompt_speech_token: Tensor,
              sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
-             sampler: Sampler | None = None, slot: int = 0, exact_len: int | None = None) -> Iterator[int]:
+             sampler: Sampler | None = None, slot: int = 0) -> Iterator[int]:
     """Stream speech tokens for one request in cache slot `slot` of `llm`.
 
     Token tensors are (1, N) ids as `SpeechLM.build_prompt` takes them. Decoding stops before a stop
@@ -28,7 +28,6 @@ def generate(llm: SpeechLM, text_token: Tensor, prompt_text_token: Tensor, promp
     min_len tokens have been decoded, EOS gets log-prob -inf before sampling (the other stop tokens stay
     allowed, as in the official code). `sampler` defaults to RAS with `sampling` (the yaml's values
     when None); `generator` defaults to one seeded with `sampling.seed` (on the CPU: see `sampling`).
-    `exact_len` (benchmarks only) masks every stop token and yields exactly that many tokens.
     Each step attends over the used cache prefix, rounded up to a `kv_bucket`.
     """
     config = llm.config
@@ -45,12 +44,7 @@ def generate(llm: SpeechLM, text_token: Tensor, prompt_text_token: Tensor, promp
         raise InvalidInput("text_token", f"prompt of {prompt_len} positions does not fit the cache "
                                          f"({llm.max_seq_len} positions)")
     min_len, max_len = llm.length_limits(text_token.shape[1])
-    if exact_len is not None:
-        if not 0 < exact_len <= llm.max_seq_len - prompt_len:
-            raise InvalidInput("exact_len", f"must lie in [1, {llm.max_seq_len - prompt_len}]")
-        min_len = max_len = exact_len
     max_len = min(max_len, llm.max_seq_len - prompt_len)
-    banned = list(config.stop_tokens) if exact_len is not None else [config.eos_token]
     slots = torch.tensor([slot], device=device)
     input_pos = torch.arange(prompt_len, device=device)[None]  # (1, L)
     x = lm_input
@@ -59,7 +53,7 @@ def generate(llm: SpeechLM, text_token: Tensor, prompt_text_token: Tensor, promp
         kv_len = kv_bucket(prompt_len + len(decoded), llm.max_seq_len)  # positions in use after this step
         logp = llm.step_logits(x, input_pos, slots, kv_len)[0].log_softmax(dim=-1)  # (V,)
         if len(decoded) < min_len:
-            logp[banned] = -float("inf")
+            logp[config.eos_token] = -float("inf")
         token = sampler(logp, decoded, generator)
         if token in config.stop_tokens:
             return

@@ -106,11 +106,9 @@ class LLMScheduler:
     """Batches the live streams of one SpeechLM, which the scheduler owns (its KV cache is re-allocated)."""
 
     def __init__(self, llm: SpeechLM, max_batch: int = 8, max_seq_len: int = 4096,
-                 device: torch.device | str | None = None, max_queue: int = 64, exact_len: int | None = None):
+                 device: torch.device | str | None = None, max_queue: int = 64):
         """`max_seq_len` bounds the positions of one stream (prompt + speech); the model's own cache
-        length bounds it too. At most `max_queue` requests wait for a slot; more are refused.
-        `exact_len` (benchmarks only, as `generate`'s): every stream is exactly that many tokens, stop
-        tokens masked."""
+        length bounds it too. At most `max_queue` requests wait for a slot; more are refused."""
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch ({max_batch}) and max_queue ({max_queue}) must be >= 1")
         self.device = torch.device(device) if device is not None else next(llm.parameters()).device
@@ -121,8 +119,6 @@ class LLMScheduler:
         self.max_queue = max_queue
         self._eos = llm.config.eos_token
         self._stop_tokens = frozenset(llm.config.stop_tokens)
-        self.exact_len = exact_len
-        self._banned = list(llm.config.stop_tokens) if exact_len is not None else [self._eos]  # before min_len
         self._cond = threading.Condition()  # guards everything below; the scheduler waits on it when idle
         self._waiting: deque[LLMStream] = deque()
         self._live: dict[int, _Live] = {}  # slot -> stream; written by the scheduler thread only
@@ -273,8 +269,6 @@ class LLMScheduler:
             return _Live(stream=stream, slot=slot, min_len=0, max_len=self.max_seq_len,
                          sampler=RasSampler(request.sampling), generator=make_generator(request.seed), plan=plan)
         min_len, max_len = self.llm.length_limits(len(request.text_tokens))
-        if self.exact_len is not None:
-            min_len = max_len = self.exact_len
         prompt_len = _prompt_len(request)
         return _Live(stream=stream, slot=slot, min_len=min_len,
                      max_len=min(max_len, self.max_seq_len - prompt_len),
@@ -386,10 +380,9 @@ class LLMScheduler:
         return self._draw_sentence(live, logp)
 
     def _draw_sentence(self, live: _Live, logp: Tensor) -> int:
-        """logp (V,): EOS is banned until min_len tokens are out (the other stop tokens stay allowed; with
-        `exact_len` every stop token is)."""
+        """logp (V,): EOS is banned until min_len tokens are out (the other stop tokens stay allowed)."""
         if len(live.decoded) < live.min_len:
-            logp[self._banned] = -math.inf
+            logp[self._eos] = -math.inf
         return live.sampler(logp, live.decoded, live.generator)
 
     def _fail(self, batch: Sequence[_Live], stage: str, exc: Exception) -> None:

@@ -153,8 +153,16 @@ class FlowModel(nn.Module):
     def output_lengths(self, token_len: torch.Tensor, prompt_token_len: torch.Tensor,
                        prompt_feat_len: torch.Tensor, finalize: bool | torch.Tensor) -> torch.Tensor:
         """(B,) mel frames that `inference` returns per row (prompt frames removed)."""
-        lookahead = self.config.pre_lookahead_len * (~torch.as_tensor(finalize, device=token_len.device))
-        return self.config.token_mel_ratio * (prompt_token_len + token_len - lookahead) - prompt_feat_len
+        finalize = torch.as_tensor(finalize, device=token_len.device)
+        return self._lengths(token_len, prompt_token_len, prompt_feat_len, finalize)[2]
+
+    def _lengths(self, token_len: torch.Tensor, prompt_token_len: torch.Tensor, prompt_feat_len: torch.Tensor,
+                 finalize: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(enc_len, mel_len, out_len), each (B,): the tokens that produce frames (the look-ahead is held back
+        unless `finalize`), their mel frames (prompt included), and the frames `inference` returns."""
+        enc_len = prompt_token_len + token_len - self.config.pre_lookahead_len * (~finalize)
+        mel_len = self.config.token_mel_ratio * enc_len
+        return enc_len, mel_len, mel_len - prompt_feat_len
 
     def _check_inputs(self, token: torch.Tensor, token_len: torch.Tensor, prompt_token: torch.Tensor,
                       prompt_token_len: torch.Tensor, prompt_feat: torch.Tensor, prompt_feat_len: torch.Tensor,
@@ -205,9 +213,7 @@ class FlowModel(nn.Module):
         token_len, prompt_token_len, prompt_feat_len = (
             x.to(device=device, dtype=torch.long) for x in (token_len, prompt_token_len, prompt_feat_len))
         total_len = prompt_token_len + token_len
-        enc_len = total_len - self.config.pre_lookahead_len * (~finalize)  # tokens that produce frames
-        mel_len = self.config.token_mel_ratio * enc_len
-        out_len = mel_len - prompt_feat_len
+        enc_len, mel_len, out_len = self._lengths(token_len, prompt_token_len, prompt_feat_len, finalize)
         # The only host sync: output shapes, before the solver.
         T_enc, T_out, min_enc, min_out = torch.stack(
             [enc_len.max(), out_len.max(), enc_len.min(), out_len.min()]).tolist()

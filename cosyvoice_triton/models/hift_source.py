@@ -14,8 +14,8 @@ makes three draws per call, in this order (the order of torch's global generator
    drawn anyway so that a seeded generator moves through the same sequence as the reference.
 
 `ZeroNoise` makes the vocoder deterministic (and silences the unvoiced excitation), `GeneratorNoise`
-draws from a per-request `torch.Generator`, `RecordedNoise` replays given tensors, and `StackedNoise`
-gives each row of a batch its own source.
+draws from a per-request `torch.Generator`, and `StackedNoise` gives each row of a batch its own source
+(the golden tests replay the reference's recorded draws through a `HiFTNoise` of their own).
 """
 from __future__ import annotations
 
@@ -95,28 +95,6 @@ class GeneratorNoise:
     def source_noise(self, shape: tuple[int, int, int], device: torch.device) -> Tensor:
         draw = torch.randn(shape, generator=self.generator, dtype=_DRAW_DTYPE, device=self.generator.device)
         return draw.to(device)
-
-
-class RecordedNoise:
-    """Replays three given tensors (e.g. draws recorded from the reference implementation)."""
-
-    def __init__(self, initial_phase: Tensor, sine_noise: Tensor, source_noise: Tensor):
-        self.draws = {"initial_phase": initial_phase, "sine_noise": sine_noise, "source_noise": source_noise}
-
-    def _replay(self, name: str, shape: tuple[int, ...], device: torch.device) -> Tensor:
-        draw = self.draws[name]
-        if tuple(draw.shape) != tuple(shape):
-            raise ValueError(f"recorded {name} has shape {tuple(draw.shape)}, the model asks for {tuple(shape)}")
-        return draw.to(device=device, dtype=_DRAW_DTYPE)
-
-    def initial_phase(self, batch: int, harmonics: int, device: torch.device) -> Tensor:
-        return self._replay("initial_phase", (batch, harmonics), device)
-
-    def sine_noise(self, shape: tuple[int, int, int], device: torch.device) -> Tensor:
-        return self._replay("sine_noise", shape, device)
-
-    def source_noise(self, shape: tuple[int, int, int], device: torch.device) -> Tensor:
-        return self._replay("source_noise", shape, device)
 
 
 class StackedNoise:

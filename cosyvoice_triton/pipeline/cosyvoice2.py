@@ -8,8 +8,7 @@ This is the reference pipeline. The Triton models run the same steps, split acro
 Steps 1, 3 and 4 are the `Pipeline`; here it runs with in-process backends. `engine`,
 `precision` and `ort_providers` choose where token2wav's graphs and CAM++ run, as `serve` does
 (engines/select.py); `device` is checked first (engines/providers.py). `llm_precision` (fp32 | bf16 |
-int8, models/llm_precision.py) is the LLM backbone's. `exact_speech_tokens(n)` is a benchmark knob: every
-sentence then decodes exactly n speech tokens, stop tokens masked (perf/bench_official.py).
+int8, models/llm_precision.py) is the LLM backbone's.
 
 With `decode_ahead` (the default) the LLM decodes in a thread of its own, ahead of the chunks, so the
 next tokens come while token2wav turns a chunk into audio; the two share the torch threads this
@@ -34,9 +33,8 @@ from ..preprocess.prompt import PromptEncoder, PromptFeatures
 from ..preprocess.text import TextPreprocessor
 from ..models.flow_cache import FlowCacheSettings
 from ..models.speech_lm import SpeechLM
-from ..llm.generate import generate
 from .local_stages import CoreSharingToken2Wav, DecodeAheadLLM
-from .local_stages import GeneratorStream, ReferenceLLM, ReferenceToken2Wav
+from .local_stages import ReferenceLLM, ReferenceToken2Wav
 from .pipeline import Pipeline
 from ..messages import SynthesisRequest
 from .threads import CoreShare, thread_plan
@@ -59,14 +57,12 @@ class CosyVoice2:
         self.sample_rate = token2wav.hift.config.sampling_rate
         self.cores = CoreShare(thread_plan(torch.get_num_threads()))
         self.pipeline = Pipeline(preprocessor, ReferenceLLM(llm), ReferenceToken2Wav(token2wav))
-        self._exact_len: int | None = None
         self.use_decode_ahead(decode_ahead)
 
     def use_decode_ahead(self, on: bool) -> None:
         """Overlap the LLM and token2wav (True), or let the LLM wait while token2wav runs (False)."""
         self.decode_ahead = on
-        llm = ReferenceLLM(self.llm) if self._exact_len is None else ExactLengthLLM(self.llm, self._exact_len)
-        token2wav = ReferenceToken2Wav(self.token2wav)
+        llm, token2wav = ReferenceLLM(self.llm), ReferenceToken2Wav(self.token2wav)
         if on:
             llm, token2wav = DecodeAheadLLM(llm, self.cores), CoreSharingToken2Wav(token2wav, self.cores)
         self.pipeline.llm, self.pipeline.token2wav = llm, token2wav
@@ -92,11 +88,6 @@ class CosyVoice2:
         return cls(paths.root, preprocessor, prompt_encoder, llm, Token2Wav(flow, hift, flow_cache),
                    decode_ahead=decode_ahead)
 
-    def exact_speech_tokens(self, n: int | None) -> None:
-        """Benchmarks only: every sentence decodes exactly `n` speech tokens (None: as the model says)."""
-        self._exact_len = n
-        self.use_decode_ahead(self.decode_ahead)
-
     def encode_voice(self, samples: np.ndarray, sample_rate: int, prompt_text: str) -> PromptFeatures:
         return self.prompt_encoder.encode(samples, sample_rate, prompt_text)
 
@@ -105,21 +96,3 @@ class CosyVoice2:
         """Yield float32 audio chunks at `sample_rate`. Offline mode yields one chunk per sentence."""
         return self.pipeline.run(request, stream=stream, is_cancelled=is_cancelled)
 
-
-class ExactLengthLLM(ReferenceLLM):
-    """ReferenceLLM whose streams are exactly `n` tokens long, stop tokens masked (benchmarks only)."""
-
-    def __init__(self, llm: SpeechLM, n: int):
-        super().__init__(llm)
-        self.n = n
-
-    def stream(self, request):
-        import torch
-
-        def as_tensor(ids: list[int]) -> torch.Tensor:
-            return torch.tensor([ids], dtype=torch.int64).reshape(1, -1)
-
-        tokens = generate(self.llm, as_tensor(request.text_tokens), as_tensor(request.prompt_text_tokens),
-                          as_tensor(request.prompt_speech_tokens), request.sampling,
-                          torch.Generator().manual_seed(request.seed), exact_len=self.n)
-        return GeneratorStream(tokens)

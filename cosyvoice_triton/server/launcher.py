@@ -84,7 +84,6 @@ class ServeOptions:
     prompt_queue_delay_us: int = 1000
     torch_threads: int = 0  # per llm / token2wav instance; 0: chosen from the core count (pipeline/threads.py)
     llm_precision: str = "fp32"  # the LLM backbone's: fp32 | bf16 | int8 (models/llm_precision.py)
-    exact_speech_tokens: int | None = None  # benchmarks only: every LLM stream exactly this many tokens
     engine: str = "torch"  # token2wav: torch | onnxruntime | openvino | tensorrt (CAM++ too; torch: onnxruntime)
     precision: str = "fp32"  # of TensorRT plans and OpenVINO's hint: fp32 | fp16 | bf16
     ort_providers: str | None = None  # with engine onnxruntime: execution providers (engines/providers.py)
@@ -205,8 +204,7 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
         "llm": {"model_dir": model_dir, "placement": placement, "device": torch_device,
                 "max_batch": options.llm_max_batch, "max_seq_len": options.llm_max_seq_len,
                 "max_queue": options.llm_max_queue, "max_token_text_ratio": ratio,
-                "torch_threads": options.torch_threads, "precision": options.llm_precision,
-                "exact_speech_tokens": "" if options.exact_speech_tokens is None else options.exact_speech_tokens},
+                "torch_threads": options.torch_threads, "precision": options.llm_precision},
         "token2wav": {"model_dir": model_dir, "placement": placement, "device": torch_device,
                       "max_streams": options.t2w_max_streams, "max_batch": options.t2w_max_batch,
                       "idle_timeout_s": options.t2w_idle_timeout_s,

@@ -43,7 +43,3 @@ def merge_lora(module: nn.Module) -> nn.Module:
             parent_name, _, attr = name.rpartition(".")
             setattr(module.get_submodule(parent_name) if parent_name else module, attr, child.get_base_layer())
     return module
-
-
-def has_lora(module: nn.Module) -> bool:
-    return any(isinstance(child, LoraLayer) for child in module.modules())

@@ -5,6 +5,12 @@ contract lives in one place. "[1]" is a scalar; "opt" marks an optional input. M
 `max_batch_size > 0` (prompt_encoder and its steps, token2wav) get a leading batch dimension on every
 tensor, which callers send as 1 (one request = one row; the dynamic batcher gathers requests).
 
+A cosyvoice2 request is typed once, for both sides: `SynthesisInputs` and `ConversionInputs` (the wire
+requests; `RegisterInputs` for register_voice) go to tensors with `tensors()` and come back with the parsers,
+and their `check` is the one check of their values (text, mode, seed, speed, chunk policy, sampling), run by
+the caller (the gateway) and by the model. Errors name inputs; `INPUT_FIELDS` says which request field each
+input carries, so a caller maps them to its own names without knowing the tensors.
+
 cosyvoice2 (decoupled) and cosyvoice2_offline (its non-decoupled twin, same template), max_batch_size 0
   in   target_text            STRING [1] opt  the text to speak (split into sentences, streamed in order); required
                                               except in mode vc (voice conversion, below)
@@ -91,13 +97,14 @@ register_voice (max_batch_size 0)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.messages import (MODES, SEED_LIMIT, TEXT_MODES, VC_MODE, ChunkRequest, FlowPrompt, LLMRequest, PromptFeatures,
-                                       SamplingParams)
+from cosyvoice_triton.messages import (SEED_LIMIT, TEXT_MODES, VC_MODE, ChunkPolicy, ChunkRequest, FlowPrompt, LLMRequest,
+                                       PromptFeatures, SamplingParams, check_mode, check_seed, check_speed, is_int)
 from cosyvoice_triton.triton.tensors import TensorReader, string_array
 
 COSYVOICE2 = "cosyvoice2"
@@ -111,22 +118,92 @@ AUDIO_TOKENIZER = "audio_tokenizer"
 REGISTER_VOICE = "register_voice"
 
 SAMPLING_FIELDS = ("top_p", "top_k", "win_size", "tau_r")
-CHUNK_FIELDS = {"chunk_first_hop": "first_hop", "chunk_hop_scale": "hop_scale", "chunk_max_hop": "max_hop"}
+# The chunk-policy overrides of cosyvoice2: input (and request field of that name) -> ChunkPolicy attribute.
+CHUNK_FIELDS = {"chunk_first_hop": "first_hop", "chunk_hop_scale": "hop_scale", "chunk_max_hop": "max_hop",
+                "chunk_policy": "kind"}
 # The per-request overrides of cosyvoice2 (sampling, then chunk policy) and their tensor types.
 OPTION_TYPES: dict[str, type] = {"top_p": np.float32, "top_k": np.int32, "win_size": np.int32, "tau_r": np.float32,
                                  "chunk_first_hop": np.int32, "chunk_hop_scale": np.float32,
                                  "chunk_max_hop": np.int32, "text_frontend": np.bool_, "chunk_policy": str, "speed": np.float32,
                                  "text_mode": str, "text_stream_id": str}
+INT32_MAX = 2**31 - 1
+# Each input of cosyvoice2 and register_voice -> the request field it carries: text, voice_id, audio (the prompt
+# recording), prompt_text, source (a conversion's recording), ...; an option keeps its own name (seed, speed,
+# chunk_*, top_p, ...). Errors name inputs; a caller with field names of its own (the gateway's APIs) maps them
+# back through this table and never needs the tensor names.
+INPUT_FIELDS: dict[str, str] = {
+    "target_text": "text", "mode": "mode", "instruct_text": "instruct_text", "seed": "seed",
+    "reference_audio_id": "voice_id", "reference_wav": "audio", "reference_sample_rate": "audio",
+    "reference_audio": "audio", "reference_text": "prompt_text",
+    "source_wav": "source", "source_sample_rate": "source", "source_audio": "source",
+    "text_append": "text_append", "text_end": "text_end",
+    "voice_id": "voice_id", "name": "name", "owner": "owner",  # register_voice: the id to register under, ...
+    **{name: name for name in OPTION_TYPES},
+}
+INPUT_NAMES = frozenset(INPUT_FIELDS)
+
+
+# ---- checks of request values (the gateway's parse and the models' tensor parse run the same ones) ------
+
+def check_optional_text(value: object, name: str) -> None:
+    """None, or a string without control characters or lone surrogates; InvalidInput naming `name`."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise InvalidInput(name, f"must be a string, got {type(value).__name__}")
+    from cosyvoice_triton.preprocess.text import check_clean_text  # here: the client SDK imports this module
+
+    check_clean_text(value, name)
+
+
+def check_text_mode(text_mode: object) -> None:
+    if text_mode not in TEXT_MODES:
+        raise InvalidInput("text_mode", f"must be one of {', '.join(TEXT_MODES)}, got {text_mode!r}")
+
+
+def check_text_piece(text: str, max_chars: int) -> None:
+    """A bistream piece: any text (even none) of at most `max_chars` characters."""
+    if len(text) > max_chars:
+        raise InvalidInput("target_text", f"a text piece takes at most {max_chars} characters, got {len(text)}")
+
+
+def chunk_overrides(fields: Mapping[str, object]) -> dict:
+    """The chunk-policy fields a request sets (chunk_first_hop, ...; None: not set) as ChunkPolicy.with_overrides'
+    keywords (first_hop, ...)."""
+    return {attr: fields[name] for name, attr in CHUNK_FIELDS.items() if fields.get(name) is not None}
+
+
+def chunk_options(overrides: Mapping[str, object]) -> dict:
+    """ChunkPolicy overrides (first_hop, ...) as the inputs that carry them (chunk_first_hop, ...; None: not sent)."""
+    return {name: overrides.get(attr) for name, attr in CHUNK_FIELDS.items()}
+
+
+def check_chunk_overrides(overrides: Mapping[str, object]) -> None:
+    """Types here (a number that fits its tensor), ranges by `ChunkPolicy` against its defaults (a server checks
+    them again against its own policy when it applies them); InvalidInput naming the input (chunk_*)."""
+    for name, attr in CHUNK_FIELDS.items():
+        value, kind = overrides.get(attr), OPTION_TYPES[name]
+        if value is None:
+            continue
+        if kind is str and not isinstance(value, str):
+            raise InvalidInput(name, f"must be a string, got {type(value).__name__}")
+        if kind is np.int32 and not is_int(value):
+            raise InvalidInput(name, f"must be an integer, got {type(value).__name__}")
+        if kind is np.int32 and value > INT32_MAX:  # ChunkPolicy checks the lower bounds
+            raise InvalidInput(name, f"must be at most {INT32_MAX}, got {value}")
+        if kind is np.float32 and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise InvalidInput(name, f"must be a number, got {type(value).__name__}")
+    ChunkPolicy().with_overrides(**overrides)
 
 
 # ---- sampling overrides (cosyvoice2 and llm) -------------------------------------------------------
 
 def read_sampling(reader: TensorReader, defaults: SamplingParams) -> SamplingParams:
-    """`defaults` with any of top_p, top_k, win_size, tau_r given in the request, validated."""
+    """`defaults` with any of top_p, top_k, win_size, tau_r given in the request (not yet validated)."""
     return SamplingParams(top_p=reader.real("top_p", defaults.top_p),
                           top_k=reader.integer("top_k", defaults.top_k),
                           win_size=reader.integer("win_size", defaults.win_size),
-                          tau_r=reader.real("tau_r", defaults.tau_r)).validate()
+                          tau_r=reader.real("tau_r", defaults.tau_r))
 
 
 def sampling_inputs(sampling: SamplingParams) -> dict[str, np.ndarray]:
@@ -189,7 +266,7 @@ def parse_llm_request(reader: TensorReader,
     return LLMRequest(stream_id=stream_id, text_tokens=reader.token_ids("text_tokens", required=not bistream),
                       prompt_text_tokens=reader.token_ids("prompt_text_tokens"),
                       prompt_speech_tokens=reader.token_ids("prompt_speech_tokens"),
-                      sampling=read_sampling(reader, default_sampling), seed=seed, bistream=bistream)
+                      sampling=read_sampling(reader, default_sampling).validate(), seed=seed, bistream=bistream)
 
 
 # ---- token2wav ---------------------------------------------------------------------------------------
@@ -284,6 +361,14 @@ class PromptAudio:
     def field(self) -> str:
         return "reference_audio" if self.file_bytes is not None else "reference_wav"
 
+    def keywords(self) -> dict:
+        """As `voice_inputs` takes a recording (what is None is not sent)."""
+        return {"samples": self.samples, "sample_rate": self.sample_rate, "audio_file": self.file_bytes}
+
+
+def recording_keywords(audio: PromptAudio | None) -> dict:
+    return {} if audio is None else audio.keywords()
+
 
 def read_audio(reader: TensorReader, wav: str, rate_name: str, blob: str) -> PromptAudio | None:
     """A recording sent as samples (`wav` + `rate_name`) or as a file (`blob`), or None when neither came."""
@@ -321,15 +406,23 @@ def read_voice_choice(reader: TensorReader) -> tuple[str | None, PromptAudio | N
 
 def read_chunk_overrides(reader: TensorReader) -> dict:
     """The chunk-policy fields the request sets (ChunkPolicy.with_overrides' keywords)."""
-    overrides = {attr: reader.real(name) if attr == "hop_scale" else reader.integer(name)
-                 for name, attr in CHUNK_FIELDS.items()}
-    overrides["kind"] = reader.string("chunk_policy")
-    return {attr: value for attr, value in overrides.items() if value is not None}
+    return chunk_overrides({name: read_option(reader, name) for name in CHUNK_FIELDS})
+
+
+def read_option(reader: TensorReader, name: str) -> str | int | float | None:
+    """A string or number option input (`OPTION_TYPES`) as its Python value; None when absent."""
+    kind = OPTION_TYPES[name]
+    if kind is str:
+        return reader.string(name)
+    return reader.real(name) if kind is np.float32 else reader.integer(name)
 
 
 @dataclass(frozen=True)
 class SynthesisInputs:
-    """A cosyvoice2 request as typed values (the voice still to be resolved)."""
+    """A cosyvoice2 request as typed values (the voice still to be resolved): the wire request. A caller builds
+    one and sends `tensors()` (the gateway, from each API's body); the model reads it back from the tensors
+    (`parse_synthesis_inputs`). Both run `check`, the one check of its values, so a direct gRPC caller meets the
+    same checks and the same error fields (inputs) as the gateway's APIs."""
 
     text: str
     mode: str = "zero_shot"
@@ -338,12 +431,52 @@ class SynthesisInputs:
     audio: PromptAudio | None = None
     prompt_text: str | None = None
     seed: int | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingParams | None = None  # None: the server's (the model yaml's)
     chunk_overrides: dict = field(default_factory=dict)  # ChunkPolicy field -> value
     text_frontend: bool = True  # False: the text as given: no normalization, no sentence splitting
     speed: float = 1.0  # speaking speed (messages.check_speed)
     text_mode: str = "sentences"  # bistream: `text` is the first piece, text_append requests bring the rest
     text_stream_id: str | None = None  # bistream: the caller's id of the synthesis
+
+    def check(self, max_chars: int) -> SynthesisInputs:
+        """The text (at most `max_chars` characters) and every setting (`check_settings`); InvalidInput naming
+        the input. Returns self."""
+        check_text_mode(self.text_mode)
+        if self.text_mode == "bistream":
+            check_text_piece(self.text, max_chars)  # the first piece: may be empty
+            if not self.text_stream_id:
+                raise InvalidInput("text_stream_id", "is required with text_mode bistream (its appends name it)")
+        else:
+            from cosyvoice_triton.preprocess.text import validate_text  # here: the client SDK imports this module
+
+            validate_text(self.text, "target_text", max_chars)
+        return self.check_settings()
+
+    def check_settings(self) -> SynthesisInputs:
+        """Everything but the text (a WebSocket session's settings come before its text). Returns self."""
+        check_text_mode(self.text_mode)
+        check_optional_text(self.instruct_text, "instruct_text")
+        check_mode(self.mode, self.instruct_text)
+        check_optional_text(self.prompt_text, "reference_text")
+        if self.seed is not None:
+            check_seed(self.seed)
+        if not isinstance(self.text_frontend, bool):
+            raise InvalidInput("text_frontend", "must be true or false")
+        check_speed(self.speed)
+        if self.sampling is not None:
+            self.sampling.validate()
+        check_chunk_overrides(self.chunk_overrides)
+        return self
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The request as cosyvoice2 tensors (`synthesis_inputs`); a setting at its default is not sent."""
+        sampling = {} if self.sampling is None else sampling_inputs(self.sampling)
+        return synthesis_inputs(self.text, voice_id=self.voice_id, **recording_keywords(self.audio),
+                                prompt_text=self.prompt_text, mode=self.mode, instruct_text=self.instruct_text or None,
+                                seed=self.seed, text_frontend=None if self.text_frontend else False,
+                                speed=None if self.speed == 1.0 else self.speed,
+                                text_mode=None if self.text_mode == "sentences" else self.text_mode,
+                                text_stream_id=self.text_stream_id, **chunk_options(self.chunk_overrides), **sampling)
 
 
 def read_text_append(reader: TensorReader, max_chars: int) -> TextAppend | None:
@@ -352,8 +485,7 @@ def read_text_append(reader: TensorReader, max_chars: int) -> TextAppend | None:
         return None
     stream_id = reader.string("text_stream_id", required=True)
     text = reader.string("target_text", default="")
-    if len(text) > max_chars:
-        raise InvalidInput("target_text", f"a text piece takes at most {max_chars} characters, got {len(text)}")
+    check_text_piece(text, max_chars)
     return TextAppend(stream_id, text, reader.boolean("text_end", default=False))
 
 
@@ -363,34 +495,29 @@ def text_append_inputs(stream_id: str, text: str, end: bool = False) -> dict[str
             "text_append": np.array([True]), "text_end": np.array([end])}
 
 
+def parse_cosyvoice2_request(reader: TensorReader, default_sampling: SamplingParams,
+                             max_chars: int) -> SynthesisInputs | ConversionInputs | TextAppend:
+    """Any cosyvoice2 request, checked: a voice conversion (mode vc), a bistream text piece (text_append) or a
+    synthesis (the server's sampling filling what the request leaves out)."""
+    if reader.string("mode") == VC_MODE:
+        return parse_conversion_inputs(reader)
+    return read_text_append(reader, max_chars) or parse_synthesis_inputs(reader, default_sampling, max_chars)
+
+
 def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParams,
                            max_chars: int) -> SynthesisInputs:
-    from cosyvoice_triton.preprocess.text import validate_text
-
     text_mode = reader.string("text_mode", default="sentences")
-    if text_mode not in TEXT_MODES:
-        raise InvalidInput("text_mode", f"must be one of {', '.join(TEXT_MODES)}, got {text_mode!r}")
-    text_stream_id = reader.string("text_stream_id")
-    if text_mode == "bistream":
-        text = reader.string("target_text", default="")  # the first piece: may be empty
-        if len(text) > max_chars:
-            raise InvalidInput("target_text", f"a text piece takes at most {max_chars} characters, got {len(text)}")
-        if not text_stream_id:
-            raise InvalidInput("text_stream_id", "is required with text_mode bistream (its appends name it)")
-    else:
-        text = validate_text(reader.string("target_text", required=True), "target_text", max_chars)
-    mode = reader.string("mode", default="zero_shot")
-    if mode not in MODES:
-        raise InvalidInput("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
-    voice_id, audio = read_voice_choice(reader)
-    return SynthesisInputs(text=text, mode=mode, instruct_text=reader.string("instruct_text", default=""),
-                           voice_id=voice_id, audio=audio, prompt_text=reader.string("reference_text"),
-                           seed=reader.integer("seed", low=0, high=SEED_LIMIT - 1),
-                           sampling=read_sampling(reader, default_sampling),
-                           chunk_overrides=read_chunk_overrides(reader),
-                           text_frontend=reader.boolean("text_frontend", default=True),
-                           speed=reader.real("speed", 1.0),
-                           text_mode=text_mode, text_stream_id=text_stream_id)
+    text = reader.string("target_text", default="", required=text_mode != "bistream")
+    inputs = SynthesisInputs(text=text, mode=reader.string("mode", default="zero_shot"),
+                             instruct_text=reader.string("instruct_text", default=""),
+                             prompt_text=reader.string("reference_text"),
+                             seed=reader.integer("seed"), sampling=read_sampling(reader, default_sampling),
+                             chunk_overrides=read_chunk_overrides(reader),
+                             text_frontend=reader.boolean("text_frontend", default=True),
+                             speed=reader.real("speed", 1.0),
+                             text_mode=text_mode, text_stream_id=reader.string("text_stream_id")).check(max_chars)
+    voice_id, audio = read_voice_choice(reader)  # after the text: an empty text is named before a missing voice
+    return replace(inputs, voice_id=voice_id, audio=audio)
 
 
 # ---- voice conversion (cosyvoice2 mode "vc") -----------------------------------------------------------
@@ -411,6 +538,21 @@ class ConversionInputs:
         """No text is spoken (a request cost counts none)."""
         return ""
 
+    def check(self) -> ConversionInputs:
+        """The settings (the recordings are checked where they are decoded); InvalidInput naming the input."""
+        if self.seed is not None:
+            check_seed(self.seed)
+        check_speed(self.speed)
+        check_chunk_overrides(self.chunk_overrides)
+        return self
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The request as cosyvoice2 tensors in mode vc (`conversion_inputs`); a setting at its default is not sent."""
+        return conversion_inputs(source_samples=self.source.samples, source_rate=self.source.sample_rate,
+                                 source_file=self.source.file_bytes, voice_id=self.voice_id,
+                                 **recording_keywords(self.audio), seed=self.seed,
+                                 speed=None if self.speed == 1.0 else self.speed, **chunk_options(self.chunk_overrides))
+
 
 def read_source_audio(reader: TensorReader) -> PromptAudio:
     audio = read_audio(reader, "source_wav", "source_sample_rate", "source_audio")
@@ -425,10 +567,8 @@ def parse_conversion_inputs(reader: TensorReader) -> ConversionInputs:
         raise InvalidInput("target_text", "is not used in vc mode (the source recording is what is spoken)")
     source = read_source_audio(reader)
     voice_id, audio = read_voice_choice(reader)
-    return ConversionInputs(source=source, voice_id=voice_id, audio=audio,
-                            seed=reader.integer("seed", low=0, high=SEED_LIMIT - 1),
-                            chunk_overrides=read_chunk_overrides(reader),
-                            speed=reader.real("speed", 1.0))
+    return ConversionInputs(source=source, voice_id=voice_id, audio=audio, seed=reader.integer("seed"),
+                            chunk_overrides=read_chunk_overrides(reader), speed=reader.real("speed", 1.0)).check()
 
 
 def conversion_inputs(*, source_samples: np.ndarray | None = None, source_rate: int | None = None,
@@ -452,6 +592,16 @@ def conversion_inputs(*, source_samples: np.ndarray | None = None, source_rate: 
             kind = OPTION_TYPES[name]
             values[name] = string_array(value) if kind is str else np.array([value], kind)
     return values
+
+
+def waveform_of(outputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The `waveform` of a cosyvoice2_offline answer: (N,) float32 at 24 kHz."""
+    return np.asarray(outputs["waveform"], dtype=np.float32).reshape(-1)
+
+
+def registered_voice_id(outputs: Mapping[str, np.ndarray]) -> str:
+    """The id in a register_voice answer."""
+    return outputs["voice_id"].reshape(-1)[0].decode("utf-8")
 
 
 def voice_inputs(*, voice_id: str | None = None, samples: np.ndarray | None = None, sample_rate: int | None = None,
@@ -516,6 +666,11 @@ class RegisterInputs:
     voice_id: str | None
     name: str | None
     owner: str | None = None  # None: a shared voice
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The request as register_voice tensors (`register_inputs`)."""
+        return register_inputs(voice_id=self.voice_id, name=self.name, owner=self.owner,
+                               **recording_keywords(self.audio), prompt_text=self.text)
 
 
 def parse_register_inputs(reader: TensorReader) -> RegisterInputs:

@@ -85,7 +85,6 @@ class LLMParams:
     max_token_text_ratio: float | None  # None: the model's own (20, as the official code)
     torch_threads: int  # 0: chosen from the core count (pipeline/threads.py)
     precision: LLMPrecision  # of the backbone (models/llm_precision.py)
-    exact_speech_tokens: int | None  # benchmarks only: every stream exactly this many tokens; None: off
 
 
 @dataclass(frozen=True)

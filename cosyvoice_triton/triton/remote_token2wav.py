@@ -207,7 +207,7 @@ class RemoteToken2Wav:
                 self._set_health(backend, False, str(exc))
                 last_error = exc
             except RemoteError as exc:
-                if exc.code != _GRPC_CODES["UNAVAILABLE"]:
+                if not isinstance(exc.error, Unavailable):
                     raise  # a bad request fails the same way everywhere; the caller cancels the pin
                 self._unpin(chunk.stream_id)  # full (stream limit): another backend may have room
                 last_error = exc

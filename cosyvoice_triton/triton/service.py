@@ -101,7 +101,8 @@ class ServedPipeline:
     def request(self, inputs: SynthesisInputs) -> SynthesisRequest:
         policy = self.chunk_policy.with_overrides(**inputs.chunk_overrides)  # errors name chunk_*
         return SynthesisRequest(text=inputs.text, voice=self.voices.resolve(inputs), mode=inputs.mode,
-                                instruct_text=inputs.instruct_text, seed=inputs.seed, sampling=inputs.sampling,
+                                instruct_text=inputs.instruct_text, seed=inputs.seed,
+                                sampling=inputs.sampling or self.default_sampling,
                                 chunk_policy=policy,
                                 text_frontend=inputs.text_frontend, speed=inputs.speed).validate()
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cosyvoice_triton.admission import MEAN_COST, AdmissionPolicy, Decision, Load, SpeedMeter, expiry_message
+from cosyvoice_triton.admission import MEAN_COST, AdmissionPolicy, Decision, Load, SpeedMeter, expiry
 from cosyvoice_triton.audio_out import SAMPLE_RATE
-from cosyvoice_triton.errors import Cancelled
+from cosyvoice_triton.errors import Cancelled, Unavailable
 from cosyvoice_triton.pipeline.playback import Playback
 from cosyvoice_triton.triton.tensors import classify, error_response
 
@@ -67,9 +67,9 @@ class RequestPool:
                     seconds_per_cost=self.speed.seconds_per_cost, mean_cost=self.speed.mean_cost)
 
     def admit(self, job: Callable[[], None], cost: float = MEAN_COST,
-              on_expired: Callable[[str], None] | None = None) -> Decision:
+              on_expired: Callable[[Unavailable], None] | None = None) -> Decision:
         """Queue `job` (run by a worker) or refuse it: the decision says which, and the wait estimated.
-        `on_expired(message)` answers a job refused after waiting `max_wait_s` (it never runs then)."""
+        `on_expired(error)` answers a job refused after waiting `max_wait_s` (it never runs then)."""
         with self._changed:
             if self.stopping.is_set():
                 self.refused += 1
@@ -130,7 +130,7 @@ class RequestPool:
                     self._changed.wait(timeout)
             for item, now in expired:
                 if item.on_expired is not None:
-                    item.on_expired(expiry_message(self.name, now - item.queued_at))
+                    item.on_expired(expiry(self.name, now - item.queued_at))
 
     def close(self) -> None:
         """Stop taking requests, tell running ones to stop (`stopping`), refuse the waiting ones, wait for
@@ -143,7 +143,7 @@ class RequestPool:
             self._changed.notify_all()
         for item in dropped:
             if item.on_expired is not None:
-                item.on_expired(f"{self.name} is shutting down")
+                item.on_expired(Unavailable(f"{self.name} is shutting down"))
         for thread in self._threads:
             thread.join()
 
@@ -153,7 +153,7 @@ class _Waiting:
     job: Callable[[], None]
     cost: float
     queued_at: float
-    on_expired: Callable[[str], None] | None
+    on_expired: Callable[[Unavailable], None] | None
 
 
 def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model: str, received_at: float,

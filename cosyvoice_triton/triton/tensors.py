@@ -3,7 +3,8 @@
 `TensorReader` reads the inputs of one request (a name -> numpy array mapping, so it is testable
 without Triton) into Python values, and every problem it finds is an `InvalidInput` naming the input.
 For a model with `max_batch_size > 0` each request carries a leading batch dimension of 1, which
-`batched=True` strips. `triton_error` turns any exception into a `TritonError` with the right code.
+`batched=True` strips. `triton_error` turns any exception into a `TritonError` with the right code and the
+error as data (`CosyVoiceError.to_wire`: code, field, retry hint), which callers read with `errors.from_wire`.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cosyvoice_triton.errors import Cancelled, CosyVoiceError, InvalidInput, NotFound, Unavailable
+from cosyvoice_triton.errors import CosyVoiceError, InvalidInput, from_wire
 
 log = logging.getLogger(__name__)
 
@@ -22,12 +23,17 @@ _KIND_NAMES = {"b": "BOOL", "i": "INT", "u": "UINT", "f": "FP", "O": "STRING", "
 
 
 class RemoteError(CosyVoiceError):
-    """An error response from a model we called (BLS); keeps the callee's Triton error code."""
+    """An error response from a model we called (BLS, or gRPC to another server), as the callee's kind: its
+    `code`, `field`, `retry_after_s` and Triton code are read from the message with `from_wire`.
+    `status`: the callee's Triton error code (a pb_utils.TritonError number, or a status name), `error`: the
+    callee's error as its own class (an Unavailable, an InvalidInput, ...)."""
 
-    def __init__(self, model: str, message: str, code: int | None):
+    def __init__(self, model: str, message: str, status: int | str | None):
         self.model = model
-        self.code = code
-        super().__init__(message)
+        self.status = status
+        self.error = from_wire(message, _CODE_NAMES.get(status) if isinstance(status, int) else status)
+        super().__init__(self.error.message, field=self.error.field, retry_after_s=self.error.retry_after_s)
+        self.code, self.triton_code = self.error.code, self.error.triton_code
 
 
 class TensorReader:
@@ -176,25 +182,21 @@ def string_array(values: list[str] | str, batched: bool = False) -> np.ndarray:
 @dataclass(frozen=True)
 class ErrorInfo:
     code_name: str  # a TritonError attribute: INVALID_ARG, NOT_FOUND, CANCELLED, UNAVAILABLE, INTERNAL
-    message: str
+    message: str  # the error's `to_wire()` JSON
+
+
+def library_error(exc: BaseException) -> CosyVoiceError:
+    """`exc` as one of the library's errors: an unexpected exception becomes a short internal error (its
+    details belong in the server log, not in an answer)."""
+    if isinstance(exc, CosyVoiceError):
+        return exc
+    return CosyVoiceError(f"internal error ({type(exc).__name__})")
 
 
 def classify(exc: BaseException) -> ErrorInfo:
-    """The Triton error code and the short message for an exception (library errors keep their text)."""
-    if isinstance(exc, RemoteError):
-        name = _CODE_NAMES.get(exc.code, "INTERNAL")
-        return ErrorInfo(name, str(exc))
-    if isinstance(exc, InvalidInput):
-        return ErrorInfo("INVALID_ARG", str(exc))
-    if isinstance(exc, NotFound):
-        return ErrorInfo("NOT_FOUND", str(exc))
-    if isinstance(exc, Cancelled):
-        return ErrorInfo("CANCELLED", str(exc) or "cancelled")
-    if isinstance(exc, Unavailable) or type(exc).__name__ in ("SchedulerUnavailable", "StreamLimitReached"):
-        return ErrorInfo("UNAVAILABLE", str(exc))
-    if isinstance(exc, CosyVoiceError):
-        return ErrorInfo("INTERNAL", str(exc))
-    return ErrorInfo("INTERNAL", f"internal error ({type(exc).__name__}: {exc})")
+    """The Triton error code and the wire message (`CosyVoiceError.to_wire`) for an exception."""
+    error = library_error(exc)
+    return ErrorInfo(error.triton_code, error.to_wire())
 
 
 # TritonError codes as python_backend numbers them (pb_utils.TritonError.<NAME>).
@@ -203,7 +205,8 @@ _CODE_NAMES = {0: "UNKNOWN", 1: "INTERNAL", 2: "NOT_FOUND", 3: "INVALID_ARG", 4:
 
 
 def triton_error(pb, exc: BaseException, model: str = ""):
-    """`pb.TritonError` for `exc`. Unexpected errors are logged with their traceback."""
+    """`pb.TritonError` for `exc`. Internal errors are logged with their traceback (a callee's were logged
+    where they happened)."""
     info = classify(exc)
     if info.code_name == "INTERNAL" and not isinstance(exc, RemoteError):
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

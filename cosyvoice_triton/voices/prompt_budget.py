@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.messages import SPEECH_TOKENS_PER_SECOND
 from cosyvoice_triton.preprocess.text import TOKEN_MAX_N, TextPreprocessor
 
-SPEECH_TOKENS_PER_SECOND = 25
 PREFILL_EXTRA = 2  # sos and the task id
 MIN_TOKEN_TEXT_RATIO = 2  # SpeechLMConfig.min_token_text_ratio of CosyVoice2
 SENTENCE_ROOM = TOKEN_MAX_N * (1 + MIN_TOKEN_TEXT_RATIO)  # one sentence's text tokens and its shortest speech

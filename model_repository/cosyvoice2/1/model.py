@@ -15,15 +15,12 @@ import uuid
 
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.admission import AdmissionPolicy, refusal_message, request_cost, text_tokens_estimate
-from cosyvoice_triton.errors import Unavailable
+from cosyvoice_triton.admission import AdmissionPolicy, refusal, request_cost, text_tokens_estimate
+from cosyvoice_triton.errors import InvalidInput, Unavailable
 from cosyvoice_triton.messages import ChunkPolicy
 from cosyvoice_triton.voices.stores import open_voice_store
 from cosyvoice_triton.triton.bls import BlsLLM, BlsPromptEncoder, BlsToken2Wav
-from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.triton.contracts import TextAppend, parse_synthesis_inputs, read_text_append
-from cosyvoice_triton.messages import VC_MODE
-from cosyvoice_triton.triton.contracts import ConversionInputs, parse_conversion_inputs
+from cosyvoice_triton.triton.contracts import ConversionInputs, SynthesisInputs, TextAppend, parse_cosyvoice2_request
 from cosyvoice_triton.triton.vc_service import BlsAudioTokenizer, ConversionService
 from cosyvoice_triton.triton.metrics import REMOTE_TOKEN2WAV, SYNTHESIS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import CosyVoice2Params, parse_parameters
@@ -97,35 +94,33 @@ class TritonPythonModel:
             self._follow_store()
             self._follow_backends()
 
-        def expired(message: str) -> None:  # waited max_queue_wait_s without a worker: never started
-            self._refuse(sender, message)
+        def expired(error: Unavailable) -> None:  # waited max_queue_wait_s without a worker: never started
+            self._refuse(sender, error)
 
         cost = request_cost(text_tokens_estimate(inputs.text), 0, inputs.audio is not None)
         decision = self.pool.admit(job, cost, expired)
         if not decision.admit:
-            self._refuse(sender, refusal_message(self.name, decision, self.params.max_queue_wait_s))
+            self._refuse(sender, refusal(self.name, decision, self.params.max_queue_wait_s))
         self._follow_pool()
 
-    def _refuse(self, sender, message: str) -> None:
-        """Admission said no (cosyvoice_triton/admission.py): UNAVAILABLE with "retry after N s"."""
+    def _refuse(self, sender, error: Unavailable) -> None:
+        """Admission said no (cosyvoice_triton/admission.py): UNAVAILABLE with its retry hint."""
         self.metrics.labelled("requests", "error").increment(1)
-        sender.send(error_response(pb_utils, Unavailable(message), self.name), flags=FINAL)
+        sender.send(error_response(pb_utils, error, self.name), flags=FINAL)
         self._follow_pool()
 
     # ---- helpers -----------------------------------------------------------------------------------
 
     def _parse(self, request):
-        reader = TensorReader(request_arrays(request))
-        if reader.string("mode") == VC_MODE:  # voice conversion: a source recording, no text
-            return parse_conversion_inputs(reader)
-        append = read_text_append(reader, self.params.max_text_chars)
-        if append is not None or reader.string("text_mode") != "bistream":
-            return append or parse_synthesis_inputs(reader, self.service.default_sampling, self.params.max_text_chars)
-        if not self.decoupled or self.instances > 1:  # the appends must reach the instance that reads them
+        """The request as typed, checked values (contracts.py): a synthesis, a conversion or a text piece."""
+        inputs = parse_cosyvoice2_request(TensorReader(request_arrays(request)), self.service.default_sampling,
+                                          self.params.max_text_chars)
+        bistream = isinstance(inputs, SynthesisInputs) and inputs.text_mode == "bistream"
+        if bistream and (not self.decoupled or self.instances > 1):  # the appends must reach the instance that reads them
             raise InvalidInput("text_mode", f"bistream needs a streaming model of one instance ({self.name} is "
                                             f"{'decoupled' if self.decoupled else 'not decoupled'}, "
                                             f"{self.instances} instances)")
-        return parse_synthesis_inputs(reader, self.service.default_sampling, self.params.max_text_chars)
+        return inputs
 
     def _follow_pool(self) -> None:
         pool = self.pool

@@ -64,7 +64,7 @@ class TritonPythonModel:
             llm.config.max_token_text_ratio = params.max_token_text_ratio
         self.default_sampling = llm.config.sampling
         self.scheduler = LLMScheduler(llm, max_batch=params.max_batch, max_seq_len=params.max_seq_len,
-                                      max_queue=params.max_queue, exact_len=params.exact_speech_tokens)
+                                      max_queue=params.max_queue)
         pb_utils.Logger.log_info(f"{self.name}: backbone {describe_backbone(llm)}; {threads} torch threads")
         self.metrics = ModelMetrics(pb_utils, LLM_METRICS, instance_labels(args))
         self.streams = LLMStreamForwarder(self.scheduler, on_tokens=self._refresh, on_end=self._count_end)

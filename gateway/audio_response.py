@@ -1,0 +1,159 @@
+"""How every HTTP route that speaks (/v1/tts, /v1/audio/speech, /v1/vc) answers with audio: `send_audio`.
+
+Not streamed: the whole file, made by the offline model, with exact lengths in its header. Streamed: the first
+chunk is awaited before any header goes out (so errors up to then are ordinary JSON errors), then one loop
+encodes each chunk as Triton makes it and writes what the encoder gives, in one of two bodies: the audio
+bytes themselves (`AudioBytes`; a failure after the headers cuts the connection, an incomplete chunked body,
+never a short success) or OpenAI's server-sent events (`AudioEvents`; a failure ends with an error event).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import numpy as np
+from aiohttp import web
+
+from cosyvoice_triton.audio_out import AudioEncoder, AudioFormat, encode
+
+from . import access_log
+from .errors import GatewayError
+from .fields import Fields
+from .request_keys import ABORTED
+from .state import CONFIG, METRICS
+from .synthesis import WireRequest, stream_audio, whole_audio
+
+log = logging.getLogger(__name__)
+
+
+class AudioBytes:
+    """A streamed body of the encoded audio bytes, in chunked transfer."""
+
+    chunked = True
+
+    def content_type(self, fmt: AudioFormat) -> str:
+        return fmt.media_type
+
+    async def write(self, response: web.StreamResponse, data: bytes) -> None:
+        if data:  # an empty write would end a chunked body; encoders hold a few ms until a whole frame
+            await response.write(data)
+
+    async def finish(self, response: web.StreamResponse) -> None:
+        """What follows the last audio bytes: nothing."""
+
+    async def fail(self, request: web.Request, response: web.StreamResponse,
+                   error: GatewayError) -> web.StreamResponse:
+        return abort(request, response)
+
+
+AUDIO_BYTES = AudioBytes()
+
+
+class AudioEvents(AudioBytes):
+    """Server-sent events (OpenAI's stream_format "sse"): a speech.audio.delta for each piece of encoded bytes
+    (base64), then speech.audio.done with the usage; a failure ends the stream with an error event."""
+
+    chunked = False
+
+    def __init__(self, input_tokens: int):
+        self.input_tokens = input_tokens
+
+    def content_type(self, fmt: AudioFormat) -> str:
+        return "text/event-stream"
+
+    async def write(self, response: web.StreamResponse, data: bytes) -> None:
+        if data:
+            await response.write(_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}))
+
+    async def finish(self, response: web.StreamResponse) -> None:
+        tokens = self.input_tokens
+        await response.write(_event({"type": "speech.audio.done",
+                                     "usage": {"input_tokens": tokens, "output_tokens": 0, "total_tokens": tokens}}))
+
+    async def fail(self, request: web.Request, response: web.StreamResponse,
+                   error: GatewayError) -> web.StreamResponse:
+        await response.write(_event({"type": "error", "error": {"message": error.message, "code": error.code}}))
+        await response.write_eof()
+        return response
+
+
+def _event(data: dict) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+def audio_headers(request_id: str, seed: int, fmt: AudioFormat, sample_rate: int) -> dict[str, str]:
+    return {"X-Request-Id": request_id, "X-Seed": str(seed), "X-Sample-Rate": str(fmt.output_rate(sample_rate)),
+            "X-Audio-Format": fmt.name}
+
+
+async def send_audio(request: web.Request, inputs: WireRequest, cost: float, fields: Fields, fmt: AudioFormat,
+                     stream: bool, route: str, body: AudioBytes = AUDIO_BYTES) -> web.StreamResponse:
+    """Synthesize (or convert) the prepared request and answer: the whole file, or `body` streamed."""
+    app = request.app
+    metrics, rate = app[METRICS], app[CONFIG].sample_rate
+    request_id = uuid.uuid4().hex
+    accepted = time.monotonic()
+    headers = {**audio_headers(request_id, inputs.seed, fmt, rate), "Content-Type": body.content_type(fmt)}
+    if not stream:  # the offline model: one full-attention flow pass per sentence, as the official offline path
+        audio = await whole_audio(app, inputs, cost, fields, request_id)
+        metrics.first_chunk.labels(route).observe(time.monotonic() - accepted)
+        metrics.audio_seconds.labels(route).inc(audio.size / rate)
+        access_log.first_chunk(request, time.monotonic() - accepted)
+        access_log.audio_sent(request, audio.size / rate)
+        return web.Response(body=await asyncio.to_thread(encode, audio, fmt, rate), headers=headers)
+    chunks = stream_audio(app, inputs, cost, fields, request_id)
+    async with aclosing(chunks):
+        first = await anext(chunks, None)
+        metrics.first_chunk.labels(route).observe(time.monotonic() - accepted)
+        access_log.first_chunk(request, time.monotonic() - accepted)
+        response = web.StreamResponse(headers={**headers, "Cache-Control": "no-store"})
+        if body.chunked:
+            response.enable_chunked_encoding()
+        await response.prepare(request)
+        return await _write_stream(request, response, first, chunks, fmt, route, body, request_id)
+
+
+async def _write_stream(request: web.Request, response: web.StreamResponse, first: np.ndarray | None,
+                        chunks: AsyncIterator[np.ndarray], fmt: AudioFormat, route: str, body: AudioBytes,
+                        request_id: str) -> web.StreamResponse:
+    """The one encode loop: each chunk fed to the encoder, what it gives written as `body` says."""
+    metrics, rate = request.app[METRICS], request.app[CONFIG].sample_rate
+    samples = 0
+    metrics.active_streams.labels(route).inc()
+    encoder = AudioEncoder(fmt, rate)
+    try:
+        chunk = first
+        while chunk is not None:
+            await body.write(response, encoder.feed(chunk))
+            samples += chunk.size
+            chunk = await anext(chunks, None)
+        await body.write(response, encoder.finish())
+        await body.finish(response)
+    except GatewayError as exc:
+        metrics.errors.labels(exc.code).inc()
+        log.warning("request %s: stream failed after %.2f s of audio: %s", request_id, samples / rate, exc)
+        return await body.fail(request, response, exc)
+    except ConnectionError:  # the client went away while we wrote
+        return abort(request, response)
+    finally:
+        encoder.close()
+        metrics.active_streams.labels(route).dec()
+        metrics.audio_seconds.labels(route).inc(samples / rate)
+        access_log.audio_sent(request, samples / rate)
+    await response.write_eof()
+    return response
+
+
+def abort(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """Cut the connection of a response whose headers went out, so that the client sees an incomplete
+    chunked body rather than a short success (aiohttp then skips the end of the body quietly)."""
+    request[ABORTED] = True
+    if request.transport is not None:
+        request.transport.abort()
+    return response
