@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_triton.errors import CosyVoiceError
-from cosyvoice_triton.messages import SAMPLE_RATE
+from cosyvoice_triton.messages import SAMPLE_RATE, SPEECH_TOKENS_PER_SECOND
 
 # A prompt recording: a file (path or its bytes: WAV, FLAC, OGG, ...) or samples in [-1, 1].
 PromptAudio = str | os.PathLike | bytes | np.ndarray
@@ -102,7 +102,7 @@ class VoiceInfo:
 
     @property
     def prompt_seconds(self) -> float | None:
-        return None if self.prompt_tokens is None else self.prompt_tokens / 25.0
+        return None if self.prompt_tokens is None else self.prompt_tokens / SPEECH_TOKENS_PER_SECOND
 
 
 def prompt_bytes(audio: str | os.PathLike | bytes) -> bytes:

@@ -19,7 +19,6 @@ import logging
 from aiohttp import web
 
 from cosyvoice_triton.errors import Cancelled, CosyVoiceError, InvalidInput, NotFound, Unavailable
-from cosyvoice_triton.voices.store import short_repr  # noqa: F401  (re-exported for the routes)
 
 from .request_keys import ERROR_CODE
 

@@ -35,6 +35,8 @@ from aiohttp import web
 
 from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.preprocess.voice_features import audio_sha256
+from cosyvoice_triton.admission import ENCODE_COST
+from cosyvoice_triton.messages import SPEECH_TOKENS_PER_SECOND
 from cosyvoice_triton.voices.store import VoiceRecord, check_voice_id, visible_to
 from cosyvoice_triton.triton.contracts import PromptAudio, RegisterInputs, registered_voice_id
 
@@ -43,7 +45,6 @@ from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
 from .errors import BadRequest, Forbidden, GatewayError, VoiceNotFound
 from .fields import REGISTER_FIELDS
 from .protocol import json_body, parse_registration
-from .routing import ENCODE_COST
 from .state import CONFIG, REGISTRATION_RATE, STORE
 from .synthesis import call_model, decode_recording, gateway_error
 from .triton_channel import TritonCallError
@@ -62,7 +63,7 @@ class AlreadyRegistered(GatewayError):
 
 def voice_json(info, created: bool | None = None) -> dict:
     body = {"id": info.voice_id, "name": info.name, "text": info.text, "audio_sha256": info.audio_sha256,
-            "prompt_tokens": info.tokens, "prompt_seconds": info.tokens / 25.0, "created_at": info.created_at,
+            "prompt_tokens": info.tokens, "prompt_seconds": info.tokens / SPEECH_TOKENS_PER_SECOND, "created_at": info.created_at,
             "shared": info.shared, "modes": list(info.modes)}
     if created is not None:
         body["created"] = created

@@ -37,8 +37,7 @@ from pathlib import Path
 
 import aiohttp
 
-from cosyvoice_triton.admission import BASE_COST, ENCODE_COST, MEAN_COST, request_cost, text_tokens_estimate  # noqa: F401 (re-exported)
-from cosyvoice_triton.messages import SPEECH_TOKENS_PER_SECOND as TOKENS_PER_SECOND  # noqa: F401 (re-exported)
+from cosyvoice_triton.admission import MEAN_COST, request_cost, text_tokens_estimate
 from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.server_pool import Server, ServerPool
 from cosyvoice_triton.targets import Resolver, TritonTarget, discover, resolve_ips

@@ -24,6 +24,7 @@ from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.pipeline.voice_conversion import validate_source_audio
 from cosyvoice_triton.preprocess.audio import decode_audio, validate_prompt_audio
 from cosyvoice_triton.triton.contracts import ConversionInputs, PromptAudio, SynthesisInputs, waveform_of
+from cosyvoice_triton.voices.prompt_budget import speech_tokens_of
 from cosyvoice_triton.voices.store import VoiceRecord, check_voice_id, visible_to
 
 from . import admission
@@ -39,7 +40,6 @@ from .errors import (
     VoiceNotFound,
 )
 from .fields import Fields
-from .routing import TOKENS_PER_SECOND
 from .state import CONFIG, COSTS, DEFAULT_VOICE, METRICS, ROUTER, STORE
 from .triton_channel import TritonCallError
 
@@ -114,7 +114,7 @@ async def decode_recording(audio: PromptAudio, field: str,
 
 def speech_tokens(audio: PromptAudio) -> int:
     """A decoded recording's length in speech tokens (25 per second)."""
-    return int(audio.samples.shape[0] / audio.sample_rate * TOKENS_PER_SECOND)
+    return speech_tokens_of(audio.samples.shape[0], audio.sample_rate)
 
 
 def routing_cost(app: web.Application, inputs: WireRequest, prompt_tokens: int) -> float:

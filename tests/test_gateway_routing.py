@@ -22,7 +22,8 @@ from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.gateway.config import GatewayConfig, RoutingConfig
 from cosyvoice_triton.targets import TritonTarget
 from cosyvoice_triton.gateway.errors import ServiceUnavailable
-from cosyvoice_triton.gateway.routing import BASE_COST, ENCODE_COST, CostModel, Router
+from cosyvoice_triton.admission import BASE_COST, ENCODE_COST
+from cosyvoice_triton.gateway.routing import CostModel, Router
 from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.gateway.state import ROUTER
 from cosyvoice_triton.server_pool import Server

@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import math
 
-from ..messages import MIN_HOP_TOKENS, ChunkPolicy  # noqa: F401 - the message and its limit live there
+from ..messages import MIN_HOP_TOKENS, SPEECH_TOKENS_PER_SECOND, ChunkPolicy  # noqa: F401 - the message and its limit live there
 
-TOKEN_RATE_HZ = 25.0  # speech tokens per second of audio
 LOW_LEAD_S = 0.5  # adaptive: below this lead the next chunk is kept small and may be cut early
 ADAPTIVE_MAX_HOP_SCALE = 4  # adaptive: a stream that is ahead grows its hops up to this x max_hop
 
@@ -88,7 +87,7 @@ class ChunkSchedule:
         if not self.adaptive or lead_s is None:
             return min(policy.max_hop, int(self._hop * policy.hop_scale))
         grown = min(ADAPTIVE_MAX_HOP_SCALE * policy.max_hop, int(self._hop * policy.hop_scale))
-        if lead_s + emitted / TOKEN_RATE_HZ >= grown / TOKEN_RATE_HZ:
+        if lead_s + emitted / SPEECH_TOKENS_PER_SECOND >= grown / SPEECH_TOKENS_PER_SECOND:
             return grown
         if lead_s < LOW_LEAD_S and not first:
             return policy.first_hop
