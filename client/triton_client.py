@@ -89,7 +89,7 @@ def synthesis_inputs(text: str, *, voice_id: str | None = None, prompt_audio: Pr
                                       **overrides)
 
 
-CONVERSION_OPTIONS = ("chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy")
+CONVERSION_OPTIONS = tuple(contracts.CHUNK_FIELDS)  # chunk_first_hop, ...: the chunk policy's overrides
 
 
 def conversion_inputs(audio: PromptAudio, *, sample_rate: int | None = None, voice_id: str | None = None,
@@ -124,12 +124,12 @@ def bistream_request(model: str, request_id: str | None, **options) -> service_p
     """The opening request of a bistream synthesis (text_mode bistream, no text yet; `options` as for
     `synthesis_inputs`): its id names the synthesis in the text_append requests that follow."""
     request_id = request_id or uuid.uuid4().hex
-    return stream_request(model, "", request_id, text_mode="bistream", text_stream_id=request_id, **options)
+    return stream_request(model, "", request_id, text_mode=contracts.BISTREAM, text_stream_id=request_id, **options)
 
 
 def _waveform(response: service_pb2.ModelInferResponse) -> np.ndarray:
     """The whole waveform of an offline model's answer."""
-    return response_outputs(response)["waveform"].astype(np.float32, copy=False)
+    return contracts.waveform_of(response_outputs(response))
 
 
 def _rpc_error(exc: grpc.RpcError) -> TTSError:
@@ -138,10 +138,9 @@ def _rpc_error(exc: grpc.RpcError) -> TTSError:
 
 def _register_result(response: service_pb2.ModelInferResponse, prompt_text: str | None,
                      name: str | None) -> VoiceInfo:
-    out = response_outputs(response)
-    return VoiceInfo(voice_id=out["voice_id"].reshape(-1)[0].decode(),
-                     audio_sha256=out["audio_sha256"].reshape(-1)[0].decode(),
-                     prompt_tokens=int(out["prompt_tokens"].reshape(-1)[0]), prompt_text=prompt_text, name=name)
+    registered = contracts.parse_register_outputs(response_outputs(response))
+    return VoiceInfo(voice_id=registered.voice_id, audio_sha256=registered.audio_sha256,
+                     prompt_tokens=registered.prompt_tokens, prompt_text=prompt_text, name=name)
 
 
 def _register_values(audio: PromptAudio, sample_rate: int | None, prompt_text: str | None, voice_id: str | None,
@@ -191,11 +190,10 @@ class _StreamResponses:
 
     def _chunk(self, outputs: dict[str, np.ndarray]) -> np.ndarray | None:
         """A response's audio, None when it has none."""
-        chunk = outputs.get("waveform")
-        if chunk is None or not chunk.size:
-            return None
-        self.stats.add(chunk, self._started)
-        return chunk.astype(np.float32, copy=False)
+        chunk = contracts.chunk_of(outputs)
+        if chunk is not None:
+            self.stats.add(chunk, self._started)
+        return chunk
 
     def _finish(self) -> None:
         self.stats.total_s = time.monotonic() - self._started

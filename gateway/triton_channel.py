@@ -27,6 +27,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from cosyvoice_triton.errors import CosyVoiceError
 from cosyvoice_triton.triton import wire
+from cosyvoice_triton.triton.contracts import chunk_of
 from cosyvoice_triton.triton.grpc_stream import AsyncStreamReader, status_error
 from cosyvoice_triton.triton.wire import infer_request, response_outputs
 
@@ -112,9 +113,9 @@ class TritonClient:
                                       first_timeout_s=first_timeout_s, next_timeout_s=chunk_timeout_s)
         async with aclosing(responses):
             async for outputs in responses:
-                waveform = outputs.get("waveform")
-                if waveform is not None and waveform.size:
-                    yield waveform.reshape(-1)
+                chunk = chunk_of(outputs)
+                if chunk is not None:
+                    yield chunk
 
     async def infer(self, model: str, inputs: Mapping[str, np.ndarray], timeout_s: float,
                     request_id: str = "") -> dict[str, np.ndarray]:

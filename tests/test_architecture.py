@@ -26,6 +26,7 @@ the checks above keep the library from importing them.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -289,3 +290,53 @@ def test_the_library_has_no_import_circles():
     """Lazy imports inside functions count too: a circle hidden in a function is still a circle."""
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 5000))
     assert circles(module_graph()) == []
+
+
+# ---- tensor names are spelled in cosyvoice_triton/triton/contracts.py only (and the config.pbtxt files) ----
+
+MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+# The Triton-side code outside contracts.py: it names tensors by contracts' constants and functions.
+TENSOR_USERS = sorted([*(LIBRARY / "triton").glob("*.py"), *MODEL_REPOSITORY.glob("*/1/model.py"),
+                       REPO_ROOT / "gateway" / "triton_channel.py", REPO_ROOT / "client" / "triton_client.py"])
+# Strings there that equal a tensor name without naming a tensor: (file, string) -> why.
+NOT_TENSOR_NAMES = {
+    ("cosyvoice_triton/triton/metrics.py", "finalize"): "a label of the freed-streams metric: its final chunk",
+    ("cosyvoice_triton/triton/metrics.py", "cancel"): "a label of the freed-streams metric: cancelled",
+}
+
+
+def tensor_names() -> set[str]:
+    """Every input and output name in the config.pbtxt files (`name: "..."`, less the models' own names)."""
+    names = set()
+    for config in MODEL_REPOSITORY.glob("*/config.pbtxt"):
+        names |= set(re.findall(r'(?<!\w)name:\s*"(\w+)"', config.read_text()))
+    return names - {config.parent.name for config in MODEL_REPOSITORY.glob("*/config.pbtxt")}
+
+
+def name_literals(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, string) of every string literal in `source` that is one of `names`; docstrings do not count."""
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return sorted((node.lineno, node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+                  and id(node) not in docstrings)
+
+
+def test_the_name_finder_finds_names_but_not_docstrings():
+    source = '"""waveform"""\ndef f():\n    """waveform"""\n    return {"waveform": x, "other": "stream_id"}\n'
+    assert name_literals(source, {"waveform", "stream_id"}) == [(4, "stream_id"), (4, "waveform")]
+    assert {"waveform", "speech_tokens", "stream_id", "reference_wav"} <= tensor_names()
+    assert "cosyvoice2" not in tensor_names() and "llm" not in tensor_names()
+
+
+def test_tensor_names_are_spelled_only_in_contracts():
+    """A model's tensors are named on one page (contracts.py: constants, builders, readers); a literal elsewhere
+    is a second spelling that a renamed tensor leaves behind."""
+    names = tensor_names()
+    found = [f"{path.relative_to(REPO_ROOT)}:{line}: {value!r}"
+             for path in TENSOR_USERS if path.name != "contracts.py"
+             for line, value in name_literals(path.read_text(), names)
+             if (path.relative_to(REPO_ROOT).as_posix(), value) not in NOT_TENSOR_NAMES]
+    assert found == []

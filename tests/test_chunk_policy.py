@@ -2,7 +2,8 @@
 import pytest
 
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.pipeline.chunk_policy import LOW_LEAD_S, ChunkPolicy, ChunkSchedule
+from cosyvoice_triton.messages import ChunkPolicy
+from cosyvoice_triton.pipeline.chunk_policy import LOW_LEAD_S, ChunkSchedule
 
 LOOKAHEAD = 3
 PROMPT = 20  # tokens: the first hop is padded by 5 to end on a 25-token flow chunk

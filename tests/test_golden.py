@@ -26,7 +26,8 @@ from cosyvoice_triton.models.flow import FlowConfig, FlowMatching, FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise, ZeroNoise
 from cosyvoice_triton.models.speech_lm import SpeechLM
-from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy, ChunkSchedule
+from cosyvoice_triton.messages import ChunkPolicy
+from cosyvoice_triton.pipeline.chunk_policy import ChunkSchedule
 from cosyvoice_triton.llm.generate import generate
 from cosyvoice_triton.token2wav.stream import FlowPrompt, Token2Wav
 from cosyvoice_triton.token2wav.vocoder_stream import VocoderStream

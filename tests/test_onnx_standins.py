@@ -14,7 +14,8 @@ from cosyvoice_triton.engines.onnx_session import open_session, providers_for
 from cosyvoice_triton.errors import InvalidInput, ModelFolderError
 from cosyvoice_triton.random_folder.onnx_standins import write_campplus_standin, write_speech_tokenizer_standin
 from cosyvoice_triton.preprocess.features import speaker_fbank, whisper_log_mel
-from cosyvoice_triton.preprocess.prompt import PromptEncoder, audio_sha256
+from cosyvoice_triton.preprocess.prompt import PromptEncoder
+from cosyvoice_triton.preprocess.voice_features import audio_sha256
 
 SPEECH_CODEBOOK = 6561
 

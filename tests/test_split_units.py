@@ -6,15 +6,16 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
-from cosyvoice_triton.errors import Unavailable
+from cosyvoice_triton.errors import InvalidInput, Unavailable, Unreachable
 from cosyvoice_triton.messages import ChunkRequest, FlowPrompt
 from cosyvoice_triton.server.launcher import ServeOptions, render_run_repository, role_models
 from cosyvoice_triton.targets import TritonTarget
-from cosyvoice_triton.triton.remote_token2wav import PoolStats, RemoteToken2Wav, Unreachable
+from cosyvoice_triton.triton.remote_token2wav import PoolStats, RemoteToken2Wav, Transport
 from cosyvoice_triton.triton.tensors import RemoteError
 
 MODELS = ["audio_tokenizer", "cosyvoice2", "cosyvoice2_offline", "llm", "prompt_audio", "prompt_encoder",
@@ -147,6 +148,39 @@ def test_a_bad_request_is_not_retried_elsewhere():
     with pytest.raises(RemoteError, match="out of range"):
         remote.chunk(first("s1"))
     assert b1.calls == []
+
+
+class FailedCall(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str = ""):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+@pytest.mark.parametrize("code, details, ready, kind", [
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "", True, Unreachable),  # no answer in time: leaves the pool
+    (grpc.StatusCode.UNAVAILABLE, "connection refused", False, Unreachable),  # the server is gone
+    (grpc.StatusCode.UNAVAILABLE, "busy", True, Unavailable),  # it answers: another backend for a first chunk
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "full", True, Unavailable),
+    (grpc.StatusCode.INVALID_ARGUMENT, InvalidInput("tokens", "out of range").to_wire(), True, InvalidInput),
+    (grpc.StatusCode.INTERNAL, "boom", True, None),  # raised as the backend's internal error
+])
+def test_a_failed_grpc_call_becomes_unreachable_or_the_backends_error(code, details, ready, kind):
+    transport = Transport(TritonTarget.parse("grpc://127.0.0.1:1", "token2wav_backends"), timeout_s=1.0)
+    transport.ready = lambda model, timeout_s: ready
+    try:
+        error = transport._error(FailedCall(code, details), "token2wav")
+    finally:
+        transport.close()
+    if kind is Unreachable:
+        assert isinstance(error, Unreachable)
+    else:  # the backend answered: its error, of its kind
+        assert isinstance(error, RemoteError) and not isinstance(error, Unreachable)
+        assert isinstance(error.error, kind) if kind else error.error.code == "internal"
 
 
 def test_a_stream_whose_backend_dies_ends_with_unavailable():

@@ -16,7 +16,8 @@ from cosyvoice_triton.errors import InvalidInput, NotFound, Unavailable
 from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise
-from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy, ChunkSchedule
+from cosyvoice_triton.messages import ChunkPolicy
+from cosyvoice_triton.pipeline.chunk_policy import ChunkSchedule
 from cosyvoice_triton.token2wav.stream import FlowPrompt, Token2Wav
 from cosyvoice_triton.token2wav.scheduler import ChunkRequest, Token2WavScheduler
 

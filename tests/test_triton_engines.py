@@ -74,7 +74,7 @@ def reference_chunks(engine_model, prompt) -> list[np.ndarray]:
     """The streamed chunks of the library's pipeline, all on torch."""
     import torch
 
-    from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy
+    from cosyvoice_triton.messages import ChunkPolicy
     from cosyvoice_triton.pipeline.local_stages import ReferenceLLM, ReferenceToken2Wav
     from cosyvoice_triton.pipeline.pipeline import Pipeline
     from cosyvoice_triton.messages import SynthesisRequest

@@ -90,7 +90,7 @@ class Reference:
     def chunks(self, text: str, voice, seed: int, stream: bool = True, mode: str = "zero_shot",
                limit: int | None = None, instruct_text: str = "", **policy) -> list[np.ndarray]:
         """The request's chunks (the first `limit` only, when given: the rest is not computed)."""
-        from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy
+        from cosyvoice_triton.messages import ChunkPolicy
         from cosyvoice_triton.messages import SynthesisRequest
 
         request = SynthesisRequest(text=text, voice=voice, mode=mode, instruct_text=instruct_text, seed=seed,

@@ -275,7 +275,8 @@ def test_errors_map_to_triton_codes():
 
 
 def test_align_prompt_features_matches_the_prompt_encoder(tiny):
-    from cosyvoice_triton.preprocess.prompt import PromptEncoder, audio_sha256
+    from cosyvoice_triton.preprocess.prompt import PromptEncoder
+    from cosyvoice_triton.preprocess.voice_features import audio_sha256
 
     encoder = PromptEncoder.from_model_dir(tiny)
     wav = speech_like(1.3, RATE, seed=3)

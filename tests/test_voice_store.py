@@ -13,7 +13,8 @@ import pytest
 import redis
 
 from cosyvoice_triton.errors import InvalidInput, NotFound, Unavailable
-from cosyvoice_triton.preprocess.prompt import PromptFeatures, audio_sha256
+from cosyvoice_triton.messages import PromptFeatures
+from cosyvoice_triton.preprocess.voice_features import audio_sha256
 from cosyvoice_triton.voices.store import (CorruptVoice, VoiceStore, decode_features, encode_features,
                                            generated_voice_id, register_once)
 from cosyvoice_triton.voices.stores import open_voice_store

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 
-from ..messages import MIN_HOP_TOKENS, SPEECH_TOKENS_PER_SECOND, ChunkPolicy  # noqa: F401 - the message and its limit live there
+from ..messages import SPEECH_TOKENS_PER_SECOND, ChunkPolicy
 
 LOW_LEAD_S = 0.5  # adaptive: below this lead the next chunk is kept small and may be cut early
 ADAPTIVE_MAX_HOP_SCALE = 4  # adaptive: a stream that is ahead grows its hops up to this x max_hop

@@ -29,7 +29,8 @@ from ..config import ModelPaths
 from ..engines.providers import check_torch_device
 from ..engines.select import build_token2wav, open_campplus
 from ..errors import ModelFolderError
-from ..preprocess.prompt import PromptEncoder, PromptFeatures
+from ..messages import PromptFeatures
+from ..preprocess.prompt import PromptEncoder
 from ..preprocess.text import TextPreprocessor
 from ..models.flow_cache import FlowCacheSettings
 from ..models.speech_lm import SpeechLM

@@ -19,7 +19,8 @@ from cosyvoice_triton.engines.base import Runner
 from cosyvoice_triton.engines.onnx_session import Device, input_names, open_session
 from cosyvoice_triton.preprocess.audio import resample, validate_prompt_audio
 from cosyvoice_triton.preprocess.features import MelConfig, prompt_mel, speaker_fbank, whisper_log_mel
-from cosyvoice_triton.preprocess.voice_features import PromptFeatures, audio_sha256  # noqa: F401 - re-exported
+from cosyvoice_triton.messages import PromptFeatures
+from cosyvoice_triton.preprocess.voice_features import audio_sha256
 
 SPEAKER_RATE = 16000  # CAM++ and the S3 tokenizer
 WHISPER_MELS = 128

@@ -9,8 +9,6 @@ import hashlib
 
 import numpy as np
 
-from cosyvoice_triton.messages import PromptFeatures  # noqa: F401 - the voice's message lives there
-
 
 def audio_sha256(samples: np.ndarray, sample_rate: int) -> str:
     """Hex digest of the sample rate (uint32 LE) followed by the float32 LE samples."""

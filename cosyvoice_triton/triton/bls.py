@@ -14,20 +14,20 @@ that holds the stream, hence one `llm` instance per server (see llm/config.pbtxt
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from cosyvoice_triton.preprocess.prompt import PromptFeatures
+from cosyvoice_triton.messages import PromptFeatures
 from cosyvoice_triton.llm.scheduler import LLMRequest
 from cosyvoice_triton.token2wav.scheduler import ChunkRequest
 from cosyvoice_triton.triton import contracts
 from cosyvoice_triton.triton.tensors import RemoteError, output_tensors, response_arrays
 
 
-def bls_request(pb, model: str, inputs: Mapping[str, np.ndarray], outputs: list[str]):
+def bls_request(pb, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]):
     return pb.InferenceRequest(model_name=model, inputs=output_tensors(pb, inputs),
-                               requested_output_names=outputs)
+                               requested_output_names=list(outputs))
 
 
 def _check(response, model: str) -> None:
@@ -43,14 +43,14 @@ class BlsTokenStream:
         self._pb = pb
         self._model = model
         self.stream_id = request.stream_id
-        self._responses = bls_request(pb, model, contracts.llm_inputs(request), ["speech_tokens"]).exec(
+        self._responses = bls_request(pb, model, contracts.llm_inputs(request), contracts.LLM_OUTPUTS).exec(
             decoupled=True)
         self._ended = False
 
     def __iter__(self) -> Iterator[list[int]]:
         for response in self._responses:
             _check(response, self._model)
-            tensor = self._pb.get_output_tensor_by_name(response, "speech_tokens")
+            tensor = self._pb.get_output_tensor_by_name(response, contracts.SPEECH_TOKENS)
             if tensor is not None:
                 tokens = tensor.as_numpy().reshape(-1).astype(np.int64).tolist()
                 if tokens:
@@ -90,12 +90,12 @@ class BlsToken2Wav:
         self.model = model
 
     def chunk(self, chunk: ChunkRequest) -> np.ndarray:
-        response = bls_request(self.pb, self.model, contracts.chunk_inputs(chunk), ["waveform"]).exec()
-        return response_arrays(self.pb, response, self.model)["waveform"][0]
+        response = bls_request(self.pb, self.model, contracts.chunk_inputs(chunk), contracts.TOKEN2WAV_OUTPUTS).exec()
+        return contracts.waveform_of(response_arrays(self.pb, response, self.model))
 
     def cancel(self, stream_id: str) -> None:
         response = bls_request(self.pb, self.model, contracts.token2wav_cancel_inputs(stream_id),
-                               ["waveform"]).exec()
+                               contracts.TOKEN2WAV_OUTPUTS).exec()
         _check(response, self.model)
 
 
@@ -109,6 +109,6 @@ class BlsPromptEncoder:
 
     def encode(self, samples: np.ndarray, sample_rate: int, text: str, audio_sha256: str) -> PromptFeatures:
         response = bls_request(self.pb, self.model, contracts.prompt_encoder_inputs(samples, sample_rate),
-                               ["embedding", "speech_tokens", "prompt_mel"]).exec()
+                               contracts.PROMPT_ENCODER_OUTPUTS).exec()
         outputs = response_arrays(self.pb, response, self.model)
         return contracts.prompt_features_from_outputs(outputs, text, audio_sha256, self.token_mel_ratio)

@@ -3,7 +3,10 @@
 Every builder here (used by a caller, usually a BLS call) has its parser (used by the callee), so a
 contract lives in one place. "[1]" is a scalar; "opt" marks an optional input. Models with
 `max_batch_size > 0` (prompt_encoder and its steps, token2wav) get a leading batch dimension on every
-tensor, which callers send as 1 (one request = one row; the dynamic batcher gathers requests).
+tensor, which callers send as 1 (one request = one row; the dynamic batcher gathers requests). Outputs too
+have a builder (the callee's: `waveform_outputs`, ...) and a reader (the caller's: `waveform_of`, ...); a
+name that code beyond this page needs is a constant here (`WAVEFORM`, `STREAM_ID`, ...; `*_OUTPUTS`: what a
+BLS caller asks a model for), so no other file spells a tensor name.
 
 A cosyvoice2 request is typed once, for both sides: `SynthesisInputs` and `ConversionInputs` (the wire
 requests; `RegisterInputs` for register_voice) go to tensors with `tensors()` and come back with the parsers,
@@ -117,6 +120,26 @@ SPEAKER_EMBEDDING = "speaker_embedding"
 AUDIO_TOKENIZER = "audio_tokenizer"
 REGISTER_VOICE = "register_voice"
 
+# Tensor names that code beyond this page needs (the config.pbtxt files name them too). Outputs:
+WAVEFORM = "waveform"  # cosyvoice2, cosyvoice2_offline, token2wav: FP32 audio at 24 kHz
+SPEECH_TOKENS = "speech_tokens"  # llm, audio_tokenizer, prompt_encoder: INT32 S3 tokens, 25 Hz
+EMBEDDING = "embedding"  # speaker_embedding, prompt_encoder: FP32 [192]
+PROMPT_MEL = "prompt_mel"  # prompt_audio, prompt_encoder: FP32 [-1, 80]
+WAV16K = "wav16k"  # prompt_audio's output, the input of speaker_embedding and audio_tokenizer
+VOICE_ID, AUDIO_SHA256, PROMPT_TOKENS = "voice_id", "audio_sha256", "prompt_tokens"  # register_voice
+# What a BLS caller asks each model for.
+LLM_OUTPUTS = (SPEECH_TOKENS,)
+TOKEN2WAV_OUTPUTS = (WAVEFORM,)
+AUDIO_TOKENIZER_OUTPUTS = (SPEECH_TOKENS,)
+PROMPT_ENCODER_OUTPUTS = (EMBEDDING, SPEECH_TOKENS, PROMPT_MEL)
+# Inputs that errors raised beyond this page name.
+STREAM_ID = "stream_id"  # llm, token2wav
+TEXT_APPEND = "text_append"  # llm, cosyvoice2
+TEXT_MODE = "text_mode"  # cosyvoice2
+REFERENCE_WAV, REFERENCE_TEXT = "reference_wav", "reference_text"  # cosyvoice2, register_voice, prompt_audio
+SOURCE_AUDIO = "source_audio"  # cosyvoice2 mode vc
+SENTENCES, BISTREAM = TEXT_MODES  # the values of text_mode
+
 SAMPLING_FIELDS = ("top_p", "top_k", "win_size", "tau_r")
 # The chunk-policy overrides of cosyvoice2: input (and request field of that name) -> ChunkPolicy attribute.
 CHUNK_FIELDS = {"chunk_first_hop": "first_hop", "chunk_hop_scale": "hop_scale", "chunk_max_hop": "max_hop",
@@ -158,7 +181,7 @@ def check_optional_text(value: object, name: str) -> None:
 
 def check_text_mode(text_mode: object) -> None:
     if text_mode not in TEXT_MODES:
-        raise InvalidInput("text_mode", f"must be one of {', '.join(TEXT_MODES)}, got {text_mode!r}")
+        raise InvalidInput(TEXT_MODE, f"must be one of {', '.join(TEXT_MODES)}, got {text_mode!r}")
 
 
 def check_text_piece(text: str, max_chars: int) -> None:
@@ -230,7 +253,7 @@ class TextAppend:
 
 
 def llm_inputs(request: LLMRequest) -> dict[str, np.ndarray]:
-    values = {"stream_id": string_array(request.stream_id),
+    values = {STREAM_ID: string_array(request.stream_id),
               "text_tokens": np.asarray(request.text_tokens, dtype=np.int32),
               "seed": np.array([request.seed], dtype=np.uint64)}
     if request.prompt_text_tokens:
@@ -244,22 +267,33 @@ def llm_inputs(request: LLMRequest) -> dict[str, np.ndarray]:
 
 
 def llm_append_inputs(stream_id: str, tokens: list[int], end: bool) -> dict[str, np.ndarray]:
-    return {"stream_id": string_array(stream_id), "text_append": np.array([True]),
+    return {STREAM_ID: string_array(stream_id), TEXT_APPEND: np.array([True]),
             "text_tokens": np.asarray(tokens, dtype=np.int32), "text_end": np.array([end])}
 
 
 def llm_cancel_inputs(stream_id: str) -> dict[str, np.ndarray]:
-    return {"stream_id": string_array(stream_id), "cancel": np.array([True])}
+    return {STREAM_ID: string_array(stream_id), "cancel": np.array([True])}
+
+
+def speech_tokens_outputs(tokens, batched: bool = False) -> dict[str, np.ndarray]:
+    """The answer of llm (the tokens since the previous response) or, `batched` (1, N), of audio_tokenizer."""
+    array = np.asarray(tokens, dtype=np.int32)
+    return {SPEECH_TOKENS: array.reshape(1, -1) if batched else array.reshape(-1)}
+
+
+def speech_tokens_from_outputs(outputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The `speech_tokens` of an llm or audio_tokenizer answer: (N,) int32."""
+    return np.asarray(outputs[SPEECH_TOKENS], dtype=np.int32).reshape(-1)
 
 
 def parse_llm_request(reader: TensorReader,
                       default_sampling: SamplingParams) -> LLMRequest | StreamCancel | TextAppend:
-    stream_id = reader.string("stream_id", required=True)
+    stream_id = reader.string(STREAM_ID, required=True)
     if not stream_id:
-        raise InvalidInput("stream_id", "must not be empty")
+        raise InvalidInput(STREAM_ID, "must not be empty")
     if reader.boolean("cancel"):
         return StreamCancel(stream_id)
-    if reader.boolean("text_append"):
+    if reader.boolean(TEXT_APPEND):
         return TextAppend(stream_id, reader.token_ids("text_tokens"), reader.boolean("text_end", default=False))
     seed = reader.integer("seed", required=True, low=0, high=SEED_LIMIT - 1)
     bistream = reader.boolean("bistream", default=False)
@@ -273,7 +307,7 @@ def parse_llm_request(reader: TensorReader,
 
 def chunk_inputs(chunk: ChunkRequest) -> dict[str, np.ndarray]:
     """One token2wav request (batch dimension 1 on every tensor)."""
-    values = {"stream_id": string_array(chunk.stream_id, batched=True),
+    values = {STREAM_ID: string_array(chunk.stream_id, batched=True),
               "tokens": np.asarray(chunk.tokens, dtype=np.int32).reshape(1, -1),
               "finalize": np.array([[chunk.finalize]])}
     if chunk.seed is not None:
@@ -283,32 +317,32 @@ def chunk_inputs(chunk: ChunkRequest) -> dict[str, np.ndarray]:
     if chunk.prompt is not None:
         prompt = chunk.prompt
         values["prompt_speech_tokens"] = np.asarray(prompt.speech_tokens, dtype=np.int32).reshape(1, -1)
-        values["prompt_mel"] = np.asarray(prompt.mel, dtype=np.float32)  # (1, 2P, 80)
-        values["embedding"] = np.asarray(prompt.embedding, dtype=np.float32).reshape(1, -1)
+        values[PROMPT_MEL] = np.asarray(prompt.mel, dtype=np.float32)  # (1, 2P, 80)
+        values[EMBEDDING] = np.asarray(prompt.embedding, dtype=np.float32).reshape(1, -1)
     return values
 
 
 def token2wav_cancel_inputs(stream_id: str) -> dict[str, np.ndarray]:
-    return {"stream_id": string_array(stream_id, batched=True), "cancel": np.array([[True]])}
+    return {STREAM_ID: string_array(stream_id, batched=True), "cancel": np.array([[True]])}
 
 
 def parse_chunk(reader: TensorReader) -> ChunkRequest | StreamCancel:
     """A batched token2wav request (reader.batched is True); the prompt stays numpy (token2wav converts it)."""
-    stream_id = reader.string("stream_id", required=True)
+    stream_id = reader.string(STREAM_ID, required=True)
     if not stream_id:
-        raise InvalidInput("stream_id", "must not be empty")
+        raise InvalidInput(STREAM_ID, "must not be empty")
     if reader.boolean("cancel"):
         return StreamCancel(stream_id)
     prompt = None
-    names = ("prompt_speech_tokens", "prompt_mel", "embedding")
+    names = ("prompt_speech_tokens", PROMPT_MEL, EMBEDDING)
     given = [name for name in names if reader.has(name)]
     if given:
         missing = [name for name in names if name not in given]
         if missing:
             raise InvalidInput(missing[0], f"is required with {', '.join(given)} (a stream's first chunk)")
         tokens = reader.array("prompt_speech_tokens", np.int32, 1)
-        mel = reader.array("prompt_mel", np.float32, 2)
-        embedding = reader.array("embedding", np.float32, 1)
+        mel = reader.array(PROMPT_MEL, np.float32, 2)
+        embedding = reader.array(EMBEDDING, np.float32, 1)
         prompt = FlowPrompt(speech_tokens=tokens[None], mel=mel[None], embedding=embedding[None])
     return ChunkRequest(stream_id=stream_id, tokens=reader.token_ids("tokens"),
                         finalize=reader.boolean("finalize"), prompt=prompt,
@@ -319,7 +353,7 @@ def parse_chunk(reader: TensorReader) -> ChunkRequest | StreamCancel:
 # ---- prompt encoder ----------------------------------------------------------------------------------
 
 def prompt_encoder_inputs(samples: np.ndarray, sample_rate: int) -> dict[str, np.ndarray]:
-    return {"reference_wav": np.asarray(samples, dtype=np.float32).reshape(1, -1),
+    return {REFERENCE_WAV: np.asarray(samples, dtype=np.float32).reshape(1, -1),
             "reference_sample_rate": np.array([[sample_rate]], dtype=np.int32)}
 
 
@@ -336,15 +370,36 @@ def align_prompt_features(embedding: np.ndarray, speech_tokens: np.ndarray, mel:
 def prompt_features_from_outputs(outputs: dict[str, np.ndarray], text: str, audio_sha256: str,
                                  token_mel_ratio: int = 2) -> PromptFeatures:
     """prompt_encoder's batched outputs (batch of 1) -> aligned PromptFeatures."""
-    return align_prompt_features(outputs["embedding"][0], outputs["speech_tokens"][0], outputs["prompt_mel"][0],
+    return align_prompt_features(outputs[EMBEDDING][0], outputs[SPEECH_TOKENS][0], outputs[PROMPT_MEL][0],
                                  text, audio_sha256, token_mel_ratio)
 
 
 def read_prompt_audio_batch(reader: TensorReader) -> tuple[np.ndarray, int]:
     """prompt_audio's batched inputs -> (samples (N,) float32, rate)."""
-    samples = reader.array("reference_wav", np.float32, 1, required=True)
+    samples = reader.array(REFERENCE_WAV, np.float32, 1, required=True)
     rate = reader.integer("reference_sample_rate", required=True, low=1, high=1_000_000)
     return samples, rate
+
+
+def prompt_audio_outputs(wav16k: np.ndarray, mel: np.ndarray) -> dict[str, np.ndarray]:
+    """prompt_audio's answer (batch of 1): the recording at 16 kHz (N,) and its prompt mel (T, 80)."""
+    return {WAV16K: np.ascontiguousarray(wav16k, dtype=np.float32)[None],
+            PROMPT_MEL: np.ascontiguousarray(mel, dtype=np.float32)[None]}
+
+
+def wav16k_inputs(wav16k: np.ndarray) -> dict[str, np.ndarray]:
+    """A speaker_embedding or audio_tokenizer request (batch of 1): (N,) float32 at 16 kHz."""
+    return {WAV16K: np.asarray(wav16k, dtype=np.float32).reshape(1, -1)}
+
+
+def read_wav16k(reader: TensorReader) -> np.ndarray:
+    """The batched `wav16k` input of speaker_embedding and audio_tokenizer: (N,) float32 (finiteness unchecked)."""
+    return reader.array(WAV16K, np.float32, 1, required=True)
+
+
+def embedding_outputs(embedding) -> dict[str, np.ndarray]:
+    """speaker_embedding's answer (batch of 1): the (192,) speaker embedding."""
+    return {EMBEDDING: np.asarray(embedding).reshape(1, -1)}
 
 
 # ---- voices in requests (cosyvoice2, register_voice) -------------------------------------------------
@@ -359,7 +414,7 @@ class PromptAudio:
 
     @property
     def field(self) -> str:
-        return "reference_audio" if self.file_bytes is not None else "reference_wav"
+        return "reference_audio" if self.file_bytes is not None else REFERENCE_WAV
 
     def keywords(self) -> dict:
         """As `voice_inputs` takes a recording (what is None is not sent)."""
@@ -389,7 +444,7 @@ def read_audio(reader: TensorReader, wav: str, rate_name: str, blob: str) -> Pro
 
 
 def read_prompt_audio(reader: TensorReader) -> PromptAudio | None:
-    return read_audio(reader, "reference_wav", "reference_sample_rate", "reference_audio")
+    return read_audio(reader, REFERENCE_WAV, "reference_sample_rate", "reference_audio")
 
 
 def read_voice_choice(reader: TensorReader) -> tuple[str | None, PromptAudio | None]:
@@ -399,7 +454,7 @@ def read_voice_choice(reader: TensorReader) -> tuple[str | None, PromptAudio | N
     if voice_id is not None and audio is not None:
         raise InvalidInput("reference_audio_id", f"give reference_audio_id or {audio.field}, not both")
     if voice_id is None and audio is None:
-        raise InvalidInput("reference_wav", "a voice is required: reference_audio_id, reference_wav "
+        raise InvalidInput(REFERENCE_WAV, "a voice is required: reference_audio_id, reference_wav "
                                             "(+ reference_sample_rate) or reference_audio")
     return voice_id, audio
 
@@ -435,14 +490,19 @@ class SynthesisInputs:
     chunk_overrides: dict = field(default_factory=dict)  # ChunkPolicy field -> value
     text_frontend: bool = True  # False: the text as given: no normalization, no sentence splitting
     speed: float = 1.0  # speaking speed (messages.check_speed)
-    text_mode: str = "sentences"  # bistream: `text` is the first piece, text_append requests bring the rest
+    text_mode: str = SENTENCES  # bistream: `text` is the first piece, text_append requests bring the rest
     text_stream_id: str | None = None  # bistream: the caller's id of the synthesis
+
+    @property
+    def bistream(self) -> bool:
+        """text_mode bistream: the text comes in pieces (text_append requests), as it is written."""
+        return self.text_mode == BISTREAM
 
     def check(self, max_chars: int) -> SynthesisInputs:
         """The text (at most `max_chars` characters) and every setting (`check_settings`); InvalidInput naming
         the input. Returns self."""
         check_text_mode(self.text_mode)
-        if self.text_mode == "bistream":
+        if self.bistream:
             check_text_piece(self.text, max_chars)  # the first piece: may be empty
             if not self.text_stream_id:
                 raise InvalidInput("text_stream_id", "is required with text_mode bistream (its appends name it)")
@@ -457,7 +517,7 @@ class SynthesisInputs:
         check_text_mode(self.text_mode)
         check_optional_text(self.instruct_text, "instruct_text")
         check_mode(self.mode, self.instruct_text)
-        check_optional_text(self.prompt_text, "reference_text")
+        check_optional_text(self.prompt_text, REFERENCE_TEXT)
         if self.seed is not None:
             check_seed(self.seed)
         if not isinstance(self.text_frontend, bool):
@@ -475,13 +535,13 @@ class SynthesisInputs:
                                 prompt_text=self.prompt_text, mode=self.mode, instruct_text=self.instruct_text or None,
                                 seed=self.seed, text_frontend=None if self.text_frontend else False,
                                 speed=None if self.speed == 1.0 else self.speed,
-                                text_mode=None if self.text_mode == "sentences" else self.text_mode,
+                                text_mode=None if self.text_mode == SENTENCES else self.text_mode,
                                 text_stream_id=self.text_stream_id, **chunk_options(self.chunk_overrides), **sampling)
 
 
 def read_text_append(reader: TensorReader, max_chars: int) -> TextAppend | None:
     """A cosyvoice2 text_append request (None for any other request)."""
-    if not reader.boolean("text_append", default=False):
+    if not reader.boolean(TEXT_APPEND, default=False):
         return None
     stream_id = reader.string("text_stream_id", required=True)
     text = reader.string("target_text", default="")
@@ -492,7 +552,7 @@ def read_text_append(reader: TensorReader, max_chars: int) -> TextAppend | None:
 def text_append_inputs(stream_id: str, text: str, end: bool = False) -> dict[str, np.ndarray]:
     """A cosyvoice2 text_append request: `text` continues bistream synthesis `stream_id`."""
     return {"target_text": string_array(text), "text_stream_id": string_array(stream_id),
-            "text_append": np.array([True]), "text_end": np.array([end])}
+            TEXT_APPEND: np.array([True]), "text_end": np.array([end])}
 
 
 def parse_cosyvoice2_request(reader: TensorReader, default_sampling: SamplingParams,
@@ -506,11 +566,11 @@ def parse_cosyvoice2_request(reader: TensorReader, default_sampling: SamplingPar
 
 def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParams,
                            max_chars: int) -> SynthesisInputs:
-    text_mode = reader.string("text_mode", default="sentences")
-    text = reader.string("target_text", default="", required=text_mode != "bistream")
+    text_mode = reader.string(TEXT_MODE, default=SENTENCES)
+    text = reader.string("target_text", default="", required=text_mode != BISTREAM)
     inputs = SynthesisInputs(text=text, mode=reader.string("mode", default="zero_shot"),
                              instruct_text=reader.string("instruct_text", default=""),
-                             prompt_text=reader.string("reference_text"),
+                             prompt_text=reader.string(REFERENCE_TEXT),
                              seed=reader.integer("seed"), sampling=read_sampling(reader, default_sampling),
                              chunk_overrides=read_chunk_overrides(reader),
                              text_frontend=reader.boolean("text_frontend", default=True),
@@ -555,9 +615,9 @@ class ConversionInputs:
 
 
 def read_source_audio(reader: TensorReader) -> PromptAudio:
-    audio = read_audio(reader, "source_wav", "source_sample_rate", "source_audio")
+    audio = read_audio(reader, "source_wav", "source_sample_rate", SOURCE_AUDIO)
     if audio is None:
-        raise InvalidInput("source_audio", "the recording to convert is required in vc mode: source_audio or "
+        raise InvalidInput(SOURCE_AUDIO, "the recording to convert is required in vc mode: source_audio or "
                                            "source_wav (+ source_sample_rate)")
     return audio
 
@@ -582,7 +642,7 @@ def conversion_inputs(*, source_samples: np.ndarray | None = None, source_rate: 
         values["source_wav"] = np.asarray(source_samples, dtype=np.float32).reshape(-1)
         values["source_sample_rate"] = np.array([source_rate], dtype=np.int32)
     if source_file is not None:
-        values["source_audio"] = np.array([source_file], dtype=object)
+        values[SOURCE_AUDIO] = np.array([source_file], dtype=object)
     values.update(voice_inputs(**voice))
     if seed is not None:
         values["seed"] = np.array([seed], dtype=np.uint64)
@@ -594,14 +654,52 @@ def conversion_inputs(*, source_samples: np.ndarray | None = None, source_rate: 
     return values
 
 
+# ---- audio answers (cosyvoice2, cosyvoice2_offline, token2wav) ------------------------------------------
+
+def waveform_outputs(audio: np.ndarray, batched: bool = False) -> dict[str, np.ndarray]:
+    """An answer with audio: a cosyvoice2 chunk or the twin's whole waveform (N,), or, `batched` (1, N), a
+    token2wav chunk."""
+    waveform = np.ascontiguousarray(audio, dtype=np.float32)
+    return {WAVEFORM: waveform.reshape(1, -1) if batched else waveform.reshape(-1)}
+
+
 def waveform_of(outputs: Mapping[str, np.ndarray]) -> np.ndarray:
-    """The `waveform` of a cosyvoice2_offline answer: (N,) float32 at 24 kHz."""
-    return np.asarray(outputs["waveform"], dtype=np.float32).reshape(-1)
+    """The `waveform` of a cosyvoice2, cosyvoice2_offline or token2wav answer: (N,) float32 at 24 kHz."""
+    return np.asarray(outputs[WAVEFORM], dtype=np.float32).reshape(-1)
+
+
+def chunk_of(outputs: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    """A streamed cosyvoice2 response's audio as `waveform_of`; None when it carries none."""
+    return waveform_of(outputs) if outputs.get(WAVEFORM) is not None and outputs[WAVEFORM].size else None
+
+
+# ---- register_voice's answer -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RegisterOutputs:
+    """register_voice's answer: built by the model (`tensors()`), read by a caller (`parse_register_outputs`)."""
+
+    voice_id: str
+    audio_sha256: str
+    prompt_tokens: int  # prompt speech tokens stored (25 per second)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        return {VOICE_ID: string_array(self.voice_id), AUDIO_SHA256: string_array(self.audio_sha256),
+                PROMPT_TOKENS: np.array([self.prompt_tokens], dtype=np.int32)}
+
+
+def parse_register_outputs(outputs: Mapping[str, np.ndarray]) -> RegisterOutputs:
+    return RegisterOutputs(voice_id=registered_voice_id(outputs), audio_sha256=_first_string(outputs[AUDIO_SHA256]),
+                           prompt_tokens=int(outputs[PROMPT_TOKENS].reshape(-1)[0]))
 
 
 def registered_voice_id(outputs: Mapping[str, np.ndarray]) -> str:
     """The id in a register_voice answer."""
-    return outputs["voice_id"].reshape(-1)[0].decode("utf-8")
+    return _first_string(outputs[VOICE_ID])
+
+
+def _first_string(array: np.ndarray) -> str:
+    return array.reshape(-1)[0].decode("utf-8")
 
 
 def voice_inputs(*, voice_id: str | None = None, samples: np.ndarray | None = None, sample_rate: int | None = None,
@@ -612,12 +710,12 @@ def voice_inputs(*, voice_id: str | None = None, samples: np.ndarray | None = No
     if voice_id is not None:
         values["reference_audio_id"] = string_array(voice_id)
     if samples is not None:
-        values["reference_wav"] = np.asarray(samples, dtype=np.float32).reshape(-1)
+        values[REFERENCE_WAV] = np.asarray(samples, dtype=np.float32).reshape(-1)
         values["reference_sample_rate"] = np.array([sample_rate], dtype=np.int32)
     if audio_file is not None:
         values["reference_audio"] = np.array([audio_file], dtype=object)
     if prompt_text is not None:
-        values["reference_text"] = string_array(prompt_text)
+        values[REFERENCE_TEXT] = string_array(prompt_text)
     return values
 
 
@@ -653,7 +751,7 @@ def register_inputs(*, voice_id: str | None = None, name: str | None = None, own
     """A register_voice request as tensors; `voice` as for `voice_inputs` (without voice_id, which here
     is the id to register under); `owner`: the owner tag (None: a shared voice)."""
     values = voice_inputs(**voice)
-    for key, value in (("voice_id", voice_id), ("name", name), ("owner", owner)):
+    for key, value in ((VOICE_ID, voice_id), ("name", name), ("owner", owner)):
         if value is not None:
             values[key] = string_array(value)
     return values
@@ -676,7 +774,7 @@ class RegisterInputs:
 def parse_register_inputs(reader: TensorReader) -> RegisterInputs:
     audio = read_prompt_audio(reader)
     if audio is None:
-        raise InvalidInput("reference_wav", "is required (or reference_audio)")
-    return RegisterInputs(audio=audio, text=reader.string("reference_text", default=""),
-                          voice_id=reader.string("voice_id"), name=reader.string("name"),
+        raise InvalidInput(REFERENCE_WAV, "is required (or reference_audio)")
+    return RegisterInputs(audio=audio, text=reader.string(REFERENCE_TEXT, default=""),
+                          voice_id=reader.string(VOICE_ID), name=reader.string("name"),
                           owner=reader.string("owner"))

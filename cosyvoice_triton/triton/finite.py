@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.triton.contracts import EMBEDDING, PROMPT_MEL
 
 
 def check_finite(field: str, values):
@@ -25,6 +26,6 @@ def check_chunk_finite(chunk):
     """`chunk`, a parsed token2wav request (ChunkRequest or StreamCancel), if its prompt (first chunk of a
     stream) is finite; later chunks carry only token ids."""
     if getattr(chunk, "prompt", None) is not None:  # a StreamCancel has none
-        check_finite("prompt_mel", chunk.prompt.mel)
-        check_finite("embedding", chunk.prompt.embedding)
+        check_finite(PROMPT_MEL, chunk.prompt.mel)
+        check_finite(EMBEDDING, chunk.prompt.embedding)
     return chunk

@@ -23,6 +23,7 @@ from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import LLMRequest
 from cosyvoice_triton.llm.scheduler import LLMScheduler
 from cosyvoice_triton.llm.stream import LLMStream
+from cosyvoice_triton.triton.contracts import STREAM_ID
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class LLMStreamForwarder:
         nothing is sent to `sender` then."""
         with self._lock:
             if request.stream_id in self._streams:
-                raise InvalidInput("stream_id", f"{request.stream_id!r} is already streaming")
+                raise InvalidInput(STREAM_ID, f"{request.stream_id!r} is already streaming")
             stream = self.scheduler.submit(request)
             self._streams[request.stream_id] = stream
         self._jobs.submit(self._forward, stream, sender)

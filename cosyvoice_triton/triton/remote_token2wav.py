@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cosyvoice_triton.errors import Unavailable
+from cosyvoice_triton.errors import Unavailable, Unreachable
 from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.messages import ChunkRequest
 from cosyvoice_triton.server_pool import Server, ServerPool
@@ -40,13 +40,6 @@ from cosyvoice_triton.triton.tensors import RemoteError
 log = logging.getLogger(__name__)
 
 ACTIVE_STREAMS_METRIC = "cosyvoice_token2wav_active_streams"
-# gRPC status -> python_backend TritonError number (as tensors._CODE_NAMES), for errors the backend sent.
-_GRPC_CODES = {"INVALID_ARGUMENT": 3, "NOT_FOUND": 2, "UNAVAILABLE": 4, "CANCELLED": 7, "INTERNAL": 1,
-               "UNIMPLEMENTED": 5, "ALREADY_EXISTS": 6}
-
-
-class Unreachable(Exception):
-    """The backend did not answer: the call failed in transport, or timed out."""
 
 
 class Transport:
@@ -74,13 +67,15 @@ class Transport:
         return response_outputs(response)
 
     def _error(self, exc, model: str) -> Exception:
+        """Unreachable when the backend did not answer (timed out, or gone): another backend may; else the
+        backend's answer as a RemoteError of its kind (`errors.from_wire` reads the gRPC status name)."""
         code = exc.code()
         details = exc.details() or code.name
         if code == self._grpc.StatusCode.DEADLINE_EXCEEDED:
             return Unreachable(f"no answer within {self.timeout_s:g} s")
         if code == self._grpc.StatusCode.UNAVAILABLE and not self.ready(model, timeout_s=2.0):
             return Unreachable(details)  # the server is gone (a busy model answers UNAVAILABLE too)
-        return RemoteError(model, details, _GRPC_CODES.get(code.name, 1))
+        return RemoteError(model, details, code.name)
 
     def ready(self, model: str, timeout_s: float) -> bool:
         from tritonclient.grpc import service_pb2
@@ -225,7 +220,7 @@ class RemoteToken2Wav:
         outputs = backend.client.infer(self.model, inputs, chunk.stream_id)
         if chunk.finalize:
             self._unpin(chunk.stream_id)  # the backend freed the state with the final chunk
-        return outputs["waveform"].reshape(-1)
+        return contracts.waveform_of(outputs)
 
     # ---- the pool ----------------------------------------------------------------------------------------
     def _pick_and_pin(self, stream_id: str, exclude: Sequence[Server]) -> Server | None:

@@ -13,17 +13,18 @@ import numpy as np
 
 from cosyvoice_triton.config import ModelPaths, read_yaml
 from cosyvoice_triton.preprocess.audio import decode_audio, to_mono, validate_prompt_audio
-from cosyvoice_triton.preprocess.prompt import PromptFeatures, audio_sha256
+from cosyvoice_triton.messages import PromptFeatures
+from cosyvoice_triton.preprocess.voice_features import audio_sha256
 from cosyvoice_triton.preprocess.text import TextPreprocessor, check_clean_text
 from cosyvoice_triton.models.speech_lm import SpeechLMConfig
-from cosyvoice_triton.pipeline.chunk_policy import ChunkPolicy
+from cosyvoice_triton.messages import ChunkPolicy
 from cosyvoice_triton.pipeline.pipeline import Pipeline
 from cosyvoice_triton.pipeline.stages import LLMStage, Token2WavStage
 from cosyvoice_triton.voices.prompt_budget import PromptBudget, speech_tokens_of
 from cosyvoice_triton.messages import SynthesisRequest
 from cosyvoice_triton.voices.store import VoiceRecord, VoiceStore, register_once
 from cosyvoice_triton.llm.bistream import TEXT_IDLE_TIMEOUT_S, TextFeeds
-from cosyvoice_triton.triton.contracts import RegisterInputs, SynthesisInputs, TextAppend, PromptAudio
+from cosyvoice_triton.triton.contracts import REFERENCE_TEXT, RegisterInputs, SynthesisInputs, TextAppend, PromptAudio
 
 
 def token_mel_ratio(model_dir: str | Path) -> int:
@@ -47,15 +48,15 @@ class Voices:
 
     def check_transcript(self, text: str | None, prompt_speech_tokens: int) -> None:
         if text:
-            check_clean_text(text, "reference_text")
+            check_clean_text(text, REFERENCE_TEXT)
         if self.budget is not None and text:
-            self.budget.check(text, prompt_speech_tokens, "reference_text")
+            self.budget.check(text, prompt_speech_tokens, REFERENCE_TEXT)
 
     @staticmethod
     def samples(audio: PromptAudio) -> tuple[np.ndarray, int]:
         """(samples (N,) float32 mono, rate) of a request's recording, checked; errors name its field."""
         if audio.file_bytes is not None:
-            samples, rate = decode_audio(audio.file_bytes, field="reference_audio")
+            samples, rate = decode_audio(audio.file_bytes, field=audio.field)
         else:
             samples, rate = to_mono(audio.samples), int(audio.sample_rate)
         validate_prompt_audio(samples, rate, audio.field)
@@ -108,7 +109,7 @@ class ServedPipeline:
 
     def run(self, inputs: SynthesisInputs, stream: bool, is_cancelled: Callable[[], bool],
             stream_id: str | None = None) -> Iterator[np.ndarray]:
-        if inputs.text_mode == "bistream":
+        if inputs.bistream:
             return self._bistream(inputs, stream, is_cancelled, stream_id)
         request = self.request(inputs)
         return self.pipeline.run(request, stream=stream, is_cancelled=is_cancelled, stream_id=stream_id)

@@ -26,7 +26,8 @@ from cosyvoice_triton.admission import MEAN_COST, AdmissionPolicy, Decision, Loa
 from cosyvoice_triton.audio_out import SAMPLE_RATE
 from cosyvoice_triton.errors import Cancelled, Unavailable
 from cosyvoice_triton.pipeline.playback import Playback
-from cosyvoice_triton.triton.tensors import classify, error_response
+from cosyvoice_triton.triton.contracts import waveform_outputs
+from cosyvoice_triton.triton.tensors import classify, error_response, output_tensors
 
 
 class RequestPool:
@@ -174,10 +175,9 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
                     raise Cancelled("the client cancelled the request")
                 if chunk.size == 0:
                     continue
-                waveform = np.ascontiguousarray(chunk, dtype=np.float32).reshape(-1)
-                sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor("waveform", waveform)]))
+                sender.send(pb.InferenceResponse(output_tensors=output_tensors(pb, waveform_outputs(chunk))))
                 sent_at = time.monotonic()
-                lead = playback.add(sent_at, waveform.size / SAMPLE_RATE)
+                lead = playback.add(sent_at, chunk.size / SAMPLE_RATE)
                 if metrics is not None:
                     if first:
                         metrics["first_chunk"].observe(sent_at - received_at)
@@ -217,7 +217,7 @@ def send_whole(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model:
                     metrics["first_chunk"].observe(time.monotonic() - received_at)
                 pieces.append(np.asarray(chunk, dtype=np.float32).reshape(-1))
         waveform = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
-        response = pb.InferenceResponse(output_tensors=[pb.Tensor("waveform", waveform)])
+        response = pb.InferenceResponse(output_tensors=output_tensors(pb, waveform_outputs(waveform)))
     except BaseException as exc:  # noqa: BLE001 - every failure ends this request, never the instance
         outcome = "cancelled" if classify(exc).code_name == "CANCELLED" else "error"
         response = error_response(pb, exc, model)

@@ -30,9 +30,9 @@ class BlsAudioTokenizer:
         self.model = model
 
     def __call__(self, wav16k: np.ndarray) -> np.ndarray:
-        inputs = {"wav16k": np.asarray(wav16k, dtype=np.float32).reshape(1, -1)}
-        response = bls_request(self.pb, self.model, inputs, ["speech_tokens"]).exec()
-        return response_arrays(self.pb, response, self.model)["speech_tokens"].reshape(-1)
+        response = bls_request(self.pb, self.model, contracts.wav16k_inputs(wav16k),
+                               contracts.AUDIO_TOKENIZER_OUTPUTS).exec()
+        return contracts.speech_tokens_from_outputs(response_arrays(self.pb, response, self.model))
 
 
 class ConversionService:
@@ -47,7 +47,7 @@ class ConversionService:
     def request(self, inputs: ConversionInputs) -> ConversionRequest:
         source = inputs.source
         if source.file_bytes is not None:
-            samples, rate = decode_audio(source.file_bytes, field="source_audio")
+            samples, rate = decode_audio(source.file_bytes, field=contracts.SOURCE_AUDIO)
         else:
             samples, rate = to_mono(source.samples), int(source.sample_rate)
         voice = self.voices.resolve(contracts.SynthesisInputs(text="", voice_id=inputs.voice_id, audio=inputs.audio))

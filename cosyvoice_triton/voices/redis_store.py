@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import redis
 
 from cosyvoice_triton.errors import NotFound, Unavailable
-from cosyvoice_triton.preprocess.voice_features import PromptFeatures
+from cosyvoice_triton.messages import PromptFeatures
 from cosyvoice_triton.voices.store import (CachedVoiceStore, VoiceRecord, check_same_voice, check_voice_id,
                                                   content_key, decode_features, id_taken, prepare_registration)
 

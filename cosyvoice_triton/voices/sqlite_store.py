@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from cosyvoice_triton.errors import NotFound
-from cosyvoice_triton.preprocess.voice_features import PromptFeatures
+from cosyvoice_triton.messages import PromptFeatures
 from cosyvoice_triton.voices.store import (CachedVoiceStore, VoiceRecord, check_same_voice, check_voice_id,
                                                   content_key, decode_features, id_taken, prepare_registration)
 

@@ -48,7 +48,7 @@ import numpy as np
 
 from cosyvoice_triton.errors import CosyVoiceError, InvalidInput, NotFound
 from cosyvoice_triton.messages import voice_modes
-from cosyvoice_triton.preprocess.voice_features import PromptFeatures
+from cosyvoice_triton.messages import PromptFeatures
 
 EMBEDDING_DIM = 192
 MEL_BINS = 80

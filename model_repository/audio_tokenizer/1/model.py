@@ -10,6 +10,7 @@ import triton_python_backend_utils as pb_utils
 from cosyvoice_triton.config import ModelPaths
 from cosyvoice_triton.engines.onnx_session import open_session
 from cosyvoice_triton.preprocess.prompt import PromptEncoder
+from cosyvoice_triton.triton.contracts import WAV16K, read_wav16k, speech_tokens_outputs
 from cosyvoice_triton.triton.finite import check_finite
 from cosyvoice_triton.triton.params import PromptStepParams, parse_parameters
 from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each
@@ -26,7 +27,5 @@ class TritonPythonModel:
         return respond_each(pb_utils, requests, self.name, self.outputs)
 
     def outputs(self, request) -> dict[str, np.ndarray]:
-        wav16k = TensorReader(request_arrays(request), batched=True).array("wav16k", np.float32, 1, required=True)
-        check_finite("wav16k", wav16k)
-        tokens = self.encoder.speech_tokens(wav16k)
-        return {"speech_tokens": tokens.astype(np.int32).reshape(1, -1)}
+        wav16k = check_finite(WAV16K, read_wav16k(TensorReader(request_arrays(request), batched=True)))
+        return speech_tokens_outputs(self.encoder.speech_tokens(wav16k), batched=True)

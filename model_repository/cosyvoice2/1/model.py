@@ -20,7 +20,8 @@ from cosyvoice_triton.errors import InvalidInput, Unavailable
 from cosyvoice_triton.messages import ChunkPolicy
 from cosyvoice_triton.voices.stores import open_voice_store
 from cosyvoice_triton.triton.bls import BlsLLM, BlsPromptEncoder, BlsToken2Wav
-from cosyvoice_triton.triton.contracts import ConversionInputs, SynthesisInputs, TextAppend, parse_cosyvoice2_request
+from cosyvoice_triton.triton.contracts import (TEXT_MODE, ConversionInputs, SynthesisInputs, TextAppend,
+                                               parse_cosyvoice2_request)
 from cosyvoice_triton.triton.vc_service import BlsAudioTokenizer, ConversionService
 from cosyvoice_triton.triton.metrics import REMOTE_TOKEN2WAV, SYNTHESIS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import CosyVoice2Params, parse_parameters
@@ -115,9 +116,9 @@ class TritonPythonModel:
         """The request as typed, checked values (contracts.py): a synthesis, a conversion or a text piece."""
         inputs = parse_cosyvoice2_request(TensorReader(request_arrays(request)), self.service.default_sampling,
                                           self.params.max_text_chars)
-        bistream = isinstance(inputs, SynthesisInputs) and inputs.text_mode == "bistream"
+        bistream = isinstance(inputs, SynthesisInputs) and inputs.bistream
         if bistream and (not self.decoupled or self.instances > 1):  # the appends must reach the instance that reads them
-            raise InvalidInput("text_mode", f"bistream needs a streaming model of one instance ({self.name} is "
+            raise InvalidInput(TEXT_MODE, f"bistream needs a streaming model of one instance ({self.name} is "
                                             f"{'decoupled' if self.decoupled else 'not decoupled'}, "
                                             f"{self.instances} instances)")
         return inputs

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
@@ -18,11 +17,12 @@ from cosyvoice_triton.llm.scheduler import LLMScheduler
 from cosyvoice_triton.pipeline.threads import thread_plan
 from cosyvoice_triton.triton import instance_device
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.triton.contracts import StreamCancel, TextAppend, parse_llm_request
+from cosyvoice_triton.triton.contracts import (TEXT_APPEND, StreamCancel, TextAppend, parse_llm_request,
+                                               speech_tokens_outputs)
 from cosyvoice_triton.triton.llm_streams import LLMStreamForwarder
 from cosyvoice_triton.triton.metrics import LLM_METRICS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import LLMParams, parse_parameters
-from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
+from cosyvoice_triton.triton.tensors import TensorReader, error_response, output_tensors, request_arrays
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -35,8 +35,7 @@ class _TritonTokenSender:
         self.model = model
 
     def send_tokens(self, tokens: list[int]) -> None:
-        self.sender.send(pb_utils.InferenceResponse(
-            output_tensors=[pb_utils.Tensor("speech_tokens", np.asarray(tokens, dtype=np.int32))]))
+        self.sender.send(_tokens_response(tokens))
 
     def send_final(self) -> None:
         self.sender.send(flags=FINAL)
@@ -96,7 +95,7 @@ class TritonPythonModel:
         try:
             self.streams.append_text(item.stream_id, item.text, item.end)
         except ValueError as exc:
-            raise InvalidInput("text_append", str(exc)) from None
+            raise InvalidInput(TEXT_APPEND, str(exc)) from None
 
     def _count_end(self, reason: str) -> None:
         self.metrics.labelled("ended", reason).increment(1)
@@ -114,6 +113,10 @@ class TritonPythonModel:
         self.streams.stop()  # stops the scheduler, which fails every open stream; waits for their finals
 
 
+def _tokens_response(tokens: list[int]):
+    return pb_utils.InferenceResponse(output_tensors=output_tensors(pb_utils, speech_tokens_outputs(tokens)))
+
+
 def _opened_response():
     """An empty speech_tokens response: a bistream stream is open (callers skip responses without tokens)."""
-    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("speech_tokens", np.zeros(0, np.int32))])
+    return _tokens_response([])

@@ -14,7 +14,7 @@ from cosyvoice_triton.config import ModelPaths, read_yaml
 from cosyvoice_triton.preprocess.audio import resample, validate_prompt_audio
 from cosyvoice_triton.preprocess.features import MelConfig, prompt_mel
 from cosyvoice_triton.preprocess.prompt import SPEAKER_RATE
-from cosyvoice_triton.triton.contracts import read_prompt_audio_batch
+from cosyvoice_triton.triton.contracts import REFERENCE_WAV, prompt_audio_outputs, read_prompt_audio_batch
 from cosyvoice_triton.triton.params import PromptStepParams, parse_parameters
 from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each
 
@@ -30,8 +30,7 @@ class TritonPythonModel:
 
     def outputs(self, request) -> dict[str, np.ndarray]:
         samples, rate = read_prompt_audio_batch(TensorReader(request_arrays(request), batched=True))
-        validate_prompt_audio(samples, rate, "reference_wav")
+        validate_prompt_audio(samples, rate, REFERENCE_WAV)
         wav16k = resample(samples, rate, SPEAKER_RATE)
         mel = prompt_mel(resample(samples, rate, self.mel_config.sampling_rate), self.mel_config).numpy()
-        return {"wav16k": np.ascontiguousarray(wav16k, dtype=np.float32)[None],
-                "prompt_mel": np.ascontiguousarray(mel, dtype=np.float32)[None]}
+        return prompt_audio_outputs(wav16k, mel)

@@ -14,10 +14,10 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.voices.stores import open_voice_store
 from cosyvoice_triton.triton.bls import BlsPromptEncoder
-from cosyvoice_triton.triton.contracts import parse_register_inputs
+from cosyvoice_triton.triton.contracts import RegisterOutputs, parse_register_inputs
 from cosyvoice_triton.triton.params import RegisterVoiceParams, parse_parameters
 from cosyvoice_triton.triton.service import Voices, prompt_budget, token_mel_ratio
-from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each, string_array
+from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each
 
 
 class TritonPythonModel:
@@ -33,8 +33,7 @@ class TritonPythonModel:
 
     def outputs(self, request) -> dict[str, np.ndarray]:
         info = self.voices.register(parse_register_inputs(TensorReader(request_arrays(request))))
-        return {"voice_id": string_array(info.voice_id), "audio_sha256": string_array(info.audio_sha256),
-                "prompt_tokens": np.array([info.tokens], dtype=np.int32)}
+        return RegisterOutputs(info.voice_id, info.audio_sha256, info.tokens).tensors()
 
     def finalize(self):
         self.voices.store.close()

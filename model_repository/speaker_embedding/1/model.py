@@ -11,6 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.engines.select import open_campplus
 from cosyvoice_triton.preprocess.prompt import PromptEncoder
+from cosyvoice_triton.triton.contracts import WAV16K, embedding_outputs, read_wav16k
 from cosyvoice_triton.triton.finite import check_finite
 from cosyvoice_triton.triton.logs import library_logs_to_triton
 from cosyvoice_triton.triton.params import SpeakerEmbeddingParams, parse_parameters
@@ -34,6 +35,5 @@ class TritonPythonModel:
         return respond_each(pb_utils, requests, self.name, self.outputs)
 
     def outputs(self, request) -> dict[str, np.ndarray]:
-        wav16k = TensorReader(request_arrays(request), batched=True).array("wav16k", np.float32, 1, required=True)
-        check_finite("wav16k", wav16k)
-        return {"embedding": self.encoder.speaker_embedding(wav16k).reshape(1, -1)}
+        wav16k = check_finite(WAV16K, read_wav16k(TensorReader(request_arrays(request), batched=True)))
+        return embedding_outputs(self.encoder.speaker_embedding(wav16k))

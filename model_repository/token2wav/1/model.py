@@ -32,11 +32,12 @@ from cosyvoice_triton.token2wav.scheduler import Token2WavScheduler
 from cosyvoice_triton.triton import instance_device
 from cosyvoice_triton.triton.bls import bls_request
 from cosyvoice_triton.triton.finite import check_chunk_finite
-from cosyvoice_triton.triton.contracts import StreamCancel, parse_chunk, token2wav_cancel_inputs
+from cosyvoice_triton.triton.contracts import (TOKEN2WAV_OUTPUTS, StreamCancel, parse_chunk, token2wav_cancel_inputs,
+                                               waveform_outputs)
 from cosyvoice_triton.triton.logs import library_logs_to_triton
 from cosyvoice_triton.triton.metrics import TOKEN2WAV_METRICS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import Token2WavParams, parse_parameters
-from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
+from cosyvoice_triton.triton.tensors import TensorReader, error_response, output_tensors, request_arrays
 
 
 class TritonPythonModel:
@@ -103,15 +104,15 @@ class TritonPythonModel:
 
     @staticmethod
     def _waveform(audio: np.ndarray):
-        waveform = np.ascontiguousarray(audio, dtype=np.float32).reshape(1, -1)  # (batch 1, N)
-        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("waveform", waveform)])
+        waveform = waveform_outputs(audio, batched=True)  # (batch 1, N)
+        return pb_utils.InferenceResponse(output_tensors=output_tensors(pb_utils, waveform))
 
     def _publish_frees(self) -> None:
         """The sweeper's wake: have Triton run an execute (which refreshes the metrics), by a no-op
         request to this model. Never touches metrics itself (see the module docstring)."""
         try:
             response = bls_request(pb_utils, self.name, token2wav_cancel_inputs(self._tick_id),
-                                   ["waveform"]).exec()
+                                   TOKEN2WAV_OUTPUTS).exec()
             if response.has_error():
                 raise RuntimeError(response.error().message())
         except Exception as exc:  # noqa: BLE001 - e.g. the server is shutting down; the next execute refreshes
