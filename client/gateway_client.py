@@ -1,5 +1,5 @@
 """Clients for the HTTP gateway: `GatewayTTS` (blocking, standard library + websockets) here, and
-`AsyncGatewayTTS` (asyncio, aiohttp) in gateway_aio.py (also importable from here).
+`AsyncGatewayTTS` (asyncio, aiohttp) in gateway_aio.py (both importable from `cosyvoice_triton.client`).
 
 ```
 from cosyvoice_triton.client import GatewayTTS
@@ -37,7 +37,7 @@ from urllib.parse import quote, urlsplit
 
 import numpy as np
 
-from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo, prompt_bytes, wav_bytes
+from .common import PromptAudio, TTSError, VoiceInfo, prompt_bytes, wav_bytes
 from .gateway_streams import HttpAudioStream, WsAudioStream, error_from_body
 
 DEFAULT_URL = "http://localhost:8080"
@@ -315,12 +315,3 @@ class GatewayTTS:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def __getattr__(name: str):
-    """`AsyncGatewayTTS` and its streams live in gateway_aio (aiohttp is imported only when they are used)."""
-    if name in ("AsyncGatewayTTS", "AsyncHttpAudioStream", "AsyncWsAudioStream"):
-        from . import gateway_aio
-
-        return getattr(gateway_aio, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -41,11 +41,12 @@ from .access_log import access_log_middleware, enable_access_log
 from .auth import ApiKeys, RateLimiter, StreamLimiter, auth_middleware
 from .config import GatewayConfig
 from .default_voice import DefaultVoice
-from .drain import CUT_AFTER_DRAIN_S, DRAIN_TIMEOUT_S, Drain, drain_readiness, serve_until_stopped
+from .drain import CUT_AFTER_DRAIN_S, DRAIN_TIMEOUT_S, Drain, drain_readiness
 from .errors import error_middleware
 from .metrics import GatewayMetrics
 from .request_keys import ERROR_CODE, handle_and_report
 from .routing import CostModel, Router
+from .serving import serve_until_stopped
 from .state import (
     CONFIG,
     COSTS,
@@ -247,7 +248,7 @@ async def index(request: web.Request) -> web.StreamResponse:
 
 def run(config: GatewayConfig, app: web.Application | None = None, *, drain_timeout_s: float = DRAIN_TIMEOUT_S,
         out: TextIO = sys.stdout) -> int:
-    """Serve until SIGINT / SIGTERM, then drain (gateway/drain.py `serve_until_stopped`, as `up` does): new
+    """Serve until SIGINT / SIGTERM, then drain (gateway/serving.py `serve_until_stopped`, as `up` does): new
     requests get 503 + Retry-After, the ones in flight get `drain_timeout_s` to finish (what is left is cut
     after CUT_AFTER_DRAIN_S more); the exit code (0)."""
     print(f"cosyvoice-triton gateway on {config.url} (drains up to {drain_timeout_s:g} s + "

@@ -4,10 +4,8 @@
 drain = app[DRAIN]                          # every app has one (create_app), with its middleware
 drain.begin("the server is shutting down")  # from now on: 503 + Retry-After, naming the reason
 finished = await drain.wait_idle(router, grace_s=20)   # True when nothing is left in flight
-
-exit_code = await serve_until_stopped(app, host, port, drain_timeout_s=20, out=sys.stdout)
 ```
-`serve_until_stopped` is how both `python -m cosyvoice_triton.gateway` (app.run) and `cosyvoice-triton up`
+`serving.serve_until_stopped` is how both `python -m cosyvoice_triton.gateway` (app.run) and `cosyvoice-triton up`
 serve: until SIGINT / SIGTERM (a Kubernetes pod gets SIGTERM at every rollout), then the drain above,
 then aiohttp's shutdown, which cuts what is still running after CUT_AFTER_DRAIN_S; exit code 0.
 What counts as in flight: HTTP requests being handled (a streamed /v1/tts until its last chunk), every
@@ -22,11 +20,7 @@ the same refusal (`Draining`: 503 "unavailable") once what it had asked for befo
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 import time
-from collections.abc import Callable
-from typing import TextIO
 
 from aiohttp import web
 
@@ -36,7 +30,6 @@ ALWAYS_SERVED = frozenset({"/healthz", "/readyz", "/metrics"})
 IDLE_CHECK_S = 0.1
 DRAIN_TIMEOUT_S = 20.0  # how long the requests in flight at SIGTERM may take to finish
 CUT_AFTER_DRAIN_S = 2.0  # aiohttp's shutdown timeout once the grace period is over
-WATCH_S = 1.0  # how often `servers_gone` is asked
 
 
 class Draining(ServiceUnavailable):
@@ -93,36 +86,3 @@ def drain_readiness(drain: Drain) -> tuple[list[str], dict]:
     if not drain.draining:
         return [], {}
     return [f"nothing: {drain.reason}"], {"status": "draining", "draining": drain.reason}
-
-
-async def serve_until_stopped(app: web.Application, host: str, port: int, drain_timeout_s: float, out: TextIO,
-                              servers_gone: Callable[[], bool] | None = None) -> int:
-    """Serve `app` on host:port until SIGINT / SIGTERM, then drain it (`Drain`, up to `drain_timeout_s`)
-    and stop it: 0; 1 if `servers_gone()` (asked every WATCH_S) ended it instead."""
-    from .state import DRAIN, ROUTER  # state imports this module
-
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=CUT_AFTER_DRAIN_S)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        gone = False
-        while not stop.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), WATCH_S)
-            if servers_gone is not None and servers_gone():
-                gone = True
-                break
-        drain, router = app[DRAIN], app[ROUTER]
-        drain.begin("the server is shutting down")
-        print(f"draining: {drain.busy(router)} request(s) in flight, up to {drain_timeout_s:g} s ...", file=out,
-              flush=True)
-        finished = await drain.wait_idle(router, drain_timeout_s)
-        left = drain.busy(router)
-        print("drained" if finished else f"drain timeout: {left} request(s) cut", file=out, flush=True)
-        return 1 if gone else 0
-    finally:
-        await runner.cleanup()  # WebSockets get GOING_AWAY; what is still running is cancelled

@@ -47,7 +47,8 @@ from cosyvoice_triton.server.ports import check_ports_free
 from cosyvoice_triton.server.supervisor import Backoff, Supervisor
 from cosyvoice_triton.server.templates import model_names
 
-from .drain import DRAIN_TIMEOUT_S, serve_until_stopped
+from .drain import DRAIN_TIMEOUT_S
+from .serving import serve_until_stopped
 
 log = logging.getLogger(__name__)
 

@@ -292,6 +292,29 @@ def test_the_library_has_no_import_circles():
     assert circles(module_graph()) == []
 
 
+def tool_module_graph(folder: str) -> dict[str, set[str]]:
+    """The modules of one tool folder (as `cosyvoice_triton.<folder>.x`) -> the modules of that folder they import."""
+    root, package = TOOL_FOLDERS[folder], f"cosyvoice_triton.{folder}"
+    modules = {module_name(path, root, package): path for path in root.rglob("*.py")}
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for _, name in imported_names(path, module):
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def test_the_tool_folders_have_no_import_circles():
+    """gateway/, client/ and perf/ as well: a module that needs another's names imports it, never both ways
+    (the gateway's serve loop lives in serving.py, not in drain.py, which state.py imports)."""
+    assert {folder: circles(tool_module_graph(folder)) for folder in TOOL_FOLDERS} == {
+        folder: [] for folder in TOOL_FOLDERS}
+
+
 # ---- tensor names are spelled in cosyvoice_triton/triton/contracts.py only (and the config.pbtxt files) ----
 
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
