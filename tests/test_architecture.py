@@ -233,20 +233,25 @@ def test_rooms_of_one_floor_never_import_each_other(tmp_path, monkeypatch):
         "cosyvoice_triton.llm.scheduler (llm)"]
 
 
-def module_graph() -> dict[str, set[str]]:
-    """Every library module -> the library modules it imports (a `from pkg import name` counts as importing
-    `pkg.name` when that is a module, else `pkg`)."""
-    modules = {library_module_name(path): path for path in LIBRARY.rglob("*.py")}
+def import_graph(modules: dict[str, Path], imports_of) -> dict[str, set[str]]:
+    """Each of `modules` (name -> file) -> the ones among them it imports (`imports_of(module, path)` gives the
+    imported names; a `from pkg import name` counts as importing `pkg.name` when that is a module, else `pkg`)."""
     graph = {}
     for module, path in modules.items():
         targets = set()
-        for _, name in library_imports(path):
+        for _, name in imports_of(module, path):
             while name and name not in modules:
                 name = name.rpartition(".")[0]
             if name and name != module:
                 targets.add(name)
         graph[module] = targets
     return graph
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every library module -> the library modules it imports."""
+    modules = {library_module_name(path): path for path in LIBRARY.rglob("*.py")}
+    return import_graph(modules, lambda module, path: library_imports(path))
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -296,16 +301,7 @@ def tool_module_graph(folder: str) -> dict[str, set[str]]:
     """The modules of one tool folder (as `cosyvoice_triton.<folder>.x`) -> the modules of that folder they import."""
     root, package = TOOL_FOLDERS[folder], f"cosyvoice_triton.{folder}"
     modules = {module_name(path, root, package): path for path in root.rglob("*.py")}
-    graph = {}
-    for module, path in modules.items():
-        targets = set()
-        for _, name in imported_names(path, module):
-            while name and name not in modules:
-                name = name.rpartition(".")[0]
-            if name and name != module:
-                targets.add(name)
-        graph[module] = targets
-    return graph
+    return import_graph(modules, lambda module, path: imported_names(path, module))
 
 
 def test_the_tool_folders_have_no_import_circles():
