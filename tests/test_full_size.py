@@ -13,8 +13,7 @@ import pytest
 
 from cosyvoice_triton.cli import main as cli_main
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
-from cosyvoice_triton.messages import ChunkPolicy
-from cosyvoice_triton.messages import SynthesisRequest
+from cosyvoice_triton.messages import ChunkPolicy, SynthesisRequest
 from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
 from cosyvoice_triton.token2wav.vocoder_stream import VocoderStreamConfig
 

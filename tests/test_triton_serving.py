@@ -81,7 +81,7 @@ class Reference:
         self.tts = CosyVoice2.from_model_dir(model_dir)
         self.tts.llm.config.max_token_text_ratio = RATIO
         self.pipeline = Pipeline(self.tts.preprocessor, ReferenceLLM(self.tts.llm),
-                                         ReferenceToken2Wav(self.tts.token2wav))
+                                 ReferenceToken2Wav(self.tts.token2wav))
         self.lock = threading.Lock()
 
     def voice(self, wav: np.ndarray, text: str = PROMPT_TEXT):

@@ -5,7 +5,7 @@ This is the reference pipeline. The Triton models run the same steps, split acro
 2. voice: prompt features (speaker embedding, prompt speech tokens, prompt mel, prompt text);
 3. LLM: speech tokens, one sentence at a time, prompt laid out by mode;
 4. token2wav: flow + HiFT, chunk by chunk when streaming.
-Steps 1, 3 and 4 are the `Pipeline`; here it runs with in-process backends. `engine`,
+Steps 1, 3 and 4 are the `Pipeline`; here it runs with in-process stages. `engine`,
 `precision` and `ort_providers` choose where token2wav's graphs and CAM++ run, as `serve` does
 (engines/select.py); `device` is checked first (engines/providers.py). `llm_precision` (fp32 | bf16 |
 int8, models/llm_precision.py) is the LLM backbone's.
@@ -29,15 +29,13 @@ from ..config import ModelPaths
 from ..engines.providers import check_torch_device
 from ..engines.select import build_token2wav, open_campplus
 from ..errors import ModelFolderError
-from ..messages import PromptFeatures
+from ..messages import PromptFeatures, SynthesisRequest
 from ..preprocess.prompt import PromptEncoder
 from ..preprocess.text import TextPreprocessor
 from ..models.flow_cache import FlowCacheSettings
 from ..models.speech_lm import SpeechLM
-from .local_stages import CoreSharingToken2Wav, DecodeAheadLLM
-from .local_stages import ReferenceLLM, ReferenceToken2Wav
+from .local_stages import CoreSharingToken2Wav, DecodeAheadLLM, ReferenceLLM, ReferenceToken2Wav
 from .pipeline import Pipeline
-from ..messages import SynthesisRequest
 from .threads import CoreShare, thread_plan
 from ..token2wav.stream import Token2Wav
 

@@ -28,8 +28,8 @@ import torch
 
 from ..llm.bistream import generate_bistream
 from ..llm.generate import generate
-from ..llm.scheduler import LLMScheduler, LLMRequest, LLMStream
-from ..messages import ChunkRequest
+from ..llm.scheduler import LLMScheduler, LLMStream
+from ..messages import ChunkRequest, LLMRequest
 from ..models.hift_source import GeneratorNoise
 from ..token2wav.scheduler import Token2WavScheduler
 from .seeds import random_seed

@@ -140,7 +140,6 @@ REFERENCE_WAV, REFERENCE_TEXT = "reference_wav", "reference_text"  # cosyvoice2,
 SOURCE_AUDIO = "source_audio"  # cosyvoice2 mode vc
 SENTENCES, BISTREAM = TEXT_MODES  # the values of text_mode
 
-SAMPLING_FIELDS = ("top_p", "top_k", "win_size", "tau_r")
 # The chunk-policy overrides of cosyvoice2: input (and request field of that name) -> ChunkPolicy attribute.
 CHUNK_FIELDS = {"chunk_first_hop": "first_hop", "chunk_hop_scale": "hop_scale", "chunk_max_hop": "max_hop",
                 "chunk_policy": "kind"}

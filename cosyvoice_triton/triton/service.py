@@ -12,20 +12,17 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_triton.config import ModelPaths, read_yaml
-from cosyvoice_triton.preprocess.audio import decode_audio, to_mono, validate_prompt_audio
-from cosyvoice_triton.messages import PromptFeatures
-from cosyvoice_triton.preprocess.voice_features import audio_sha256
-from cosyvoice_triton.preprocess.text import TextPreprocessor, check_clean_text
+from cosyvoice_triton.llm.bistream import TEXT_IDLE_TIMEOUT_S, TextFeeds
+from cosyvoice_triton.messages import ChunkPolicy, PromptFeatures, SynthesisRequest
 from cosyvoice_triton.models.speech_lm import SpeechLMConfig
-from cosyvoice_triton.messages import ChunkPolicy
 from cosyvoice_triton.pipeline.pipeline import Pipeline
 from cosyvoice_triton.pipeline.stages import LLMStage, Token2WavStage
+from cosyvoice_triton.preprocess.audio import decode_audio, to_mono, validate_prompt_audio
+from cosyvoice_triton.preprocess.text import TextPreprocessor, check_clean_text
+from cosyvoice_triton.preprocess.voice_features import audio_sha256
+from cosyvoice_triton.triton.contracts import REFERENCE_TEXT, PromptAudio, RegisterInputs, SynthesisInputs, TextAppend
 from cosyvoice_triton.voices.prompt_budget import PromptBudget, speech_tokens_of
-from cosyvoice_triton.messages import SynthesisRequest
 from cosyvoice_triton.voices.store import VoiceRecord, VoiceStore, register_once
-from cosyvoice_triton.llm.bistream import TEXT_IDLE_TIMEOUT_S, TextFeeds
-from cosyvoice_triton.triton.contracts import REFERENCE_TEXT, RegisterInputs, SynthesisInputs, TextAppend, PromptAudio
-
 
 def token_mel_ratio(model_dir: str | Path) -> int:
     return int(read_yaml(ModelPaths(Path(model_dir)).yaml).get("token_mel_ratio", 2))
@@ -88,7 +85,7 @@ class Voices:
 
 
 class ServedPipeline:
-    """Parsed cosyvoice2 request -> float32 24 kHz chunks (the pipeline with the given backends)."""
+    """Parsed cosyvoice2 request -> float32 24 kHz chunks (the pipeline with the given stages)."""
 
     def __init__(self, model_dir: str | Path, voices: Voices, llm: LLMStage, token2wav: Token2WavStage,
                  max_text_chars: int, chunk_policy: ChunkPolicy = ChunkPolicy()):
@@ -119,7 +116,7 @@ class ServedPipeline:
         """text_mode bistream: `inputs.text` is the first piece, `text` yields the rest as it comes."""
         request = self.request(inputs)
         return self.pipeline.run_bistream(request, text, stream=stream, is_cancelled=is_cancelled,
-                                              stream_id=stream_id)
+                                          stream_id=stream_id)
 
     def append_text(self, append: TextAppend) -> None:
         """A text_append request: the piece goes to bistream synthesis `append.stream_id` of this process."""

@@ -47,8 +47,7 @@ from typing import Protocol
 import numpy as np
 
 from cosyvoice_triton.errors import CosyVoiceError, InvalidInput, NotFound
-from cosyvoice_triton.messages import voice_modes
-from cosyvoice_triton.messages import PromptFeatures
+from cosyvoice_triton.messages import PromptFeatures, voice_modes
 
 EMBEDDING_DIM = 192
 MEL_BINS = 80

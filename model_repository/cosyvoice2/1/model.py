@@ -49,7 +49,7 @@ class TritonPythonModel:
                                                     params.token2wav_timeout_s) \
             if params.token2wav_backends else BlsToken2Wav(pb_utils, params.token2wav_model)
         self.service = ServedPipeline(params.model_dir, voices, BlsLLM(pb_utils, params.llm_model),
-                                        self.token2wav, params.max_text_chars, ChunkPolicy(kind=params.chunk_policy))
+                                      self.token2wav, params.max_text_chars, ChunkPolicy(kind=params.chunk_policy))
         self.conversion = ConversionService(voices, BlsAudioTokenizer(pb_utils), self.token2wav,
                                             ChunkPolicy(kind=params.chunk_policy))
         self.metrics = ModelMetrics(pb_utils, SYNTHESIS, instance_labels(args))
