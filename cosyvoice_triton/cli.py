@@ -93,6 +93,7 @@ def _add_serve(sub) -> None:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """`serve`'s flags (`serve_options_from_args` reads them), also for tools that start a server their own way."""
     from .messages import CHUNK_POLICIES
+    from .models.flow import FLOW_PRECISIONS
     from .models.llm_precision import LLM_PRECISIONS
     from .server.launcher import ENGINES, PRECISIONS, ROLES
 
@@ -122,9 +123,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-threads", type=int, default=0,
                    help="torch threads per llm/token2wav instance (default 0: from the core count, the LLM a third "
                         "of the cores, at most 4, token2wav the rest, so that the two run side by side)")
-    p.add_argument("--llm-precision", choices=LLM_PRECISIONS, default="fp32",
-                   help="the LLM backbone's precision: fp32 (the reference), bf16, int8 (weight-only; quality "
-                        "against fp32 in perf/RESULTS.md)")
+    p.add_argument("--llm-precision", choices=(*LLM_PRECISIONS, "auto"), default="auto",
+                   help="the LLM backbone's precision: fp32 (the reference), bf16, int8 (weight-only), or auto "
+                        "(default: int8 on CPUs with AVX512-BF16/AMX, bf16 on GPUs, else fp32; quality against "
+                        "fp32 in perf/RESULTS.md)")
+    p.add_argument("--flow-precision", choices=(*FLOW_PRECISIONS, "auto"), default="auto",
+                   help="the torch flow estimator's arithmetic: fp32 (the reference), bf16, or auto (default: fp32 "
+                        "for now, as bf16's waveform misses the 30 dB bound; quality in perf/RESULTS.md)")
     p.add_argument("--engine", choices=ENGINES, default="torch",
                    help="engine of token2wav's flow and HiFT decode (torch: the reference); openvino and tensorrt "
                         "also run CAM++. One that cannot run here falls back (tensorrt -> onnxruntime -> torch, "
@@ -150,6 +155,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="chunk schedule of requests that name none: fixed (the official one: first hop 25 tokens "
                         "+ pad, then x2 up to 100) or adaptive (hops grow while a listener is ahead, stay small "
                         "when its lead runs low; audio then depends on the load)")
+    p.add_argument("--chunk-preset", choices=("official", "quick"), default="official",
+                   help="official (default: the official schedule and last chunk) or quick: a 15-token first hop "
+                        "and a last chunk that computes only its new frames (sooner first audio, less work; its "
+                        "audio difference from the official pass is in perf/RESULTS.md)")
     p.add_argument("--t2w-idle-timeout", type=float, default=120.0,
                    help="seconds a token2wav stream may go without a chunk before it is freed (its frontend is "
                         "presumed gone): counted from its latest chunk's answer, and only while token2wav runs no "
@@ -174,11 +183,12 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
                         voice_store=args.voice_store, llm_max_batch=args.llm_max_batch,
                         t2w_max_streams=args.t2w_max_streams, t2w_max_batch=args.t2w_max_batch,
                         torch_threads=args.torch_threads, llm_precision=args.llm_precision,
-                        engine=args.engine, precision=args.precision,
+                        flow_precision=args.flow_precision, engine=args.engine, precision=args.precision,
                         ort_providers=args.ort_providers, onnx_dir=args.onnx_dir, role=args.role,
                         backends=tuple(args.backend),
                         t2w_idle_timeout_s=args.t2w_idle_timeout, flow_cache_frames=args.flow_cache_frames,
-                        prompt_cache_mb=args.prompt_cache_mb, chunk_policy=args.chunk_policy)
+                        prompt_cache_mb=args.prompt_cache_mb, chunk_policy=args.chunk_policy,
+                        chunk_preset=args.chunk_preset)
 
 
 def _run_serve(args) -> int:

@@ -16,3 +16,13 @@ def metric_sum(text: str, name: str, model: str) -> float:
             except ValueError:
                 pass
     return total
+
+
+def metric_label(text: str, name: str, model: str, label: str) -> str | None:
+    """The `label` value of the sample of info-style `name` (one sample at 1 per model) for `model`, or None."""
+    for metric, labels, value in _SAMPLE.findall(text):
+        if metric == name and f'model="{model}"' in labels and value in ("1", "1.0"):
+            found = re.search(r'%s="([^"]*)"' % re.escape(label), labels)
+            if found:
+                return found.group(1)
+    return None

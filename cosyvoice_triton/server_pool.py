@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cosyvoice_triton.targets import TritonTarget
@@ -46,6 +46,7 @@ class Server:
     llm_slots: int = 0  # the LLM's KV-cache slots (free + used); 0: unknown
     llm_free_slots: int = 0
     token2wav_pending: float = 0.0  # chunk requests waiting in token2wav's queue
+    precision: dict = field(default_factory=dict)  # {"llm": ..., "flow": ...} as its metrics say (/readyz)
     last_pick: int = 0
     leaving: bool = False  # gone from its spec: out of the pool, closed once `inflight` is 0
 

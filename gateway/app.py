@@ -194,6 +194,7 @@ STORE_CHECK_TIMEOUT_S = 2.0
 async def readyz(request: web.Request) -> web.Response:
     """Ready: at least one Triton server in the pool, the voice store answering, and the default voice
     settled. `servers`: the pool's members now (with dns:// specs, what DNS names), healthy or not;
+    `precision`: what each server's LLM and flow compute in (their metrics, as scraped; `auto` resolved);
     `voice_store`: "ok", or why not (`voice_store_error`, e.g. Redis is down)."""
     router, voice = request.app[ROUTER], request.app[DEFAULT_VOICE]
     servers = {b.name: b.healthy for b in router.servers}
@@ -206,7 +207,8 @@ async def readyz(request: web.Request) -> web.Response:
                *(w for waits, _ in extra for w in waits)]
     body = {"status": "ready" if ready else "starting", "waiting_for": [] if ready else waiting, "ready": ready,
             "servers": servers, "default_voice": voice.state,
-            "voice_store": "ok" if store_error is None else "unavailable"}
+            "voice_store": "ok" if store_error is None else "unavailable",
+            "precision": {b.name: b.precision for b in router.servers if b.precision}}
     for _, parts in extra:
         body.update(parts)  # e.g. "processes" (up's supervisor), "status": "draining"
     if is_random(request.app[CONFIG].model_dir):

@@ -38,7 +38,7 @@ from pathlib import Path
 import aiohttp
 
 from cosyvoice_triton.admission import MEAN_COST, request_cost, text_tokens_estimate
-from cosyvoice_triton.prometheus_text import metric_sum
+from cosyvoice_triton.prometheus_text import metric_label, metric_sum
 from cosyvoice_triton.server_pool import Server, ServerPool
 from cosyvoice_triton.targets import Resolver, TritonTarget, discover, resolve_ips
 
@@ -49,6 +49,8 @@ from .triton_channel import TritonClient
 log = logging.getLogger(__name__)
 
 LLM_MODEL, TOKEN2WAV_MODEL = "llm", "token2wav"  # the models cosyvoice2 calls (their metrics steer admission)
+PRECISION_INFO = (("llm", "cosyvoice_llm_precision_info", LLM_MODEL),  # (part, metric, model): /readyz
+                  ("flow", "cosyvoice_flow_precision_info", TOKEN2WAV_MODEL))
 
 
 class CostModel:
@@ -175,6 +177,8 @@ class Router:
         server.llm_free_slots = int(metric_sum(text, "cosyvoice_llm_free_slots", LLM_MODEL))
         server.llm_slots = server.llm_free_slots + int(metric_sum(text, "cosyvoice_llm_active_streams", LLM_MODEL))
         server.token2wav_pending = metric_sum(text, "nv_inference_pending_request_count", TOKEN2WAV_MODEL)
+        server.precision = {part: value for part, name, model in PRECISION_INFO
+                            if (value := metric_label(text, name, model, "precision")) is not None}
 
     async def run_health(self) -> None:
         while True:

@@ -79,8 +79,12 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--llm-max-batch", type=int, default=8, help="LLM streams decoded together (KV slots)")
     t.add_argument("--torch-threads", type=int, default=0,
                    help="torch threads per llm/token2wav instance (0: from the core count, see serve --help)")
-    t.add_argument("--llm-precision", choices=("fp32", "bf16", "int8"), default="fp32",
-                   help="the LLM backbone's precision (as serve --llm-precision)")
+    t.add_argument("--llm-precision", choices=("fp32", "bf16", "int8", "auto"), default="auto",
+                   help="the LLM backbone's precision (as serve --llm-precision; auto: from the CPU's instructions)")
+    t.add_argument("--flow-precision", choices=("fp32", "bf16", "auto"), default="auto",
+                   help="the torch flow estimator's arithmetic (as serve --flow-precision)")
+    t.add_argument("--chunk-preset", choices=("official", "quick"), default="official",
+                   help="the chunk schedule's defaults (as serve --chunk-preset)")
     t.add_argument("--engine", choices=ENGINES, default="torch", help="token2wav engine, as for `serve`")
     t.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="precision of TensorRT plans and OpenVINO's hint")
@@ -288,7 +292,8 @@ def serve_options(args: argparse.Namespace, model_dir: Path, voice_store: str | 
                         instances=args.instances, workers=args.workers, voice_store=voice_store,
                         max_queue_wait_s=args.max_queue_wait,  # the gateway's flag: one limit for both sides
                         llm_max_batch=args.llm_max_batch, torch_threads=args.torch_threads,
-                        llm_precision=args.llm_precision,
+                        llm_precision=args.llm_precision, flow_precision=args.flow_precision,
+                        chunk_preset=args.chunk_preset,
                         engine=args.engine, precision=args.precision, ort_providers=args.ort_providers,
                         onnx_dir=args.onnx_dir,
                         max_text_chars=args.max_text_chars, max_token_text_ratio=args.max_token_text_ratio,

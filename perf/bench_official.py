@@ -106,12 +106,18 @@ class OurSide:
     """c synthesizers of one folder (each is one request at a time), each stream exactly N tokens."""
 
     def __init__(self, model_dir: str, speech_tokens: int, text_tokens: int, prompt_tokens: int,
-                 llm_precision: str = "fp32", decode_ahead: bool = True, first_chunk_alone: bool = True):
-        from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
+                 llm_precision: str = "fp32", decode_ahead: bool = True, first_chunk_alone: bool = True,
+                 flow_precision: str = "fp32", chunk_preset: str = "official"):
+        from cosyvoice_triton.models.flow_cache import FlowCacheSettings
         from cosyvoice_triton.perf.exact_length import exact_length
+        from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
+        from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
+
+        preset = CHUNK_PRESETS[chunk_preset]
 
         def load() -> CosyVoice2:
-            tts = CosyVoice2.from_model_dir(model_dir, llm_precision=llm_precision)
+            tts = CosyVoice2.from_model_dir(model_dir, llm_precision=llm_precision, flow_precision=flow_precision,
+                                            flow_cache=FlowCacheSettings(cached_final=preset.cached_final))
             exact_length(tts.llm, speech_tokens)
             return tts
 
@@ -120,6 +126,7 @@ class OurSide:
         self.decode_ahead = decode_ahead
         self.first_chunk_alone = first_chunk_alone
         self.request, self.arrays = make_inputs(self.synths[0], text_tokens, prompt_tokens)
+        self.request = dataclasses.replace(self.request, chunk_policy=preset.policy())
 
     def round(self, concurrency: int) -> dict:
         while len(self.synths) < concurrency:
@@ -136,9 +143,11 @@ class OurSide:
 
 class TritonSide:
     """Our side through a running tritonserver of the same folder (`perf.exact_length --exact-speech-tokens N`): c
-    streams of the `cosyvoice2` model at once over gRPC, the same text, the prompt sent as audio."""
+    streams of the `cosyvoice2` model at once over gRPC, the same text. `voice`: "id", the recording
+    registered once and named by its id (as production traffic does, and as the other sides are handed
+    precomputed prompt features), or "audio", the recording sent with every request."""
 
-    def __init__(self, url: str, model_dir: str, text_tokens: int, prompt_tokens: int):
+    def __init__(self, url: str, model_dir: str, text_tokens: int, prompt_tokens: int, voice: str = "id"):
         from cosyvoice_triton.client import TritonTTS
         from cosyvoice_triton.preprocess.text import TextPreprocessor
 
@@ -152,15 +161,22 @@ class TritonSide:
         self.url = url
         self.clients: list = []
         self.make_client = TritonTTS
+        self.voice = voice
+        self.voice_id: str | None = None
+        self.name = "triton" if voice == "id" else "triton_audio"
 
     def round(self, concurrency: int) -> dict:
         while len(self.clients) < concurrency:
             self.clients.append(self.make_client(self.url))
+        if self.voice == "id" and self.voice_id is None:  # once, before any timed stream
+            self.voice_id = self.clients[0].register_voice(self.prompt, sample_rate=PROMPT_RATE,
+                                                           prompt_text=PROMPT_TEXT).voice_id
         return concurrent_round([lambda client=client: self._stream(client) for client in self.clients[:concurrency]])
 
     def _stream(self, client) -> dict:
-        chunks = client.stream(self.text, prompt_audio=self.prompt, prompt_sample_rate=PROMPT_RATE,
-                               prompt_text=PROMPT_TEXT, seed=1)
+        voice = {"voice_id": self.voice_id} if self.voice == "id" else \
+            {"prompt_audio": self.prompt, "prompt_sample_rate": PROMPT_RATE, "prompt_text": PROMPT_TEXT}
+        chunks = client.stream(self.text, seed=1, **voice)
         with chunks:
             return timed_stream(chunks, SAMPLE_RATE)
 
@@ -183,11 +199,16 @@ def timed_stream(chunks, sample_rate: int) -> dict:
 
 
 def concurrent_round(streams: list) -> dict:
-    """Run each stream function in a thread of its own, all at once; their results and the wall time."""
+    """Run each stream function in a thread of its own, all at once; their results and the wall time. A
+    stream that fails is recorded as {"error": ...} (the report counts it), so one failure never loses the
+    rounds already run."""
     results: list[dict] = [{} for _ in streams]
 
     def run(index: int) -> None:
-        results[index] = streams[index]()
+        try:
+            results[index] = streams[index]()
+        except Exception as exc:  # noqa: BLE001 - recorded, reported as a failed stream
+            results[index] = {"error": f"{type(exc).__name__}: {exc}"}
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(streams))]
     start = time.perf_counter()
@@ -205,7 +226,8 @@ def serve_ours(args) -> None:
     torch.set_num_threads(args.threads)
     protocol, sys.stdout = sys.stdout, sys.stderr
     side = OurSide(args.model_dir, args.speech_tokens, args.text_tokens, args.prompt_tokens, args.llm_precision,
-                   decode_ahead=args.decode_ahead != "off", first_chunk_alone=args.first_chunk != "shared")
+                   decode_ahead=args.decode_ahead != "off", first_chunk_alone=args.first_chunk != "shared",
+                   flow_precision=args.flow_precision, chunk_preset=args.chunk_preset)
     np.savez(args.write_inputs, **side.arrays)
     protocol.write(json.dumps({"ready": True, "torch": torch.__version__}) + "\n")
     protocol.flush()
@@ -255,7 +277,9 @@ def ours_command(args, inputs: Path) -> list[str]:
     return [sys.executable, "-m", "cosyvoice_triton.perf.bench_official", "--worker", "--model-dir", args.model_dir,
             "--speech-tokens", str(args.speech_tokens), "--text-tokens", str(args.text_tokens),
             "--prompt-tokens", str(args.prompt_tokens), "--threads", str(args.threads),
-            "--llm-precision", args.llm_precision, "--decode-ahead", args.decode_ahead,
+            "--llm-precision", args.llm_precision, "--flow-precision", args.flow_precision,
+            "--chunk-preset", args.chunk_preset,
+            "--decode-ahead", args.decode_ahead,
             "--first-chunk", args.first_chunk, "--write-inputs", str(inputs)]
 
 
@@ -267,13 +291,20 @@ def official_command(python: Path, args, inputs: Path) -> list[str]:
 # ---- report ----------------------------------------------------------------------------------------
 
 def summary(rounds: list[dict]) -> dict:
-    """Medians over a side's rounds at one concurrency."""
-    firsts = [s["first_s"] for r in rounds for s in r["streams"]]
+    """Medians over a side's rounds at one concurrency, of the streams that finished (`failed`: the others;
+    NaN where none finished)."""
+    done = [s for r in rounds for s in r["streams"] if "error" not in s]
+    failed = sum("error" in s for r in rounds for s in r["streams"])
+    if not done:
+        return {key: float("nan") for key in ("first_audio_s", "first_audio_p90_s", "total_s", "audio_s_per_s",
+                                              "audio_s")} | {"rounds": len(rounds), "failed": failed}
+    firsts = [s["first_s"] for s in done]
     return {"first_audio_s": statistics.median(firsts),
             "first_audio_p90_s": float(np.percentile(firsts, 90)),
-            "total_s": statistics.median(s["total_s"] for r in rounds for s in r["streams"]),
-            "audio_s_per_s": statistics.median(sum(s["audio_s"] for s in r["streams"]) / r["wall_s"] for r in rounds),
-            "audio_s": rounds[0]["streams"][0]["audio_s"], "rounds": len(rounds)}
+            "total_s": statistics.median(s["total_s"] for s in done),
+            "audio_s_per_s": statistics.median(sum(s.get("audio_s", 0.0) for s in r["streams"]) / r["wall_s"]
+                                               for r in rounds),
+            "audio_s": done[0]["audio_s"], "rounds": len(rounds), "failed": failed}
 
 
 ROWS = [("first audio (median)", "first_audio_s", "s"), ("first audio p90", "first_audio_p90_s", "s"),
@@ -282,17 +313,29 @@ ROWS = [("first audio (median)", "first_audio_s", "s"), ("first audio p90", "fir
 
 def markdown(result: dict) -> str:
     meta = result["meta"]
+    served = [name for name in SERVED if name in result["levels"][0]]
     lines = [f"{meta['date']}; {meta['cpu']}; torch {meta['torch_ours']} (ours) / {meta['torch_official']} (official), "
              f"{meta['threads']} threads each; {meta['text_tokens']} text tokens, {meta['prompt_tokens']}-token prompt, "
-             f"exactly {meta['speech_tokens']} speech tokens; LLM {meta['llm_precision']}; load average "
+             f"exactly {meta['speech_tokens']} speech tokens; LLM {meta['llm_precision']}, flow {meta.get('flow_precision', 'fp32')} "
+             f"({meta.get('cpu_kind', 'CPU kind not recorded')}), chunk preset {meta.get('chunk_preset', 'official')}; "
+             f"load average "
              f"{meta['load_min']:.1f}-{meta['load_max']:.1f} over the rounds", "",
-             "| c | | official | ours | ours / official |", "|---:|---|---:|---:|---:|"]
+             "| c | | official | ours in-process | / official |" + "".join(f" {SERVED_LABELS[name]} | / official |"
+                                                                       for name in served),
+             "|---:|---|---:|---:|---:|" + "---:|---:|" * len(served)]
     for level in result["levels"]:
-        official, ours = level["official"], level["ours"]
+        official = level["official"]
         for label, key, unit in ROWS:
-            lines.append(f"| {level['concurrency']} | {label} | {official[key]:.2f}{unit} | {ours[key]:.2f}{unit} | "
-                         f"{ours[key] / official[key]:.2f} |")
+            cells = [f"{level[name][key]:.2f}{unit} | {level[name][key] / official[key]:.2f}" for name in ["ours", *served]]
+            lines.append(f"| {level['concurrency']} | {label} | {official[key]:.2f}{unit} | " + " | ".join(cells) + " |")
+    failures = [f"c = {level['concurrency']} {name}: {level[name]['failed']}" for level in result["levels"]
+                for name in ["official", "ours", *served] if level[name].get("failed")]
+    if failures:
+        lines += ["", "Streams that failed (not in the medians): " + "; ".join(failures)]
     return "\n".join(lines) + "\n"
+
+
+SERVED_LABELS = {"triton": "through tritonserver (voice id)", "triton_audio": "through tritonserver (prompt as audio)"}
 
 
 def cpu_name() -> str:
@@ -312,45 +355,68 @@ def side_by_side(args) -> dict:
     inputs = work / "inputs.npz"
     ours = Side("our", ours_command(args, inputs))
     official = Side("official", official_command(official_python(args.official_venv, work), args, inputs))
+    sides = [official, ours] + served_sides(args)
     rounds: dict[tuple[int, str], list[dict]] = {}
     loads: list[float] = []
     try:
         for _ in range(args.repeats):
             for level in args.concurrency:
-                for side in (official, ours):  # A, B, A, B: both see the same load on the machine
+                for side in sides:  # A, B, C, A, B, C: every side sees the same load on the machine
                     loads.append(os.getloadavg()[0])
                     result = side.round(level)
                     result["load_average"] = loads[-1]
                     rounds.setdefault((level, side.name), []).append(result)
                     print(f"c={level} {side.name}: wall {result['wall_s']:.1f} s, load {loads[-1]:.1f}", file=sys.stderr)
     finally:
-        ours.close()
-        official.close()
+        for side in sides:
+            side.close()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(),
             "torch_ours": ours.hello["torch"], "torch_official": official.hello["torch"], "threads": args.threads,
             "text_tokens": len(np.load(inputs)["text_tokens"]), "prompt_tokens": args.prompt_tokens,
-            "speech_tokens": args.speech_tokens, "llm_precision": args.llm_precision,
+            "speech_tokens": args.speech_tokens, **precisions(args),
             "decode_ahead": args.decode_ahead != "off", "load_min": min(loads),
             "load_max": max(loads), "model_dir": args.model_dir}
     return write_report(out, meta, args.concurrency, rounds)
+
+
+def served_sides(args) -> list:
+    """With --triton: the served path as two more sides, the voice by id and the prompt as audio."""
+    if not args.triton:
+        return []
+    return [TritonSide(args.triton, args.model_dir, args.text_tokens, args.prompt_tokens, voice) for voice in ("id", "audio")]
+
+
+SERVED = ("triton", "triton_audio")  # the served sides' names, in the report's column order
 
 
 def write_report(out: Path, meta: dict, levels: list[int], rounds: dict[tuple[int, str], list[dict]]) -> dict:
     """side_by_side.json and side_by_side.md under `out` from each (level, side)'s rounds."""
     result = {"meta": meta,
               "levels": [{"concurrency": level, "official": summary(rounds[(level, "official")]),
-                          "ours": summary(rounds[(level, "our")])} for level in levels],
+                          "ours": summary(rounds[(level, "our")]),
+                          **{name: summary(rounds[(level, name)]) for name in SERVED if (level, name) in rounds}}
+                         for level in levels],
               "rounds": {f"c{level}_{name}": r for (level, name), r in rounds.items()}}
     (out / "side_by_side.json").write_text(json.dumps(result, indent=1))
     (out / "side_by_side.md").write_text(markdown(result))
     return result
 
 
+def precisions(args) -> dict:
+    """Our side's precisions as run (`auto` resolved on this machine), for the report."""
+    from cosyvoice_triton.models.auto_precision import describe_cpu, resolve_flow_precision, resolve_llm_precision
+
+    return {"llm_precision": resolve_llm_precision(args.llm_precision),
+            "flow_precision": resolve_flow_precision(args.flow_precision), "cpu_kind": describe_cpu(),
+            "chunk_preset": args.chunk_preset}
+
+
 def our_variants(args) -> tuple[OurSide, list[tuple[str, object]]]:
     """Our in-process side, and (name, round function of a concurrency) of each way our side is timed, in
     the order they alternate."""
     side = OurSide(args.model_dir, args.speech_tokens, args.text_tokens, args.prompt_tokens, args.llm_precision,
-                   decode_ahead=args.decode_ahead != "off", first_chunk_alone=args.first_chunk != "shared")
+                   decode_ahead=args.decode_ahead != "off", first_chunk_alone=args.first_chunk != "shared",
+                   flow_precision=args.flow_precision, chunk_preset=args.chunk_preset)
 
     def in_process(decode_ahead: bool, first_chunk_alone: bool = args.first_chunk != "shared"):
         def run(concurrency: int) -> dict:
@@ -363,12 +429,13 @@ def our_variants(args) -> tuple[OurSide, list[tuple[str, object]]]:
         variants.insert(0, ("in_process_first_chunk_shared", in_process(args.decode_ahead != "off", False)))
     if args.decode_ahead == "both":
         variants.insert(0, ("in_process_llm_waits", in_process(False)))
-    if args.triton:
-        variants.append(("triton", TritonSide(args.triton, args.model_dir, args.text_tokens, args.prompt_tokens).round))
+    for served in served_sides(args):
+        variants.append((served.name, served.round))
     return side, variants
 
 
-RATIOS = [("triton", "in_process"), ("in_process", "in_process_llm_waits"),  # (variant, the peer it is divided by)
+RATIOS = [("triton", "in_process"), ("triton_audio", "in_process"),  # (variant, the peer it is divided by)
+          ("in_process", "in_process_llm_waits"),
           ("in_process", "in_process_first_chunk_shared")]
 
 
@@ -396,7 +463,7 @@ def ours_alone(args) -> dict:
         levels.append({"concurrency": level, "load_average": summaries["in_process"]["load_average"][0],
                        **summaries["in_process"], "variants": summaries, "ratios": ratios})
     return {"speech_tokens": args.speech_tokens, "text_tokens": len(side.arrays["text_tokens"]),
-            "prompt_tokens": len(side.arrays["prompt_speech_tokens"]), "llm_precision": args.llm_precision,
+            "prompt_tokens": len(side.arrays["prompt_speech_tokens"]), **precisions(args),
             "decode_ahead": args.decode_ahead, "first_chunk": args.first_chunk, "triton": args.triton,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "threads": args.threads, "cpu": cpu_name(), "levels": levels}
@@ -409,7 +476,12 @@ def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-tokens", type=int, default=40, help="at least T text tokens")
     parser.add_argument("--prompt-tokens", type=int, default=75, help="a prompt of P speech tokens")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per side")
-    parser.add_argument("--llm-precision", default="fp32", choices=["fp32", "bf16", "int8"])
+    parser.add_argument("--llm-precision", default="auto", choices=["fp32", "bf16", "int8", "auto"],
+                        help="our LLM's (as serve's; auto: from the CPU's instructions, models/auto_precision.py)")
+    parser.add_argument("--flow-precision", default="auto", choices=["fp32", "bf16", "auto"],
+                        help="our torch flow estimator's (as serve's)")
+    parser.add_argument("--chunk-preset", default="official", choices=["official", "quick"],
+                        help="our in-process side's chunk preset (a served side: the server's, serve --chunk-preset)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -265,7 +265,8 @@ def whole_stream(timeline: Timeline, streams: list[dict]) -> dict:
 
 def profile(args) -> dict:
     torch.set_num_threads(args.threads)
-    side = ProfiledSide(args.model_dir, args.speech_tokens, args.text_tokens, args.prompt_tokens, args.llm_precision)
+    side = ProfiledSide(args.model_dir, args.speech_tokens, args.text_tokens, args.prompt_tokens, args.llm_precision,
+                        flow_precision=args.flow_precision, chunk_preset=args.chunk_preset)
     for _ in range(args.warmup):
         side.round(args.concurrency)
     load_start = os.getloadavg()

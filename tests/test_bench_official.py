@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,6 +85,22 @@ def test_report_from_recorded_official_rounds(model_dir: Path, tmp_path: Path) -
     ratio = ours["first_audio_s"] / official["first_audio_s"]
     assert f"| 1 | first audio (median) | {official['first_audio_s']:.2f}s | {ours['first_audio_s']:.2f}s | {ratio:.2f} |" in table
     assert f"exactly {meta['speech_tokens']} speech tokens" in table
+
+
+def test_report_puts_the_served_sides_beside_in_process(model_dir: Path, tmp_path: Path) -> None:
+    recorded = json.loads((DATA / "official_rounds_tiny.json").read_text())
+    official = recorded["rounds"]["c1_official"]
+    served = [{**r, "wall_s": 2 * r["wall_s"], "streams": [{**x, "first_s": 2 * x["first_s"]} for x in r["streams"]]}
+              for r in official]
+    rounds = {(1, "our"): official, (1, "official"): official, (1, "triton"): served, (1, "triton_audio"): official}
+    result = bench_official.write_report(tmp_path, recorded["recorded"], [1], rounds)
+    level = result["levels"][0]
+    assert level["triton"]["first_audio_s"] == pytest.approx(2 * level["official"]["first_audio_s"])
+    table = (tmp_path / "side_by_side.md").read_text()
+    assert "through tritonserver (voice id) | / official | through tritonserver (prompt as audio)" in table
+    first = level["official"]["first_audio_s"]
+    assert (f"| 1 | first audio (median) | {first:.2f}s | {first:.2f}s | 1.00 | {2 * first:.2f}s | 2.00 | "
+            f"{first:.2f}s | 1.00 |") in table
 
 
 # ---- exactly N tokens (perf/exact_length.py) ---------------------------------------------------------
@@ -164,3 +181,15 @@ def test_the_exact_length_server_takes_every_serve_flag_and_serve_takes_none(tmp
     assert f'key: "{PARAMETER}" value: {{ string_value: "7" }}' in (tmp_path / "templates/llm/config.pbtxt").read_text()
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--exact-speech-tokens", "7"])
+
+
+def test_a_failed_stream_is_counted_and_the_rounds_are_kept() -> None:
+    def fails() -> dict:
+        raise ConnectionError("the server went away")
+
+    round_ = bench_official.concurrent_round([lambda: {"first_s": 1.0, "total_s": 2.0, "audio_s": 4.0}, fails])
+    assert round_["streams"][1] == {"error": "ConnectionError: the server went away"}
+    timed = bench_official.summary([round_])
+    assert (timed["failed"], timed["first_audio_s"], timed["total_s"]) == (1, 1.0, 2.0)
+    gone = bench_official.summary([bench_official.concurrent_round([fails])])
+    assert gone["failed"] == 1 and np.isnan(gone["first_audio_s"])

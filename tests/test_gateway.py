@@ -14,6 +14,7 @@ import io
 import json
 import re
 import struct
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -197,6 +198,11 @@ def test_health_readiness_and_the_default_voice(gateway):
     assert gateway.get_json("/healthz") == (200, {"status": "ok"})
     status, ready = gateway.get_json("/readyz")
     assert status == 200 and ready["default_voice"] == "ready" and all(ready["servers"].values())
+    deadline = time.monotonic() + 30
+    while not ready["precision"] and time.monotonic() < deadline:  # known from the first metrics scrape on
+        time.sleep(0.5)
+        ready = gateway.get_json("/readyz")[1]
+    assert list(ready["precision"].values()) == [{"llm": "fp32", "flow": "fp32"}]  # as the server's metrics say
     status, voices = gateway.get_json("/v1/voices")
     default = [v for v in voices["voices"] if v["id"] == "default"]
     assert status == 200 and default == [shipped_default_voice(default[0])]

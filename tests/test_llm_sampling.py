@@ -14,7 +14,7 @@ from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import SamplingParams
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.llm.generate import generate
-from cosyvoice_triton.llm.sampling import RasSampler, make_generator
+from cosyvoice_triton.llm.sampling import RasSampler, make_generator, ras_sample
 
 NUM_TOKENS = 30
 
@@ -215,6 +215,82 @@ def test_ras_matches_the_official_algorithm_draw_for_draw(params: SamplingParams
         for logp in logps:
             official.append(reference_ras(logp, official, None, params)[0])
     assert official == decoded
+
+
+def test_torch_draws_one_multinomial_sample_as_argmax_over_exponential_noise() -> None:
+    """What `ras_sample` relies on to draw a batch with per-row generators: for one sample,
+    torch.multinomial(p, 1, replacement=True, generator=g) is argmax(p / q), q = empty_like(p).exponential_(1, g),
+    a draw and a generator state that depend on len(p); filling a row slice of a wider tensor gives the same."""
+    rng = torch.Generator().manual_seed(0)
+    for size in (1, 2, 7, 25, 300):
+        for seed in range(20):
+            probs = torch.rand(size, generator=rng) ** 4
+            if seed % 3 == 0:
+                probs[1::2] = 0.0  # zeros among the candidates
+            ours, theirs = make_generator(seed), make_generator(seed)
+            for _ in range(3):
+                expected = int(torch.multinomial(probs, 1, replacement=True, generator=theirs))
+                noise = torch.ones(3, size + 4)
+                noise[1, :size].exponential_(1, generator=ours)
+                assert int((probs / noise[1, :size]).argmax()) == expected
+            assert torch.equal(ours.get_state(), theirs.get_state())
+
+
+BATCH_PARAMS = [SamplingParams(), SamplingParams(top_p=0.95, top_k=5, win_size=4, tau_r=0.5),
+                SamplingParams(top_p=1.0, top_k=100, win_size=20, tau_r=0.2),
+                SamplingParams(top_p=0.3, top_k=25, win_size=3, tau_r=1.0), SamplingParams(top_p=0.6, top_k=1),
+                SamplingParams(top_p=1.0, top_k=1000, win_size=6, tau_r=0.34)]  # top_k above the vocabulary
+
+
+@pytest.mark.parametrize("batch", range(1, 9))
+def test_a_batched_draw_equals_each_row_drawn_alone(batch: int) -> None:
+    """Rows of mixed params, histories and seeds, some with EOS banned, drawn together for many steps: each
+    row's tokens and generator state equal those of RasSampler alone and of the official algorithm."""
+    vocab, steps, eos = 48, 40, 47
+    rng = torch.Generator().manual_seed(100 + batch)
+    params = [BATCH_PARAMS[(batch + b) % len(BATCH_PARAMS)] for b in range(batch)]
+    seeds = torch.randint(2**32, (batch,), generator=rng).tolist()
+    preference = torch.randn(vocab, generator=rng)
+    histories = [torch.randint(vocab, (p.win_size,), generator=rng).tolist() for p in params]
+    together, alone, reference = ([make_generator(seed) for seed in seeds] for _ in range(3))
+    alone_histories = [list(history) for history in histories]
+    resampled = 0
+    for step in range(steps):
+        logp = torch.stack([random_logp(rng, preference, step + b) for b in range(batch)])  # (B, V)
+        short = [b for b in range(batch) if (step + b) % 4 != 0]  # below min_len: EOS banned
+        logp[short, eos] = -math.inf
+        tokens = ras_sample(logp.clone(), params, histories, together)
+        for b in range(batch):
+            expected, banned = reference_ras(logp[b], histories[b], reference[b], params[b])
+            assert tokens[b] == expected, f"step {step}, row {b}"
+            assert RasSampler(params[b])(logp[b].clone(), alone_histories[b], alone[b]) == expected
+            assert b not in short or tokens[b] != eos
+            resampled += banned is not None
+            histories[b].append(expected)
+            alone_histories[b].append(expected)
+    for generators in (together, alone):
+        assert all(torch.equal(g.get_state(), r.get_state()) for g, r in zip(generators, reference))
+    assert resampled > 0  # the re-draw ran
+
+
+def test_a_row_without_a_distribution_fails_alone() -> None:
+    """A NaN row and a row whose re-draw has nothing left each get an exception; their neighbours draw as
+    alone, and the NaN row's generator is untouched (torch.multinomial checks before it draws)."""
+    vocab, params = 50, SamplingParams()
+    rng = torch.Generator().manual_seed(3)
+    logp = torch.randn(4, vocab, generator=rng).log_softmax(dim=-1)  # (4, V)
+    logp[1] = math.nan
+    logp[2] = -math.inf
+    logp[2, 7] = 0.0  # one token only, and it repeats: the re-draw bans it and finds nothing
+    histories = [[], [], [7] * 10, [1, 2]]
+    generators = [make_generator(seed) for seed in range(4)]
+    tokens = ras_sample(logp.clone(), [params] * 4, histories, generators)
+    assert isinstance(tokens[1], Exception) and isinstance(tokens[2], Exception)
+    assert torch.equal(generators[1].get_state(), make_generator(1).get_state())
+    for b in (0, 3):
+        assert tokens[b] == RasSampler(params)(logp[b].clone(), histories[b], make_generator(b))
+    with pytest.raises(RuntimeError):
+        RasSampler(params)(logp[2].clone(), histories[2], make_generator(2))
 
 
 @pytest.mark.parametrize("field, value", [

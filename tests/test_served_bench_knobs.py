@@ -83,7 +83,7 @@ def test_our_side_alone_in_process_and_through_triton(int8_server, model_dir, ca
     result = json.loads(capsys.readouterr().out)
     assert (result["speech_tokens"], result["prompt_tokens"], result["triton"]) == (EXACT, 20, url)
     [level] = result["levels"]
-    for name in ("in_process", "triton"):
+    for name in ("in_process", "triton", "triton_audio"):  # served: the voice by id, the prompt as audio
         timed = level["variants"][name]
         assert timed["audio_s"] == pytest.approx(EXACT / 25), name  # exactly N tokens on both paths
         assert 0 < timed["first_audio_s"] <= timed["total_s"], name

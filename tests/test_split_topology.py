@@ -54,6 +54,7 @@ def split(tiny_model_dir, tmp_path_factory):
                "--model-dir", str(tiny_model_dir), "--run-dir", str(run_dir / "run"), "--host", "127.0.0.1",
                "--port", str(port), "--workers", "8", "--torch-threads", "1", "--max-token-text-ratio", str(RATIO),
                "--t2w-idle-timeout", str(IDLE_TIMEOUT_S),
+               "--llm-precision", "fp32", "--flow-precision", "fp32",  # the reference's arithmetic on any CPU
                "--restart-delay", "3600"]  # the killed frontend stays down (tests/test_faults.py: restarts)
     up = CliProcess(command, {**os.environ, "COSYVOICE_HOME": str(run_dir / "home")})
     url = f"http://127.0.0.1:{port}"

@@ -357,7 +357,7 @@ def test_send_chunks_reports_an_error_in_the_final_response():
 class FakeServer:
     """Loads model.py files under pb_fake and answers their BLS calls like Triton would."""
 
-    def __init__(self, pb, tiny: Path, store: str):
+    def __init__(self, pb, tiny: Path, store: str, **options):
         self.pb = pb
         self.models = {}
         self.calls: Counter[str] = Counter()  # BLS calls by model name
@@ -366,7 +366,7 @@ class FakeServer:
             module = pb_fake.load_model(REPO / name / "1" / "model.py")
             model = module.TritonPythonModel()
             model.initialize(pb_fake.initialize_args(model_config(name, tiny, store, max_token_text_ratio=3,
-                                                                  workers=2, max_pending=0)))
+                                                                  workers=2, max_pending=0, **options)))
             self.models[name] = model
         pb.set_bls_handler(self.handle)
 
@@ -445,6 +445,48 @@ def test_cosyvoice2_streams_what_the_library_streams(fake, reference):
     assert metrics.labelled("requests", "ok").value() >= 1 and metrics["active"].value() == 0
     assert fake.models["token2wav"].scheduler.stats.active_streams == 0
     assert fake.models["llm"].scheduler.stats.active_streams == 0
+    # what the models compute in, as /readyz reads it from their metrics (ServeOptions: fp32 both)
+    assert fake.models["llm"].metrics.labelled("precision", "fp32").value() == 1
+    assert fake.models["llm"].metrics.labelled("precision", "int8").value() == 0
+    assert fake.models["token2wav"].metrics.labelled("precision", "fp32").value() == 1
+
+
+def test_the_quick_chunk_preset_streams_what_the_library_streams_with_it(fake, reference, tiny, tmp_path):
+    """serve --chunk-preset quick: cosyvoice2's requests start with a 15-token hop and token2wav makes each last
+    chunk as a cached streaming call; the library with the same preset makes the same audio, and its first
+    chunk comes sooner (fewer samples) than the official schedule's."""
+    from dataclasses import replace as copy_with
+
+    from cosyvoice_triton.messages import SynthesisRequest
+    from cosyvoice_triton.models.flow_cache import FlowCacheSettings
+    from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
+    from cosyvoice_triton.pipeline.local_stages import ReferenceLLM, ReferenceToken2Wav
+    from cosyvoice_triton.pipeline.pipeline import Pipeline
+    from cosyvoice_triton.token2wav.stream import Token2Wav
+
+    wav, text = speech_like(1.5, RATE, seed=2), "The quick preset speaks sooner. It has a second sentence too."
+    tts, official = reference
+    quick = CHUNK_PRESETS["quick"]
+    token2wav = Token2Wav(tts.token2wav.flow, tts.token2wav.hift, FlowCacheSettings(cached_final=True))
+    pipeline = Pipeline(tts.preprocessor, ReferenceLLM(tts.llm), ReferenceToken2Wav(token2wav))
+    request = SynthesisRequest(text=text, voice=tts.encode_voice(wav, RATE, "a prompt"), seed=5,
+                               sampling=tts.llm.config.sampling)
+    want = [c for c in pipeline.run(copy_with(request, chunk_policy=quick.policy()), stream=True) if c.size]
+    official_chunks = [c for c in official.run(request, stream=True) if c.size]
+    assert want[0].size < official_chunks[0].size
+    pb = fake.pb  # a second server on the installed fake pb_utils; its BLS calls go to it while it runs
+    server = FakeServer(pb, tiny, str(tmp_path / "voices.sqlite"), chunk_preset="quick")
+    try:
+        assert server.models["token2wav"].scheduler.flow_cache.cached_final
+        call = pb.InferenceRequest(inputs=[pb.Tensor(k, v) for k, v in contracts.synthesis_inputs(
+            text, samples=wav, sample_rate=RATE, prompt_text="a prompt", seed=5).items()])
+        assert server.models["cosyvoice2"].execute([call]) is None
+        got = [r.outputs()["waveform"] for r in call.sender.wait_final(120)]
+    finally:
+        server.close()
+        pb.set_bls_handler(fake.handle)  # back to the module's server
+    assert [c.size for c in got] == [c.size for c in want]
+    np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), atol=2e-4, rtol=0)
 
 
 def test_offline_twin_and_registered_voices(fake, reference):

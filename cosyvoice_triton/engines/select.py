@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from ..config import ModelPaths
-from ..models.flow import FlowModel
+from ..models.auto_precision import resolve_flow_precision
+from ..models.flow import FlowModel, check_flow_precision
 from ..models.hift import HiFTGenerator
 from .base import ENGINES, PRECISIONS, GraphSpec, Runner, RunnerModule
 from .onnx_session import CUDA_PROVIDER
@@ -114,12 +115,14 @@ class RunnerHiFT(HiFTGenerator):
 def build_token2wav(model_dir: str | Path, engine: str = "torch", device: str | torch.device = "cpu", *,
                     precision: str = "fp32", onnx_dir: str | Path | None = None,
                     cache_dir: str | Path | None = None, max_streams: int = 16,
-                    max_seconds: float = 60.0, ort_providers: str | None = None) -> tuple[FlowModel, HiFTGenerator]:
+                    max_seconds: float = 60.0, ort_providers: str | None = None,
+                    flow_precision: str = "fp32") -> tuple[FlowModel, HiFTGenerator]:
     """(flow, hift) for `model_dir` with their heavy parts on `engine` (see the module docstring).
 
     precision: TensorRT and OpenVINO ("fp32", "fp16", "bf16"); torch and ONNX Runtime run fp32.
     max_streams / max_seconds: the TensorRT profile (flow rows per call, i.e. 2 * max_streams estimator
-    rows, and mel length). ort_providers: see `open_runner`."""
+    rows, and mel length). ort_providers: see `open_runner`. flow_precision: the torch flow estimator's
+    arithmetic, fp32 | bf16 | auto (models/flow.py, models/auto_precision.py); graph engines take `precision`."""
     from .onnx_export import token2wav_onnx  # the exporter loads only when a graph engine is used
     from .onnx_graphs import token2wav_specs
 
@@ -128,6 +131,8 @@ def build_token2wav(model_dir: str | Path, engine: str = "torch", device: str | 
     chosen = resolve_engine(engine, device)
     flow = FlowModel.from_model_dir(model_dir, device=device)
     if chosen == "torch":
+        flow.decoder.precision = check_flow_precision(resolve_flow_precision(flow_precision, device))
+        log.info("token2wav on torch (%s): flow estimator in %s", device, flow.decoder.precision)
         return flow, HiFTGenerator.from_model_dir(model_dir, device=device)
     hift = RunnerHiFT.from_model_dir(model_dir, device=device)
     paths = token2wav_onnx(model_dir, onnx_dir)

@@ -32,7 +32,8 @@ import numbers
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +45,7 @@ from ..models.qwen2 import kv_bucket
 from ..models.speech_lm import SpeechLM
 from .bistream import BistreamPlan, Segment, embed_segments, new_plan
 from .stream import LLMStream
-from .sampling import RasSampler, make_generator
+from .sampling import RasSampler, make_generator, ras_sample
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +107,12 @@ class LLMScheduler:
     """Batches the live streams of one SpeechLM, which the scheduler owns (its KV cache is re-allocated)."""
 
     def __init__(self, llm: SpeechLM, max_batch: int = 8, max_seq_len: int = 4096,
-                 device: torch.device | str | None = None, max_queue: int = 64):
+                 device: torch.device | str | None = None, max_queue: int = 64,
+                 step_unit: Callable[[], AbstractContextManager] = nullcontext):
         """`max_seq_len` bounds the positions of one stream (prompt + speech); the model's own cache
-        length bounds it too. At most `max_queue` requests wait for a slot; more are refused."""
+        length bounds it too. At most `max_queue` requests wait for a slot; more are refused. Each round
+        (prefills, then one decode step) runs inside `step_unit()`: the core share's LLM unit, which sets
+        this thread's torch threads and waits while token2wav runs a first chunk (pipeline/threads.py)."""
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch ({max_batch}) and max_queue ({max_queue}) must be >= 1")
         self.device = torch.device(device) if device is not None else next(llm.parameters()).device
@@ -117,6 +121,7 @@ class LLMScheduler:
         self.max_batch = max_batch
         self.max_seq_len = min(max_seq_len, llm.max_seq_len)
         self.max_queue = max_queue
+        self.step_unit = step_unit
         self._eos = llm.config.eos_token
         self._stop_tokens = frozenset(llm.config.stop_tokens)
         self._cond = threading.Condition()  # guards everything below; the scheduler waits on it when idle
@@ -212,9 +217,10 @@ class LLMScheduler:
     def _loop(self) -> None:
         while self._wait_for_work():
             self._drop_cancelled()
-            self._admit()
-            self._feed_bistreams()
-            self._decode()
+            with self.step_unit():
+                self._admit()
+                self._feed_bistreams()
+                self._decode()
 
     def _wait_for_work(self) -> bool:
         """Block while there is nothing to do (bistream streams waiting for text do nothing); False once
@@ -354,11 +360,9 @@ class LLMScheduler:
         """Draw one token per row of the host log-probs (B, V), as `llm_generate.generate` does (a bistream
         stream as `bistream.generate_bistream`); deliver it."""
         sent = 0
-        for live, row in zip(batch, logp):
-            try:
-                token = self._draw(live, row)
-            except Exception as exc:
-                self._fail([live], "sampling", exc)
+        for live, token in zip(batch, self._draw(batch, logp)):
+            if isinstance(token, Exception):
+                self._fail([live], "sampling", token)
                 continue
             outcome = live.plan.accept(token) if live.plan is not None else \
                 ("stop" if token in self._stop_tokens else "speech")
@@ -374,16 +378,35 @@ class LLMScheduler:
                 self._retire(live, "max_len")
         self._count(sent)
 
-    def _draw(self, live: _Live, logp: Tensor) -> int:
-        if live.plan is not None:
-            return _draw_bistream(live, logp, self._eos)
-        return self._draw_sentence(live, logp)
+    def _draw(self, batch: Sequence[_Live], logp: Tensor) -> list[int | Exception]:
+        """A token per row of logp (B, V), or the error that stopped its draw: the sentence rows drawn
+        together, the bistream rows one at a time."""
+        tokens: list[int | Exception] = [0] * len(batch)
+        sentences = [b for b, live in enumerate(batch) if live.plan is None]
+        if sentences:
+            rows = logp if len(sentences) == len(batch) else logp[sentences]  # (S, V)
+            drawn = self._draw_sentences([batch[b] for b in sentences], rows)
+            for b, token in zip(sentences, drawn):
+                tokens[b] = token
+        for b, live in enumerate(batch):
+            if live.plan is not None:
+                try:
+                    tokens[b] = _draw_bistream(live, logp[b], self._eos)
+                except Exception as exc:
+                    tokens[b] = exc
+        return tokens
 
-    def _draw_sentence(self, live: _Live, logp: Tensor) -> int:
-        """logp (V,): EOS is banned until min_len tokens are out (the other stop tokens stay allowed)."""
-        if len(live.decoded) < live.min_len:
-            logp[self._eos] = -math.inf
-        return live.sampler(logp, live.decoded, live.generator)
+    def _draw_sentences(self, batch: Sequence[_Live], logp: Tensor) -> list[int | Exception]:
+        """logp (B, V): EOS is banned in the rows with fewer than min_len tokens out (the other stop tokens
+        stay allowed). A fault of the whole batch's draw fails every row."""
+        short = [b for b, live in enumerate(batch) if len(live.decoded) < live.min_len]
+        if short:
+            logp[short, self._eos] = -math.inf
+        try:
+            return ras_sample(logp, [live.sampler.params for live in batch], [live.decoded for live in batch],
+                              [live.generator for live in batch])
+        except Exception as exc:
+            return [exc] * len(batch)
 
     def _fail(self, batch: Sequence[_Live], stage: str, exc: Exception) -> None:
         ids = ", ".join(live.stream.request.stream_id for live in batch)

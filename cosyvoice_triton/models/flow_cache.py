@@ -255,7 +255,8 @@ def cached_mel(flow: FlowModel, c: FlowConditions, caches: list[StreamFlowCache 
         rows = [cache.steps[step] if cache is not None else empty for cache in usable]
         p = _Pass(_batch_slots(rows, attention, M))
         t = solver.t_steps[step].expand(2 * B)
-        velocity = p.estimator(est, torch.cat([x, x]), mask2, mu2, t, spks2, cond2, bias)
+        with solver.estimator_arithmetic(device):
+            velocity = p.estimator(est, torch.cat([x, x]), mask2, mu2, t, spks2, cond2, bias).float()
         v_cond, v_uncond = velocity.split(B)
         velocity = (1.0 + solver.inference_cfg_rate) * v_cond - solver.inference_cfg_rate * v_uncond
         x = x + solver.dt_steps[step] * velocity

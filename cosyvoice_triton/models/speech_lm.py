@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from cosyvoice_triton.config import ModelPaths, read_qwen_config, read_yaml
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import SamplingParams
+from cosyvoice_triton.models.auto_precision import resolve_llm_precision
 from cosyvoice_triton.models.llm_precision import activation_dtype, check_llm_precision, quantize_linears
 from cosyvoice_triton.models.qwen2 import Qwen2Config, Qwen2Decoder, Qwen2ForCausalLM, rope_tables
 
@@ -93,14 +94,14 @@ class SpeechLM(nn.Module):
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: torch.device | str = "cpu", max_batch: int = 1,
                        max_seq_len: int = 2048, precision: str = "fp32") -> SpeechLM:
-        """Load `llm.pt` strictly, set the backbone's `precision` and allocate a KV cache of `max_batch`
-        slots x `max_seq_len` positions."""
+        """Load `llm.pt` strictly, set the backbone's `precision` (fp32 | bf16 | int8, or auto:
+        models/auto_precision.py) and allocate a KV cache of `max_batch` slots x `max_seq_len` positions."""
         paths = ModelPaths(Path(model_dir))
         model = cls(SpeechLMConfig.from_model_dir(model_dir), max_seq_len)
         state = torch.load(paths.llm, weights_only=True, map_location="cpu")
         model.load_state_dict(state, strict=True)
         model.to(device).eval()
-        model.set_precision(precision)
+        model.set_precision(resolve_llm_precision(precision, device))
         model.setup_caches(max_batch)
         return model
 

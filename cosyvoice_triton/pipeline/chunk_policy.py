@@ -24,15 +24,45 @@ Two kinds of policy (`ChunkPolicy.kind`):
   The first chunk is the fixed one. The flow attends over chunk boundaries (streaming, chunk-masked)
   and the vocoder cross-fades at them, so audio of one seed is bit-identical between runs only for the
   same boundaries: `adaptive` trades that (its boundaries follow the load) for fewer stalls.
+
+Two presets of a server (`serve --chunk-preset`, `ChunkPreset`):
+
+- `official` (the default): the schedule above and the official last chunk, one full-attention flow
+  pass over every frame of the sentence.
+- `quick`: a 15-token first hop without the alignment pad (as the official Triton runtime starts) and a
+  last chunk that is one more cached streaming call (models/flow_cache.py) instead of the full pass:
+  first audio comes after fewer tokens and a smaller flow call, and the last chunk computes only its
+  new frames. Its audio differs from the official pass (SNR in perf/RESULTS.md, perf/flow_quality.py).
 """
 from __future__ import annotations
 
 import math
 
+from dataclasses import dataclass, replace
+
 from ..messages import SPEECH_TOKENS_PER_SECOND, ChunkPolicy
 
 LOW_LEAD_S = 0.5  # adaptive: below this lead the next chunk is kept small and may be cut early
 ADAPTIVE_MAX_HOP_SCALE = 4  # adaptive: a stream that is ahead grows its hops up to this x max_hop
+QUICK_FIRST_HOP = 15  # the official Triton runtime's first hop (runtime/triton_trtllm, token_hop_len)
+
+
+@dataclass(frozen=True)
+class ChunkPreset:
+    """A server's chunk schedule defaults and its last chunk's kind (module docstring)."""
+
+    name: str
+    first_hop: int
+    align_to_chunk: bool
+    cached_final: bool  # the last chunk as a cached streaming flow call, not the official full-attention pass
+
+    def policy(self, kind: str = "fixed") -> ChunkPolicy:
+        """The chunk policy of requests that name none (a request's chunk_* fields override it)."""
+        return replace(ChunkPolicy(kind=kind), first_hop=self.first_hop, align_to_chunk=self.align_to_chunk)
+
+
+CHUNK_PRESETS = {"official": ChunkPreset("official", ChunkPolicy.first_hop, True, cached_final=False),
+                 "quick": ChunkPreset("quick", QUICK_FIRST_HOP, False, cached_final=True)}
 
 
 class ChunkSchedule:

@@ -8,7 +8,8 @@ This is the reference pipeline. The Triton models run the same steps, split acro
 Steps 1, 3 and 4 are the `Pipeline`; here it runs with in-process stages. `engine`,
 `precision` and `ort_providers` choose where token2wav's graphs and CAM++ run, as `serve` does
 (engines/select.py); `device` is checked first (engines/providers.py). `llm_precision` (fp32 | bf16 |
-int8, models/llm_precision.py) is the LLM backbone's.
+int8, models/llm_precision.py) is the LLM backbone's, `flow_precision` (fp32 | bf16, models/flow.py) the flow
+estimator's; `auto` picks each from the CPU's instructions (models/auto_precision.py).
 
 With `decode_ahead` (the default) the LLM decodes in a thread of its own, ahead of the chunks, so the
 next tokens come while token2wav turns a chunk into audio; the two share the torch threads this
@@ -69,7 +70,7 @@ class CosyVoice2:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str = "cpu", *, engine: str = "torch",
                        precision: str = "fp32", ort_providers: str | None = None,
-                       onnx_dir: str | Path | None = None, llm_precision: str = "fp32",
+                       onnx_dir: str | Path | None = None, llm_precision: str = "fp32", flow_precision: str = "fp32",
                        decode_ahead: bool = True, flow_cache: FlowCacheSettings = FlowCacheSettings()) -> "CosyVoice2":
         paths = ModelPaths(Path(model_dir))
         missing = paths.missing()
@@ -83,7 +84,7 @@ class CosyVoice2:
                                                     precision=precision, ort_providers=ort_providers)
         llm = SpeechLM.from_model_dir(paths.root, device=device, max_seq_len=4096, precision=llm_precision)
         flow, hift = build_token2wav(paths.root, engine, device, precision=precision, onnx_dir=onnx_dir,
-                                     ort_providers=ort_providers)
+                                     ort_providers=ort_providers, flow_precision=flow_precision)
         return cls(paths.root, preprocessor, prompt_encoder, llm, Token2Wav(flow, hift, flow_cache),
                    decode_ahead=decode_ahead)
 

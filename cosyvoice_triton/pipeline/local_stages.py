@@ -34,7 +34,7 @@ from ..models.hift_source import GeneratorNoise
 from ..token2wav.scheduler import Token2WavScheduler
 from .seeds import random_seed
 from .stages import TokenStream
-from .threads import CoreShare
+from .threads import CoreShare, chunk_unit
 
 CHUNK_TIMEOUT_S = 300.0  # a chunk that waits longer fails its stream instead of hanging the client
 
@@ -198,15 +198,9 @@ class CoreSharingToken2Wav:
         self.first_chunk_alone = first_chunk_alone  # False: a first chunk as a middle one (benchmarks' before)
 
     def chunk(self, chunk: ChunkRequest):
-        alone = self.first_chunk_alone and is_first(chunk)
-        with self.share.running("token2wav", self.threads_for(chunk), alone=alone):
+        threads, alone = chunk_unit(self.share.plan, [chunk], self.first_chunk_alone)
+        with self.share.running("token2wav", threads, alone=alone):
             return self.inner.chunk(chunk)
-
-    def threads_for(self, chunk: ChunkRequest) -> int:
-        """The torch threads of a chunk: fixed per chunk kind, so a seed's audio does not depend on timing."""
-        plan = self.share.plan
-        every_core = chunk.finalize or (self.first_chunk_alone and is_first(chunk))
-        return plan.cores if every_core else plan.token2wav
 
     @property
     def streams(self):
@@ -215,11 +209,6 @@ class CoreSharingToken2Wav:
 
     def cancel(self, stream_id: str) -> None:
         self.inner.cancel(stream_id)
-
-
-def is_first(chunk: ChunkRequest) -> bool:
-    """A stream's first chunk: the only one that carries its prompt."""
-    return chunk.prompt is not None
 
 
 # ---- the reference stages: the single-stream code, in the caller's thread ------------------------

@@ -8,14 +8,17 @@ wait on each other and both slow down. `thread_plan` splits the cores:
   at least 1 and at most `LLM_MAX_THREADS`.
 - token2wav: the flow's estimator and HiFT run convolutions and attention over hundreds of frames per
   call, which keep every thread busy. It gets the rest, at least 1.
-On 2 cores each gets 1. The Triton models (separate processes, each with its own OpenMP pool) take the
-plan as it is, unless `--torch-threads` names a count. In-process, `CoreShare` gives the LLM every core
+On 2 cores each gets 1. `CoreShare` then moves cores to where the work is: it gives the LLM every core
 while token2wav is idle and its share while token2wav runs; token2wav gets its share for a stream's middle
 chunks, and every core for its first chunk (what first audio waits for: the LLM's decode steps wait
 while it runs, a unit run `alone`) and its last (which comes after the LLM's end). Its count is fixed per
-chunk kind, not by what runs beside it: the flow's sums come out differently (by ~1e-6) at different
-thread counts, and a seed's audio must not depend on timing. (The LLM's logits are the same at any
-count, and only when its steps run depends on the first chunk.)
+chunk kind (`chunk_unit`), not by what runs beside it: the flow's sums come out differently (by ~1e-6) at
+different thread counts, and a seed's audio must not depend on timing. (The LLM's logits are the same
+at any count, and only when its steps run depends on the first chunk.)
+
+`CoreShare` keeps its counts in this process (the in-process pipeline's threads);
+`pipeline/shared_cores.py` keeps the same counts in a file that the `llm` and `token2wav` processes of
+one tritonserver share, so that the served path shares the cores as the in-process one does.
 """
 from __future__ import annotations
 
@@ -23,10 +26,14 @@ import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Iterator, Literal
+
+from ..messages import ChunkRequest
 
 LLM_MAX_THREADS = 4
 Module = Literal["llm", "token2wav"]
+OTHER: dict[str, Module] = {"llm": "token2wav", "token2wav": "llm"}
 
 
 @dataclass(frozen=True)
@@ -66,14 +73,29 @@ def set_torch_threads(count: int) -> None:
         _thread_counts.count = count
 
 
-class CoreShare:
-    """The cores of one in-process pipeline, shared by its LLM and token2wav threads.
+def is_first(chunk: ChunkRequest) -> bool:
+    """A stream's first chunk: the only one that carries its prompt."""
+    return chunk.prompt is not None
 
-    Each unit of work (one LLM decode step, one token2wav chunk) runs inside `running(module)`, which sets
+
+def chunk_unit(plan: ThreadPlan, chunks: Sequence[ChunkRequest], first_chunk_alone: bool = True) -> tuple[int, bool]:
+    """(torch threads, alone) of one token2wav call over `chunks`: every core, alone, when a first chunk
+    is among them (first audio waits for it); every core beside the LLM for a last chunk (its stream's LLM
+    has ended); else token2wav's share. Fixed per chunk kind, so a seed's audio does not depend on timing."""
+    alone = first_chunk_alone and any(is_first(chunk) for chunk in chunks)
+    every_core = alone or any(chunk.finalize for chunk in chunks)
+    return (plan.cores if every_core else plan.token2wav), alone
+
+
+class CoreShare:
+    """The cores of one pipeline, shared by its LLM and token2wav threads.
+
+    Each unit of work (one LLM decode round, one token2wav call) runs inside `running(module)`, which sets
     the calling thread's torch threads: every core when the other module is idle, the plan's share when
     it is busy, or the count given (token2wav's, fixed per chunk kind). A unit keeps its count to its end.
     A unit run `alone` waits for the other module's unit in progress to end, and the other module's next
-    units wait for it to end: it has the cores to itself."""
+    units wait for it to end: it has the cores to itself. The counts live in this process
+    (`SharedCoreShare` keeps them in a file for several processes)."""
 
     def __init__(self, plan: ThreadPlan | None = None):
         self.plan = plan or thread_plan()
@@ -83,21 +105,28 @@ class CoreShare:
 
     @contextmanager
     def running(self, module: Module, threads: int | None = None, alone: bool = False) -> Iterator[int]:
-        other: Module = "token2wav" if module == "llm" else "llm"
-        with self._changed:
-            self._changed.wait_for(lambda: self._alone[other] == 0)
-            if alone:
-                self._alone[module] += 1
-                self._changed.wait_for(lambda: self._busy[other] == 0)
-            self._busy[module] += 1
-            shared = self._busy[other] > 0
+        shared = self._enter(module, alone)
         if threads is None:
             threads = self.plan.of(module) if shared else self.plan.cores
         set_torch_threads(threads)
         try:
             yield threads
         finally:
-            with self._changed:
-                self._busy[module] -= 1
-                self._alone[module] -= alone
-                self._changed.notify_all()
+            self._leave(module, alone)
+
+    def _enter(self, module: Module, alone: bool) -> bool:
+        """Wait until `module` may run a unit and count it; whether the other module is busy beside it."""
+        other = OTHER[module]
+        with self._changed:
+            self._changed.wait_for(lambda: self._alone[other] == 0)
+            if alone:
+                self._alone[module] += 1
+                self._changed.wait_for(lambda: self._busy[other] == 0)
+            self._busy[module] += 1
+            return self._busy[other] > 0
+
+    def _leave(self, module: Module, alone: bool) -> None:
+        with self._changed:
+            self._busy[module] -= 1
+            self._alone[module] -= alone
+            self._changed.notify_all()

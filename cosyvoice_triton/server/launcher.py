@@ -25,6 +25,7 @@ server's log.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import sys
@@ -83,7 +84,8 @@ class ServeOptions:
     prompt_max_batch: int = 8
     prompt_queue_delay_us: int = 1000
     torch_threads: int = 0  # per llm / token2wav instance; 0: chosen from the core count (pipeline/threads.py)
-    llm_precision: str = "fp32"  # the LLM backbone's: fp32 | bf16 | int8 (models/llm_precision.py)
+    llm_precision: str = "fp32"  # the LLM backbone's: fp32 | bf16 | int8 | auto (models/auto_precision.py)
+    flow_precision: str = "fp32"  # the torch flow estimator's: fp32 | bf16 | auto (the CLI's default: auto)
     engine: str = "torch"  # token2wav: torch | onnxruntime | openvino | tensorrt (CAM++ too; torch: onnxruntime)
     precision: str = "fp32"  # of TensorRT plans and OpenVINO's hint: fp32 | fp16 | bf16
     ort_providers: str | None = None  # with engine onnxruntime: execution providers (engines/providers.py)
@@ -95,8 +97,12 @@ class ServeOptions:
     backends: tuple[str, ...] = ()  # token2wav servers of a frontend: grpc://host:port[?metrics=URL]
     token2wav_timeout_s: float = 60.0  # a frontend's longest wait for one remote token2wav chunk
     chunk_policy: str = "fixed"  # fixed | adaptive: cosyvoice2's chunk policy for requests that name none
+    chunk_preset: str = "official"  # official | quick: the chunk schedule's defaults (pipeline/chunk_policy.py)
     startup_timeout_s: float = 300.0
     extra_args: list[str] = field(default_factory=list)  # more tritonserver flags
+
+
+CORE_SHARE_FILE = "core_share"  # in the run folder (pipeline/shared_cores.py)
 
 
 def default_model_dir() -> Path:
@@ -172,8 +178,13 @@ def backend_spec(spec: str) -> str:
     return spec.strip() if is_discovery(spec) else TritonTarget.parse(spec, "--backend").spec
 
 
-def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) -> dict[str, dict[str, object]]:
-    """The `${key}` values of every model template."""
+def repository_values(options: ServeOptions, model_dir: Path, voice_store: str,
+                      core_share: str | Path = "") -> dict[str, dict[str, object]]:
+    """The `${key}` values of every model template. `core_share`: the file through which this server's
+    llm and token2wav share the cores (pipeline/shared_cores.py); empty: fixed shares. `auto` precisions
+    are resolved here, on the machine the server runs on, so each config names the precision it runs."""
+    from cosyvoice_triton.models.auto_precision import resolve_flow_precision, resolve_llm_precision
+
     if options.engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {options.engine!r}")
     if options.precision not in PRECISIONS:
@@ -195,7 +206,8 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
                  "max_queue_wait_s": options.max_queue_wait_s,
                  "max_text_chars": options.max_text_chars, "max_seq_len": options.llm_max_seq_len,
                  "token2wav_backends": ",".join(backend_spec(b) for b in options.backends),
-                 "token2wav_timeout_s": options.token2wav_timeout_s, "chunk_policy": options.chunk_policy}
+                 "token2wav_timeout_s": options.token2wav_timeout_s, "chunk_policy": options.chunk_policy,
+                 "chunk_preset": options.chunk_preset}
     prompt_step = {"model_dir": model_dir, "instances": options.instances, "max_batch": options.prompt_max_batch,
                    "queue_delay_us": options.prompt_queue_delay_us}
     return {
@@ -204,14 +216,18 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
         "llm": {"model_dir": model_dir, "placement": placement, "device": torch_device,
                 "max_batch": options.llm_max_batch, "max_seq_len": options.llm_max_seq_len,
                 "max_queue": options.llm_max_queue, "max_token_text_ratio": ratio,
-                "torch_threads": options.torch_threads, "precision": options.llm_precision},
+                "torch_threads": options.torch_threads, "core_share": core_share,
+                "precision": resolve_llm_precision(options.llm_precision, torch_device)},
         "token2wav": {"model_dir": model_dir, "placement": placement, "device": torch_device,
                       "max_streams": options.t2w_max_streams, "max_batch": options.t2w_max_batch,
                       "idle_timeout_s": options.t2w_idle_timeout_s,
                       "flow_cache_frames": options.flow_cache_frames, "queue_delay_us": options.t2w_queue_delay_us,
                       "prompt_cache_mb": options.prompt_cache_mb,
+                      "flow_precision": resolve_flow_precision(options.flow_precision, torch_device),
+                      "chunk_preset": options.chunk_preset,
                       # A backend server runs token2wav alone: every core (pipeline/threads.py).
                       "torch_threads": options.torch_threads or (available_cores() if options.role == "backend" else 0),
+                      "core_share": core_share,
                       "engine": options.engine,
                       "precision": options.precision, "onnx_dir": onnx_dir, "ort_providers": providers},
         "prompt_encoder": {"max_batch": options.prompt_max_batch},
@@ -225,8 +241,9 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str) 
 
 
 def render_run_repository(options: ServeOptions, model_dir: Path, voice_store: str, dst: Path) -> Path:
-    """Lay out every model of `options.repository` in `dst` with filled configs."""
-    values = repository_values(options, model_dir, voice_store)
+    """Lay out every model of `options.repository` in `dst` with filled configs; llm and token2wav share
+    the cores through `core_share` beside `dst`."""
+    values = repository_values(options, model_dir, voice_store, core_share=Path(dst).parent / CORE_SHARE_FILE)
     models = role_models(options, model_names(options.repository))
     # A run folder given again (`--run-dir`, as a restarted `up` does): this run's models only.
     shutil.rmtree(dst, ignore_errors=True)
@@ -266,6 +283,25 @@ def prepare(options: ServeOptions, **process_kwargs) -> TritonProcess:
                          **process_kwargs)
 
 
+def rendered_parameter(repo: Path, model: str, key: str) -> str | None:
+    """A `parameters` value of a rendered config.pbtxt, or None when the model or the key is not there."""
+    path = Path(repo) / model / "config.pbtxt"
+    if not path.exists():
+        return None
+    match = re.search(r'key: "%s" value: \{ string_value: "([^"]*)" \}' % re.escape(key), path.read_text())
+    return match.group(1) if match else None
+
+
+def precision_summary(repo: Path) -> str:
+    """What the llm and token2wav of a rendered repository compute in, and the CPU kind `auto` read."""
+    from cosyvoice_triton.models.auto_precision import describe_cpu
+
+    parts = [f"{label} {value}" for label, model, key in (("LLM", "llm", "precision"),
+                                                          ("flow", "token2wav", "flow_precision"))
+             if (value := rendered_parameter(repo, model, key)) is not None]
+    return f"{', '.join(parts) or 'n/a'} (CPU: {describe_cpu()})"
+
+
 def describe(server: TritonProcess, model_dir_hint: str, out: TextIO) -> None:
     host = server.client_host if server.address in ("0.0.0.0", "") else server.address
     names = model_names(server.model_repository)
@@ -279,6 +315,7 @@ def describe(server: TritonProcess, model_dir_hint: str, out: TextIO) -> None:
         print(f"  gRPC     {host}:{server.grpc_port}   (give frontends --backend grpc://{host}:{server.grpc_port})",
               file=out)
     print(f"  metrics  http://{host}:{server.metrics_port}/metrics", file=out)
+    print(f"  precision {precision_summary(server.model_repository)}", file=out)
     print(f"  log      {server.log_path}", file=out)
     print("Press Ctrl-C to stop.", file=out, flush=True)
 

@@ -12,6 +12,9 @@ metrics    custom metric families
 """
 from __future__ import annotations
 
+from cosyvoice_triton.pipeline.shared_cores import SharedCoreShare
+from cosyvoice_triton.pipeline.threads import thread_plan
+
 
 def instance_device(device: str, args: dict) -> str:
     """The torch device of this model instance: `cuda` becomes `cuda:<instance device id>` for a
@@ -19,3 +22,11 @@ def instance_device(device: str, args: dict) -> str:
     if device == "cuda" and args.get("model_instance_kind") == "GPU":
         return f"cuda:{args.get('model_instance_device_id', '0')}"
     return device
+
+
+def open_core_share(path: str | None, torch_threads: int, device: str) -> SharedCoreShare | None:
+    """This server's core share for a CPU model (pipeline/shared_cores.py); None where the model keeps a
+    fixed share: no share file named, a thread count given (`--torch-threads`), or not on the CPU."""
+    if not path or torch_threads or device != "cpu":
+        return None
+    return SharedCoreShare(path, thread_plan())

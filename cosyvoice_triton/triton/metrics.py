@@ -22,10 +22,12 @@ Every metric carries the labels `model` and `instance`. Names (Prometheus):
   cosyvoice_llm_batch_size                gauge      rows of the latest decode step
   cosyvoice_llm_tokens_per_second         gauge      speech tokens sent per second, last 5 s
   cosyvoice_llm_streams_total{reason}     counter    ended streams: stop_token | max_len | cancelled | error
+  cosyvoice_llm_precision_info{precision} gauge      1 for what the backbone computes in: fp32 | bf16 | int8
   cosyvoice_token2wav_active_streams      gauge      streams holding state (token2wav)
   cosyvoice_token2wav_batch_size          histogram  requests (chunks, cancels) per execute (dynamic batch)
   cosyvoice_token2wav_flow_batch          gauge      rows of the latest flow call
   cosyvoice_token2wav_streams_freed_total{reason}  counter  finalize | cancel | idle
+  cosyvoice_flow_precision_info{precision}  gauge    1 for the flow estimator's precision: fp32 | bf16 | fp16
   cosyvoice_remote_token2wav_backends     gauge      token2wav backends in a split frontend's pool (cosyvoice2*)
   cosyvoice_remote_token2wav_healthy      gauge      of those, taking new streams
   cosyvoice_remote_token2wav_streams      gauge      this frontend's streams pinned to a backend
@@ -132,6 +134,9 @@ LLM_METRICS = {
     "tps": Spec("cosyvoice_llm_tokens_per_second", "Speech tokens sent per second (last 5 s)", "gauge"),
     "ended": Spec("cosyvoice_llm_streams_total", "Ended LLM streams by reason", "counter",
                   label_values=tuple(("reason", r) for r in ("stop_token", "max_len", "cancelled", "error"))),
+    "precision": Spec("cosyvoice_llm_precision_info", "1 for the precision the LLM backbone computes in "
+                      "(serve --llm-precision, auto resolved)", "gauge",
+                      label_values=tuple(("precision", p) for p in ("fp32", "bf16", "int8"))),
 }
 
 TOKEN2WAV_METRICS = {
@@ -142,6 +147,9 @@ TOKEN2WAV_METRICS = {
     "flow_batch": Spec("cosyvoice_token2wav_flow_batch", "Rows of the latest token2wav flow call", "gauge"),
     "freed": Spec("cosyvoice_token2wav_streams_freed_total", "token2wav streams freed by reason", "counter",
                   label_values=tuple(("reason", r) for r in ("finalize", "cancel", "idle"))),
+    "precision": Spec("cosyvoice_flow_precision_info", "1 for the precision of the flow estimator (torch: "
+                      "serve --flow-precision, auto resolved; graph engines: --precision)", "gauge",
+                      label_values=tuple(("precision", p) for p in ("fp32", "bf16", "fp16"))),
 }
 
 

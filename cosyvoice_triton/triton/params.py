@@ -25,6 +25,7 @@ Precision = Literal["fp32", "fp16", "bf16"]
 GraphEngine = Literal["onnxruntime", "openvino", "tensorrt"]  # for models that ship as ONNX only (CAM++)
 LLMPrecision = Literal["fp32", "bf16", "int8"]  # models.llm_precision.LLM_PRECISIONS
 ChunkKind = Literal["fixed", "adaptive"]  # messages.CHUNK_POLICIES: the server's chunk policy
+ChunkPresetName = Literal["official", "quick"]  # pipeline/chunk_policy.CHUNK_PRESETS
 
 
 def parse_parameters(cls, model_config: dict | str, model: str = ""):
@@ -84,6 +85,7 @@ class LLMParams:
     max_queue: int  # requests waiting for a slot; more are refused (UNAVAILABLE)
     max_token_text_ratio: float | None  # None: the model's own (20, as the official code)
     torch_threads: int  # 0: chosen from the core count (pipeline/threads.py)
+    core_share: str | None  # the server's core-share file (pipeline/shared_cores.py); None: a fixed share
     precision: LLMPrecision  # of the backbone (models/llm_precision.py)
 
 
@@ -96,11 +98,14 @@ class Token2WavParams:
     idle_timeout_s: float  # a stream with no chunk for this long is freed
     flow_cache_frames: int  # torch flow: mel frames cached per stream (models/flow_cache.py); 0: no cache
     torch_threads: int
+    core_share: str | None  # as LLMParams.core_share
     engine: Engine  # flow encoder, flow estimator and HiFT decode on this engine (engines/select.py)
     precision: Precision  # of TensorRT plans and OpenVINO's hint; torch and ONNX Runtime run fp32
     onnx_dir: str | None  # exported graphs (TensorRT plans in <onnx_dir>/trt); None: <model_dir>/onnx
     ort_providers: str | None  # onnxruntime's execution providers (engines/providers.py); None: CPU / CUDA
     prompt_cache_mb: float = 512.0  # torch flow: MB of voices' frames kept (models/prompt_cache.py); 0: off
+    flow_precision: str = "fp32"  # torch flow estimator: fp32 | bf16 (models/flow.py); the launcher resolves auto
+    chunk_preset: ChunkPresetName = "official"  # quick: the last chunk a cached streaming call (chunk_policy.py)
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,7 @@ class CosyVoice2Params:
     token2wav_backends: str | None = None
     token2wav_timeout_s: float = 60.0  # longest wait for one remote token2wav chunk
     chunk_policy: ChunkKind = "fixed"  # requests that name none (pipeline/chunk_policy.py)
+    chunk_preset: ChunkPresetName = "official"  # their schedule's defaults (pipeline/chunk_policy.py)
     max_seq_len: int = 4096  # the llm's positions per stream: longer prompts are refused (prompt_budget)
     # admission (cosyvoice_triton/admission.py): a request expected to wait longer to start is refused
     max_queue_wait_s: float = 2.0

@@ -17,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.admission import AdmissionPolicy, refusal, request_cost, text_tokens_estimate
 from cosyvoice_triton.errors import InvalidInput, Unavailable
-from cosyvoice_triton.messages import ChunkPolicy
+from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
 from cosyvoice_triton.voices.stores import open_voice_store
 from cosyvoice_triton.triton.bls import BlsLLM, BlsPromptEncoder, BlsToken2Wav
 from cosyvoice_triton.triton.contracts import (TEXT_MODE, ConversionInputs, SynthesisInputs, TextAppend,
@@ -49,9 +49,9 @@ class TritonPythonModel:
                                                     params.token2wav_timeout_s) \
             if params.token2wav_backends else BlsToken2Wav(pb_utils, params.token2wav_model)
         self.service = ServedPipeline(params.model_dir, voices, BlsLLM(pb_utils, params.llm_model),
-                                      self.token2wav, params.max_text_chars, ChunkPolicy(kind=params.chunk_policy))
+                                      self.token2wav, params.max_text_chars, CHUNK_PRESETS[params.chunk_preset].policy(params.chunk_policy))
         self.conversion = ConversionService(voices, BlsAudioTokenizer(pb_utils), self.token2wav,
-                                            ChunkPolicy(kind=params.chunk_policy))
+                                            CHUNK_PRESETS[params.chunk_preset].policy(params.chunk_policy))
         self.metrics = ModelMetrics(pb_utils, SYNTHESIS, instance_labels(args))
         self.remote_metrics = None
         if isinstance(self.token2wav, RemoteToken2Wav):  # a split frontend: its view of the backends

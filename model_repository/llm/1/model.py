@@ -7,6 +7,7 @@ is the adaptor: tensors in, a pb_utils response sender as a `TokenSender`, metri
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 
 import torch
 import triton_python_backend_utils as pb_utils
@@ -15,7 +16,7 @@ from cosyvoice_triton.models.llm_precision import describe_backbone
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.llm.scheduler import LLMScheduler
 from cosyvoice_triton.pipeline.threads import thread_plan
-from cosyvoice_triton.triton import instance_device
+from cosyvoice_triton.triton import instance_device, open_core_share
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.triton.contracts import (TEXT_APPEND, StreamCancel, TextAppend, parse_llm_request,
                                                speech_tokens_outputs)
@@ -54,18 +55,26 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ValueError(f"{self.name} must be decoupled (model_transaction_policy)")
         self.params = params = parse_parameters(LLMParams, config, self.name)
-        threads = params.torch_threads or thread_plan().llm  # beside token2wav's (pipeline/threads.py)
-        torch.set_num_threads(threads)
-        llm = SpeechLM.from_model_dir(params.model_dir, device=instance_device(params.device, args),
+        device = instance_device(params.device, args)
+        # Each decode round takes its threads from the server's core share (all cores while token2wav is
+        # idle; it waits while token2wav runs a first chunk), or a fixed share beside token2wav's.
+        self.cores = open_core_share(params.core_share, params.torch_threads, device)
+        if self.cores is None:
+            torch.set_num_threads(params.torch_threads or thread_plan().llm)
+        threads = f"cores shared with token2wav ({self.cores.path})" if self.cores else \
+            f"{torch.get_num_threads()} torch threads"
+        llm = SpeechLM.from_model_dir(params.model_dir, device=device,
                                       max_batch=params.max_batch, max_seq_len=params.max_seq_len,
                                       precision=params.precision)
         if params.max_token_text_ratio is not None:
             llm.config.max_token_text_ratio = params.max_token_text_ratio
         self.default_sampling = llm.config.sampling
         self.scheduler = LLMScheduler(llm, max_batch=params.max_batch, max_seq_len=params.max_seq_len,
-                                      max_queue=params.max_queue)
-        pb_utils.Logger.log_info(f"{self.name}: backbone {describe_backbone(llm)}; {threads} torch threads")
+                                      max_queue=params.max_queue,
+                                      step_unit=(lambda: self.cores.running("llm")) if self.cores else nullcontext)
+        pb_utils.Logger.log_info(f"{self.name}: backbone {describe_backbone(llm)}; {threads}")
         self.metrics = ModelMetrics(pb_utils, LLM_METRICS, instance_labels(args))
+        self.metrics.labelled("precision", llm.precision).set(1)
         self.streams = LLMStreamForwarder(self.scheduler, on_tokens=self._refresh, on_end=self._count_end)
         self.streams.start()
         self._refresh()
@@ -111,6 +120,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.streams.stop()  # stops the scheduler, which fails every open stream; waits for their finals
+        if self.cores is not None:
+            self.cores.close()
 
 
 def _tokens_response(tokens: list[int]):

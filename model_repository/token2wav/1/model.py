@@ -25,11 +25,12 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.engines.select import build_token2wav
-from cosyvoice_triton.models.flow_cache import FlowCacheSettings
+from cosyvoice_triton.models.flow_cache import FlowCacheSettings, supports_cache
 from cosyvoice_triton.token2wav.idle_sweeper import IdleSweeper
-from cosyvoice_triton.pipeline.threads import thread_plan
+from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
+from cosyvoice_triton.pipeline.threads import chunk_unit, thread_plan
 from cosyvoice_triton.token2wav.scheduler import Token2WavScheduler
-from cosyvoice_triton.triton import instance_device
+from cosyvoice_triton.triton import instance_device, open_core_share
 from cosyvoice_triton.triton.bls import bls_request
 from cosyvoice_triton.triton.finite import check_chunk_finite
 from cosyvoice_triton.triton.contracts import (TOKEN2WAV_OUTPUTS, StreamCancel, parse_chunk, token2wav_cancel_inputs,
@@ -48,20 +49,27 @@ class TritonPythonModel:
         if int(config.get("max_batch_size", 0)) != params.max_batch:
             raise ValueError(f"{self.name}: max_batch_size {config.get('max_batch_size')} != max_batch "
                              f"{params.max_batch}")
-        # Beside the LLM's (pipeline/threads.py); before the runners: ONNX Runtime takes as many.
-        torch.set_num_threads(params.torch_threads or thread_plan().token2wav)
         device = instance_device(params.device, args)
+        # Each call takes its threads from the server's core share (a first chunk runs alone on every
+        # core), or a fixed share beside the LLM's. Set before the runners: ONNX Runtime takes as many.
+        self.cores = open_core_share(params.core_share, params.torch_threads, device)
+        torch.set_num_threads(params.torch_threads or thread_plan().token2wav)
         with library_logs_to_triton(pb_utils, self.name):
             # TensorRT profile: up to max_batch chunks (2 * max_batch estimator rows) per flow call.
             flow, hift = build_token2wav(params.model_dir, params.engine, device, precision=params.precision,
                                          onnx_dir=params.onnx_dir, max_streams=params.max_batch,
-                                         ort_providers=params.ort_providers)
+                                         ort_providers=params.ort_providers, flow_precision=params.flow_precision)
+        preset = CHUNK_PRESETS[params.chunk_preset]
         self.scheduler = Token2WavScheduler(flow, hift, max_streams=params.max_streams, max_batch=params.max_batch,
                                       idle_timeout_s=params.idle_timeout_s,
                                       flow_cache=FlowCacheSettings(enabled=params.flow_cache_frames > 0,
                                                                    max_frames=max(1, params.flow_cache_frames),
-                                                                   prompt_cache_mb=params.prompt_cache_mb))
+                                                                   prompt_cache_mb=params.prompt_cache_mb,
+                                                                   cached_final=preset.cached_final))
         self.metrics = ModelMetrics(pb_utils, TOKEN2WAV_METRICS, instance_labels(args))
+        # The torch estimator's own precision; a graph engine's is its plan's (`precision`).
+        flow_precision = flow.decoder.precision if supports_cache(flow) else params.precision
+        self.metrics.labelled("precision", flow_precision).set(1)
         self._lock = threading.Lock()  # the scheduler has one caller at a time: execute or the idle sweeper
         # The idle sweeper's no-op request: a cancel of this id (random, so no client stream can have it).
         self._tick_id = f"{self.name}-idle-sweep-{secrets.token_hex(8)}"
@@ -94,13 +102,21 @@ class TritonPythonModel:
             if len(requests) > ticks:  # the idle sweeper's own requests are not client traffic
                 self.metrics["batch"].observe(len(requests) - ticks)
             if chunks:
-                for i, result in zip(chunk_index, self.scheduler.run(chunks)):
+                for i, result in zip(chunk_index, self._run(chunks)):
                     if isinstance(result, Exception):
                         responses[i] = error_response(pb_utils, result, self.name)
                     else:
                         responses[i] = self._waveform(result)
             self._refresh()
         return responses
+
+    def _run(self, chunks: list) -> list:
+        """One flow batch, as one token2wav unit of the core share when there is one."""
+        if self.cores is None:
+            return self.scheduler.run(chunks)
+        threads, alone = chunk_unit(self.cores.plan, chunks)
+        with self.cores.running("token2wav", threads, alone=alone):
+            return self.scheduler.run(chunks)
 
     @staticmethod
     def _waveform(audio: np.ndarray):
@@ -127,3 +143,5 @@ class TritonPythonModel:
 
     def finalize(self):
         self._sweeper.stop()
+        if self.cores is not None:
+            self.cores.close()

@@ -1,0 +1,77 @@
+"""`auto` precision (models/auto_precision.py) and the flow estimator in bf16 (models/flow.py): the choice per
+CPU kind and device, where it is resolved and reported, and bf16's audio against fp32 within its bound."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cosyvoice_triton.models import auto_precision
+from cosyvoice_triton.server.launcher import ServeOptions, precision_summary, render_run_repository, rendered_parameter
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from cosyvoice_triton.random_folder.write import write_random_model
+
+    return write_random_model(tmp_path_factory.mktemp("auto") / "tiny", size="tiny", seed=0)
+
+
+@pytest.mark.parametrize("has_bf16, device, llm, flow", [
+    (True, "cpu", "int8", "fp32"),  # AVX512-BF16 / AMX: the int8 LLM is native; a bf16 flow misses its bound
+    (False, "cpu", "fp32", "fp32"),  # AVX2 (or AVX512 without BF16): emulated, slower than fp32
+    (False, "cuda", "bf16", "fp32"),
+])
+def test_auto_follows_the_cpus_instructions_and_the_device(monkeypatch, has_bf16, device, llm, flow) -> None:
+    monkeypatch.setattr(auto_precision, "cpu_has_bf16", lambda: has_bf16)
+    assert auto_precision.resolve_llm_precision("auto", device) == llm
+    assert auto_precision.resolve_flow_precision("auto", device) == flow
+    assert auto_precision.resolve_llm_precision("fp32", device) == "fp32"  # a named precision is kept
+    assert auto_precision.resolve_flow_precision("bf16", device) == "bf16"
+    assert ("with BF16" if has_bf16 else "without BF16") in auto_precision.describe_cpu()
+
+
+def test_the_launcher_writes_the_resolved_precisions_and_serve_reports_them(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(auto_precision, "cpu_has_bf16", lambda: True)
+    options = ServeOptions(llm_precision="auto", flow_precision="auto")
+    repo = render_run_repository(options, tmp_path / "model", "v.sqlite", tmp_path / "run" / "repo")
+    assert rendered_parameter(repo, "llm", "precision") == "int8"
+    assert rendered_parameter(repo, "token2wav", "flow_precision") == "fp32"
+    assert rendered_parameter(repo, "llm", "core_share") == str(tmp_path / "run" / "core_share")
+    assert precision_summary(repo) == "LLM int8, flow fp32 (CPU: %s)" % auto_precision.describe_cpu()
+    monkeypatch.setattr(auto_precision, "cpu_has_bf16", lambda: False)
+    repo = render_run_repository(options, tmp_path / "model", "v.sqlite", tmp_path / "run2" / "repo")
+    assert (rendered_parameter(repo, "llm", "precision"), rendered_parameter(repo, "token2wav", "flow_precision")) \
+        == ("fp32", "fp32")
+
+
+def test_serve_and_up_default_to_auto() -> None:
+    from cosyvoice_triton.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.llm_precision, args.flow_precision) == ("auto", "auto")
+    import argparse
+
+    from cosyvoice_triton.gateway.up import add_up_arguments
+
+    parser = argparse.ArgumentParser()
+    add_up_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.llm_precision, args.flow_precision) == ("auto", "auto")
+
+
+def test_the_flow_in_bf16_stays_within_its_bound_of_fp32(tiny) -> None:
+    """Mel and waveform (offline, and streamed with the flow caches) of the bf16 estimator against fp32, after
+    all 10 Euler steps."""
+    from cosyvoice_triton.perf.flow_quality import measure
+
+    torch.set_num_threads(1)
+    result = measure(str(tiny), speech_tokens=60, prompt_tokens=20, precision="bf16", seeds=[0])
+    [row] = result["seeds"]
+    assert np.isfinite(row["mel_snr_db"]) and row["audio_s"] > 1.0  # bf16 changed something; audio was made
+    assert result["min_db"] >= TINY_BOUND_DB, result
+
+
+TINY_BOUND_DB = 20.0  # the tiny random folder's bound; the full-size folder's (30 dB) is in perf/RESULTS.md
