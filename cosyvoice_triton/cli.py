@@ -95,6 +95,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     from .messages import CHUNK_POLICIES
     from .models.flow import FLOW_PRECISIONS
     from .models.llm_precision import LLM_PRECISIONS
+    from .pipeline.chunk_policy import CHUNK_PRESETS
     from .server.launcher import ENGINES, PRECISIONS, ROLES
 
     p.add_argument("--model-dir", default=None,
@@ -155,7 +156,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="chunk schedule of requests that name none: fixed (the official one: first hop 25 tokens "
                         "+ pad, then x2 up to 100) or adaptive (hops grow while a listener is ahead, stay small "
                         "when its lead runs low; audio then depends on the load)")
-    p.add_argument("--chunk-preset", choices=("official", "quick"), default="official",
+    p.add_argument("--chunk-preset", choices=tuple(CHUNK_PRESETS), default="official",
                    help="official (default: the official schedule and last chunk) or quick: a 15-token first hop "
                         "and a last chunk that computes only its new frames (sooner first audio, less work; its "
                         "audio difference from the official pass is in perf/RESULTS.md)")

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TextIO
 
 from cosyvoice_triton.gateway.config import add_gateway_arguments, config_from_args, split_triton_specs, voice_store_url
+from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
 from cosyvoice_triton.targets import TritonTarget
 from cosyvoice_triton.server.launcher import (ENGINES, PRECISIONS, ServeOptions, default_model_dir, prepare,
                                               resolve_voice_store)
@@ -83,7 +84,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                    help="the LLM backbone's precision (as serve --llm-precision; auto: from the CPU's instructions)")
     t.add_argument("--flow-precision", choices=("fp32", "bf16", "auto"), default="auto",
                    help="the torch flow estimator's arithmetic (as serve --flow-precision)")
-    t.add_argument("--chunk-preset", choices=("official", "quick"), default="official",
+    t.add_argument("--chunk-preset", choices=tuple(CHUNK_PRESETS), default="official",
                    help="the chunk schedule's defaults (as serve --chunk-preset)")
     t.add_argument("--engine", choices=ENGINES, default="torch", help="token2wav engine, as for `serve`")
     t.add_argument("--precision", choices=PRECISIONS, default="fp32",

@@ -47,6 +47,7 @@ import numpy as np
 
 from cosyvoice_triton.audio_out import SAMPLE_RATE
 from cosyvoice_triton.messages import SPEECH_TOKENS_PER_SECOND
+from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
 
 HERE = Path(__file__).resolve().parent
 DRIVER = HERE / "official_driver.py"
@@ -110,7 +111,6 @@ class OurSide:
                  flow_precision: str = "fp32", chunk_preset: str = "official"):
         from cosyvoice_triton.models.flow_cache import FlowCacheSettings
         from cosyvoice_triton.perf.exact_length import exact_length
-        from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
         from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
 
         preset = CHUNK_PRESETS[chunk_preset]
@@ -480,7 +480,7 @@ def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
                         help="our LLM's (as serve's; auto: from the CPU's instructions, models/auto_precision.py)")
     parser.add_argument("--flow-precision", default="auto", choices=["fp32", "bf16", "auto"],
                         help="our torch flow estimator's (as serve's)")
-    parser.add_argument("--chunk-preset", default="official", choices=["official", "quick"],
+    parser.add_argument("--chunk-preset", default="official", choices=list(CHUNK_PRESETS),
                         help="our in-process side's chunk preset (a served side: the server's, serve --chunk-preset)")
 
 

@@ -37,8 +37,7 @@ Two presets of a server (`serve --chunk-preset`, `ChunkPreset`):
 from __future__ import annotations
 
 import math
-
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..messages import SPEECH_TOKENS_PER_SECOND, ChunkPolicy
 
@@ -51,18 +50,17 @@ QUICK_FIRST_HOP = 15  # the official Triton runtime's first hop (runtime/triton_
 class ChunkPreset:
     """A server's chunk schedule defaults and its last chunk's kind (module docstring)."""
 
-    name: str
     first_hop: int
     align_to_chunk: bool
     cached_final: bool  # the last chunk as a cached streaming flow call, not the official full-attention pass
 
     def policy(self, kind: str = "fixed") -> ChunkPolicy:
         """The chunk policy of requests that name none (a request's chunk_* fields override it)."""
-        return replace(ChunkPolicy(kind=kind), first_hop=self.first_hop, align_to_chunk=self.align_to_chunk)
+        return ChunkPolicy(first_hop=self.first_hop, align_to_chunk=self.align_to_chunk, kind=kind)
 
 
-CHUNK_PRESETS = {"official": ChunkPreset("official", ChunkPolicy.first_hop, True, cached_final=False),
-                 "quick": ChunkPreset("quick", QUICK_FIRST_HOP, False, cached_final=True)}
+CHUNK_PRESETS = {"official": ChunkPreset(ChunkPolicy.first_hop, align_to_chunk=True, cached_final=False),
+                 "quick": ChunkPreset(QUICK_FIRST_HOP, align_to_chunk=False, cached_final=True)}
 
 
 class ChunkSchedule:
