@@ -160,6 +160,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="official (default: the official schedule and last chunk) or quick: a 15-token first hop "
                         "and a last chunk that computes only its new frames (sooner first audio, less work; its "
                         "audio difference from the official pass is in perf/RESULTS.md)")
+    p.add_argument("--official-models", action=argparse.BooleanOptionalAction, default=True,
+                   help="also serve cosyvoice2_official (streaming) and cosyvoice2_official_offline: cosyvoice2 in "
+                        "the official runtime's tensor form, so the official Triton clients (client_grpc.py, "
+                        "client_http.py) work unchanged but for --model-name (default: on; off saves two model "
+                        "processes)")
     p.add_argument("--t2w-idle-timeout", type=float, default=120.0,
                    help="seconds a token2wav stream may go without a chunk before it is freed (its frontend is "
                         "presumed gone): counted from its latest chunk's answer, and only while token2wav runs no "
@@ -189,7 +194,7 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
                         backends=tuple(args.backend),
                         t2w_idle_timeout_s=args.t2w_idle_timeout, flow_cache_frames=args.flow_cache_frames,
                         prompt_cache_mb=args.prompt_cache_mb, chunk_policy=args.chunk_policy,
-                        chunk_preset=args.chunk_preset)
+                        chunk_preset=args.chunk_preset, official_models=args.official_models)
 
 
 def _run_serve(args) -> int:

@@ -8,7 +8,11 @@ from cosyvoice_triton.targets import TritonTarget
 run(GatewayConfig(triton=(TritonTarget.parse("grpc://127.0.0.1:8001"),)))
 ```
 Routes: POST /v1/tts, WS /v1/tts/ws, POST /v1/audio/speech, /v1/voices (POST, GET, GET/DELETE {id}),
-GET /healthz, /readyz, /metrics, and the web page at / (gateway/static/index.html, when present).
+GET /healthz, /readyz, /metrics, and the web page at / (gateway/static/index.html, when present); the official
+CosyVoice server's GET|POST /inference_{sft,zero_shot,cross_lingual,instruct,instruct2} (routes_official.py),
+and with `config.official_grpc_port` its gRPC service on that port (official_grpc.py); the official Triton clients'
+KServe JSON POST /v2/models/{cosyvoice2,cosyvoice2_offline}/infer (routes_kserve.py), and with
+`config.official_triton_port` Triton's gRPC protocol on that port (triton_facade.py).
 
 Resources live in `cleanup_ctx`: the voice store, one gRPC channel per Triton server with the router's
 health, metrics and DNS discovery loops, and the default-voice registration. With `dns://` servers
@@ -36,7 +40,7 @@ from cosyvoice_triton.random_folder.marker import NOTE as RANDOM_NOTE, is_random
 from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.targets import Resolver, resolve_ips
 
-from . import routes_openai, routes_tts, routes_vc, routes_voices, routes_ws
+from . import routes_kserve, routes_official, routes_openai, routes_tts, routes_vc, routes_voices, routes_ws
 from .access_log import access_log_middleware, enable_access_log
 from .auth import ApiKeys, RateLimiter, StreamLimiter, auth_middleware
 from .config import GatewayConfig
@@ -93,10 +97,20 @@ def create_app(config: GatewayConfig, *, resolve: Resolver = resolve_ips) -> web
     app[WEBSOCKETS] = weakref.WeakSet()
     app[DEFAULT_VOICE] = DefaultVoice(config.default_voice)
     app.cleanup_ctx.extend([_voice_store, _triton, _default_voice])
+    if config.official_grpc_port is not None:  # imported only then: the generated protobuf code checks its runtime
+        from .official_grpc import serve_official_grpc
+
+        app.cleanup_ctx.append(serve_official_grpc)
+    if config.official_triton_port is not None:
+        from .triton_facade import serve_official_triton
+
+        app.cleanup_ctx.append(serve_official_triton)
     routes_tts.add_routes(app)
     routes_vc.add_routes(app)
     routes_ws.add_routes(app)
     routes_openai.add_routes(app)
+    routes_official.add_routes(app)
+    routes_kserve.add_routes(app)
     routes_voices.add_routes(app)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -243,7 +257,9 @@ async def index(request: web.Request) -> web.StreamResponse:
         return web.FileResponse(page)
     return web.json_response({"service": "cosyvoice-triton gateway", "endpoints": [
         "POST /v1/tts", "GET /v1/tts/ws (WebSocket)", "POST /v1/audio/speech", "POST /v1/voices", "GET /v1/voices",
-        "GET /v1/voices/{id}", "DELETE /v1/voices/{id}", "GET /healthz", "GET /readyz", "GET /metrics"]})
+        "GET /v1/voices/{id}", "DELETE /v1/voices/{id}", "GET /healthz", "GET /readyz", "GET /metrics",
+        "GET|POST /inference_{sft,zero_shot,cross_lingual,instruct,instruct2}",
+        "POST /v2/models/{cosyvoice2,cosyvoice2_offline}/infer (KServe v2 JSON)"]})
 
 
 # ---- serving --------------------------------------------------------------------------------------------

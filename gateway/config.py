@@ -82,6 +82,8 @@ class GatewayConfig:
     offline_model: str = "cosyvoice2_offline"  # non-streamed requests: one full-attention flow pass per sentence
     register_model: str = "register_voice"
     sample_rate: int = 24000
+    official_grpc_port: int | None = None  # the official gRPC API (official_grpc.py) here (0: a free port); None: off
+    official_triton_port: int | None = None  # Triton's gRPC protocol (triton_facade.py) (0: a free port); None: off
 
     @property
     def url(self) -> str:
@@ -96,6 +98,10 @@ class GatewayConfig:
             if not is_discovery(spec):
                 raise ValueError(f"discovery {spec!r}: expected dns://name:port[?metrics_port=N]")
             check_spec(spec)
+        if self.official_grpc_port is not None and not 0 <= self.official_grpc_port <= 65535:
+            raise ValueError(f"--official-grpc-port {self.official_grpc_port}: expected 0 (a free port) to 65535")
+        if self.official_triton_port is not None and not 0 <= self.official_triton_port <= 65535:
+            raise ValueError(f"--official-triton-port {self.official_triton_port}: expected 0 (a free port) to 65535")
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str | None = None) -> None:
@@ -108,6 +114,13 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str |
                                        "(default grpc://127.0.0.1:8001)")
     g.add_argument("--host", default="0.0.0.0", help="address the gateway listens on")
     g.add_argument("--port", type=int, default=8080)
+    g.add_argument("--official-grpc-port", type=int, default=None, metavar="PORT",
+                   help="also serve the official CosyVoice gRPC API (cosyvoice.CosyVoice/Inference) on PORT, on the "
+                        "gateway's host, with its keys and limits (0: a free port, printed at start; default: off)")
+    g.add_argument("--official-triton-port", type=int, default=None, metavar="PORT",
+                   help="also speak Triton's gRPC protocol on PORT, for the official Triton clients (client_grpc.py "
+                        "--model-name cosyvoice2): their requests go to cosyvoice2_official*, the rest is passed on "
+                        "unchanged (0: a free port, printed at start; default: off). They send no API key")
     g.add_argument("--redis-url", default=None, help="share voices through Redis (redis://host:port/db)")
     g.add_argument("--voice-store", default=None,
                    help="SQLite file of the voice store (default: $COSYVOICE_HOME/voices.sqlite)")
@@ -208,4 +221,6 @@ def config_from_args(args: argparse.Namespace, triton: tuple[TritonTarget, ...] 
                          model_dir=Path(model_dir) if model_dir else None, api_keys=api_keys(args),
                          admin_keys=admin_keys(args),
                          limits=limits, routing=routing, default_voice=not args.no_default_voice,
-                         access_log=getattr(args, "access_log", True))
+                         access_log=getattr(args, "access_log", True),
+                         official_grpc_port=args.official_grpc_port,
+                         official_triton_port=args.official_triton_port)

@@ -68,6 +68,7 @@ from .drain import Draining
 from .errors import BadRequest, GatewayError, PayloadTooLarge, SessionTimeout, as_gateway_error, ws_error
 from .fields import TTS_FIELDS
 from .protocol import parse_start, parse_vc_message
+from .request_keys import CLIENT_LEFT
 from .state import CONFIG, DRAIN, LIMITER, METRICS, WEBSOCKETS
 from .synthesis import WireRequest, conversion_in_voice, prepare, routing_cost, stream_audio
 from .ws_bistream import BistreamText
@@ -168,7 +169,8 @@ class Session:
     async def run(self) -> None:
         try:
             await self._start(await self._receive_json())
-        except _ClientGone:
+        except (_ClientGone, ConnectionError):  # left before it started: nothing was synthesized
+            self.request[CLIENT_LEFT] = True
             return
         except Exception as exc:  # noqa: BLE001 - reported to the client
             await self._fail(as_gateway_error(exc))
@@ -181,13 +183,13 @@ class Session:
         reader, _, sender = tasks
         try:
             done, _ = await asyncio.wait({reader, sender}, return_when=asyncio.FIRST_COMPLETED)
-            error = None
-            for task in done:
-                if not task.cancelled() and task.exception() is not None:
-                    error = task.exception()
+            error = session_error(done)
             if isinstance(error, Draining):
                 error = await self._finish_accepted(sender, error)
-            if error is not None and not isinstance(error, _ClientGone):
+            if client_left(error):
+                finished = sender in done and not sender.cancelled() and sender.exception() is None
+                self.request[CLIENT_LEFT] = not finished  # left before its audio was all sent
+            elif error is not None:
                 await self._stop(tasks)
                 await self._fail(as_gateway_error(error))
             elif sender in done and error is None:
@@ -403,6 +405,18 @@ class Session:
 
 class _ClientGone(Exception):
     pass
+
+
+def client_left(error: BaseException | None) -> bool:
+    """The client closed or cut the connection: a cancellation by the client, not a failure of ours."""
+    return isinstance(error, (_ClientGone, ConnectionError))
+
+
+def session_error(done: set[asyncio.Task]) -> BaseException | None:
+    """What ended a session's reader or sender. When the client left, a send that failed because of it
+    (ConnectionResetError on a closing socket) is the same event, never an internal error."""
+    errors = [task.exception() for task in done if not task.cancelled() and task.exception() is not None]
+    return next((e for e in errors if client_left(e)), errors[0] if errors else None)
 
 
 async def tts_ws(request: web.Request) -> web.WebSocketResponse:

@@ -136,5 +136,11 @@ class TritonClient:
         except grpc.aio.AioRpcError:
             return False
 
+    @property
+    def stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        """The channel's Triton service as it is: for a caller that passes Triton's messages on unchanged
+        (gateway/triton_facade.py)."""
+        return self._stub
+
     async def close(self) -> None:
         await self._channel.close(grace=None)

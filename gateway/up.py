@@ -86,6 +86,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                    help="the torch flow estimator's arithmetic (as serve --flow-precision)")
     t.add_argument("--chunk-preset", choices=tuple(CHUNK_PRESETS), default="official",
                    help="the chunk schedule's defaults (as serve --chunk-preset)")
+    t.add_argument("--official-models", action=argparse.BooleanOptionalAction, default=True,
+                   help="also serve cosyvoice2_official and cosyvoice2_official_offline for the official Triton "
+                        "clients, as for `serve` (default: on)")
     t.add_argument("--engine", choices=ENGINES, default="torch", help="token2wav engine, as for `serve`")
     t.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="precision of TensorRT plans and OpenVINO's hint")
@@ -221,7 +224,11 @@ def with_fixed_triton_ports(args: argparse.Namespace) -> argparse.Namespace:
 def check_up_ports(args: argparse.Namespace) -> None:
     """Every port this command was told to listen on is free (a second `up` stops here, naming the port
     and its process, before it makes anything)."""
-    check_ports_free(args.host or "0.0.0.0", {"the gateway's port (--port)": _port(args.port)})
+    check_ports_free(args.host or "0.0.0.0", {"the gateway's port (--port)": _port(args.port),
+                                              "the official gRPC port (--official-grpc-port)":
+                                                  _port(args.official_grpc_port),
+                                              "the official Triton port (--official-triton-port)":
+                                                  _port(args.official_triton_port)})
     if not (args.frontends or args.backends):  # split mode puts its servers on free ports
         check_ports_free(args.triton_address, {
             "tritonserver's HTTP port (--triton-http-port)": _port(args.triton_http_port),
@@ -294,7 +301,7 @@ def serve_options(args: argparse.Namespace, model_dir: Path, voice_store: str | 
                         max_queue_wait_s=args.max_queue_wait,  # the gateway's flag: one limit for both sides
                         llm_max_batch=args.llm_max_batch, torch_threads=args.torch_threads,
                         llm_precision=args.llm_precision, flow_precision=args.flow_precision,
-                        chunk_preset=args.chunk_preset,
+                        chunk_preset=args.chunk_preset, official_models=args.official_models,
                         engine=args.engine, precision=args.precision, ort_providers=args.ort_providers,
                         onnx_dir=args.onnx_dir,
                         max_text_chars=args.max_text_chars, max_token_text_ratio=args.max_token_text_ratio,
@@ -320,7 +327,8 @@ def run_gateway(args, targets: tuple[TritonTarget, ...], model_dir: Path, voice_
     note = f"\n  WARNING  {RANDOM_NOTE}" if is_random(model_dir) else ""
     print(f"cosyvoice-triton: serving {model_dir}{note}\n"
           f"  gateway  {config.url}   (POST /v1/tts, WS /v1/tts/ws, POST /v1/audio/speech, "
-          f"/v1/voices)\n" + "\n".join(lines) + "\nPress Ctrl-C to stop.", file=out, flush=True)
+          f"/v1/voices, the official /inference_* and /v2/models/cosyvoice2/infer)\n" + "\n".join(lines)
+          + "\nPress Ctrl-C to stop.", file=out, flush=True)
     return asyncio.run(serve_until_stopped(app, config.host, config.port, args.drain_timeout, out, servers_gone))
 
 

@@ -125,7 +125,8 @@ def run(args) -> int:
     concurrency = args.concurrency or ([1, 2] if args.quick else [1, 2, 4, 8, 16])
     try:
         settings = settings_from_args(args, concurrency)
-    except ValueError as exc:
+        report.pyplot()  # the plots need the `bench` extra: say so before the benchmark runs, not after
+    except (ValueError, ModuleNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     requests = args.requests or (2 if args.quick else 16)

@@ -124,8 +124,16 @@ def markdown(summaries: list[dict], env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+PLOTS_EXTRA = "pip install 'cosyvoice-triton[bench]'"
+
+
 def pyplot():
-    import matplotlib
+    """matplotlib's pyplot on the file-only Agg backend. Imported here, not at the top: matplotlib is in the
+    `bench` extra, not in a server's install, and every module of the wheel must import without it."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(f"the benchmark plots need matplotlib: {PLOTS_EXTRA}", name="matplotlib") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

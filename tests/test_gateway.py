@@ -493,21 +493,27 @@ def test_websocket_text_in_streaming(gateway, triton, voice_id):
     assert end["audio_seconds"] == pytest.approx(sum(np.concatenate(w).size for w in want) / 24000)
 
 
-@pytest.mark.parametrize("transport", ["websocket", "http"])
+@pytest.mark.parametrize("transport", ["websocket", "websocket_reset", "http"])
 def test_a_client_that_leaves_mid_stream_frees_its_triton_stream(gateway, triton, voice_id, transport):
     # Counted where the request ends (cosyvoice2), not at the LLM: the random LLM may have finished the
     # sentence it was on when the cancel came. That nothing stays held is checked below.
     before = metric(triton.metrics_url, "cosyvoice_requests_total", model="cosyvoice2", outcome="cancelled")
+    gateway_metrics = gateway.url + "/metrics"
+    route = "/v1/tts/ws" if transport.startswith("websocket") else "/v1/tts"
+    left_before = metric(gateway_metrics, "cosyvoice_gateway_requests_total", route=route, status="cancelled") or 0
+    internal_before = metric(gateway_metrics, "cosyvoice_gateway_errors_total", kind="internal") or 0
 
     async def leave_after_first_audio():
         async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
-            if transport == "websocket":
+            if transport.startswith("websocket"):
                 async with http.ws_connect(gateway.url + "/v1/tts/ws") as ws:
                     await ws.send_json({"type": "start", "voice_id": voice_id, "seed": 404})
                     assert (await ws.receive_json())["type"] == "started"
                     await ws.send_json({"type": "text", "text": ENDLESS})
                     await ws.send_json({"type": "end"})
                     assert (await ws.receive()).type == aiohttp.WSMsgType.BINARY
+                    if transport == "websocket_reset":  # gone without a close frame: the connection is cut
+                        ws._conn.transport.abort()
             else:
                 body = {"text": ENDLESS, "voice_id": voice_id, "seed": 404, "stream": True, "format": "pcm_f32"}
                 async with http.post(gateway.url + "/v1/tts", json=body) as response:
@@ -521,9 +527,39 @@ def test_a_client_that_leaves_mid_stream_frees_its_triton_stream(gateway, triton
                         ("cosyvoice_active_streams", "cosyvoice2")):
         wait_for_metric(triton.metrics_url, name, lambda v: v == 0, model=model)
     assert metric(triton.metrics_url, "cosyvoice_llm_free_slots", model="llm") == 8
-    gateway_metrics = gateway.url + "/metrics"
-    route = "ws" if transport == "websocket" else "tts"
-    wait_for_metric(gateway_metrics, "cosyvoice_gateway_active_streams", lambda v: v == 0, route=route)
+    wait_for_metric(gateway_metrics, "cosyvoice_gateway_active_streams", lambda v: v == 0,
+                    route="ws" if transport.startswith("websocket") else "tts")
+    # the gateway counts the request as the client's leaving, not as its own failure
+    wait_for_metric(gateway_metrics, "cosyvoice_gateway_requests_total", lambda v: (v or 0) >= left_before + 1,
+                    route=route, status="cancelled")
+    assert (metric(gateway_metrics, "cosyvoice_gateway_errors_total", kind="internal") or 0) == internal_before
+
+
+def test_a_send_that_fails_because_the_client_left_is_the_leaving_not_an_error():
+    """The reader sees the client's close and the sender's write fails on the closing socket at once: the
+    session is the client's cancellation whichever task asyncio lists first (was an `internal` error)."""
+    from cosyvoice_triton.gateway.routes_ws import _ClientGone, client_left, session_error
+
+    async def raising(exc):
+        raise exc
+
+    async def outcomes():
+        for order in ((ConnectionResetError("Cannot write to closing transport"), _ClientGone()),
+                      (_ClientGone(), ConnectionResetError("Cannot write to closing transport"))):
+            tasks = [asyncio.create_task(raising(exc)) for exc in order]
+            await asyncio.wait(tasks)
+            yield session_error(set(tasks))
+        failed = asyncio.create_task(raising(ValueError("bad")))
+        await asyncio.wait([failed])
+        yield session_error({failed})
+
+    async def collect():
+        return [error async for error in outcomes()]
+
+    first, second, other = run(collect())
+    assert client_left(first) and client_left(second)
+    assert isinstance(other, ValueError) and not client_left(other)
+    assert session_error(set()) is None
 
 
 def test_websocket_errors_are_messages_with_codes(gateway):

@@ -271,7 +271,11 @@ def test_a_conversion_sends_both_recordings_as_samples_and_costs_its_source():
 
 # ---- where names live ---------------------------------------------------------------------------------------
 
-API_FIELDS = START_KEYS | TTS_KEYS | VC_KEYS | {"input", "voice", "instructions", "id", "name", "audio", "text"}
+# the official CosyVoice servers' form and proto fields (gateway/official_api.py): API fields too, though
+# two of them are spelled like cosyvoice2 inputs
+OFFICIAL_FIELDS = {"tts_text", "spk_id", "prompt_wav", "prompt_audio", "prompt_text", "instruct_text"}
+API_FIELDS = (START_KEYS | TTS_KEYS | VC_KEYS | OFFICIAL_FIELDS
+              | {"input", "voice", "instructions", "id", "name", "audio", "text"})
 WIRE_ONLY = sorted(INPUT_NAMES - API_FIELDS)  # the Triton inputs no API field is named like
 
 

@@ -1,11 +1,14 @@
 """The wheel is complete: built from the sources pyproject.toml names, installed into a scratch folder, and
 used from outside the checkout, every public module imports from the wheel's copy, every console script
 and `cosyvoice_triton.commands` entry point loads, and the files `serve` and `up` read at run time (the
-model repository templates, the web page, the default voice) are in it."""
+model repository templates, the web page, the default voice) are in it. And a plain install of it into a
+fresh virtualenv is a server: `serve`, the gateway and `cosyvoice-client` start, and none of the tool-only
+packages (plots, tests, docs) is there."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +16,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,18 +65,27 @@ def copy_sources(out: Path) -> Path:
     return out
 
 
+PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+
+
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> dict:
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from a copy of the sources."""
+    source = copy_sources(tmp_path_factory.mktemp("source"))
+    wheels = tmp_path_factory.mktemp("wheels")
+    subprocess.run([*PIP, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(source)],
+                   check=True, capture_output=True, timeout=240)
+    (built,) = wheels.glob("cosyvoice_triton-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> dict:
     """The wheel installed into a scratch target, and what PROBE saw there."""
     tmp = tmp_path_factory.mktemp("packaging")
-    source = copy_sources(tmp_path_factory.mktemp("source"))
-    wheels, target, elsewhere = tmp / "wheels", tmp / "target", tmp / "cwd"
+    target, elsewhere = tmp / "target", tmp / "cwd"
     elsewhere.mkdir()
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(source)],
-                   check=True, capture_output=True, timeout=240)
-    (wheel,) = wheels.glob("cosyvoice_triton-*.whl")
-    subprocess.run([*pip, "install", "--no-deps", "--no-compile", "--target", str(target), str(wheel)],
+    subprocess.run([*PIP, "install", "--no-deps", "--no-compile", "--target", str(target), str(wheel)],
                    check=True, capture_output=True, timeout=120)
     # Only the target and the environment's site-packages: no editable finder that maps back to the checkout.
     env = {**os.environ, "PYTHONPATH": str(target), "PYTHONNOUSERSITE": "1"}
@@ -142,3 +155,105 @@ def test_the_wheel_carries_what_serve_and_up_read(installed):
     assert under(str(static), target) and (static / "index.html").is_file()
     assert {p.name for p in static.iterdir()} == {p.name for p in (REPO_ROOT / "gateway" / "static").iterdir()}
     assert under(data["recording"], target) and Path(data["recording"]).stat().st_size > 0
+
+
+# ---- a plain install ------------------------------------------------------------------------------------
+
+# Extras of tools, not of serving: no public module may need their packages to import, and none of them
+# (nor the `train` extra's) may be a core dependency.
+TOOL_EXTRAS = ("bench", "test", "docs")
+# Import names of tool-only packages that a plain install must not bring, even through a core dependency
+# (geventhttpclient: tritonclient's HTTP client, which `tritonclient[all]` would pull in).
+ABSENT = {"matplotlib": "bench", "pytest": "test", "grpc_tools": "test", "geventhttpclient": "test",
+          "mkdocs": "docs", "peft": "train"}
+
+# Runs in the fresh venv: which ABSENT packages import, each public module that does not import (with the
+# name of the module it missed), what asking for a plot says, and the distribution's requirements.
+FRESH_PROBE = r"""
+import importlib, importlib.metadata, json, pkgutil, sys
+import cosyvoice_triton
+
+absent = json.loads(sys.argv[1])
+imported = []
+for name in absent:
+    try:
+        importlib.import_module(name)
+        imported.append(name)
+    except ImportError:
+        pass
+failed = {}
+for info in pkgutil.walk_packages(cosyvoice_triton.__path__, "cosyvoice_triton.", onerror=lambda name: None):
+    if info.name.rsplit(".", 1)[-1].startswith("_") and not info.ispkg:
+        continue
+    try:
+        importlib.import_module(info.name)
+    except ModuleNotFoundError as exc:
+        failed[info.name] = (exc.name or "").split(".")[0]
+    except Exception as exc:
+        failed[info.name] = f"{type(exc).__name__}: {exc}"
+from cosyvoice_triton.perf import report
+try:
+    report.pyplot()
+    plots = "drawn"
+except ModuleNotFoundError as exc:
+    plots = str(exc)
+print(json.dumps({"imported": imported, "failed": failed, "plots": plots, "root": cosyvoice_triton.__file__,
+                  "requires": importlib.metadata.distribution("cosyvoice-triton").requires}))
+"""
+
+
+def import_name(requirement: str) -> str:
+    """The module a requirement installs, for the packages of pyproject's extras (`nvidia-pytriton` aside)."""
+    return re.sub(r"[-.]", "_", Requirement(requirement).name).lower()
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(wheel, tmp_path_factory) -> Path:
+    """A virtualenv without system site packages holding the wheel with only its core dependencies and the
+    `cpu` extra's torch pin. pip resolves them from the package registry and keeps its cache (a second run
+    downloads nothing); torch comes from the machine's local wheel folder, as in scripts/setup.sh."""
+    venv = tmp_path_factory.mktemp("fresh") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
+    run = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "-q", "install",
+                          f"cosyvoice-triton[cpu] @ {wheel.as_uri()}"],
+                         env=fresh_env(), capture_output=True, text=True, timeout=1500, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return venv
+
+
+def fresh_env() -> dict:
+    """This environment less what points into the dev venv or the checkout."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    return {**env, "PYTHONNOUSERSITE": "1"}
+
+
+@pytest.mark.timeout(1800)  # a first run installs torch and the core dependencies into a new venv (minutes)
+def test_a_plain_install_is_a_server_without_tool_packages(fresh_venv, tmp_path):
+    bin_dir = fresh_venv / "bin"
+    for command in ([bin_dir / "cosyvoice-triton", "serve", "--help"], [bin_dir / "cosyvoice-triton", "up", "--help"],
+                    [bin_dir / "python", "-m", "cosyvoice_triton.gateway", "--help"],
+                    [bin_dir / "cosyvoice-client", "--help"]):
+        run = subprocess.run([str(part) for part in command], cwd=tmp_path, env=fresh_env(), capture_output=True,
+                             text=True, timeout=240, check=False)
+        assert run.returncode == 0 and "usage:" in run.stdout, (command, run.stdout[-2000:], run.stderr[-2000:])
+
+    probe = subprocess.run([str(bin_dir / "python"), "-c", FRESH_PROBE, json.dumps(sorted(ABSENT))], cwd=tmp_path,
+                           env=fresh_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert probe.returncode == 0, probe.stdout[-2000:] + probe.stderr[-2000:]
+    seen = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert under(seen["root"], fresh_venv)
+    assert seen["imported"] == [], {name: f"in the {ABSENT[name]} extra" for name in seen["imported"]}
+    assert "pip install 'cosyvoice-triton[bench]'" in seen["plots"]
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {extra: {import_name(req) for req in reqs} for extra, reqs in extras.items()}
+    # A public module may miss a package of a feature's extra (train's peft, ...), never a tool's or a core one.
+    features = set().union(*(found for extra, found in names.items() if extra not in TOOL_EXTRAS))
+    assert {module: name for module, name in seen["failed"].items() if name not in features} == {}
+
+    core = [Requirement(r) for r in seen["requires"] if "extra ==" not in r]
+    assert "matplotlib" in names["bench"] and "torch" in {r.name for r in core}
+    # `tritonclient[http]` in `test` moves tritonclient's HTTP extra, not tritonclient.
+    moved = {import_name(req) for extra in (*TOOL_EXTRAS, "train") for req in extras[extra] if "[" not in req}
+    assert {import_name(str(r)) for r in core} & moved == set(), "a tool-only package is a core dependency"
+    assert all(r.extras <= {"grpc"} for r in core if r.name == "tritonclient")

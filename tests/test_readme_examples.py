@@ -1,11 +1,15 @@
-"""Every example in README.md, deploy/README.md and perf/README.md, run as a user would run it.
+"""Every example in README.md and the documentation site (docs/, with the files its pages include:
+deploy/README.md, perf/README.md), run as a user would run it.
 
-The fenced ```bash and ```python blocks are cut out of the files and run, in file order, in one working
-folder, against one service that this module starts (`cosyvoice-triton up` on the tiny model, free ports).
-The READMEs show the default ports (gateway 8080, Triton 8000/8001/8002); the test rewrites them to its
+The fenced ```bash and ```python blocks are cut out of the files and run in the order a reader meets them
+(README.md, then the site's navigation order, each page followed by the files it includes; an example lives
+in one file, however often it is shown), in one working folder, against one service that this module
+starts (`cosyvoice-triton up` on the tiny model, free ports). perf/RESULTS.md, which a page also includes,
+is a record of measurements: its blocks are the commands that were run on other machines, not examples.
+The pages show the default ports (gateway 8080, Triton 8000/8001/8002); the test rewrites them to its
 own. Shell blocks run with `bash -euo pipefail` and the virtualenv's bin/ on PATH (as after the
 README's `source .venv/bin/activate`), with a `curl` that fails on an HTTP error; Python blocks with the
-virtualenv's python. `prompt.wav` and `me.wav`, the user's own recordings in the README, are made here.
+virtualenv's python. `prompt.wav` and `me.wav`, the user's own recordings in the examples, are made here.
 
 A block that cannot run here has `<!-- example: not-run: WHY -->` just above it. The set of such blocks
 must equal NOT_RUN below, so a new unrunnable block fails until someone decides; what can be checked
@@ -33,11 +37,13 @@ import soundfile as sf
 
 from cli_harness import CliProcess
 from conftest import REPO_ROOT
+from test_docs_site import site_sources
 from triton_harness import tritonserver_or_skip
 
 pytestmark = pytest.mark.timeout(1800)
 
-READMES = ("README.md", "deploy/README.md", "perf/README.md")
+RECORDS = {"perf/RESULTS.md"}  # measurements, not examples
+SOURCES = [file for file in site_sources() if file not in RECORDS]
 RUN_LANGUAGES = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python"}
 NOT_RUN_MARK = re.compile(r"<!--\s*example:\s*not-run:\s*(.+?)\s*-->")
 
@@ -46,12 +52,25 @@ NOT_RUN = {
     "README.md": {
         "./run.sh serve     # set up, then start tritonserver + the gateway on http://localhost:8080 (tiny random "
         "model made on first use)",
+    },
+    "docs/deployment/index.md": {
         "./run.sh serve                       # = cosyvoice-triton up: tritonserver + gateway on "
         "http://localhost:8080",
-        "cosyvoice-triton serve --engine onnxruntime",
+    },
+    "docs/engines.md": {"cosyvoice-triton serve --engine onnxruntime"},
+    "docs/api/official.md": {
+        "cosyvoice-triton up --official-triton-port 8003 --official-grpc-port 50000",
+        "# gRPC, streamed: one response per audio chunk, then the empty final response",
+        "mkdir -p build/protos && python -m grpc_tools.protoc -Icosyvoice_triton/gateway=gateway "
+        "--python_out=build/protos --grpc_python_out=build/protos gateway/cosyvoice.proto && cp "
+        "build/protos/cosyvoice_triton/gateway/cosyvoice_pb2*.py gateway/",
+    },
+    "docs/fine-tuning.md": {
+        "cosyvoice-triton finetune --data my_recordings --model-dir pretrained_models/CosyVoice2-0.5B --out models/mine",
+    },
+    "docs/benchmarks/index.md": {
         "cosyvoice-triton bench --start --quick                                   # sub-minute smoke run (also in "
         "the tests)",
-        "cosyvoice-triton finetune --data my_recordings --model-dir pretrained_models/CosyVoice2-0.5B --out models/mine",
     },
     "deploy/README.md": {"docker build -t cosyvoice-triton:0.1.0 .", "kubectl create namespace cosyvoice"},
     "perf/README.md": {
@@ -60,7 +79,7 @@ NOT_RUN = {
         "bash perf/gpu_bench.sh                               # full-size random folder, fast_clone, levels 1 4 16 32",
     },
 }
-# what the README examples write, checked after each block: audio files must decode
+# what the examples write, checked after each block: audio files must decode
 AUDIO_SUFFIXES = {".wav", ".flac", ".mp3", ".opus", ".ogg"}
 
 
@@ -98,7 +117,7 @@ def fenced_blocks(file: str) -> list[Block]:
 
 
 def examples() -> list[Block]:
-    return [b for file in READMES for b in fenced_blocks(file) if b.language in RUN_LANGUAGES]
+    return [b for file in SOURCES for b in fenced_blocks(file) if b.language in RUN_LANGUAGES]
 
 
 def runnable() -> list[Block]:
@@ -111,12 +130,12 @@ def test_the_not_run_blocks_are_the_listed_ones():
         if block.not_run is not None:
             marked.setdefault(block.file, set()).add(block.first_line)
     assert marked == NOT_RUN
-    assert len(runnable()) >= 8  # the bulk of the README runs
+    assert len(runnable()) >= 15  # the bulk of the examples runs
 
 
 def test_every_code_block_is_an_example_or_text():
     """An untagged block is text (a tree, a layout); a block tagged with another language is a mistake."""
-    for file in READMES:
+    for file in SOURCES:
         for block in fenced_blocks(file):
             assert block.language in ("", *RUN_LANGUAGES), f"{block}: unknown block language {block.language!r}"
             if block.language == "":
@@ -167,11 +186,14 @@ class Service:
     http: int
     grpc: int
     metrics: int
+    official_triton: int  # the gateway's Triton gRPC facade (the pages show 8003)
+    official_grpc: int  # the official cosyvoice.CosyVoice service (the pages show 50000)
     log: Callable[[], str] = lambda: ""  # the service's output so far
 
     def rewrite(self, code: str) -> str:
-        ports = {"8080": self.gateway, "8000": self.http, "8001": self.grpc, "8002": self.metrics}
-        return re.sub(r"\b(localhost|127\.0\.0\.1):(8080|8000|8001|8002)\b",
+        ports = {"8080": self.gateway, "8000": self.http, "8001": self.grpc, "8002": self.metrics,
+                 "8003": self.official_triton, "50000": self.official_grpc}
+        return re.sub(r"\b(localhost|127\.0\.0\.1):(8080|8000|8001|8002|8003|50000)\b",
                       lambda m: f"{m.group(1)}:{ports[m.group(2)]}", code)
 
 
@@ -189,10 +211,11 @@ def service(tiny_model_dir, tmp_path_factory):
 
     tritonserver_or_skip()
     home = tmp_path_factory.mktemp("readme_home")
-    ports = Service(free_port(), free_port(), free_port(), free_port())
+    ports = Service(*(free_port() for _ in range(6)))
     command = [sys.executable, "-m", "cosyvoice_triton.cli", "up", "--model-dir", str(tiny_model_dir),
                "--host", "127.0.0.1", "--port", str(ports.gateway), "--triton-http-port", str(ports.http),
                "--triton-grpc-port", str(ports.grpc), "--triton-metrics-port", str(ports.metrics),
+               "--official-triton-port", str(ports.official_triton), "--official-grpc-port", str(ports.official_grpc),
                "--workers", "4", "--torch-threads", "1", "--max-token-text-ratio", "3"]
     up = CliProcess(command, {**os.environ, "COSYVOICE_HOME": str(home)})
     try:

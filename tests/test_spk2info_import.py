@@ -56,7 +56,7 @@ def spk2info(tmp_path_factory, tokenizer):
     """(path, the dict saved): two zero-shot speakers and an SFT speaker (embedding only), as torch.save writes."""
     rng = np.random.default_rng(0)
     table = {"saved_a": official_entry(tokenizer.encode(PROMPT_TEXT), rng),
-             "saved_b": official_entry(tokenizer.encode("Another one."), rng, n_tokens=30),
+             "中文女": official_entry(tokenizer.encode("Another one."), rng, n_tokens=30),
              "sft_speaker": {"embedding": torch.zeros(1, 192)}}
     path = tmp_path_factory.mktemp("spk") / "spk2info.pt"
     torch.save(table, path)
@@ -76,11 +76,11 @@ def test_import_round_trips_the_saved_features(stack, spk2info, tokenizer, capsy
     path, table = spk2info
     assert run_import(path, stack.model_dir, stack.voice_store) == 0
     captured = capsys.readouterr()
-    assert "saved_a" in captured.out and "saved_b" in captured.out
+    assert "saved_a" in captured.out and "中文女" in captured.out
     assert "sft_speaker" in captured.err  # no prompt: skipped, and said so
     store = open_voice_store(stack.voice_store)
     try:
-        for speaker_id in ("saved_a", "saved_b"):
+        for speaker_id in ("saved_a", "中文女"):
             entry, voice = table[speaker_id], store.get(speaker_id)
             np.testing.assert_array_equal(voice.speech_tokens, entry["llm_prompt_speech_token"][0].numpy())
             np.testing.assert_array_equal(voice.mel, entry["prompt_speech_feat"][0].numpy())
@@ -99,7 +99,7 @@ def test_imported_voices_are_listed_and_spoken_through_the_gateway(stack, spk2in
     assert run_import(spk2info[0], stack.model_dir, stack.voice_store) == 0
     with urllib.request.urlopen(stack.gateway_url + "/v1/voices", timeout=30) as response:
         listed = {v["id"] for v in json.loads(response.read())["voices"]}
-    assert {"saved_a", "saved_b"} <= listed and "sft_speaker" not in listed
+    assert {"saved_a", "中文女"} <= listed and "sft_speaker" not in listed
 
     async def post() -> bytes:
         body = {"text": "Hello from a saved speaker.", "voice_id": "saved_a", "seed": SEED, "format": "pcm_f32"}

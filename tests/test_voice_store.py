@@ -125,7 +125,17 @@ def test_explicit_ids(open_store):
     assert store.list() == [alice]
 
 
-@pytest.mark.parametrize("bad_id", ["", "a b", "x" * 65, "a/b", "a:b", "stimme-ü", "v_0123456789abcdef", 7])
+@pytest.mark.parametrize("good_id", ["中文女", "stimme-ü", "Speaker_01.v2"])
+def test_ids_in_any_script_are_voice_ids(open_store, good_id):
+    """The official saved speakers have names like 中文女: `voices import` keeps them as voice ids."""
+    store = open_store()
+    features = make_features()
+    assert store.register(features, voice_id=good_id).voice_id == good_id
+    np.testing.assert_array_equal(store.get(good_id).speech_tokens, features.speech_tokens)
+    assert [v.voice_id for v in store.list()] == [good_id]
+
+
+@pytest.mark.parametrize("bad_id", ["", "a b", "x" * 65, "a/b", "a:b", "a\u200bb", "中文 女", "v_0123456789abcdef", 7])
 def test_bad_ids_are_rejected(open_store, bad_id):
     store = open_store()
     with pytest.raises(InvalidInput) as registered:

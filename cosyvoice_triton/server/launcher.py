@@ -40,6 +40,8 @@ from cosyvoice_triton.pipeline.threads import available_cores
 from cosyvoice_triton.server.process import TritonProcess, describe_exit
 from cosyvoice_triton.server.templates import model_names, render_repository
 from cosyvoice_triton.targets import TritonTarget, check_spec, is_discovery
+from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFICIAL, COSYVOICE2_OFFICIAL_OFFLINE,
+                                               COSYVOICE2_OFFLINE, NATIVE_FORM, OFFICIAL_FORM, OFFICIAL_MODELS)
 from cosyvoice_triton.triton.params import Engine, Precision
 
 ENGINES = typing.get_args(Engine)  # torch | onnxruntime | openvino | tensorrt
@@ -98,6 +100,10 @@ class ServeOptions:
     token2wav_timeout_s: float = 60.0  # a frontend's longest wait for one remote token2wav chunk
     chunk_policy: str = "fixed"  # fixed | adaptive: cosyvoice2's chunk policy for requests that name none
     chunk_preset: str = "official"  # official | quick: the chunk schedule's defaults (pipeline/chunk_policy.py)
+    # cosyvoice2_official and cosyvoice2_official_offline too: cosyvoice2 in the official runtime's tensor form,
+    # for the official Triton clients (triton/contracts.py). Off here, so tests and in-process users stay lean
+    # (two more Python model processes); `serve` and `up` turn it on.
+    official_models: bool = False
     startup_timeout_s: float = 300.0
     extra_args: list[str] = field(default_factory=list)  # more tritonserver flags
 
@@ -157,7 +163,8 @@ BACKEND_MODELS = ("token2wav",)  # what a backend server holds; a frontend holds
 
 
 def role_models(options: ServeOptions, available: list[str]) -> list[str]:
-    """The models one server of `options.role` serves, out of the repository's `available` ones."""
+    """The models one server of `options.role` serves, out of the repository's `available` ones (the official
+    tensor form's models only with `options.official_models`; a backend holds token2wav alone)."""
     if options.role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {options.role!r}")
     if options.role == "frontend" and not options.backends:
@@ -166,6 +173,8 @@ def role_models(options: ServeOptions, available: list[str]) -> list[str]:
         raise ValueError(f"--backend is for --role frontend (this server's role is {options.role})")
     for spec in options.backends:
         check_spec(spec, "--backend")  # a bad address fails here, not inside tritonserver
+    if not options.official_models:
+        available = [name for name in available if name not in OFFICIAL_MODELS]
     if options.role == "backend":
         return [name for name in available if name in BACKEND_MODELS]
     if options.role == "frontend":
@@ -211,8 +220,12 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str,
     prompt_step = {"model_dir": model_dir, "instances": options.instances, "max_batch": options.prompt_max_batch,
                    "queue_delay_us": options.prompt_queue_delay_us}
     return {
-        "cosyvoice2": {**synthesis, "name": "cosyvoice2", "decoupled": True},
-        "cosyvoice2_offline": {**synthesis, "name": "cosyvoice2_offline", "decoupled": False},
+        **{name: {**synthesis, "name": name, "decoupled": decoupled, "max_batch_size": batch, "tensor_form": form}
+           for name, decoupled, batch, form in ((COSYVOICE2, True, 0, NATIVE_FORM),
+                                                (COSYVOICE2_OFFLINE, False, 0, NATIVE_FORM),
+                                                # the official config batches: [1, ...] tensors, no batcher
+                                                (COSYVOICE2_OFFICIAL, True, 1, OFFICIAL_FORM),
+                                                (COSYVOICE2_OFFICIAL_OFFLINE, False, 1, OFFICIAL_FORM))},
         "llm": {"model_dir": model_dir, "placement": placement, "device": torch_device,
                 "max_batch": options.llm_max_batch, "max_seq_len": options.llm_max_seq_len,
                 "max_queue": options.llm_max_queue, "max_token_text_ratio": ratio,
@@ -311,6 +324,9 @@ def describe(server: TritonProcess, model_dir_hint: str, out: TextIO) -> None:
         print(f"  HTTP     http://{host}:{server.http_port}   (whole waveform: POST /v2/models/cosyvoice2_offline/infer)",
               file=out)
         print(f"  gRPC     {host}:{server.grpc_port}   (streaming: model cosyvoice2)", file=out)
+        if COSYVOICE2_OFFICIAL in names:
+            print(f"  official {COSYVOICE2_OFFICIAL} (streaming), {COSYVOICE2_OFFICIAL_OFFLINE} (whole waveform): "
+                  f"the official Triton clients' tensors (--model-name)", file=out)
     else:  # a split deployment's backend: frontends call it
         print(f"  gRPC     {host}:{server.grpc_port}   (give frontends --backend grpc://{host}:{server.grpc_port})",
               file=out)

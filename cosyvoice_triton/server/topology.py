@@ -7,7 +7,8 @@ topology.frontends      # TritonProcess list: put a gateway in front of these
 topology.stop()
 ```
 Backends run `--role backend` (token2wav only); frontends run `--role frontend` with every backend as a
-`--backend`, so each stream's token2wav work goes to the backend with the least outstanding work. The
+`--backend`, so each stream's token2wav work goes to the backend with the least outstanding work (and, with
+`options.official_models`, hold cosyvoice2_official* too: `role_models`). The
 servers start on free ports, backends first, each in its own run folder (`<run_dir>/frontend-0`, `backend-0`, ...). Frontends and the gateway share
 one voice store, Redis, so a voice registered anywhere is usable everywhere; the redis-server started
 here keeps an append-only file in `<run_dir>/redis`, so a topology started again on the same run folder

@@ -21,6 +21,7 @@ cosyvoice2 (decoupled) and cosyvoice2_offline (its non-decoupled twin, same temp
        reference_audio_id     STRING [1] opt  a registered voice (see register_voice)
        reference_wav          FP32 [-1]  opt  prompt samples, mono, in [-1, 1] ...
        reference_sample_rate  INT32 [1]  opt  ... at this rate (required with reference_wav)
+       reference_wav_len      INT32 [1]  opt  ... of which only the first this many count (the rest is padding)
        reference_audio        STRING [1] opt  or: a WAV/FLAC/OGG file's bytes
        reference_text         STRING [1] opt  transcript of the prompt (zero_shot); overrides a stored one
        instruct_text          STRING [1] opt  the instruction (instruct2)
@@ -48,6 +49,21 @@ cosyvoice2 (decoupled) and cosyvoice2_offline (its non-decoupled twin, same temp
        source_audio           STRING [1] opt  or: a WAV/FLAC/OGG file's bytes
   with exactly one source and one voice, plus seed, speed and chunk_* as above; 0.2 s .. 600 s, split into pieces
   of at most 30 s and spoken in order (pipeline/voice_conversion.py states the split rule).
+
+cosyvoice2_official (decoupled) and cosyvoice2_official_offline (not decoupled): the same template and model in
+  the official runtime's tensor form (config parameter tensor_form "official"), so that the official Triton
+  clients (runtime/triton_trtllm: client_grpc.py, client_http.py) work unchanged but for --model-name. The
+  official config has max_batch_size > 0, so these have max_batch_size 1 (no dynamic batching): every tensor
+  above carries a leading batch dimension of 1 (reference_wav [1, N], the rest [1, 1]; another batch is refused
+  naming the input), and `waveform` is [1, n]. `from_official_form` turns the arrays into the native form:
+       reference_wav          at 16 kHz when reference_sample_rate is not sent (the official server's only rate)
+       reference_wav_len      honoured (the official clients pad reference_wav with zeros past it)
+       no voice tensors       the official "spk2info cache" request (target_text alone): the stored voice
+                              `default` (DEFAULT_VOICE_ID; the gateway registers it at start); when it is not
+                              stored, InvalidInput naming reference_wav
+  Every other input (seed, speed, mode, reference_audio_id, ...) works as above, with its batch dimension.
+  Triton checks ranks against a model's config before the model runs, so one name cannot take both forms;
+  `official_model_for` says which model takes a request that names cosyvoice2 (a gateway's Triton facade).
 
 llm (decoupled, max_batch_size 0; one in-flight batching engine per instance)
   in   stream_id              STRING [1]      caller-chosen id; a cancel request names it
@@ -100,7 +116,7 @@ register_voice (max_batch_size 0)
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -112,6 +128,9 @@ from cosyvoice_triton.triton.tensors import TensorReader, string_array
 
 COSYVOICE2 = "cosyvoice2"
 COSYVOICE2_OFFLINE = "cosyvoice2_offline"
+COSYVOICE2_OFFICIAL = "cosyvoice2_official"  # the official runtime's tensor form (below)
+COSYVOICE2_OFFICIAL_OFFLINE = "cosyvoice2_official_offline"
+OFFICIAL_MODELS = (COSYVOICE2_OFFICIAL, COSYVOICE2_OFFICIAL_OFFLINE)
 LLM = "llm"
 TOKEN2WAV = "token2wav"
 PROMPT_ENCODER = "prompt_encoder"
@@ -137,6 +156,7 @@ STREAM_ID = "stream_id"  # llm, token2wav
 TEXT_APPEND = "text_append"  # llm, cosyvoice2
 TEXT_MODE = "text_mode"  # cosyvoice2
 REFERENCE_WAV, REFERENCE_TEXT = "reference_wav", "reference_text"  # cosyvoice2, register_voice, prompt_audio
+REFERENCE_WAV_LEN = "reference_wav_len"  # cosyvoice2
 SOURCE_AUDIO = "source_audio"  # cosyvoice2 mode vc
 SENTENCES, BISTREAM = TEXT_MODES  # the values of text_mode
 
@@ -156,7 +176,7 @@ INT32_MAX = 2**31 - 1
 INPUT_FIELDS: dict[str, str] = {
     "target_text": "text", "mode": "mode", "instruct_text": "instruct_text", "seed": "seed",
     "reference_audio_id": "voice_id", "reference_wav": "audio", "reference_sample_rate": "audio",
-    "reference_audio": "audio", "reference_text": "prompt_text",
+    "reference_audio": "audio", "reference_wav_len": "audio", "reference_text": "prompt_text",
     "source_wav": "source", "source_sample_rate": "source", "source_audio": "source",
     "text_append": "text_append", "text_end": "text_end",
     "voice_id": "voice_id", "name": "name", "owner": "owner",  # register_voice: the id to register under, ...
@@ -424,13 +444,17 @@ def recording_keywords(audio: PromptAudio | None) -> dict:
     return {} if audio is None else audio.keywords()
 
 
-def read_audio(reader: TensorReader, wav: str, rate_name: str, blob: str) -> PromptAudio | None:
-    """A recording sent as samples (`wav` + `rate_name`) or as a file (`blob`), or None when neither came."""
+def read_audio(reader: TensorReader, wav: str, rate_name: str, blob: str,
+               length_name: str | None = None) -> PromptAudio | None:
+    """A recording sent as samples (`wav` + `rate_name`, the first `length_name` of them when that is sent) or
+    as a file (`blob`), or None when neither came."""
     samples = reader.array(wav, np.float32, 1)
     rate = reader.integer(rate_name, low=1, high=1_000_000)
     file_bytes = reader.blob(blob)
     if samples is not None and file_bytes is not None:
         raise InvalidInput(blob, f"give {wav} or {blob}, not both")
+    if length_name is not None:
+        samples = _first_samples(reader, samples, wav, length_name)
     if samples is not None:
         if rate is None:
             raise InvalidInput(rate_name, f"is required with {wav}")
@@ -442,8 +466,21 @@ def read_audio(reader: TensorReader, wav: str, rate_name: str, blob: str) -> Pro
     return None
 
 
+def _first_samples(reader: TensorReader, samples: np.ndarray | None, wav: str, length_name: str) -> np.ndarray | None:
+    """`samples` up to the count `length_name` gives (the rest is padding: the official clients pad to a round
+    length); all of them when it is not sent."""
+    length = reader.integer(length_name, low=0, high=INT32_MAX)
+    if length is None:
+        return samples
+    if samples is None:
+        raise InvalidInput(length_name, f"is only used with {wav}")
+    if length > samples.shape[0]:
+        raise InvalidInput(length_name, f"must be at most the {samples.shape[0]} samples of {wav}, got {length}")
+    return samples[:length]
+
+
 def read_prompt_audio(reader: TensorReader) -> PromptAudio | None:
-    return read_audio(reader, REFERENCE_WAV, "reference_sample_rate", "reference_audio")
+    return read_audio(reader, REFERENCE_WAV, "reference_sample_rate", "reference_audio", REFERENCE_WAV_LEN)
 
 
 def read_voice_choice(reader: TensorReader) -> tuple[str | None, PromptAudio | None]:
@@ -579,6 +616,57 @@ def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParam
     return replace(inputs, voice_id=voice_id, audio=audio)
 
 
+# ---- the official runtime's tensor form (cosyvoice2_official, cosyvoice2_official_offline) --------------
+
+TENSOR_FORMS = ("native", "official")  # cosyvoice2's config parameter tensor_form (params.TensorForm)
+NATIVE_FORM, OFFICIAL_FORM = TENSOR_FORMS
+OFFICIAL_SAMPLE_RATE = 16000  # the official cosyvoice2 takes reference_wav at this rate, with no rate input
+DEFAULT_VOICE_ID = "default"  # what a request without a voice means there (gateway/default_voice.py registers it)
+VOICE_INPUTS = ("reference_audio_id", REFERENCE_WAV, "reference_audio")  # one of them names a request's voice
+
+
+def from_official_form(arrays: Mapping[str, np.ndarray], has_voice: Callable[[str], bool]) -> dict[str, np.ndarray]:
+    """An official-form request's inputs (each [1, ...]) as the native form's, for `parse_cosyvoice2_request`.
+
+    The batch dimension goes (InvalidInput naming the input when it is not 1); reference_wav without
+    reference_sample_rate is at 16 kHz; a request without a voice (the official "spk2info cache" request:
+    target_text alone) speaks in voice `default`, which `has_voice(voice_id)` says is stored (else
+    InvalidInput naming reference_wav: a client error, as a missing voice is in the native form).
+    reference_wav_len stays: the native form honours it too (`read_prompt_audio`)."""
+    values = {name: _unbatched(name, array) for name, array in arrays.items()}
+    if REFERENCE_WAV in values and "reference_sample_rate" not in values:
+        values["reference_sample_rate"] = np.array([OFFICIAL_SAMPLE_RATE], np.int32)
+    if not any(name in values for name in VOICE_INPUTS) and TEXT_APPEND not in values:  # a text piece has none
+        if not has_voice(DEFAULT_VOICE_ID):
+            raise InvalidInput(REFERENCE_WAV, f"a voice is required: reference_wav (+ reference_wav_len, "
+                                              f"reference_text) or reference_audio_id; without one the voice "
+                                              f"{DEFAULT_VOICE_ID!r} is used, and none is registered under that id "
+                                              f"(`cosyvoice-triton up` registers it at start)")
+        values["reference_audio_id"] = string_array(DEFAULT_VOICE_ID)
+    return values
+
+
+def _unbatched(name: str, array: np.ndarray) -> np.ndarray:
+    """One request's tensor without its batch dimension: [1, ...] -> [...]."""
+    if array.ndim == 0 or array.shape[0] != 1:
+        raise InvalidInput(name, f"expected a batch of one request ([1, ...]), got shape {list(array.shape)}")
+    return array[0]
+
+
+def official_model_for(model: str, shapes: Mapping[str, Sequence[int]], streaming: bool) -> str:
+    """The model to call for a request that names `model` with inputs of these shapes (name -> shape).
+
+    The official clients can only name cosyvoice2, and Triton checks ranks against the config before a model
+    runs, so a gateway in front of Triton (gateway/triton_facade.py, routes_kserve.py) sends their requests
+    on: cosyvoice2 or cosyvoice2_offline in the official form (any input of rank 2: a native request has only
+    rank-1 tensors, reference_wav_len [1] included) to cosyvoice2_official when streamed to cosyvoice2, else
+    to cosyvoice2_official_offline. Any other request keeps its model."""
+    official = any(len(shape) >= 2 for shape in shapes.values())
+    if not official or model not in (COSYVOICE2, COSYVOICE2_OFFLINE):
+        return model
+    return COSYVOICE2_OFFICIAL if streaming and model == COSYVOICE2 else COSYVOICE2_OFFICIAL_OFFLINE
+
+
 # ---- voice conversion (cosyvoice2 mode "vc") -----------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -657,7 +745,7 @@ def conversion_inputs(*, source_samples: np.ndarray | None = None, source_rate: 
 
 def waveform_outputs(audio: np.ndarray, batched: bool = False) -> dict[str, np.ndarray]:
     """An answer with audio: a cosyvoice2 chunk or the twin's whole waveform (N,), or, `batched` (1, N), a
-    token2wav chunk."""
+    token2wav chunk or a cosyvoice2_official* answer."""
     waveform = np.ascontiguousarray(audio, dtype=np.float32)
     return {WAVEFORM: waveform.reshape(1, -1) if batched else waveform.reshape(-1)}
 

@@ -26,6 +26,7 @@ GraphEngine = Literal["onnxruntime", "openvino", "tensorrt"]  # for models that 
 LLMPrecision = Literal["fp32", "bf16", "int8"]  # models.llm_precision.LLM_PRECISIONS
 ChunkKind = Literal["fixed", "adaptive"]  # messages.CHUNK_POLICIES: the server's chunk policy
 ChunkPresetName = Literal["official", "quick"]  # pipeline/chunk_policy.CHUNK_PRESETS
+TensorForm = Literal["native", "official"]  # triton/contracts.TENSOR_FORMS: cosyvoice2's tensors, ours or the official's
 
 
 def parse_parameters(cls, model_config: dict | str, model: str = ""):
@@ -142,6 +143,8 @@ class CosyVoice2Params:
     max_seq_len: int = 4096  # the llm's positions per stream: longer prompts are refused (prompt_budget)
     # admission (cosyvoice_triton/admission.py): a request expected to wait longer to start is refused
     max_queue_wait_s: float = 2.0
+    # native: our tensors (max_batch_size 0); official: the official runtime's ([1, ...] each; contracts.py)
+    tensor_form: TensorForm = "native"
 
 
 @dataclass(frozen=True)

@@ -158,9 +158,10 @@ class _Waiting:
 
 
 def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model: str, received_at: float,
-                metrics=None, is_cancelled: Callable[[], bool] | None = None) -> str:
-    """Send every non-empty chunk as a `waveform` response, then the final flag (with the error, if one
-    ended the request). Returns the outcome: "ok", "error" or "cancelled"."""
+                metrics=None, is_cancelled: Callable[[], bool] | None = None, batched: bool = False) -> str:
+    """Send every non-empty chunk as a `waveform` response ([1, n] when `batched`: a model with
+    max_batch_size > 0), then the final flag (with the error, if one ended the request). Returns the outcome:
+    "ok", "error" or "cancelled"."""
     final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     cancelled = is_cancelled or sender.is_cancelled
     error: BaseException | None = None
@@ -175,7 +176,7 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
                     raise Cancelled("the client cancelled the request")
                 if chunk.size == 0:
                     continue
-                sender.send(pb.InferenceResponse(output_tensors=output_tensors(pb, waveform_outputs(chunk))))
+                sender.send(pb.InferenceResponse(output_tensors=output_tensors(pb, waveform_outputs(chunk, batched))))
                 sent_at = time.monotonic()
                 lead = playback.add(sent_at, chunk.size / SAMPLE_RATE)
                 if metrics is not None:
@@ -198,9 +199,9 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
 
 
 def send_whole(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model: str, received_at: float,
-               metrics=None, is_cancelled: Callable[[], bool] | None = None) -> str:
-    """Collect every chunk, then send the whole `waveform` (or the error) in one final response.
-    Returns the outcome: "ok", "error" or "cancelled"."""
+               metrics=None, is_cancelled: Callable[[], bool] | None = None, batched: bool = False) -> str:
+    """Collect every chunk, then send the whole `waveform` ([1, n] when `batched`) or the error in one final
+    response. Returns the outcome: "ok", "error" or "cancelled"."""
     final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     cancelled = is_cancelled or sender.is_cancelled
     if metrics is not None:
@@ -217,7 +218,7 @@ def send_whole(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model:
                     metrics["first_chunk"].observe(time.monotonic() - received_at)
                 pieces.append(np.asarray(chunk, dtype=np.float32).reshape(-1))
         waveform = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
-        response = pb.InferenceResponse(output_tensors=output_tensors(pb, waveform_outputs(waveform)))
+        response = pb.InferenceResponse(output_tensors=output_tensors(pb, waveform_outputs(waveform, batched)))
     except BaseException as exc:  # noqa: BLE001 - every failure ends this request, never the instance
         outcome = "cancelled" if classify(exc).code_name == "CANCELLED" else "error"
         response = error_response(pb, exc, model)

@@ -54,7 +54,9 @@ MEL_BINS = 80
 TOKEN_MEL_RATIO = 2  # CosyVoice2: two 50 Hz mel frames per 25 Hz speech token
 MAX_NAME_CHARS = 200
 
-VOICE_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# Letters and digits of any script (the official saved speakers are named like "中文女"), _ . -: nothing that a
+# URL path, a Redis key or a log line would have to escape beyond UTF-8.
+VOICE_ID_PATTERN = re.compile(r"[\w.-]{1,64}")
 # Generated ids look like this; an explicit id of this form could later collide with a generated one.
 GENERATED_ID_PATTERN = re.compile(r"v_[0-9a-f]{16}")
 SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
@@ -180,7 +182,7 @@ def check_owner(owner: object, field: str = "owner") -> str | None:
 def check_voice_id(voice_id: object, field: str = "reference_audio_id") -> str:
     """`voice_id` if it is a well-formed id, else InvalidInput naming `field`."""
     if not isinstance(voice_id, str) or not VOICE_ID_PATTERN.fullmatch(voice_id):
-        raise InvalidInput(field, f"{short_repr(voice_id)} is not a voice id (1 to 64 of A-Z a-z 0-9 _ . -)")
+        raise InvalidInput(field, f"{short_repr(voice_id)} is not a voice id (1 to 64 letters, digits, _ . -)")
     return voice_id
 
 

@@ -1,4 +1,6 @@
-"""`cosyvoice2` (decoupled) and `cosyvoice2_offline` (its twin): text + voice -> 24 kHz audio.
+"""`cosyvoice2` (decoupled) and `cosyvoice2_offline` (its twin): text + voice -> 24 kHz audio. Rendered twice
+more as `cosyvoice2_official` and `cosyvoice2_official_offline`: parameter tensor_form "official" (the official
+runtime's tensors, each [1, ...]), turned into ours by `from_official_form` before the same parse.
 
 Tensors in -> `SynthesisInputs` -> `ServedPipeline` (voice from the store or prompt_encoder, then the
 shared Pipeline over BLS calls to llm and token2wav) -> `waveform` responses. execute() only parses:
@@ -16,12 +18,12 @@ import uuid
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.admission import AdmissionPolicy, refusal, request_cost, text_tokens_estimate
-from cosyvoice_triton.errors import InvalidInput, Unavailable
+from cosyvoice_triton.errors import InvalidInput, NotFound, Unavailable
 from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
 from cosyvoice_triton.voices.stores import open_voice_store
 from cosyvoice_triton.triton.bls import BlsLLM, BlsPromptEncoder, BlsToken2Wav
-from cosyvoice_triton.triton.contracts import (TEXT_MODE, ConversionInputs, SynthesisInputs, TextAppend,
-                                               parse_cosyvoice2_request)
+from cosyvoice_triton.triton.contracts import (OFFICIAL_FORM, TEXT_MODE, ConversionInputs, SynthesisInputs, TextAppend,
+                                               from_official_form, parse_cosyvoice2_request)
 from cosyvoice_triton.triton.vc_service import BlsAudioTokenizer, ConversionService
 from cosyvoice_triton.triton.metrics import REMOTE_TOKEN2WAV, SYNTHESIS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import CosyVoice2Params, parse_parameters
@@ -39,6 +41,7 @@ class TritonPythonModel:
         self.name = args["model_name"]
         self.params = params = parse_parameters(CosyVoice2Params, config, self.name)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.official = params.tensor_form == OFFICIAL_FORM  # every tensor [1, ...], waveform [1, n]
         self.instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", [])) or 1
         self.store = open_voice_store(params.voice_store)
         voices = Voices(self.store, BlsPromptEncoder(pb_utils, params.prompt_encoder_model,
@@ -91,7 +94,8 @@ class TritonPythonModel:
             self._follow_pool()
             send = send_chunks if self.decoupled else send_whole
             send(pb_utils, sender, lambda: self._service_of(inputs).run(inputs, self.decoupled, cancelled, stream_id),
-                 model=self.name, received_at=received, metrics=self.metrics, is_cancelled=cancelled)
+                 model=self.name, received_at=received, metrics=self.metrics, is_cancelled=cancelled,
+                 batched=self.official)
             self._follow_store()
             self._follow_backends()
 
@@ -114,7 +118,10 @@ class TritonPythonModel:
 
     def _parse(self, request):
         """The request as typed, checked values (contracts.py): a synthesis, a conversion or a text piece."""
-        inputs = parse_cosyvoice2_request(TensorReader(request_arrays(request)), self.service.default_sampling,
+        arrays = request_arrays(request)
+        if self.official:
+            arrays = from_official_form(arrays, self._has_voice)
+        inputs = parse_cosyvoice2_request(TensorReader(arrays), self.service.default_sampling,
                                           self.params.max_text_chars)
         bistream = isinstance(inputs, SynthesisInputs) and inputs.bistream
         if bistream and (not self.decoupled or self.instances > 1):  # the appends must reach the instance that reads them
@@ -122,6 +129,14 @@ class TritonPythonModel:
                                             f"{'decoupled' if self.decoupled else 'not decoupled'}, "
                                             f"{self.instances} instances)")
         return inputs
+
+    def _has_voice(self, voice_id: str) -> bool:
+        """Whether the store holds `voice_id` (the official form's request without a voice means `default`)."""
+        try:
+            self.store.info(voice_id)
+        except NotFound:
+            return False
+        return True
 
     def _follow_pool(self) -> None:
         pool = self.pool

@@ -1,0 +1,127 @@
+"""The official CosyVoice server APIs (runtime/python/fastapi and runtime/python/grpc) mapped onto ours: one
+mapping, shared by the HTTP routes (routes_official.py) and the gRPC service (official_grpc.py).
+
+  official request   required fields (HTTP names)         our synthesis
+  sft                tts_text, spk_id                     zero_shot in voice spk_id with its stored
+                                                          transcript; cross_lingual when it has none
+  zero_shot          tts_text, prompt_text, prompt_wav    zero_shot with the uploaded prompt
+  cross_lingual      tts_text, prompt_wav                 cross_lingual with the uploaded prompt
+  instruct           tts_text, spk_id, instruct_text      instruct2 in voice spk_id
+  instruct2 (HTTP)   tts_text, instruct_text, prompt_wav  instruct2 with the uploaded prompt
+
+Why sft and instruct map so: CosyVoice2 has no SFT speakers of its own; a speaker saved with the official
+`add_zero_shot_spk` (imported by `cosyvoice-triton voices import spk2info.pt` under its official id) is spoken
+by the official code as `inference_zero_shot(text, "", "", zero_shot_spk_id=id)`, which is our zero_shot in
+that voice. The official `inference_instruct` is CosyVoice1's only (CosyVoice2 refuses it); CosyVoice2's
+instruction-following synthesis is instruct2, which with a stored speaker (`zero_shot_spk_id`) uses that
+speaker's prompt, as our instruct2 in a registered voice does.
+
+The prompt recording arrives as a file over HTTP (prompt_wav: any format the gateway decodes, at its own
+rate) and as raw 16-bit PCM at 16 kHz over gRPC (prompt_audio), which `pcm16_wav` wraps in a WAV header, so
+both take the gateway's one decode-and-check path (`synthesis.decode_recording`). The answer is `PCM`: raw
+16-bit little-endian samples at 24 kHz, no header, chunk by chunk as made (the same encoder as /v1/tts's
+format pcm: samples scaled by 2^15 as the official servers do, but rounded and clipped to the 16-bit range
+where the official cast truncates and wraps around beyond +-1.0).
+
+Extension: `seed` (HTTP: a form field; gRPC: metadata), 0 .. 2^64-1: the same seed and inputs give the same
+audio, as on /v1/tts (default: random).
+"""
+from __future__ import annotations
+
+import io
+import wave
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from aiohttp import web
+
+from cosyvoice_triton.audio_out import audio_format
+from cosyvoice_triton.triton.contracts import PromptAudio, SynthesisInputs
+
+from .config import Limits
+from .errors import BadRequest, PayloadTooLarge
+from .fields import Fields
+from .protocol import check_known, form_number, seed_or_new
+from .synthesis import prepare, settle_voice
+
+PCM = audio_format("pcm")  # the answer of every official request
+PROMPT_PCM_RATE = 16000  # gRPC prompt_audio: raw 16-bit PCM at this rate
+# What each API calls the wire request's fields (fields.py `Fields`); only the prompt recording differs.
+HTTP_FIELDS = Fields(text="tts_text", voice_id="spk_id", audio="prompt_wav", prompt_text="prompt_text",
+                     instruct_text="instruct_text")
+GRPC_FIELDS = replace(HTTP_FIELDS, audio="prompt_audio")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One official request kind: the fields it requires (wire request names, `Fields` renames them) and
+    the mode it becomes (None: the voice decides, see the module docstring)."""
+
+    name: str
+    required: tuple[str, ...]
+    mode: str | None
+
+
+KINDS = {kind.name: kind for kind in (
+    Kind("sft", ("text", "voice_id"), None),
+    Kind("zero_shot", ("text", "prompt_text", "audio"), "zero_shot"),
+    Kind("cross_lingual", ("text", "audio"), "cross_lingual"),
+    Kind("instruct", ("text", "voice_id", "instruct_text"), "instruct2"),
+    Kind("instruct2", ("text", "instruct_text", "audio"), "instruct2"),
+)}
+
+
+@dataclass(frozen=True)
+class OfficialRequest:
+    kind: Kind
+    inputs: SynthesisInputs  # checked; the voice not yet resolved (sft: nor its mode)
+
+
+def official_request(kind: Kind, values: Mapping[str, object], fields: Fields, limits: Limits) -> OfficialRequest:
+    """An official request from its fields by the API's names (`fields`; the recording as a file's bytes;
+    the extension `seed` as a string); a missing or unknown field is a 400 naming it."""
+    names = {name: fields.name(name) for name in kind.required}
+    check_known(values, frozenset({*names.values(), "seed"}), f"inference_{kind.name}")
+    for name, field in names.items():
+        if not values.get(field):
+            raise BadRequest(field, f"is required by inference_{kind.name}")
+    given = {name: values[field] for name, field in names.items()}
+    audio = given.get("audio")
+    if audio is not None:
+        if not isinstance(audio, bytes):
+            raise BadRequest(fields.audio, "must be an audio file (a file part of a multipart/form-data body)")
+        if len(audio) > limits.max_upload_bytes:
+            raise PayloadTooLarge.upload(fields.audio, len(audio), limits.max_upload_bytes, fields.audio)
+        audio = PromptAudio(file_bytes=audio)
+    inputs = SynthesisInputs(text=given["text"], mode=kind.mode or "zero_shot",
+                             instruct_text=given.get("instruct_text", ""), voice_id=given.get("voice_id"),
+                             audio=audio, prompt_text=given.get("prompt_text"),
+                             seed=seed_or_new(form_number(values.get("seed"), int, "seed", "must be an integer")))
+    with fields.named():
+        inputs.check(limits.max_text_chars)
+    return OfficialRequest(kind, inputs)
+
+
+async def prepare_official(app: web.Application, official: OfficialRequest,
+                           fields: Fields) -> tuple[SynthesisInputs, int]:
+    """The synthesis with its voice settled (`synthesis.prepare`), and the voice's prompt speech tokens. sft
+    speaks zero_shot with the voice's stored transcript, or cross_lingual when it was registered without one."""
+    if official.kind.mode is not None:
+        return await prepare(app, official.inputs, fields)
+    inputs, prompt_tokens, transcript = await settle_voice(app, official.inputs, fields)
+    return replace(inputs, mode="zero_shot" if (transcript or "").strip() else "cross_lingual"), prompt_tokens
+
+
+def pcm16_wav(pcm: bytes, field: str, rate: int = PROMPT_PCM_RATE) -> bytes:
+    """Raw 16-bit little-endian mono PCM at `rate` as the bytes of a WAV file (empty stays empty)."""
+    if not pcm:
+        return b""
+    if len(pcm) % 2:
+        raise BadRequest(field, f"must be 16-bit PCM (an even number of bytes), got {len(pcm)} bytes")
+    out = io.BytesIO()
+    with wave.open(out, "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(rate)
+        wav.writeframes(pcm)
+    return out.getvalue()

@@ -1,0 +1,176 @@
+"""The official CosyVoice gRPC service (runtime/python/grpc), `cosyvoice.CosyVoice/Inference`, served by the
+gateway process on a port of its own (`GatewayConfig.official_grpc_port`, `--official-grpc-port PORT`; 0: a
+free one, printed at start), so the official gRPC client works unchanged.
+
+The interface is gateway/cosyvoice.proto; its modules cosyvoice_pb2.py and cosyvoice_pb2_grpc.py are generated
+and checked in. Regenerate them from the repository root with grpcio-tools (the `test` extra):
+
+    mkdir -p build/protos && python -m grpc_tools.protoc -Icosyvoice_triton/gateway=gateway \\
+        --python_out=build/protos --grpc_python_out=build/protos gateway/cosyvoice.proto \\
+        && cp build/protos/cosyvoice_triton/gateway/cosyvoice_pb2*.py gateway/
+
+A Request's payload is one of sft_request, zero_shot_request, cross_lingual_request and instruct_request; each
+becomes our synthesis as official_api.py says (the same mapping as the HTTP routes; prompt_audio: raw 16-bit PCM
+at 16 kHz). The answer is a stream of Response messages, each `tts_audio` the next chunk of raw 16-bit
+little-endian PCM at 24 kHz as it is made. Metadata: `authorization: Bearer KEY` (or `x-api-key`) when keys
+are on; `seed` (our extension, as on /v1/tts): the same seed and inputs give the same audio.
+
+One call goes through the application's own middlewares (access log, metrics, errors, keys and request rates,
+draining; gateway/app.py), which read it through `GrpcCall` as they read an HTTP request: route
+/cosyvoice.CosyVoice/Inference, method GRPC, its metadata as headers. What they answer becomes the gRPC status:
+  400 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 404 NOT_FOUND, 408/504 DEADLINE_EXCEEDED,
+  413 and 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, others INTERNAL
+with the message as the status details and trailing metadata `error-code` (our error code), `error-param` (the
+field, by the proto's name) and `retry-after` (seconds; 429, and 503 from admission or draining). An error after
+audio was sent ends the stream with its status. A client that cancels the call cancels the synthesis.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import time
+import uuid
+from contextlib import aclosing
+from types import MappingProxyType, SimpleNamespace
+
+import grpc
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from cosyvoice_triton.audio_out import AudioEncoder
+
+from . import access_log, cosyvoice_pb2, cosyvoice_pb2_grpc
+from .auth import limit_key
+from .drain import CUT_AFTER_DRAIN_S
+from .errors import BadRequest
+from .official_api import GRPC_FIELDS, KINDS, PCM, Kind, official_request, pcm16_wav, prepare_official
+from .state import CONFIG, LIMITER, METRICS
+from .synthesis import routing_cost, stream_audio
+
+INFERENCE = "/cosyvoice.CosyVoice/Inference"  # the method's path: the route of its metrics and access log
+ROUTE = "official_grpc"  # the route label of its audio metrics
+PAYLOADS = {"sft_request": "sft", "zero_shot_request": "zero_shot", "cross_lingual_request": "cross_lingual",
+            "instruct_request": "instruct"}  # Request's oneof RequestPayload -> official_api.KINDS
+MESSAGE_OVERHEAD_BYTES = 64 * 1024  # the texts next to the prompt audio in one Request
+STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+          403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+          408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
+          504: grpc.StatusCode.DEADLINE_EXCEEDED}
+OFFICIAL_GRPC_PORT = web.AppKey("official_grpc_port", int)  # the port it listens on, once started
+
+
+class GrpcCall(dict):
+    """One gRPC call as the app's middlewares read a request: `request[KEY]` values, its metadata as headers,
+    the method's path as path and route."""
+
+    method = "GRPC"
+    path = INFERENCE
+    query = MappingProxyType({})  # no query string: keys come in metadata only
+    transport = None
+    match_info = SimpleNamespace(route=SimpleNamespace(resource=SimpleNamespace(canonical=INFERENCE)))
+
+    def __init__(self, app: web.Application, metadata, client_max_size: int):
+        super().__init__()
+        self.app = app
+        self.headers = CIMultiDictProxy(CIMultiDict((key, value) for key, value in metadata or ()
+                                                    if isinstance(value, str)))  # -bin values are no headers
+        self.client_max_size = client_max_size
+
+
+class OfficialService(cosyvoice_pb2_grpc.CosyVoiceServicer):
+    def __init__(self, app: web.Application, max_message_bytes: int):
+        self.app = app
+        self.max_message_bytes = max_message_bytes
+
+    async def Inference(self, request: cosyvoice_pb2.Request, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        call = GrpcCall(self.app, context.invocation_metadata(), self.max_message_bytes)
+        handler = functools.partial(self._infer, request=request, context=context)
+        for middleware in reversed(self.app.middlewares):  # as aiohttp chains them: the first is outermost
+            handler = functools.partial(middleware, handler=handler)
+        response = await handler(call)
+        if response.status >= 400:
+            await context.abort(*grpc_error(response))
+
+    async def _infer(self, call: GrpcCall, request: cosyvoice_pb2.Request,
+                     context: grpc.aio.ServicerContext) -> web.Response:
+        app = self.app
+        kind, values = payload_fields(request)
+        if "seed" in call.headers:
+            values["seed"] = call.headers["seed"]
+        official = official_request(kind, values, GRPC_FIELDS, app[CONFIG].limits)
+        inputs, prompt_tokens = await prepare_official(app, official, GRPC_FIELDS)
+        with app[LIMITER].slot(limit_key(call)):
+            await send_pcm(call, context, stream_audio(app, inputs, routing_cost(app, inputs, prompt_tokens),
+                                                       GRPC_FIELDS, uuid.uuid4().hex))
+        return web.Response()  # 200 for the metrics and the access log
+
+
+def payload_fields(request: cosyvoice_pb2.Request) -> tuple[Kind, dict[str, object]]:
+    """(official_api.Kind, its fields by the proto's names), prompt_audio as a WAV file's bytes."""
+    payload = request.WhichOneof("RequestPayload")
+    if payload is None:
+        raise BadRequest("RequestPayload", f"set one of {', '.join(PAYLOADS)}")
+    message = getattr(request, payload)
+    values = {field.name: getattr(message, field.name) for field in message.DESCRIPTOR.fields}
+    if "prompt_audio" in values:
+        values["prompt_audio"] = pcm16_wav(values["prompt_audio"], "prompt_audio")
+    return KINDS[PAYLOADS[payload]], values
+
+
+async def send_pcm(call: GrpcCall, context: grpc.aio.ServicerContext, chunks) -> None:
+    """Each float32 chunk of `chunks` (synthesis.stream_audio) as a Response of 16-bit PCM, with /v1/tts's audio
+    metrics and access-log figures; a cancelled call closes `chunks`, and with them the Triton stream."""
+    app = call.app
+    metrics, rate = app[METRICS], app[CONFIG].sample_rate
+    accepted, samples, first = time.monotonic(), 0, True
+    encoder = AudioEncoder(PCM, rate)
+    metrics.active_streams.labels(ROUTE).inc()
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                if first:
+                    first, waited = False, time.monotonic() - accepted
+                    metrics.first_chunk.labels(ROUTE).observe(waited)
+                    access_log.first_chunk(call, waited)
+                samples += chunk.size
+                await write_pcm(context, encoder.feed(chunk))
+        await write_pcm(context, encoder.finish())
+    finally:
+        encoder.close()
+        metrics.active_streams.labels(ROUTE).dec()
+        metrics.audio_seconds.labels(ROUTE).inc(samples / rate)
+        access_log.audio_sent(call, samples / rate)
+
+
+async def write_pcm(context: grpc.aio.ServicerContext, data: bytes) -> None:
+    if data:
+        await context.write(cosyvoice_pb2.Response(tts_audio=data))
+
+
+def grpc_error(response: web.Response) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """(status, details, trailing metadata) of an error the middlewares answered (errors.py's JSON body)."""
+    error = json.loads(response.body)["error"]
+    metadata = [("error-code", error["code"])]
+    if error.get("param"):
+        metadata.append(("error-param", error["param"]))
+    if "Retry-After" in response.headers:
+        metadata.append(("retry-after", response.headers["Retry-After"]))
+    return STATUS.get(response.status, grpc.StatusCode.INTERNAL), error["message"], tuple(metadata)
+
+
+async def serve_official_grpc(app: web.Application):
+    """cleanup_ctx: the service on `config.official_grpc_port` (0: a free one), on the gateway's host, from
+    startup to cleanup; calls still running at cleanup get CUT_AFTER_DRAIN_S (the drain waited for them)."""
+    config = app[CONFIG]
+    max_message_bytes = config.limits.max_upload_bytes + MESSAGE_OVERHEAD_BYTES
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes)])
+    cosyvoice_pb2_grpc.add_CosyVoiceServicer_to_server(OfficialService(app, max_message_bytes), server)
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    app[OFFICIAL_GRPC_PORT] = port = server.add_insecure_port(f"{host}:{config.official_grpc_port}")
+    await server.start()
+    print(f"  official gRPC {host}:{port} (cosyvoice.CosyVoice/Inference)", flush=True)
+    try:
+        yield
+    finally:
+        await server.stop(CUT_AFTER_DRAIN_S)

@@ -1,0 +1,181 @@
+"""POST /v2/models/{name}/infer: KServe v2 JSON inference, what Triton's HTTP port takes, for `cosyvoice2` and
+`cosyvoice2_offline`, so that the official CosyVoice Triton client client_http.py works against the gateway
+unchanged (`--server-url HOST:<gateway port> --model-name cosyvoice2`).
+
+Body (JSON; query parameters such as `request_id` are ignored):
+  inputs      [{name, shape, datatype, data}]: datatype FP32, INT32, INT64, UINT64, BOOL or BYTES (strings); data
+              flat or nested, shape's product of values. An INT64 `seed` is sent as UINT64 (the model's type: a
+              JSON number has no width)
+  outputs     optional [{name}]: the outputs to answer with (default: all, i.e. `waveform`)
+  id          optional: echoed; parameters are ignored (the answer is always JSON)
+A request in the official form (tensors [1, ...]: reference_wav [1, N] at 16 kHz, reference_wav_len [1, 1],
+reference_text and target_text [1, 1]) goes to `cosyvoice2_official_offline` (contracts.py `official_model_for`:
+Triton checks ranks, so our cosyvoice2 cannot take it); any other keeps its model (a plain infer of the decoupled
+cosyvoice2 is refused by Triton, as it would be there). It is a non-streamed synthesis like /v1/tts's: keys,
+stream limit, admission, routing and retries, access log and metrics as there (synthesis.call_model).
+
+Answer: {"model_name", "id", "outputs": [{"name": "waveform", "datatype": "FP32", "shape": [1, n], "data": [...]}]}
+with `data` flat. Errors: {"error": "..."} as Triton's HTTP port answers, the text being our error JSON
+(errors.py `to_wire`: code, field = the input at fault, message, retry_after_s), with the gateway's statuses:
+400 bad input (naming it), 404 another model name or an unknown voice, 429, 503 + Retry-After (admission),
+504. Errors of the key check and request rate come as on every route (errors.py's body).
+"""
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from aiohttp import web
+
+from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFLINE, REFERENCE_WAV, REFERENCE_WAV_LEN,
+                                               WAVEFORM, official_model_for)
+from cosyvoice_triton.triton.wire import DATATYPES
+
+from . import access_log
+from .auth import limit_key
+from .errors import BadRequest, GatewayError, bounded
+from .fields import Fields
+from .protocol import json_body
+from .request_keys import ERROR_CODE
+from .state import CONFIG, LIMITER, METRICS
+from .synthesis import call_model, gateway_error, refused_by_server
+from .triton_channel import TritonCallError
+from .triton_facade import synthesis_cost
+
+ROUTE = "kserve"  # the route label of its audio metrics
+MODELS = (COSYVOICE2, COSYVOICE2_OFFLINE)  # the names this route answers for
+DTYPES = {"FP32": np.float32, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64, "BOOL": np.bool_,
+          "BYTES": object}
+
+
+class ModelNotFound(GatewayError):
+    status, code, kind = 404, "not_found", "invalid_request_error"
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}", field)
+
+
+@dataclass(frozen=True)
+class KServeRequest:
+    inputs: dict[str, np.ndarray]  # name -> array in its shape (BYTES: an object array of bytes)
+    outputs: tuple[str, ...] | None  # the outputs asked for; None: all
+    id: str
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: array.shape for name, array in self.inputs.items()}
+
+    def prompt_samples(self) -> int:
+        """The prompt recording's samples, for its cost: reference_wav_len, at most reference_wav's length (0: none).
+        Values of the wrong type count as absent (the model refuses them)."""
+        wav, length = self.inputs.get(REFERENCE_WAV), self.inputs.get(REFERENCE_WAV_LEN)
+        sent = wav.shape[-1] if wav is not None and wav.ndim else 0
+        if length is not None and length.size and length.dtype.kind in "iu":
+            return min(sent, int(length.reshape(-1)[0]))
+        return sent
+
+    def text(self) -> str:
+        text = self.inputs.get("target_text")
+        first = text.reshape(-1)[0] if text is not None and text.size else None
+        return first.decode("utf-8", "replace") if isinstance(first, bytes) else ""
+
+
+def parse_kserve(body: Mapping) -> KServeRequest:
+    items = body.get("inputs")
+    if not isinstance(items, list) or not items:
+        raise BadRequest("inputs", "is required: a list of {name, shape, datatype, data}")
+    inputs: dict[str, np.ndarray] = {}
+    for index, item in enumerate(items):
+        name, array = parse_input(item, index)
+        if name in inputs:
+            raise BadRequest(name, "is given twice")
+        inputs[name] = array
+    outputs = body.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
+                                                    for o in outputs):
+            raise BadRequest("outputs", "must be a list of {name}")
+        outputs = tuple(o["name"] for o in outputs)
+    request_id = body.get("id", "")
+    if not isinstance(request_id, str):
+        raise BadRequest("id", "must be a string")
+    return KServeRequest(inputs, outputs, request_id)
+
+
+def parse_input(item: object, index: int) -> tuple[str, np.ndarray]:
+    """One input tensor; errors name it (`inputs[i]` until its name is known)."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        raise BadRequest(f"inputs[{index}]", "must be an object with name, shape, datatype and data")
+    name, datatype, shape, data = item["name"], item.get("datatype"), item.get("shape"), item.get("data")
+    if datatype not in DTYPES:
+        raise BadRequest(name, f"datatype must be one of {', '.join(DTYPES)}, got {bounded(repr(datatype), 40)}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise BadRequest(name, "shape must be a list of sizes")
+    if not isinstance(data, list):
+        raise BadRequest(name, "data must be a list of values (flat or nested)")
+    try:
+        flat = np.asarray(data, dtype=DTYPES[datatype]).reshape(-1)
+    except (TypeError, ValueError, OverflowError):
+        raise BadRequest(name, f"data must be {datatype} values") from None
+    if flat.size != math.prod(shape):
+        raise BadRequest(name, f"shape {shape} holds {math.prod(shape)} values, data has {flat.size}")
+    if datatype == "BYTES":
+        if not all(isinstance(v, str) for v in flat):
+            raise BadRequest(name, "data must be strings")
+        flat = np.array([v.encode("utf-8") for v in flat], dtype=object)
+    if name == "seed" and datatype == "INT64":
+        if (flat < 0).any():
+            raise BadRequest(name, "must not be negative")
+        flat = flat.astype(np.uint64)
+    return name, flat.reshape(shape)
+
+
+async def infer(request: web.Request) -> web.Response:
+    app, name = request.app, request.match_info["name"]
+    try:
+        if name not in MODELS:
+            raise ModelNotFound("model_name", f"this gateway answers KServe inference for {', '.join(MODELS)} only, "
+                                              f"not {bounded(repr(name), 60)}")
+        kserve = parse_kserve(await json_body(request))
+        model = official_model_for(name, kserve.shapes, streaming=False)
+        cost = synthesis_cost(app, kserve.text(), kserve.prompt_samples())
+        with app[LIMITER].slot(limit_key(request)):
+            outputs = await call_model(app, model, kserve.inputs, cost, app[CONFIG].routing.offline_timeout_s,
+                                       kserve.id or uuid.uuid4().hex, admit=True)
+    except TritonCallError as exc:
+        refused_by_server(app, exc)
+        # The status as the other routes answer it; the text as Triton sent it (naming the input at fault).
+        return kserve_error(request, gateway_error(exc, Fields()), exc.error.to_wire())
+    except GatewayError as exc:
+        return kserve_error(request, exc)
+    asked = kserve.outputs if kserve.outputs is not None else tuple(outputs)
+    unknown = [o for o in asked if o not in outputs]
+    if unknown:
+        return kserve_error(request, BadRequest("outputs", f"{model} has no output {bounded(repr(unknown[0]), 60)}"))
+    seconds = outputs[WAVEFORM].size / app[CONFIG].sample_rate if WAVEFORM in outputs else 0.0
+    app[METRICS].audio_seconds.labels(ROUTE).inc(seconds)
+    access_log.audio_sent(request, seconds)
+    return web.json_response({"model_name": name, "id": kserve.id,
+                              "outputs": [output_json(o, outputs[o]) for o in asked]})
+
+
+def output_json(name: str, array: np.ndarray) -> dict:
+    if array.dtype == object:
+        return {"name": name, "datatype": "BYTES", "shape": list(array.shape),
+                "data": [v.decode("utf-8", "replace") for v in array.reshape(-1)]}
+    return {"name": name, "datatype": DATATYPES[array.dtype], "shape": list(array.shape),
+            "data": array.reshape(-1).tolist()}
+
+
+def kserve_error(request: web.Request, error: GatewayError, wire: str | None = None) -> web.Response:
+    """{"error": wire (default: the error's own JSON)} with the error's status and headers (Retry-After);
+    counted by the metrics middleware."""
+    request[ERROR_CODE] = error.code
+    return web.json_response({"error": wire or error.to_wire()}, status=error.status, headers=error.headers)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v2/models/{name}/infer", infer)

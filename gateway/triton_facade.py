@@ -1,0 +1,360 @@
+"""Triton's own gRPC protocol (`inference.GRPCInferenceService`) on a port of the gateway, so that the official
+CosyVoice Triton client (runtime/triton_trtllm client_grpc.py) works against us unchanged.
+
+That client can only name `cosyvoice2`, and sends it the official tensor form (every tensor [1, ...]: reference_wav
+[1, N], reference_wav_len [1, 1], ...). Triton checks ranks against a model's config before the model runs, so
+Triton's own `cosyvoice2` (rank-1 tensors) cannot take it; the same model in that form is `cosyvoice2_official`
+(decoupled) and `cosyvoice2_official_offline`. Here each request is sent on to the model
+`contracts.official_model_for` names: cosyvoice2 in the official form to cosyvoice2_official when streamed
+(ModelStreamInfer) and to cosyvoice2_official_offline for a plain ModelInfer; every other request (the native
+form, other models) keeps its model. The message is passed on as it came but for `model_name` (the tensors' bytes
+are the same in both forms), and so are Triton's answers, the `triton_final_response` flag and errors included
+(model_name says the model the client named).
+
+Routing is the gateway's: each request goes to the server the router picks (least outstanding work among the
+healthy ones; admission first for the cosyvoice2 models, whose refusal is answered as the server's own: UNAVAILABLE,
+a streamed error response, our error JSON with `retry_after_s`), counted in its bookkeeping while it runs, and
+tried once more elsewhere when a server cannot be reached before the client got anything. Each streamed request is
+its own ModelStreamInfer call upstream (text_append requests follow the server of their text_stream_id); a
+client that goes away cancels them, and Triton tells the model. ServerLive, ServerReady, ModelReady,
+ServerMetadata, ModelMetadata, ModelConfig and ModelStatistics are asked of one healthy server (they describe our
+native cosyvoice2; ask for cosyvoice2_official to see the official form). The rest of Triton's service
+(repository control, shared memory, tracing) is not offered: UNIMPLEMENTED.
+
+API keys: when the gateway has keys, every call but ServerLive and ServerReady needs `authorization: Bearer KEY`
+(or `x-api-key`) metadata (UNAUTHENTICATED otherwise), and a key's cosyvoice2 requests count against its stream
+limit (RESOURCE_EXHAUSTED beyond). The official client sends no key: keep keys off, or this port internal.
+
+`GatewayConfig.official_triton_port` (`--official-triton-port PORT`; 0: a free one, printed at start) turns it on.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
+
+import grpc
+from aiohttp import web
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from cosyvoice_triton.errors import CosyVoiceError
+from cosyvoice_triton.server_pool import Server
+from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFLINE, OFFICIAL_MODELS, OFFICIAL_SAMPLE_RATE,
+                                               REFERENCE_WAV, REFERENCE_WAV_LEN, TEXT_APPEND, WAVEFORM,
+                                               official_model_for)
+from cosyvoice_triton.triton.grpc_stream import status_error
+from cosyvoice_triton.triton.wire import MAX_MESSAGE_BYTES, STREAM_END_WAIT_S, is_final
+from cosyvoice_triton.voices.prompt_budget import speech_tokens_of
+
+from .auth import ApiKeys, Tenant
+from .drain import CUT_AFTER_DRAIN_S
+from .errors import as_gateway_error
+from .state import CONFIG, COSTS, DRAIN, LIMITER, METRICS, ROUTER
+from .synthesis import pick_admitted, refused_by_server
+from .triton_channel import TritonCallError
+
+log = logging.getLogger(__name__)
+
+OFFICIAL_TRITON_PORT = web.AppKey("official_triton_port", int)  # the port it listens on, once started
+ROUTE = "triton_grpc"  # the route label of its audio metrics
+SYNTHESIS_MODELS = frozenset({COSYVOICE2, COSYVOICE2_OFFLINE, *OFFICIAL_MODELS})  # admitted, stream-limited
+MESSAGE_OVERHEAD_BYTES = 64 * 1024  # the texts and settings next to the prompt samples in one request
+STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+          404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}  # a gateway error's status
+Write = Callable[[service_pb2.ModelStreamInferResponse], Awaitable[None]]
+
+
+class UpstreamFailed(TritonCallError):
+    """A Triton call that ended with a gRPC status: read as the gateway reads one (kind, retry), and kept as it
+    came to be passed back."""
+
+    def __init__(self, status: grpc.aio.AioRpcError):
+        super().__init__(status_error(status))
+        self.status = status
+
+
+class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, app: web.Application):
+        self.app = app
+        config = app[CONFIG]
+        self.keys = ApiKeys(keys=config.api_keys, admin=config.admin_keys)
+
+    # ---- asked of one healthy server ------------------------------------------------------------------------
+    async def ServerLive(self, request, context):  # noqa: N802 - Triton's method names
+        return await self._ask("ServerLive", request, context, public=True)
+
+    async def ServerReady(self, request, context):  # noqa: N802
+        return await self._ask("ServerReady", request, context, public=True)
+
+    async def ModelReady(self, request, context):  # noqa: N802
+        return await self._ask("ModelReady", request, context)
+
+    async def ServerMetadata(self, request, context):  # noqa: N802
+        return await self._ask("ServerMetadata", request, context)
+
+    async def ModelMetadata(self, request, context):  # noqa: N802
+        return await self._ask("ModelMetadata", request, context)
+
+    async def ModelConfig(self, request, context):  # noqa: N802
+        return await self._ask("ModelConfig", request, context)
+
+    async def ModelStatistics(self, request, context):  # noqa: N802
+        return await self._ask("ModelStatistics", request, context)
+
+    async def _ask(self, method: str, request, context: grpc.aio.ServicerContext, public: bool = False):
+        try:
+            if not public:
+                self._tenant(context)
+            server = self.app[ROUTER].pick()
+            return await getattr(server.client.stub, method)(request, timeout=self.app[CONFIG].routing.health_timeout_s)
+        except grpc.aio.AioRpcError as error:
+            await context.abort(error.code(), error.details() or "")
+        except CosyVoiceError as exc:
+            await context.abort(*aborted(exc))
+
+    # ---- inference ------------------------------------------------------------------------------------------
+    async def ModelInfer(self, request: service_pb2.ModelInferRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> service_pb2.ModelInferResponse:
+        app = self.app
+        model = official_model_for(request.model_name, shapes(request), streaming=False)
+        forwarded = renamed(request, model)
+        deadline = context.time_remaining()
+        timeout_s = app[CONFIG].routing.offline_timeout_s if deadline is None else deadline
+
+        async def send(server: Server) -> service_pb2.ModelInferResponse:
+            try:
+                return await server.client.stub.ModelInfer(forwarded, timeout=timeout_s)
+            except grpc.aio.AioRpcError as error:
+                raise UpstreamFailed(error) from None
+
+        try:
+            tenant = self._tenant(context)
+            app[DRAIN].refuse_new()
+            with self._stream_slot(model, tenant, request):
+                response = await self._routed(model, request_cost(app, request), send)
+        except UpstreamFailed as exc:
+            await context.abort(exc.status.code(), exc.status.details() or "")
+        except CosyVoiceError as exc:
+            await context.abort(*aborted(exc))
+        app[METRICS].audio_seconds.labels(ROUTE).inc(waveform_samples(response) / app[CONFIG].sample_rate)
+        response.model_name = request.model_name
+        return response
+
+    async def ModelStreamInfer(self, requests, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        """Each request of the client's stream on its own upstream call, their responses written back as they come
+        (one writer at a time); the call ends when the client closed its side and every request ended."""
+        try:
+            tenant = self._tenant(context)
+        except CosyVoiceError as exc:
+            await context.abort(*aborted(exc))
+        lock = asyncio.Lock()
+        bistreams: dict[str, Server] = {}  # text_stream_id -> the server of its opening request
+
+        async def write(response: service_pb2.ModelStreamInferResponse) -> None:
+            async with lock:
+                await context.write(response)
+
+        tasks: set[asyncio.Task] = set()
+        try:
+            async for request in requests:
+                tasks = {task for task in tasks if not task.done()}
+                tasks.add(asyncio.create_task(self._stream_one(request, tenant, write, bistreams)))
+            await asyncio.gather(*tasks)
+        finally:  # the client went away (or this failed): cancel what runs, and with it each upstream call
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stream_one(self, request: service_pb2.ModelInferRequest, tenant: Tenant, write: Write,
+                          bistreams: dict[str, Server]) -> None:
+        """One streamed request, relayed; its failure is written as Triton writes one (an error response)."""
+        app = self.app
+        model = official_model_for(request.model_name, shapes(request), streaming=True)
+        forwarded = renamed(request, model)
+        stream_id = bytes_value(request, "text_stream_id")
+        appended = TEXT_APPEND in shapes(request)
+
+        async def relay(server: Server) -> None:
+            if stream_id is not None and not appended:
+                bistreams[stream_id] = server  # its text_append requests go there too
+            try:
+                await self._relay(server, forwarded, request.model_name, write)
+            finally:
+                if stream_id is not None and not appended and bistreams.get(stream_id) is server:
+                    del bistreams[stream_id]
+
+        try:
+            app[DRAIN].refuse_new()
+            with self._stream_slot(model, tenant, request):
+                await self._routed(model, request_cost(app, request), relay,
+                                   server=bistreams.get(stream_id) if appended else None)
+        except UpstreamFailed as exc:
+            await write(error_response(request, exc.status.details() or exc.error.to_wire()))
+        except CosyVoiceError as exc:
+            await write(error_response(request, exc.to_wire()))
+        except Exception:  # noqa: BLE001 - the client gets an error response, as for any other failure
+            log.exception("relaying request %r of model %s failed", request.id, request.model_name)
+            await write(error_response(request, CosyVoiceError("internal error").to_wire()))
+
+    async def _relay(self, server: Server, request: service_pb2.ModelInferRequest, asked: str, write: Write) -> None:
+        """`request` as its own ModelStreamInfer call on `server` (sent, then our side closed), each response
+        written as it comes (model_name: `asked`) until Triton ends the call; at most STREAM_END_WAIT_S after
+        the final response (as grpc_stream.py waits). Cancelled: the call is cancelled. UpstreamFailed when the
+        call fails before any response (another server may take it); after one, an error response."""
+        metrics, rate = self.app[METRICS], self.app[CONFIG].sample_rate
+
+        async def one_request():
+            yield request
+
+        call = server.client.stub.ModelStreamInfer(one_request())
+        relayed = final = False
+        samples = 0
+        metrics.active_streams.labels(ROUTE).inc()
+        try:
+            while True:
+                read = call.read()
+                response = await (asyncio.wait_for(read, STREAM_END_WAIT_S) if final else read)
+                if response is grpc.aio.EOF:
+                    return
+                if response.HasField("infer_response"):
+                    response.infer_response.model_name = asked
+                samples += waveform_samples(response.infer_response)
+                await write(response)
+                relayed = True
+                final = final or bool(response.error_message) or is_final(response.infer_response)
+        except asyncio.TimeoutError:
+            return  # the final response came and the call did not end: cancelled below
+        except grpc.aio.AioRpcError as error:
+            if not relayed:
+                raise UpstreamFailed(error) from None
+            await write(error_response(request, error.details() or status_error(error).to_wire()))
+        finally:
+            call.cancel()  # nothing once the call ended; else Triton cancels the request
+            metrics.active_streams.labels(ROUTE).dec()
+            metrics.audio_seconds.labels(ROUTE).inc(samples / rate)
+
+    # ---- routing, keys and limits -------------------------------------------------------------------------
+    async def _routed(self, model: str, cost: float, send: Callable[[Server], Awaitable], server: Server | None = None):
+        """`await send(server)` on `server`, else on the server the router picks (admission first for a
+        synthesis: Overloaded when none would start it in time), counted against it while it runs, as
+        synthesis.call_model counts the gateway's own calls; tried once more elsewhere while `send` raises a
+        retryable UpstreamFailed (it does only before the client got anything)."""
+        app = self.app
+        router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
+        tried: list[Server] = []
+        while True:
+            chosen = server or (pick_admitted(app, tried) if model in SYNTHESIS_MODELS else router.pick(exclude=tried))
+            tried.append(chosen)
+            metrics.routed.labels(chosen.name).inc()
+            with router.lease(chosen, cost):
+                try:
+                    return await send(chosen)
+                except UpstreamFailed as exc:
+                    metrics.errors.labels(f"triton_{exc.kind}").inc()
+                    if exc.kind == "unreachable":
+                        router.set_health(chosen, False, exc.message)
+                    others = [b for b in router.healthy() if b not in tried]
+                    if server is not None or not exc.retryable or len(tried) >= routing.max_attempts or not others:
+                        refused_by_server(app, exc)
+                        raise
+                    metrics.retries.inc()
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
+        """The caller's tenant from its metadata (Unauthorized when keys are on and none valid is given)."""
+        metadata = {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
+        auth = metadata.get("authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else metadata.get("x-api-key")
+        return self.keys.tenant(key if self.keys.enabled else None)
+
+    def _stream_slot(self, model: str, tenant: Tenant, request: service_pb2.ModelInferRequest):
+        """A synthesis (not a text piece for one) counts against its tenant's stream limit while it runs."""
+        if model in SYNTHESIS_MODELS and TEXT_APPEND not in shapes(request):
+            return self.app[LIMITER].slot(tenant.bucket)
+        return nullcontext()
+
+
+# ---- messages -------------------------------------------------------------------------------------------
+
+def shapes(request: service_pb2.ModelInferRequest) -> dict[str, list[int]]:
+    return {tensor.name: list(tensor.shape) for tensor in request.inputs}
+
+
+def renamed(request: service_pb2.ModelInferRequest, model: str) -> service_pb2.ModelInferRequest:
+    if model == request.model_name:
+        return request
+    forwarded = service_pb2.ModelInferRequest()
+    forwarded.CopyFrom(request)
+    forwarded.model_name = model
+    return forwarded
+
+
+def raw_inputs(request: service_pb2.ModelInferRequest) -> dict[str, tuple[list[int], bytes]]:
+    """Input name -> (shape, raw bytes) of the inputs sent in `raw_input_contents` (as tritonclient sends all)."""
+    return {tensor.name: (list(tensor.shape), raw) for tensor, raw in zip(request.inputs, request.raw_input_contents)}
+
+
+def bytes_value(request: service_pb2.ModelInferRequest, name: str) -> str | None:
+    """The first element of BYTES input `name` as text, or None when not sent raw."""
+    _, raw = raw_inputs(request).get(name, ([], b""))
+    if len(raw) < 4:
+        return None
+    return raw[4:4 + int.from_bytes(raw[:4], "little")].decode("utf-8", "replace")
+
+
+def request_cost(app: web.Application, request: service_pb2.ModelInferRequest) -> float:
+    """The request's cost for the router, from its target_text and its prompt's length (reference_wav_len, at most
+    reference_wav's, at the official 16 kHz); inputs not sent raw count as absent."""
+    inputs = raw_inputs(request)
+    shape = inputs.get(REFERENCE_WAV, ([], b""))[0]
+    sent = shape[-1] if shape else 0
+    length = inputs.get(REFERENCE_WAV_LEN, ([], b""))[1]
+    samples = min(sent, int.from_bytes(length[:4], "little", signed=True)) if len(length) >= 4 else sent
+    return synthesis_cost(app, bytes_value(request, "target_text") or "", samples)
+
+
+def synthesis_cost(app: web.Application, text: str, prompt_samples: int) -> float:
+    """A synthesis's routing cost from its text and its prompt recording's samples at 16 kHz (0: a stored voice)."""
+    return app[COSTS].estimate(text, speech_tokens_of(max(0, prompt_samples), OFFICIAL_SAMPLE_RATE),
+                               prompt_samples > 0)
+
+
+def waveform_samples(response: service_pb2.ModelInferResponse) -> int:
+    return sum(len(raw) // 4 for tensor, raw in zip(response.outputs, response.raw_output_contents)
+               if tensor.name == WAVEFORM)
+
+
+def error_response(request: service_pb2.ModelInferRequest, message: str) -> service_pb2.ModelStreamInferResponse:
+    """A failed streamed request's answer, as Triton gives one."""
+    return service_pb2.ModelStreamInferResponse(
+        error_message=message, infer_response=service_pb2.ModelInferResponse(model_name=request.model_name,
+                                                                             id=request.id))
+
+
+def aborted(exc: CosyVoiceError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """(status, details, trailing metadata) of an error the gateway answers itself: its status as the gateway's
+    HTTP routes say it, its JSON (errors.py `to_wire`, with `retry_after_s`) and a `retry-after` entry."""
+    status = STATUS.get(as_gateway_error(exc).status, grpc.StatusCode.INTERNAL)
+    retry = (("retry-after", str(exc.retry_after_s)),) if exc.retry_after_s is not None else ()
+    return status, exc.to_wire(), retry
+
+
+async def serve_official_triton(app: web.Application):
+    """cleanup_ctx: the facade on `config.official_triton_port` (0: a free one), on the gateway's host, from startup
+    to cleanup; calls still running at cleanup get CUT_AFTER_DRAIN_S (the drain waited for them)."""
+    config = app[CONFIG]
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", config.limits.max_upload_bytes + MESSAGE_OVERHEAD_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(TritonFacade(app), server)
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    app[OFFICIAL_TRITON_PORT] = port = server.add_insecure_port(f"{host}:{config.official_triton_port}")
+    await server.start()
+    print(f"  official Triton gRPC {host}:{port} (inference.GRPCInferenceService; cosyvoice2 in the official form)",
+          file=sys.stdout, flush=True)
+    try:
+        yield
+    finally:
+        await server.stop(CUT_AFTER_DRAIN_S)
