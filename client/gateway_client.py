@@ -57,9 +57,10 @@ def tts_body(text: str | None, *, voice_id: str | None = None, prompt_audio: Pro
              instruct: str | None = None, seed: int | None = None, text_frontend: bool | None = None,
              chunk_first_hop: int | None = None,
              chunk_hop_scale: float | None = None, chunk_max_hop: int | None = None,
-             chunk_policy: str | None = None, speed: float | None = None) -> dict:
+             chunk_policy: str | None = None, speed: float | None = None, text_type: str | None = None) -> dict:
     """The JSON of a /v1/tts request (or, without `format`/`stream`, of a WebSocket start message).
-    Options left None are not sent: the gateway's (or the server's) default applies."""
+    Options left None are not sent: the gateway's (or the server's) default applies. `text_type`: "text" or
+    "ssml" (docs/api/ssml.md; default: ssml when the text starts with <speak)."""
     body: dict = {} if text is None else {"text": text}
     if voice_id is not None and prompt_audio is not None:
         raise ValueError("give voice_id or prompt_audio, not both")
@@ -69,7 +70,8 @@ def tts_body(text: str | None, *, voice_id: str | None = None, prompt_audio: Pro
         body["prompt_audio"] = base64.b64encode(_prompt_file(prompt_audio, prompt_sample_rate)).decode("ascii")
     for name, value in (("prompt_text", prompt_text), ("mode", mode), ("instruct", instruct), ("seed", seed), ("text_frontend", text_frontend),
                         ("chunk_first_hop", chunk_first_hop), ("chunk_hop_scale", chunk_hop_scale),
-                        ("chunk_max_hop", chunk_max_hop), ("chunk_policy", chunk_policy), ("speed", speed)):
+                        ("chunk_max_hop", chunk_max_hop), ("chunk_policy", chunk_policy), ("speed", speed),
+                        ("text_type", text_type)):
         if value is not None:
             body[name] = value
     return body
@@ -186,7 +188,8 @@ class GatewayTTS:
     # ---- synthesis ---------------------------------------------------------------------------------------
     def synthesize(self, text: str, **options) -> np.ndarray:
         """The whole waveform (float32, 24 kHz). Options: voice_id | prompt_audio (+ prompt_sample_rate for
-        samples) + prompt_text, mode, instruct, seed, chunk_first_hop, chunk_hop_scale, chunk_max_hop."""
+        samples) + prompt_text, mode, instruct, seed, chunk_first_hop, chunk_hop_scale, chunk_max_hop, speed,
+        text_type ("ssml": `text` is an SSML document, docs/api/ssml.md)."""
         body = {**tts_body(text, **options), "format": "pcm_f32"}
         return np.frombuffer(self._request("POST", "/v1/tts", json.dumps(body).encode(), "application/json"),
                              "<f4").astype(np.float32)

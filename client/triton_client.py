@@ -304,7 +304,8 @@ class TritonTTS(_Settings):
                prompt_sample_rate: int | None = None, prompt_text: str | None = None, mode: str | None = None,
                instruct: str | None = None, seed: int | None = None, request_id: str | None = None,
                **overrides: float) -> AudioStream:
-        """Start synthesizing `text`; iterate the result for its chunks as they are made."""
+        """Start synthesizing `text`; iterate the result for its chunks as they are made. `overrides`: any option
+        input (`contracts.OPTION_TYPES`): speed, chunk_*, sampling, text_type ("ssml": docs/api/ssml.md)."""
         request = stream_request(self.model, text, request_id, voice_id=voice_id, prompt_audio=prompt_audio,
                                  prompt_sample_rate=prompt_sample_rate, prompt_text=prompt_text, mode=mode,
                                  instruct=instruct, seed=seed, **overrides)

@@ -16,6 +16,7 @@ import this without loading torch. Triton tensor names are mapped in `triton/con
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ MODES = ("zero_shot", "cross_lingual", "instruct2")
 VC_MODE = "vc"  # voice conversion: a source recording spoken again in a voice (no text, no LLM)
 SEED_LIMIT = 2**64  # seeds are integers in [0, SEED_LIMIT): UINT64 on the wire, torch.Generator's range
 MIN_HOP_TOKENS = 4  # the vocoder holds back 8 mel frames (4 tokens) of every non-final chunk
+TEXT_TYPES = ("text", "ssml")  # a request's text_type; None: "ssml" when the text starts with <speak (preprocess/ssml.py)
 TEXT_MODES = ("sentences", "bistream")  # sentences: one LLM stream per sentence; bistream: text fed as it arrives
 CHUNK_POLICIES = ("fixed", "adaptive")  # ChunkPolicy.kind; see pipeline/chunk_policy.py
 MIN_SPEED, MAX_SPEED = 0.25, 4.0  # speaking speed: the mel interpolated by 1 / speed (token2wav/speed.py)
@@ -62,6 +64,12 @@ def check_mode(mode: object, instruct_text: str) -> str:
     if mode == "instruct2" and not instruct_text.strip():
         raise InvalidInput("instruct_text", "is required in instruct2 mode")
     return mode
+
+
+def check_text_type(text_type: object, field_name: str = "text_type") -> None:
+    """None (decided by the text) or one of TEXT_TYPES; InvalidInput naming `field_name` otherwise."""
+    if text_type is not None and text_type not in TEXT_TYPES:
+        raise InvalidInput(field_name, f"must be one of {', '.join(TEXT_TYPES)}, got {text_type!r}")
 
 
 def voice_modes(prompt_text: str) -> tuple[str, ...]:
@@ -174,8 +182,11 @@ class SynthesisRequest:
     chunk_policy: ChunkPolicy = field(default_factory=ChunkPolicy)
     text_frontend: bool = True  # False: the text as given: no normalization, no sentence splitting (official text_frontend=False)
     speed: float = 1.0  # speaking speed in [MIN_SPEED, MAX_SPEED]: the mel interpolated by 1 / speed
+    text_type: str | None = None  # text | ssml (preprocess/ssml.py); None: ssml when the text starts with <speak
+    voice_of: Callable[[str], PromptFeatures] | None = None  # SSML <voice name>: a voice id -> its features
 
     def validate(self) -> SynthesisRequest:
+        check_text_type(self.text_type)
         check_mode(self.mode, self.instruct_text)
         if self.mode == "zero_shot" and not self.voice.text.strip():
             raise InvalidInput("reference_text", "is required in zero_shot mode (the transcript of the voice prompt)")

@@ -1,13 +1,16 @@
 """One access log line per request, on by default (`GatewayConfig.access_log`; `--no-access-log`):
 
-    access POST /v1/audio/speech 200 first_chunk_ms=412 audio_s=2.36 total_ms=1630
+    access POST /v1/audio/speech 200 first_chunk_ms=412 first_audible_ms=430 audio_s=2.36 total_ms=1630
 
 method, the route as registered (`/v1/voices/{voice_id}`, never the query string: no keys, no ids from the
 URL), the status ("cancelled" when the client left, "aborted" when a stream was cut after its headers),
-the milliseconds from accepting the request to its first audio byte and the seconds of audio sent ("-"
-for requests without audio), and the time the request took. Nothing from headers or bodies is logged.
+the milliseconds from accepting the request to its first audio byte and to the chunk holding its first
+audible sample (cosyvoice_triton/pipeline/audible.py; "-" when none was audible, or the route does not
+tell), the seconds of audio sent ("-" for requests without audio), and the time the request took.
+Nothing from headers or bodies is logged.
 
-The routes report audio with `first_chunk(request, seconds)` and `audio_sent(request, seconds)`; the
+The routes report audio with `first_chunk(request, seconds)`, `first_audible(request, seconds)` and
+`audio_sent(request, seconds)`; the
 middleware writes the line when the handler ends (after the last byte of a streamed answer). The lines go
 to the logger `cosyvoice_triton.gateway.access`, which gets its own stderr handler at INFO
 (`enable_access_log`), so they show whatever level the rest of the logs have.
@@ -31,6 +34,7 @@ log = logging.getLogger(ACCESS_LOGGER)
 class AccessRecord:
     started: float  # time.monotonic() when the request came in
     first_chunk_s: float | None = None  # accepted -> first audio byte out
+    first_audible_s: float | None = None  # accepted -> the chunk holding the first audible sample out
     audio_s: float = 0.0  # seconds of audio sent
 
 
@@ -44,6 +48,13 @@ def first_chunk(request: web.Request, seconds: float) -> None:
         record.first_chunk_s = seconds
 
 
+def first_audible(request: web.Request, seconds: float) -> None:
+    """The chunk holding the first audible sample of `request` went out `seconds` after it was accepted."""
+    record = request.get(ACCESS)
+    if record is not None and record.first_audible_s is None:
+        record.first_audible_s = seconds
+
+
 def audio_sent(request: web.Request, seconds: float) -> None:
     record = request.get(ACCESS)
     if record is not None:
@@ -51,10 +62,14 @@ def audio_sent(request: web.Request, seconds: float) -> None:
 
 
 def access_line(method: str, route: str, status: str, record: AccessRecord, now: float) -> str:
-    first = "-" if record.first_chunk_s is None else f"{record.first_chunk_s * 1000:.0f}"
+    first, audible = _ms(record.first_chunk_s), _ms(record.first_audible_s)
     audio = f"{record.audio_s:.2f}" if record.first_chunk_s is not None or record.audio_s else "-"
-    return (f"access {method} {route} {status} first_chunk_ms={first} audio_s={audio} "
+    return (f"access {method} {route} {status} first_chunk_ms={first} first_audible_ms={audible} audio_s={audio} "
             f"total_ms={(now - record.started) * 1000:.0f}")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
 @web.middleware

@@ -2,7 +2,8 @@
 
 Not streamed: the whole file, made by the offline model, with exact lengths in its header. Streamed: the first
 chunk is awaited before any header goes out (so errors up to then are ordinary JSON errors), then one loop
-encodes each chunk as Triton makes it and writes what the encoder gives, in one of two bodies: the audio
+encodes each chunk as Triton makes it (timing the stream's first audible audio: pipeline/audible.py) and
+writes what the encoder gives, in one of two bodies: the audio
 bytes themselves (`AudioBytes`; a failure after the headers cuts the connection, an incomplete chunked body,
 never a short success) or OpenAI's server-sent events (`AudioEvents`; a failure ends with an error event).
 """
@@ -21,6 +22,7 @@ import numpy as np
 from aiohttp import web
 
 from cosyvoice_triton.audio_out import AudioEncoder, AudioFormat, encode
+from cosyvoice_triton.pipeline.audible import AudibleDetector, first_audible
 
 from . import access_log
 from .errors import GatewayError
@@ -96,7 +98,8 @@ async def send_audio(request: web.Request, inputs: WireRequest, cost: float, fie
                      stream: bool, route: str, body: AudioBytes = AUDIO_BYTES) -> web.StreamResponse:
     """Synthesize (or convert) the prepared request and answer: the whole file, or `body` streamed."""
     app = request.app
-    metrics, rate = app[METRICS], app[CONFIG].sample_rate
+    metrics, config = app[METRICS], app[CONFIG]
+    rate = config.sample_rate
     request_id = uuid.uuid4().hex
     accepted = time.monotonic()
     headers = {**audio_headers(request_id, inputs.seed, fmt, rate), "Content-Type": body.content_type(fmt)}
@@ -105,6 +108,8 @@ async def send_audio(request: web.Request, inputs: WireRequest, cost: float, fie
         metrics.first_chunk.labels(route).observe(time.monotonic() - accepted)
         metrics.audio_seconds.labels(route).inc(audio.size / rate)
         access_log.first_chunk(request, time.monotonic() - accepted)
+        if await asyncio.to_thread(first_audible, audio, rate, config.audible_threshold_dbfs) is not None:
+            observe_first_audible(request, route, time.monotonic() - accepted)
         access_log.audio_sent(request, audio.size / rate)
         return web.Response(body=await asyncio.to_thread(encode, audio, fmt, rate), headers=headers)
     chunks = stream_audio(app, inputs, cost, fields, request_id)
@@ -116,23 +121,29 @@ async def send_audio(request: web.Request, inputs: WireRequest, cost: float, fie
         if body.chunked:
             response.enable_chunked_encoding()
         await response.prepare(request)
-        return await _write_stream(request, response, first, chunks, fmt, route, body, request_id)
+        return await _write_stream(request, response, first, chunks, fmt, route, body, request_id, accepted)
 
 
 async def _write_stream(request: web.Request, response: web.StreamResponse, first: np.ndarray | None,
                         chunks: AsyncIterator[np.ndarray], fmt: AudioFormat, route: str, body: AudioBytes,
-                        request_id: str) -> web.StreamResponse:
+                        request_id: str, accepted: float) -> web.StreamResponse:
     """The one encode loop: each chunk fed to the encoder, what it gives written as `body` says."""
-    metrics, rate = request.app[METRICS], request.app[CONFIG].sample_rate
+    metrics, config = request.app[METRICS], request.app[CONFIG]
+    rate = config.sample_rate
     samples = 0
     metrics.active_streams.labels(route).inc()
     encoder = AudioEncoder(fmt, rate)
+    audible = AudibleDetector(rate, config.audible_threshold_dbfs)
     try:
         chunk = first
         while chunk is not None:
+            if audible.feed(chunk, time.monotonic()):
+                observe_first_audible(request, route, audible.at - accepted)
             await body.write(response, encoder.feed(chunk))
             samples += chunk.size
             chunk = await anext(chunks, None)
+        if audible.finish():
+            observe_first_audible(request, route, audible.at - accepted)
         await body.write(response, encoder.finish())
         await body.finish(response)
     except GatewayError as exc:
@@ -148,6 +159,12 @@ async def _write_stream(request: web.Request, response: web.StreamResponse, firs
         access_log.audio_sent(request, samples / rate)
     await response.write_eof()
     return response
+
+
+def observe_first_audible(request: web.Request, route: str, seconds: float) -> None:
+    """The chunk holding the first audible sample went out `seconds` after the request was accepted."""
+    request.app[METRICS].first_audible.labels(route).observe(seconds)
+    access_log.first_audible(request, seconds)
 
 
 def abort(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cosyvoice_triton.pipeline.audible import DEFAULT_THRESHOLD_DBFS
 from cosyvoice_triton.targets import TritonTarget, check_spec, is_discovery
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class GatewayConfig:
     home: Path | None = None  # where the default voice's prompt wav is written; None: $COSYVOICE_HOME
     default_voice: bool = True  # register voice "default" at start when the store lacks it
     access_log: bool = True  # one line per request on stderr (gateway/access_log.py)
+    audible_threshold_dbfs: float = DEFAULT_THRESHOLD_DBFS  # first audible audio: a 10 ms window above it (pipeline/audible.py)
     ws_heartbeat_s: float = 30.0
     ws_pipeline_depth: int = 2  # WebSocket segments synthesized ahead of the one being sent
     shutdown_timeout_s: float = 10.0
@@ -153,6 +155,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str |
     g.add_argument("--no-default-voice", action="store_true", help="do not register voice 'default' at start")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="no per-request line (method, route, status, first-chunk ms, audio seconds) on stderr")
+    g.add_argument("--audible-threshold-dbfs", type=float, default=DEFAULT_THRESHOLD_DBFS, metavar="DB",
+                   help="first audible audio (metrics, access log, WebSocket end message): the first 10 ms window "
+                        "whose RMS is above DB dBFS (default %(default)g)")
 
 
 def voice_store_url(args: argparse.Namespace) -> str | None:
@@ -222,5 +227,6 @@ def config_from_args(args: argparse.Namespace, triton: tuple[TritonTarget, ...] 
                          admin_keys=admin_keys(args),
                          limits=limits, routing=routing, default_voice=not args.no_default_voice,
                          access_log=getattr(args, "access_log", True),
+                         audible_threshold_dbfs=args.audible_threshold_dbfs,
                          official_grpc_port=args.official_grpc_port,
                          official_triton_port=args.official_triton_port)

@@ -2,6 +2,9 @@
 
   cosyvoice_gateway_requests_total{route, status}       finished HTTP requests and WebSocket sessions
   cosyvoice_gateway_first_chunk_seconds{route}          histogram: request accepted -> first audio byte out
+  cosyvoice_gateway_first_audible_seconds{route}        histogram: request accepted -> the chunk holding the first
+                                                        audible sample out (pipeline/audible.py; --audible-threshold-
+                                                        dbfs); a stream silent throughout is not counted
   cosyvoice_gateway_active_streams{route}               synthesis streams being sent
   cosyvoice_gateway_audio_seconds_total{route}          audio sent
   cosyvoice_gateway_errors_total{kind}                  errors by kind (invalid_input, unavailable, ...)
@@ -87,6 +90,10 @@ class GatewayMetrics:
         self.first_chunk = Histogram("cosyvoice_gateway_first_chunk_seconds",
                                      "Seconds from accepting a synthesis request to its first audio byte",
                                      ["route"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.first_audible = Histogram("cosyvoice_gateway_first_audible_seconds",
+                                       "Seconds from accepting a synthesis request to sending the chunk that holds "
+                                       "its first audible sample (a 10 ms window above the audible threshold)",
+                                       ["route"], buckets=LATENCY_BUCKETS, registry=registry)
         self.active_streams = Gauge("cosyvoice_gateway_active_streams", "Synthesis streams being sent",
                                     ["route"], registry=registry)
         self.audio_seconds = Counter("cosyvoice_gateway_audio_seconds", "Seconds of audio sent", ["route"],

@@ -12,7 +12,9 @@ their errors name Triton inputs, and `Fields` turns them into the API's field na
 type meets the same checks (a string `seed` is refused by the seed check); what belongs to JSON and forms
 (base64, "true"/"false" strings, unknown keys, output formats) is checked here. A request without a seed gets
 one here, so a retry on another server gives the same audio. The voice is resolved, and a prompt recording
-decoded, afterwards and once (`synthesis.prepare`).
+decoded, afterwards and once (`synthesis.prepare`). SSML (`text_type` "ssml", or text / OpenAI `input` that
+starts with <speak; docs/api/ssml.md) is parsed by the same check, so bad SSML is a 400 naming the text field;
+`prepare` then checks each <voice name> as it checks voice_id.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from .fields import OPENAI_FIELDS, TTS_FIELDS, resolve_aliases
 TTS_FORMATS = (*FORMATS, *ALIASES)  # the formats of /v1/tts, /v1/vc and the WebSocket
 TTS_KEYS = frozenset({"text", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
                       "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "text_frontend", "speed",
-                      "format", "stream"})
+                      "text_type", "format", "stream"})
 START_KEYS = (TTS_KEYS - {"stream"}) | {"type", "text_mode"}
 VC_KEYS = frozenset({"audio", "voice_id", "prompt_audio", "seed", "speed", "format", "stream"})
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer",
@@ -194,7 +196,8 @@ def synthesis_fields(body: Mapping, text: object, limits: Limits) -> SynthesisIn
                            instruct_text=given(body.get("instruct"), ""), voice_id=body.get("voice_id"),
                            audio=prompt_audio, prompt_text=body.get("prompt_text"), seed=seed_or_new(body.get("seed")),
                            chunk_overrides=chunk_overrides(body), text_frontend=given(body.get("text_frontend"), True),
-                           speed=given(body.get("speed"), 1.0), text_mode=body.get("text_mode", "sentences"))
+                           speed=given(body.get("speed"), 1.0), text_mode=body.get("text_mode", "sentences"),
+                           text_type=body.get("text_type"))
 
 
 def given(value: object, default: object) -> object:

@@ -31,7 +31,7 @@ import numpy as np
 from aiohttp import web
 
 from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFLINE, REFERENCE_WAV, REFERENCE_WAV_LEN,
-                                               WAVEFORM, official_model_for)
+                                               TARGET_TEXT, WAVEFORM, official_model_for)
 from cosyvoice_triton.triton.wire import DATATYPES
 
 from . import access_log
@@ -78,7 +78,7 @@ class KServeRequest:
         return sent
 
     def text(self) -> str:
-        text = self.inputs.get("target_text")
+        text = self.inputs.get(TARGET_TEXT)
         first = text.reshape(-1)[0] if text is not None and text.size else None
         return first.decode("utf-8", "replace") if isinstance(first, bytes) else ""
 

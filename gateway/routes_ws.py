@@ -4,7 +4,12 @@ Client -> server (JSON text frames):
   {"type": "start", "voice_id" | "prompt_audio" (+ "prompt_text"), "mode", "instruct", "seed",
    "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "speed" (as in POST /v1/tts),
    "format": "pcm_f32" (default) | any format of POST /v1/tts, "text" (optional),
-   "text_mode": "sentences" (default) | "bistream"}   first, once
+   "text_mode": "sentences" (default) | "bistream",
+   "text_type": "text" (default) | "ssml"}     first, once
+                                                 ssml: each text message is one whole <speak> document
+                                                 (docs/api/ssml.md), sent as one segment as it comes (no
+                                                 sentence buffering; flush does nothing); bad SSML is an
+                                                 error 400 naming text, an unknown <voice name> a 404
                                                  bistream: the text goes to one synthesis as it is written
                                                  (gateway/ws_bistream.py): audio starts before a sentence
                                                  is complete; flush does nothing; one segment
@@ -21,7 +26,9 @@ Server -> client:
                  segments in text order, each chunk encoded as Triton makes it and sent as soon as the
                  encoder gives bytes; the file's last bytes come before the end message
   {"type": "segment", "index", "text", "audio_seconds", "first_chunk_ms"}       after each segment's audio
-  {"type": "end", "segments", "audio_seconds", "first_chunk_ms", "elapsed_ms"}  then close (1000)
+  {"type": "end", "segments", "audio_seconds", "first_chunk_ms", "first_audible_ms", "elapsed_ms"}  then close
+                 (1000); first_audible_ms: to the chunk holding the session's first audible sample
+                 (cosyvoice_triton/pipeline/audible.py), null when none was audible
   {"type": "error", "status", "code", "param", "message"}  then close (1008 for 4xx, 1011 otherwise); a
                  refusal under overload (status 503, code "overloaded") adds "retry_after" (seconds), as
                  HTTP's Retry-After; an error after audio was sent means the audio is incomplete
@@ -60,6 +67,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from cosyvoice_triton.audio_out import AudioEncoder, audio_format
 from cosyvoice_triton.messages import SEED_LIMIT
+from cosyvoice_triton.pipeline.audible import AudibleDetector
 from cosyvoice_triton.triton.contracts import ConversionInputs, SynthesisInputs
 
 from . import access_log
@@ -70,7 +78,7 @@ from .fields import TTS_FIELDS
 from .protocol import parse_start, parse_vc_message
 from .request_keys import CLIENT_LEFT
 from .state import CONFIG, DRAIN, LIMITER, METRICS, WEBSOCKETS
-from .synthesis import WireRequest, conversion_in_voice, prepare, routing_cost, stream_audio
+from .synthesis import WireRequest, check_ssml_voices, conversion_in_voice, prepare, routing_cost, stream_audio
 from .ws_bistream import BistreamText
 
 log = logging.getLogger(__name__)
@@ -161,6 +169,9 @@ class Session:
         self.received_chars = 0
         self.started = time.monotonic()
         self.first_chunk_ms: float | None = None
+        self.first_submitted = 0.0  # when the segment with the first chunk was submitted: both times' origin
+        self.audible = AudibleDetector(self.config.sample_rate, self.config.audible_threshold_dbfs)
+        self.first_audible_ms: float | None = None
         self.audio_seconds = 0.0
         self.ended = False
         self.bistream: BistreamText | None = None  # text_mode bistream: the text goes to one synthesis
@@ -203,6 +214,8 @@ class Session:
             metrics.audio_seconds.labels("ws").inc(self.audio_seconds)
             if self.first_chunk_ms is not None:
                 access_log.first_chunk(self.request, self.first_chunk_ms / 1000)
+            if self.first_audible_ms is not None:
+                access_log.first_audible(self.request, self.first_audible_ms / 1000)
             access_log.audio_sent(self.request, self.audio_seconds)
 
     async def _finish_accepted(self, sender: asyncio.Task, refusal: Draining) -> Exception:
@@ -269,6 +282,11 @@ class Session:
         if self.bistream is not None:
             self.bistream.put(text)
             return
+        if self.base.text_type == "ssml":  # one whole document: one segment, checked now
+            with TTS_FIELDS.named():
+                replace(self.base, text=text).check(self.config.limits.max_text_chars)
+            self._queue([text])
+            return
         self._queue(self.buffer.feed(text))
 
     def _queue(self, items: list[str | ConversionInputs]) -> None:
@@ -316,6 +334,8 @@ class Session:
 
     async def _synthesize(self, segment: Segment, inputs: WireRequest, cost: float) -> None:
         try:
+            if isinstance(inputs, SynthesisInputs):
+                await check_ssml_voices(self.app, inputs, TTS_FIELDS)  # SSML: each <voice name>, as voice_id
             chunks = stream_audio(self.app, inputs, cost, TTS_FIELDS, f"{self.request_id}-{segment.index}")
             async with aclosing(chunks):
                 async for chunk in chunks:
@@ -334,8 +354,9 @@ class Session:
                 if first_ms is None:
                     first_ms = (time.monotonic() - segment.submitted) * 1000
                     if self.first_chunk_ms is None:
-                        self.first_chunk_ms = first_ms
+                        self.first_chunk_ms, self.first_submitted = first_ms, segment.submitted
                         metrics.first_chunk.labels("ws").observe(first_ms / 1000)
+                self._time_audible(self.audible.feed(item, time.monotonic()))
                 await self._send_audio(self.encoder.feed(item))
                 samples += item.size
             seconds = samples / self.config.sample_rate
@@ -346,12 +367,19 @@ class Session:
                 self._release(1)
             await self.ws.send_json({"type": "segment", "index": segment.index, "text": segment.text,
                                      "audio_seconds": seconds, "first_chunk_ms": first_ms})
+        self._time_audible(self.audible.finish())
         await self._send_audio(self.encoder.finish())
         if self.refusal is not None:
             raise self.refusal
         await self.ws.send_json({"type": "end", "segments": len(self.segments), "audio_seconds": self.audio_seconds,
-                                 "first_chunk_ms": self.first_chunk_ms,
+                                 "first_chunk_ms": self.first_chunk_ms, "first_audible_ms": self.first_audible_ms,
                                  "elapsed_ms": (time.monotonic() - self.started) * 1000})
+
+    def _time_audible(self, found: bool) -> None:
+        """`found`: the session's first audible sample was just found; its chunk was sent at `audible.at`."""
+        if found:
+            self.first_audible_ms = (self.audible.at - self.first_submitted) * 1000
+            self.app[METRICS].first_audible.labels("ws").observe(self.first_audible_ms / 1000)
 
     async def _send_audio(self, data: bytes) -> None:
         if data:  # encoders hold a few ms of audio until they have a whole frame

@@ -53,6 +53,7 @@ async def prepare(app: web.Application, inputs: SynthesisInputs, fields: Fields,
     """A checked synthesis with its voice settled (`settle_voice`), and the voice's prompt speech tokens (its
     cost share). zero_shot needs a transcript: the request's, or the registered voice's."""
     inputs, prompt_tokens, stored_text = await settle_voice(app, inputs, fields, stock_voice)
+    await check_ssml_voices(app, inputs, fields)
     if inputs.mode == "zero_shot" and not (inputs.prompt_text or "").strip():
         if stored_text is None:
             raise BadRequest(fields.prompt_text, f"is required with {fields.audio} in zero_shot mode "
@@ -61,6 +62,20 @@ async def prepare(app: web.Application, inputs: SynthesisInputs, fields: Fields,
             raise BadRequest(fields.prompt_text, f"is required in zero_shot mode: voice {inputs.voice_id!r} was "
                                                  "registered without a transcript")
     return inputs, prompt_tokens
+
+
+async def check_ssml_voices(app: web.Application, inputs: SynthesisInputs, fields: Fields) -> None:
+    """Every <voice name> of an SSML text exists and the key may use it (`voice_info`: another key's voice is a
+    404, as for voice_id), and has the transcript zero_shot needs. Plain text: nothing to check."""
+    if not inputs.text or inputs.bistream:  # a WebSocket session's settings: its documents come later
+        return
+    with fields.named():
+        parts = inputs.ssml_parts()  # already checked by the parse: only bistream text is skipped there
+    for voice_id in sorted({p.voice_id for p in parts or () if getattr(p, "voice_id", None) is not None}):
+        info = await voice_info(app, voice_id, fields.text)
+        if inputs.mode == "zero_shot" and not info.text.strip():
+            raise BadRequest(fields.text, f"SSML <voice name={voice_id!r}>: the voice was registered without a "
+                                          "transcript, which zero_shot mode needs")
 
 
 async def prepare_conversion(app: web.Application, inputs: ConversionInputs,

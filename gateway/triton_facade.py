@@ -42,7 +42,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from cosyvoice_triton.errors import CosyVoiceError
 from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFLINE, OFFICIAL_MODELS, OFFICIAL_SAMPLE_RATE,
-                                               REFERENCE_WAV, REFERENCE_WAV_LEN, TEXT_APPEND, WAVEFORM,
+                                               REFERENCE_WAV, REFERENCE_WAV_LEN, TARGET_TEXT, TEXT_APPEND,
+                                               TEXT_STREAM_ID, WAVEFORM,
                                                official_model_for)
 from cosyvoice_triton.triton.grpc_stream import status_error
 from cosyvoice_triton.triton.wire import MAX_MESSAGE_BYTES, STREAM_END_WAIT_S, is_final
@@ -174,7 +175,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
         app = self.app
         model = official_model_for(request.model_name, shapes(request), streaming=True)
         forwarded = renamed(request, model)
-        stream_id = bytes_value(request, "text_stream_id")
+        stream_id = bytes_value(request, TEXT_STREAM_ID)
         appended = TEXT_APPEND in shapes(request)
 
         async def relay(server: Server) -> None:
@@ -312,7 +313,7 @@ def request_cost(app: web.Application, request: service_pb2.ModelInferRequest) -
     sent = shape[-1] if shape else 0
     length = inputs.get(REFERENCE_WAV_LEN, ([], b""))[1]
     samples = min(sent, int.from_bytes(length[:4], "little", signed=True)) if len(length) >= 4 else sent
-    return synthesis_cost(app, bytes_value(request, "target_text") or "", samples)
+    return synthesis_cost(app, bytes_value(request, TARGET_TEXT) or "", samples)
 
 
 def synthesis_cost(app: web.Application, text: str, prompt_samples: int) -> float:

@@ -16,7 +16,10 @@ official one with the official virtualenv's python, made with `python -m venv` +
 `--official-venv` is not given) and the rounds alternate official, ours, official, ours, ... for every
 concurrency level, each round recorded with the load average. c concurrent streams: c threads calling
 `CosyVoice2Model.tts(stream=True)` on the official side; c synthesizers, one thread each, on ours.
-Writes side_by_side.md (ratios ours / official) and side_by_side.json under --out.
+Writes side_by_side.md (ratios ours / official) and side_by_side.json under --out. Every side reports
+first audio (its first chunk) and first audible audio (the arrival of the chunk holding its first sample
+above -50 dBFS over 10 ms, cosyvoice_triton/pipeline/audible.py, computed from that side's own chunks;
+the official driver loads that module by path).
 
 Our side alone (no --official-src) times the in-process pipeline, and with `--triton HOST:PORT` also a
 running tritonserver of the same folder (started with `python -m cosyvoice_triton.perf.exact_length
@@ -47,6 +50,7 @@ import numpy as np
 
 from cosyvoice_triton.audio_out import SAMPLE_RATE
 from cosyvoice_triton.messages import SPEECH_TOKENS_PER_SECOND
+from cosyvoice_triton.pipeline import audible
 from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
 
 HERE = Path(__file__).resolve().parent
@@ -186,16 +190,20 @@ class TritonSide:
 
 
 def timed_stream(chunks, sample_rate: int) -> dict:
-    """First audio, total and audio seconds of one stream of chunks, timed from now."""
+    """First audio, first audible audio, total and audio seconds of one stream of chunks, timed from now."""
     start = time.perf_counter()
     first, samples, count = None, 0, 0
+    heard = audible.AudibleDetector(sample_rate)
     for chunk in chunks:
+        now = time.perf_counter() - start
         if chunk.size and first is None:
-            first = time.perf_counter() - start
+            first = now
+        heard.feed(chunk, now)
         samples += chunk.size
         count += 1
-    return {"first_s": first, "total_s": time.perf_counter() - start, "audio_s": samples / sample_rate,
-            "chunks": count}
+    heard.finish()
+    return {"first_s": first, "first_audible_s": heard.at, "total_s": time.perf_counter() - start,
+            "audio_s": samples / sample_rate, "chunks": count}
 
 
 def concurrent_round(streams: list) -> dict:
@@ -285,7 +293,8 @@ def ours_command(args, inputs: Path) -> list[str]:
 
 def official_command(python: Path, args, inputs: Path) -> list[str]:
     return [str(python), str(DRIVER), "--official-src", str(args.official_src), "--model-dir", args.model_dir,
-            "--inputs", str(inputs), "--speech-tokens", str(args.speech_tokens), "--threads", str(args.threads)]
+            "--inputs", str(inputs), "--speech-tokens", str(args.speech_tokens), "--threads", str(args.threads),
+            "--audible-module", audible.__file__]
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -296,11 +305,13 @@ def summary(rounds: list[dict]) -> dict:
     done = [s for r in rounds for s in r["streams"] if "error" not in s]
     failed = sum("error" in s for r in rounds for s in r["streams"])
     if not done:
-        return {key: float("nan") for key in ("first_audio_s", "first_audio_p90_s", "total_s", "audio_s_per_s",
-                                              "audio_s")} | {"rounds": len(rounds), "failed": failed}
+        return {key: float("nan") for key in ("first_audio_s", "first_audio_p90_s", "first_audible_s", "total_s",
+                                              "audio_s_per_s", "audio_s")} | {"rounds": len(rounds), "failed": failed}
     firsts = [s["first_s"] for s in done]
+    audibles = [s["first_audible_s"] for s in done if s.get("first_audible_s") is not None]  # none: all silent
     return {"first_audio_s": statistics.median(firsts),
             "first_audio_p90_s": float(np.percentile(firsts, 90)),
+            "first_audible_s": statistics.median(audibles) if audibles else float("nan"),
             "total_s": statistics.median(s["total_s"] for s in done),
             "audio_s_per_s": statistics.median(sum(s.get("audio_s", 0.0) for s in r["streams"]) / r["wall_s"]
                                                for r in rounds),
@@ -308,6 +319,7 @@ def summary(rounds: list[dict]) -> dict:
 
 
 ROWS = [("first audio (median)", "first_audio_s", "s"), ("first audio p90", "first_audio_p90_s", "s"),
+        ("first audible audio (median)", "first_audible_s", "s"),
         ("total per stream (median)", "total_s", "s"), ("audio seconds per second", "audio_s_per_s", "")]
 
 
@@ -326,13 +338,23 @@ def markdown(result: dict) -> str:
     for level in result["levels"]:
         official = level["official"]
         for label, key, unit in ROWS:
-            cells = [f"{level[name][key]:.2f}{unit} | {level[name][key] / official[key]:.2f}" for name in ["ours", *served]]
-            lines.append(f"| {level['concurrency']} | {label} | {official[key]:.2f}{unit} | " + " | ".join(cells) + " |")
+            cells = [f"{_cell(level[name].get(key), unit)} | {_cell(level[name].get(key, NAN) / official.get(key, NAN))}"
+                     for name in ["ours", *served]]
+            lines.append(f"| {level['concurrency']} | {label} | {_cell(official.get(key), unit)} | " + " | ".join(cells)
+                         + " |")
     failures = [f"c = {level['concurrency']} {name}: {level[name]['failed']}" for level in result["levels"]
                 for name in ["official", "ours", *served] if level[name].get("failed")]
     if failures:
         lines += ["", "Streams that failed (not in the medians): " + "; ".join(failures)]
     return "\n".join(lines) + "\n"
+
+
+NAN = float("nan")
+
+
+def _cell(value: float | None, unit: str = "") -> str:
+    """A table cell: '-' where a side has no figure (a silent stream's first audible audio, older rounds)."""
+    return "-" if value is None or np.isnan(value) else f"{value:.2f}{unit}"
 
 
 SERVED_LABELS = {"triton": "through tritonserver (voice id)", "triton_audio": "through tritonserver (prompt as audio)"}
@@ -458,7 +480,7 @@ def ours_alone(args) -> dict:
                 print(f"c={level} {name}: wall {result['wall_s']:.1f} s, load {load:.1f}", file=sys.stderr)
         summaries = {name: {**summary(r), "load_average": [x["load_average"] for x in r]} for name, r in rounds.items()}
         ratios = {f"{name} / {peer}": {key: summaries[name][key] / summaries[peer][key]
-                                       for key in ("first_audio_s", "total_s", "audio_s_per_s")}
+                                       for key in ("first_audio_s", "first_audible_s", "total_s", "audio_s_per_s")}
                   for name, peer in RATIOS if name in summaries and peer in summaries}
         levels.append({"concurrency": level, "load_average": summaries["in_process"]["load_average"][0],
                        **summaries["in_process"], "variants": summaries, "ratios": ratios})

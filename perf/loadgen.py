@@ -2,8 +2,10 @@
 
 For each concurrency level, `concurrency` clients each send a request, read its stream to the end and
 send the next, until `requests` requests of that level are done. Each request records the time to the
-first and second audio chunk (from sending it), its total time, its audio seconds and every chunk's
-arrival time and length; a level reports their p50/p90/p99, RTF (level wall time / audio seconds made),
+first and second audio chunk (from sending it), to its first audible audio (the arrival of the chunk
+holding its first sample above -50 dBFS over 10 ms: cosyvoice_triton/pipeline/audible.py, its default
+threshold), its total time, its audio seconds and every chunk's arrival time and length; a level reports
+their p50/p90/p99, RTF (level wall time / audio seconds made),
 throughput (audio seconds per second) and the playback stalls of its streams (`stats.stall_summary`:
 a listener that starts at the first chunk, and one that starts `start_buffer_s` after it).
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from cosyvoice_triton.client.common import SAMPLE_RATE, wav_bytes
 from cosyvoice_triton.client.gateway_aio import AsyncGatewayTTS
 from cosyvoice_triton.client.triton_client import AsyncTritonTTS
+from cosyvoice_triton.pipeline.audible import AudibleDetector
 from cosyvoice_triton.perf.scenarios import Case
 from cosyvoice_triton.perf.stats import (DEFAULT_START_BUFFER_S, RequestResult, percentile,  # noqa: F401
                                          stall_summary)
@@ -64,12 +67,14 @@ class LevelResult:
     def summary(self) -> dict:
         """Plain numbers (seconds) for the report and results.json."""
         first, second, total = self._times("first_chunk_s"), self._times("second_chunk_s"), self._times("total_s")
+        audible = self._times("first_audible_s")
         out = {"concurrency": self.concurrency, "requests": len(self.requests), "errors": self.errors,
                "wall_s": self.wall_s, "audio_s": self.audio_s,
                "rtf": self.wall_s / self.audio_s if self.audio_s else None,
                "throughput": self.audio_s / self.wall_s if self.wall_s else None,
                "first_error": next((r.error for r in self.requests if r.error), None)}
-        for label, values in (("first_chunk", first), ("second_chunk", second), ("total", total)):
+        for label, values in (("first_chunk", first), ("first_audible", audible), ("second_chunk", second),
+                              ("total", total)):
             for q in (50, 90, 99):
                 out[f"{label}_p{q}_s"] = percentile(values, q)
         return {**out, **stall_summary(self.ok, self.start_buffer_s)}
@@ -147,11 +152,15 @@ async def one_request(target, case: Case, voice_id: str | None, seed: int, optio
                       ) -> RequestResult:
     result = RequestResult()
     started = time.monotonic()
+    audible: AudibleDetector | None = None
     try:
         stream = await target.stream(case, voice_id, seed, options or {})
         async with stream:
             async for chunk in stream:
                 now = time.monotonic() - started
+                if audible is None:  # the stream's sample rate is known once it has started
+                    audible = AudibleDetector(getattr(stream.stats, "sample_rate", SAMPLE_RATE))
+                audible.feed(chunk, now)
                 if result.chunks == 0:
                     result.first_chunk_s = now
                 elif result.chunks == 1:
@@ -161,6 +170,9 @@ async def one_request(target, case: Case, voice_id: str | None, seed: int, optio
                 result.audio_s += seconds
                 result.arrivals.append(now)
                 result.chunk_audio_s.append(seconds)
+        if audible is not None:
+            audible.finish()
+            result.first_audible_s = audible.at
     except Exception as exc:  # noqa: BLE001 - counted per request, the run goes on
         result.error = f"{type(exc).__name__}: {exc}"[:300]
     result.total_s = time.monotonic() - started
@@ -194,6 +206,7 @@ def progress_line(level: LevelResult) -> str:
     share = "-" if s["stall_share"] is None else f"{100 * s['stall_share']:.0f}%"
     return (f"concurrency {s['concurrency']:>3}: {s['requests']} requests, {s['errors']} errors, "
             f"first chunk p50/p90/p99 {ms('first_chunk_p50_s')}/{ms('first_chunk_p90_s')}/{ms('first_chunk_p99_s')} ms, "
+            f"first audible p50 {ms('first_audible_p50_s')} ms, "
             f"RTF {rtf}, {s['audio_s']:.1f} s audio in {s['wall_s']:.1f} s, "
             f"stalls in {share} of streams (p99 {ms('stall_p99_s')} ms per stream)")
 

@@ -1,14 +1,17 @@
 """The official side of `bench_official`: runs in the official code's own virtualenv, never imported.
 
     OFFICIAL_VENV/bin/python perf/official_driver.py --official-src DIR --model-dir DIR --inputs NPZ \
-        --speech-tokens N [--threads 2]
+        --speech-tokens N [--threads 2] [--audible-module PATH]
 
 Builds `CosyVoice2Model` from the model folder's `cosyvoice2.yaml` (hyperpyyaml, as the official
 `CosyVoice2` class does) and loads `llm.pt`, `flow.pt`, `hift.pt` with `CosyVoice2Model.load` (strict).
 A folder without backbone weights (`export --no-backbone-weights`) gets its Qwen2 built from its
 `config.json`; `llm.pt` then sets every weight. Every call decodes exactly N speech tokens: the stop
 tokens are masked and min_len = max_len = N. Then it serves the parent on stdin/stdout, one JSON line
-each way: {"concurrency": c} -> {"streams": [{"first_s", "total_s", "audio_s", "chunks"}...], "wall_s"}.
+each way: {"concurrency": c} -> {"streams": [{"first_s", "first_audible_s", "total_s", "audio_s", "chunks"}...],
+"wall_s"}. first_audible_s (the arrival of the chunk holding the first audible sample) comes from our
+cosyvoice_triton/pipeline/audible.py, loaded by path (`--audible-module`: it needs numpy only), so that both
+sides use one definition; without it, None.
 c threads call `CosyVoice2Model.tts(stream=True)` at once, as the official server does.
 `token_hop_len` is reset to 25 before each round (`tts()` never resets it).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.machinery
+import importlib.util
 import json
 import sys
 import threading
@@ -86,26 +90,43 @@ def force_exact_length(llm, n: int) -> None:
     llm.inference_wrapper = lambda lm_input, sampling, min_len, max_len, uuid: wrapper(lm_input, sampling, n, n, uuid)
 
 
-def one_stream(model, inputs: dict[str, torch.Tensor], sample_rate: int, result: dict) -> None:
+def load_audible(path: Path | None):
+    """Our pipeline/audible.py as a module of its own (the official virtualenv has no cosyvoice_triton)."""
+    if path is None:
+        return None
+    spec = importlib.util.spec_from_file_location("cosyvoice_audible", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def one_stream(model, inputs: dict[str, torch.Tensor], sample_rate: int, result: dict, audible=None) -> None:
     start = time.perf_counter()
     first, samples, chunks = None, 0, 0
+    heard = audible.AudibleDetector(sample_rate) if audible is not None else None
     for out in model.tts(text=inputs["text"], flow_embedding=inputs["embedding"], llm_embedding=inputs["embedding"],
                          prompt_text=inputs["prompt_text"], llm_prompt_speech_token=inputs["prompt_speech"],
                          flow_prompt_speech_token=inputs["prompt_speech"], prompt_speech_feat=inputs["mel"],
                          stream=True):
         size = out["tts_speech"].numel()
+        now = time.perf_counter() - start
         if size and first is None:
-            first = time.perf_counter() - start
+            first = now
+        if heard is not None:
+            heard.feed(out["tts_speech"].detach().float().cpu().numpy(), now)
         samples += size
         chunks += 1
-    result.update(first_s=first, total_s=time.perf_counter() - start, audio_s=samples / sample_rate, chunks=chunks)
+    if heard is not None:
+        heard.finish()
+    result.update(first_s=first, first_audible_s=heard.at if heard is not None else None,
+                  total_s=time.perf_counter() - start, audio_s=samples / sample_rate, chunks=chunks)
 
 
-def run_round(model, inputs: dict[str, torch.Tensor], sample_rate: int, concurrency: int) -> dict:
+def run_round(model, inputs: dict[str, torch.Tensor], sample_rate: int, concurrency: int, audible=None) -> dict:
     model.token_hop_len = TOKEN_HOP_LEN
     torch.manual_seed(0)
     results = [{} for _ in range(concurrency)]
-    threads = [threading.Thread(target=one_stream, args=(model, inputs, sample_rate, r)) for r in results]
+    threads = [threading.Thread(target=one_stream, args=(model, inputs, sample_rate, r, audible)) for r in results]
     start = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -130,7 +151,9 @@ def main() -> None:
     parser.add_argument("--inputs", type=Path, required=True)
     parser.add_argument("--speech-tokens", type=int, required=True)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--audible-module", type=Path, default=None, help="our pipeline/audible.py")
     args = parser.parse_args()
+    audible = load_audible(args.audible_module)
     torch.set_num_threads(args.threads)
     protocol = sys.stdout
     sys.stdout = sys.stderr  # the official code prints; only protocol lines go to the parent
@@ -142,7 +165,7 @@ def main() -> None:
     protocol.flush()
     for line in sys.stdin:
         command = json.loads(line)
-        protocol.write(json.dumps(run_round(model, inputs, sample_rate, int(command["concurrency"]))) + "\n")
+        protocol.write(json.dumps(run_round(model, inputs, sample_rate, int(command["concurrency"]), audible)) + "\n")
         protocol.flush()
 
 

@@ -1,5 +1,5 @@
 """Benchmark reports: `report.md` (environment + one table row per concurrency), `results.json`, and PNG
-plots (`first_chunk.png`: first-chunk p50/p99 vs concurrency; `rtf_throughput.png`: RTF and audio
+plots (`first_chunk.png`: first-chunk p50/p99 and first-audible p50 vs concurrency; `rtf_throughput.png`: RTF and audio
 seconds per second vs concurrency), all in one folder per run.
 
 A comparison (`write_comparison`) has the same layout: one table row per variant x concurrency,
@@ -64,8 +64,10 @@ def num(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-TIMES_NOTE = ("Times in ms from sending the request; RTF = level wall time / audio seconds made; "
-              "throughput = audio seconds per second.")
+TIMES_NOTE = ("Times in ms from sending the request; first audible: to the arrival of the chunk holding the "
+              "first sample of the first 10 ms window above -50 dBFS (cosyvoice_triton/pipeline/audible.py; a "
+              "first chunk that starts with silence is not heard sooner); RTF = level wall time / audio "
+              "seconds made; throughput = audio seconds per second.")
 
 
 STALL_HEADER = ("| streams with a stall | stall time per stream p50 / p99 | stalls per stream | worst stall "
@@ -107,13 +109,14 @@ def environment_lines(env: dict) -> list[str]:
 def markdown(summaries: list[dict], env: dict) -> str:
     lines = [f"# CosyVoice2 benchmark: {env.get('scenario', '')}", ""] + environment_lines(env)
     lines += ["", TIMES_NOTE, "",
-              ("| concurrency | requests | errors | first chunk p50 / p90 / p99 | second chunk p50 / p99 "
-               "| total p50 / p99 | audio (s) | RTF | throughput |"),
-              "|---:|---:|---:|---|---|---|---:|---:|---:|"]
+              ("| concurrency | requests | errors | first chunk p50 / p90 / p99 | first audible p50 / p90 / p99 "
+               "| second chunk p50 / p99 | total p50 / p99 | audio (s) | RTF | throughput |"),
+              "|---:|---:|---:|---|---|---|---|---:|---:|---:|"]
     for s in summaries:
         lines.append(
             f"| {s['concurrency']} | {s['requests']} | {s['errors']} | {ms(s['first_chunk_p50_s'])} / "
-            f"{ms(s['first_chunk_p90_s'])} / {ms(s['first_chunk_p99_s'])} | {ms(s['second_chunk_p50_s'])} / "
+            f"{ms(s['first_chunk_p90_s'])} / {ms(s['first_chunk_p99_s'])} | {ms(s.get('first_audible_p50_s'))} / "
+            f"{ms(s.get('first_audible_p90_s'))} / {ms(s.get('first_audible_p99_s'))} | {ms(s['second_chunk_p50_s'])} / "
             f"{ms(s['second_chunk_p99_s'])} | {ms(s['total_p50_s'])} / {ms(s['total_p99_s'])} | "
             f"{s['audio_s']:.1f} | {num(s['rtf'])} | {num(s['throughput'], 2)} |")
     lines += ["", stalls_note(summaries), "", "| concurrency " + STALL_HEADER, "|---:|---:|---|---:|---:|---|"]
@@ -146,13 +149,14 @@ def plots(summaries: list[dict], out: Path, title: str) -> list[Path]:
     x = [s["concurrency"] for s in summaries]
 
     def series(key: str, scale: float = 1.0) -> list[float]:
-        return [float("nan") if s[key] is None else scale * s[key] for s in summaries]
+        return [float("nan") if s.get(key) is None else scale * s[key] for s in summaries]
 
     paths = []
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(x, series("first_chunk_p50_s", 1000), "o-", label="p50")
-    ax.plot(x, series("first_chunk_p99_s", 1000), "s--", label="p99")
-    ax.set(xlabel="concurrency", ylabel="first chunk (ms)", title=f"{title}: first chunk")
+    ax.plot(x, series("first_chunk_p50_s", 1000), "o-", label="first chunk p50")
+    ax.plot(x, series("first_chunk_p99_s", 1000), "s--", label="first chunk p99")
+    ax.plot(x, series("first_audible_p50_s", 1000), "^:", label="first audible p50")
+    ax.set(xlabel="concurrency", ylabel="ms from sending", title=f"{title}: first chunk and first audible audio")
     ax.set_xticks(x)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -235,16 +239,16 @@ def comparison_markdown(variants: list[dict], env: dict) -> str:
     lines = [f"# CosyVoice2 comparison: {env.get('compare', '')} ({env.get('scenario', '')})", ""]
     lines += environment_lines(env) + ["", "## Variants", ""] + [_variant_line(v) for v in variants]
     lines += ["", "## Results", "", TIMES_NOTE, "",
-              ("| variant | concurrency | requests | errors | first chunk p50 / p90 / p99 | second chunk p50 "
-               "| total p50 | RTF | throughput |"),
-              "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+              ("| variant | concurrency | requests | errors | first chunk p50 / p90 / p99 | first audible p50 "
+               "| second chunk p50 | total p50 | RTF | throughput |"),
+              "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     rows = sorted(((s["concurrency"], n, v["name"], s) for n, v in enumerate(variants) for s in v["levels"]),
                   key=lambda row: row[:2])
     for _, _, name, s in rows:
         lines.append(
             f"| {name} | {s['concurrency']} | {s['requests']} | {s['errors']} | {ms(s['first_chunk_p50_s'])} / "
-            f"{ms(s['first_chunk_p90_s'])} / {ms(s['first_chunk_p99_s'])} | {ms(s['second_chunk_p50_s'])} | "
-            f"{ms(s['total_p50_s'])} | {num(s['rtf'])} | {num(s['throughput'], 2)} |")
+            f"{ms(s['first_chunk_p90_s'])} / {ms(s['first_chunk_p99_s'])} | {ms(s.get('first_audible_p50_s'))} | "
+            f"{ms(s['second_chunk_p50_s'])} | {ms(s['total_p50_s'])} | {num(s['rtf'])} | {num(s['throughput'], 2)} |")
     summaries = [s for _, _, _, s in rows]
     lines += ["", stalls_note(summaries), "", "| variant | concurrency " + STALL_HEADER,
               "|---|---:|---:|---|---:|---:|---|"]

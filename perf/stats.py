@@ -20,6 +20,9 @@ class RequestResult:
     error: str | None = None
     arrivals: list[float] = field(default_factory=list)  # each chunk's arrival, seconds from sending
     chunk_audio_s: list[float] = field(default_factory=list)  # each chunk's audio seconds
+    # from sending to the arrival of the chunk holding the first audible sample (pipeline/audible.py); None:
+    # no audible sample (or not measured)
+    first_audible_s: float | None = None
 
 
 def percentile(values: list[float], q: float) -> float | None:

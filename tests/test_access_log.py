@@ -1,6 +1,7 @@
 """The gateway's access log (gateway/access_log.py): one line per request with method, route, status,
 first-chunk ms and audio seconds, nothing from headers, query or body. Here on a small aiohttp app with
-the gateway's middlewares; on the real service: test_openai_api.py::test_every_request_gets_one_access_line."""
+the gateway's middlewares; on the real service: test_openai_api.py::test_every_request_gets_one_access_line
+(first audible audio there too)."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +21,8 @@ async def speak(request: web.Request) -> web.StreamResponse:
     await response.write(b"\0" * 480)
     access_log.audio_sent(request, 0.5)
     access_log.first_chunk(request, 9.0)  # only the first one counts
+    access_log.first_audible(request, 0.3)
+    access_log.first_audible(request, 9.0)
     await response.write(b"\0" * 480)
     access_log.audio_sent(request, 0.75)
     await response.write_eof()
@@ -59,8 +62,10 @@ def test_one_line_per_request_with_first_chunk_and_audio():
                       ("GET", "/v1/voices/alice", {}), ("GET", "/nowhere", {})])
     assert len(lines) == 3
     speak_line, refused, unmatched = lines
-    assert speak_line.startswith("access POST /v1/speak 200 first_chunk_ms=250 audio_s=1.25 total_ms=")
-    assert refused.startswith("access GET /v1/voices/{voice_id} 400 first_chunk_ms=- audio_s=- total_ms=")
+    assert speak_line.startswith("access POST /v1/speak 200 first_chunk_ms=250 first_audible_ms=300 audio_s=1.25 "
+                                 "total_ms=")
+    assert refused.startswith("access GET /v1/voices/{voice_id} 400 first_chunk_ms=- first_audible_ms=- audio_s=- "
+                              "total_ms=")
     assert unmatched.startswith("access GET unmatched 404 ")
     assert not any("secret" in line or "alice" in line for line in lines)
 

@@ -84,6 +84,9 @@ def test_report_from_recorded_official_rounds(model_dir: Path, tmp_path: Path) -
     table = (tmp_path / "side_by_side.md").read_text()
     ratio = ours["first_audio_s"] / official["first_audio_s"]
     assert f"| 1 | first audio (median) | {official['first_audio_s']:.2f}s | {ours['first_audio_s']:.2f}s | {ratio:.2f} |" in table
+    # first audible audio from each side's chunks; these recorded official rounds predate it: '-'
+    assert f"| 1 | first audible audio (median) | - | {ours['first_audible_s']:.2f}s | - |" in table
+    assert ours["first_audible_s"] >= ours["first_audio_s"]
     assert f"exactly {meta['speech_tokens']} speech tokens" in table
 
 

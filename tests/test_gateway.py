@@ -485,6 +485,7 @@ def test_websocket_text_in_streaming(gateway, triton, voice_id):
     assert [m["text"] for m in messages[1:3]] == [first, second]
     end = messages[-1]
     assert end["segments"] == 2 and end["first_chunk_ms"] > 0
+    assert end["first_audible_ms"] >= end["first_chunk_ms"]  # noise: audible in its first chunk or later
     want = [direct(triton, first, 11, voice_id=voice_id), direct(triton, second, 11 + 1000, voice_id=voice_id)]
     for index in (0, 1):  # each segment's audio, in order, before its segment message
         got = np.frombuffer(b"".join(data for seg, data in frames if seg == index), "<f4")
@@ -716,6 +717,8 @@ def test_gateway_metrics(gateway, triton):
     assert metric_value(text, "cosyvoice_gateway_requests_total", route="/v1/tts", status="200") >= 1
     assert metric_value(text, "cosyvoice_gateway_requests_total", route="/v1/tts", status="400") >= 1
     assert metric_value(text, "cosyvoice_gateway_first_chunk_seconds_count", route="tts") >= 1
+    # the random model speaks noise: every stream has a first audible sample (pipeline/audible.py)
+    assert metric_value(text, "cosyvoice_gateway_first_audible_seconds_count", route="tts") >= 1
     assert metric_value(text, "cosyvoice_gateway_active_streams", route="tts") == 0
     assert metric_value(text, "cosyvoice_gateway_outstanding_cost", server=server) == 0
     assert metric_value(text, "cosyvoice_gateway_server_healthy", server=server) == 1

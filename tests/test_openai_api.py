@@ -348,9 +348,12 @@ def test_every_request_gets_one_access_line(stack, client):
                                    extra_body={"seed": SEED}, extra_headers={"Authorization": "Bearer sk-secret"})
         post_status(stack.gateway_url, {"text": "Hi.", "voice_id": "default", "speed": 9})
     speech, refused = lines
-    assert re.fullmatch(r"access POST /v1/audio/speech 200 first_chunk_ms=\d+ audio_s=\d+\.\d\d total_ms=\d+", speech)
+    match = re.fullmatch(r"access POST /v1/audio/speech 200 first_chunk_ms=(\d+) first_audible_ms=(\d+) "
+                         r"audio_s=\d+\.\d\d total_ms=\d+", speech)
+    assert match, speech
+    assert int(match[2]) >= int(match[1])  # the random model's noise is audible from its first chunk on, not sooner
     assert float(speech.split("audio_s=")[1].split()[0]) > 0
-    assert refused.startswith("access POST /v1/tts 400 first_chunk_ms=- audio_s=-")
+    assert refused.startswith("access POST /v1/tts 400 first_chunk_ms=- first_audible_ms=- audio_s=-")
     assert "secret" not in speech
 
 

@@ -124,6 +124,10 @@ def test_speak_streams_audio_into_web_audio_and_shows_the_latency(page, tmp_path
     assert not page.evaluate("document.querySelector('#timeline-figure').hidden")
     assert page.evaluate("document.querySelectorAll('#timeline .chunk-mark').length") == int(page.text("#chunks"))
     assert page.evaluate("document.querySelectorAll('#timeline .stall-mark').length") == int(page.text("#stalls"))
+    # the random model speaks noise: its first audible audio is marked, at a chunk's arrival, not before the first
+    audible_ms = float(page.text("#first-audible"))
+    assert page.evaluate("document.querySelectorAll('#timeline .audible-mark').length") == 1
+    assert audible_ms >= first_ms
     # the waveform: all that was received, and (at "done") all of it played, in the played colour
     drawn = waveform(page, "#waveform")
     assert not drawn["hidden"] and drawn["received"] == pytest.approx(seconds, abs=0.01)
@@ -154,6 +158,34 @@ def test_the_timeline_counts_stalls_as_the_benchmarks_do(page):
     assert [round(c["stall"], 6) for c in chunks] == [0, 0.25, 0]
     assert [round(c["playFrom"], 6) for c in chunks] == [0, 1.25, 1.75]
     assert [c["end"] for c in chunks] == [1, 1.5, 2]
+
+
+def test_the_timeline_marks_first_audible_audio_at_the_chunk_that_holds_it(page):
+    """The page's detector on a stream whose first chunk is silent and whose second starts with 5 ms of
+    silence: the same first audible sample as cosyvoice_triton/pipeline/audible.py, in chunk 1, and the
+    timeline's mark at that chunk's arrival (its dot's x)."""
+    import numpy as np
+
+    from cosyvoice_triton.pipeline.audible import first_audible
+
+    chunks = [np.zeros(2400, np.float32), np.concatenate([np.zeros(120), np.full(2280, 0.1)]).astype(np.float32)]
+    want = first_audible(np.concatenate(chunks), 24000)
+    got = page.evaluate(f"""(() => {{
+        const detector = new AudibleDetector(24000);
+        const chunks = {json.dumps([c.tolist() for c in chunks])}.map((c) => new Float32Array(c));
+        const found = chunks.map((c) => detector.feed(c));
+        const svg = document.querySelector('#timeline');
+        drawTimeline(svg, [0.5, 0.75], [0.1, 0.1], detector.chunk);
+        const mark = svg.querySelector('.audible-mark');
+        const dots = [...svg.querySelectorAll('.chunk-mark')].map((dot) => +dot.getAttribute('cx'));
+        return {{offset: detector.offset, chunk: detector.chunk, found, x: mark && +mark.getAttribute('x1'),
+                 markChunk: mark && +mark.dataset.chunk, dots}};
+    }})()""")
+    assert want == 2400 + 120 and got["offset"] == want and got["chunk"] == 1 and got["found"] == [False, True]
+    assert got["markChunk"] == 1 and got["x"] == pytest.approx(got["dots"][1])
+    silent = page.evaluate("(() => { const d = new AudibleDetector(24000); d.feed(new Float32Array(4800)); "
+                           "return [d.finish(), d.chunk]; })()")
+    assert silent == [False, None]
 
 
 def test_register_an_uploaded_voice_and_speak_with_it(page, tmp_path):

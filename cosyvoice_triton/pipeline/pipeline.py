@@ -11,6 +11,11 @@ as it comes, in the trained 5:15 text/speech pattern (llm/bistream.py), so audio
 first sentence is complete. A feeder thread tokenizes the pieces (cut before white space: `WordPieces`)
 and appends them to the live LLM stream while this thread turns its tokens into audio. As in the official
 bistream, the text is spoken as given (no normalization, no sentence splitting).
+
+SSML text (`preprocess/ssml.py`: text_type "ssml", or text that starts with <speak) is parsed, and every voice
+and sentence laid out, before any audio (`ssml_plan`); then its parts run in order: each speech run's sentences
+(split within the run) in its voice and speed, each <break> as one chunk of zeros (offline too). Sentences are
+counted across the whole document for their seeds (`sentence_seeds(seed, i)`), so a seed gives the same audio.
 """
 from __future__ import annotations
 
@@ -18,13 +23,15 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..errors import Cancelled
+from ..errors import Cancelled, InvalidInput, NotFound
 from ..llm.bistream import TextFeed, WordPieces
-from ..messages import FlowPrompt, LLMRequest, SynthesisRequest
-from ..preprocess.text import TextPreprocessor, validate_text
+from ..messages import MAX_SPEED, MIN_SPEED, FlowPrompt, LLMRequest, PromptFeatures, SynthesisRequest
+from ..preprocess.ssml import Mark, Pause, expand_say_as, is_ssml, parse_ssml, spoken_text
+from ..preprocess.text import TextPreprocessor, is_only_punctuation, validate_text
 from .chunk_policy import ChunkSchedule
 from .chunk_sender import ChunkSender
 from .playback import Playback
@@ -45,14 +52,25 @@ def flow_prompt_of(voice) -> FlowPrompt:
     )
 
 
+@dataclass(frozen=True)
+class SpokenSentence:
+    """One sentence of an SSML document, laid out: its LLM request, its voice's flow prompt, its speed."""
+
+    llm_request: LLMRequest
+    prompt: FlowPrompt
+    speed: float
+    vocoder_seed: int
+
+
 class Pipeline:
     def __init__(self, preprocessor: TextPreprocessor, llm: LLMStage, token2wav: Token2WavStage):
         self.preprocessor = preprocessor
         self.llm = llm
         self.token2wav = token2wav
 
-    def llm_requests(self, request: SynthesisRequest, stream_id: str, seed: int) -> list[LLMRequest]:
-        """Normalize and split the text; lay out each sentence's LLM prompt by mode."""
+    def llm_requests(self, request: SynthesisRequest, stream_id: str, seed: int, first: int = 0) -> list[LLMRequest]:
+        """Normalize and split the text; lay out each sentence's LLM prompt by mode. `first`: the index of the
+        first sentence in the request (its seeds and stream id)."""
         encode = self.preprocessor.tokenizer.encode
         pieces = self.preprocessor.split(request.text, field="target_text") if request.text_frontend \
             else [validate_text(request.text, "target_text", self.preprocessor.max_chars)]  # as given: one piece
@@ -60,7 +78,50 @@ class Pipeline:
         return [LLMRequest(stream_id=f"{stream_id}/{i}", text_tokens=encode(piece),
                            prompt_text_tokens=prompt_text_tokens, prompt_speech_tokens=prompt_speech,
                            sampling=request.sampling, seed=sentence_seeds(seed, i).llm)
-                for i, piece in enumerate(pieces)]
+                for i, piece in enumerate(pieces, start=first)]
+
+    def ssml_plan(self, request: SynthesisRequest, stream_id: str, seed: int) -> list[SpokenSentence | int]:
+        """The SSML document's sentences and pauses (samples of silence) in order, every voice resolved: all its
+        errors (InvalidInput / NotFound naming target_text) come before any audio. Marks make no audio."""
+        field = "target_text"
+        parts = parse_ssml(request.text, field, expand_say_as)
+        validate_text(spoken_text(parts), field, self.preprocessor.max_chars)
+        voices: dict[str | None, PromptFeatures] = {None: request.voice}
+        plan: list[SpokenSentence | int] = []
+        for part in parts:
+            if isinstance(part, (Pause, Mark)):
+                plan.extend([part.samples] if isinstance(part, Pause) else [])
+                continue
+            if is_only_punctuation(part.text.replace(" ", "")):
+                continue  # nothing to speak (".", a lone tag's neighbour)
+            speed = request.speed * part.speed
+            if not MIN_SPEED <= speed <= MAX_SPEED:
+                raise InvalidInput(field, f"SSML <prosody>: speed {request.speed:g} times rate {part.speed:g} is "
+                                          f"outside {MIN_SPEED} .. {MAX_SPEED}")
+            voice = self.voice_of(request, part.voice_id, voices)
+            spoken = replace(request, text=part.text, voice=voice)
+            prompt = flow_prompt_of(voice)
+            first = sum(isinstance(step, SpokenSentence) for step in plan)  # sentences count across the document
+            for index, llm_request in enumerate(self.llm_requests(spoken, stream_id, seed, first), start=first):
+                plan.append(SpokenSentence(llm_request, prompt, speed, sentence_seeds(seed, index).vocoder))
+        return plan
+
+    @staticmethod
+    def voice_of(request: SynthesisRequest, voice_id: str | None,
+                 voices: dict[str | None, PromptFeatures]) -> PromptFeatures:
+        """An SSML part's voice (<voice name>; None: the request's), resolved once per document."""
+        if voice_id not in voices:
+            if request.voice_of is None:
+                raise InvalidInput("target_text", f"SSML <voice name={voice_id!r}>: voices cannot be switched here")
+            try:
+                voices[voice_id] = request.voice_of(voice_id)
+            except KeyError:  # NotFound too
+                raise NotFound("target_text", f"SSML <voice name={voice_id!r}>: no voice {voice_id!r} is "
+                                              "registered") from None
+            if request.mode == "zero_shot" and not voices[voice_id].text.strip():
+                raise InvalidInput("target_text", f"SSML <voice name={voice_id!r}>: the voice has no transcript, "
+                                                  "which zero_shot mode needs")
+        return voices[voice_id]
 
     def prompt_tokens(self, request: SynthesisRequest) -> tuple[list[int], list[int]]:
         """(prompt text tokens, prompt speech tokens) of the request's mode."""
@@ -81,11 +142,27 @@ class Pipeline:
         request.validate()
         stream_id = stream_id or uuid.uuid4().hex
         seed = request.seed if request.seed is not None else random_seed()
-        prompt = flow_prompt_of(request.voice)
         playback = Playback()  # the listener of the whole request, sentence after sentence
+        if is_ssml(request.text, request.text_type):
+            yield from self._run_plan(request, self.ssml_plan(request, stream_id, seed), stream, is_cancelled,
+                                      playback)
+            return
+        prompt = flow_prompt_of(request.voice)
         for index, llm_request in enumerate(self.llm_requests(request, stream_id, seed)):
             yield from self._sentence(request, llm_request, prompt, sentence_seeds(seed, index).vocoder,
                                       stream, is_cancelled, playback)
+
+    def _run_plan(self, request: SynthesisRequest, plan: list[SpokenSentence | int], stream: bool,
+                  is_cancelled: Callable[[], bool], playback: Playback) -> Iterator[np.ndarray]:
+        for step in plan:
+            if isinstance(step, int):  # a <break>: its own chunk of silence
+                if is_cancelled():
+                    raise Cancelled("the client cancelled the request")
+                if step:
+                    yield np.zeros(step, dtype=np.float32)
+                continue
+            yield from self._sentence(request, step.llm_request, step.prompt, step.vocoder_seed, stream,
+                                      is_cancelled, playback, speed=step.speed)
 
     def run_bistream(self, request: SynthesisRequest, text: Iterable[str], stream: bool,
                      is_cancelled: Callable[[], bool] = lambda: False,
@@ -93,6 +170,8 @@ class Pipeline:
         """Yield float32 audio chunks while `text` yields the rest of the text in pieces (it may wait for
         each); `request.text` is its first piece (may be empty). Offline (`stream=False`): one chunk."""
         request.validate()
+        if request.text_type == "ssml":
+            raise InvalidInput("text_type", "ssml needs text_mode sentences (a whole <speak> document at once)")
         stream_id = stream_id or uuid.uuid4().hex
         seeds = sentence_seeds(request.seed if request.seed is not None else random_seed(), 0)
         prompt_text_tokens, prompt_speech = self.prompt_tokens(request)
@@ -121,9 +200,10 @@ class Pipeline:
 
     def _sentence(self, request: SynthesisRequest, llm_request: LLMRequest, prompt: FlowPrompt, vocoder_seed: int,
                   stream: bool, is_cancelled: Callable[[], bool], playback: Playback,
-                  token_stream: TokenStream | None = None) -> Iterator[np.ndarray]:
+                  token_stream: TokenStream | None = None, speed: float | None = None) -> Iterator[np.ndarray]:
         schedule = ChunkSchedule(request.chunk_policy, prompt.speech_tokens.shape[1])
-        sender = ChunkSender(self.token2wav, llm_request.stream_id, prompt, vocoder_seed, request.speed, playback)
+        speed = request.speed if speed is None else speed
+        sender = ChunkSender(self.token2wav, llm_request.stream_id, prompt, vocoder_seed, speed, playback)
         tokens: list[int] = []
         token_stream = token_stream if token_stream is not None else self.llm.stream(llm_request)
         try:

@@ -33,6 +33,8 @@ cosyvoice2 (decoupled) and cosyvoice2_offline (its non-decoupled twin, same temp
                                               transcript), as the official text_frontend=False (default true)
        chunk_policy           STRING [1] opt  fixed | adaptive (ChunkPolicy.kind; default: the server's)
        speed                  FP32 [1]   opt  speaking speed, 0.25 .. 4.0 (default 1.0): the mel interpolated by 1 / speed
+       text_type              STRING [1] opt  text | ssml (preprocess/ssml.py; default: ssml when target_text starts
+                                              with <speak); SSML errors are INVALID_ARG naming target_text
        text_mode              STRING [1] opt  sentences (default) | bistream: target_text is only the first piece
                                               (may be empty); text_append requests bring the rest (decoupled only)
        text_stream_id         STRING [1] opt  bistream: the caller's id of the synthesis, named by its appends
@@ -123,7 +125,8 @@ import numpy as np
 
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import (SEED_LIMIT, TEXT_MODES, VC_MODE, ChunkPolicy, ChunkRequest, FlowPrompt, LLMRequest,
-                                       PromptFeatures, SamplingParams, check_mode, check_seed, check_speed, is_int)
+                                       PromptFeatures, SamplingParams, check_mode, check_seed, check_speed,
+                                       check_text_type, is_int)
 from cosyvoice_triton.triton.tensors import TensorReader, string_array
 
 COSYVOICE2 = "cosyvoice2"
@@ -157,6 +160,7 @@ TEXT_APPEND = "text_append"  # llm, cosyvoice2
 TEXT_MODE = "text_mode"  # cosyvoice2
 REFERENCE_WAV, REFERENCE_TEXT = "reference_wav", "reference_text"  # cosyvoice2, register_voice, prompt_audio
 REFERENCE_WAV_LEN = "reference_wav_len"  # cosyvoice2
+TARGET_TEXT, TEXT_STREAM_ID = "target_text", "text_stream_id"  # cosyvoice2
 SOURCE_AUDIO = "source_audio"  # cosyvoice2 mode vc
 SENTENCES, BISTREAM = TEXT_MODES  # the values of text_mode
 
@@ -167,7 +171,7 @@ CHUNK_FIELDS = {"chunk_first_hop": "first_hop", "chunk_hop_scale": "hop_scale", 
 OPTION_TYPES: dict[str, type] = {"top_p": np.float32, "top_k": np.int32, "win_size": np.int32, "tau_r": np.float32,
                                  "chunk_first_hop": np.int32, "chunk_hop_scale": np.float32,
                                  "chunk_max_hop": np.int32, "text_frontend": np.bool_, "chunk_policy": str, "speed": np.float32,
-                                 "text_mode": str, "text_stream_id": str}
+                                 "text_mode": str, "text_stream_id": str, "text_type": str}
 INT32_MAX = 2**31 - 1
 # Each input of cosyvoice2 and register_voice -> the request field it carries: text, voice_id, audio (the prompt
 # recording), prompt_text, source (a conversion's recording), ...; an option keeps its own name (seed, speed,
@@ -528,6 +532,7 @@ class SynthesisInputs:
     speed: float = 1.0  # speaking speed (messages.check_speed)
     text_mode: str = SENTENCES  # bistream: `text` is the first piece, text_append requests bring the rest
     text_stream_id: str | None = None  # bistream: the caller's id of the synthesis
+    text_type: str | None = None  # text | ssml; None: ssml when the text starts with <speak (preprocess/ssml.py)
 
     @property
     def bistream(self) -> bool:
@@ -538,19 +543,33 @@ class SynthesisInputs:
         """The text (at most `max_chars` characters) and every setting (`check_settings`); InvalidInput naming
         the input. Returns self."""
         check_text_mode(self.text_mode)
+        check_text_type(self.text_type)
         if self.bistream:
             check_text_piece(self.text, max_chars)  # the first piece: may be empty
             if not self.text_stream_id:
                 raise InvalidInput("text_stream_id", "is required with text_mode bistream (its appends name it)")
+            if self.text_type == "ssml":
+                raise InvalidInput("text_type", "ssml needs text_mode sentences (a whole <speak> document at once)")
         else:
             from cosyvoice_triton.preprocess.text import validate_text  # here: the client SDK imports this module
 
             validate_text(self.text, "target_text", max_chars)
+            self.ssml_parts()  # bad SSML is refused here, before admission
         return self.check_settings()
+
+    def ssml_parts(self) -> list | None:
+        """The SSML document's parts (preprocess/ssml.py; <say-as> not expanded), or None for plain text;
+        InvalidInput naming target_text for bad SSML."""
+        from cosyvoice_triton.preprocess.ssml import is_ssml, parse_ssml  # here: the client SDK imports this module
+
+        return parse_ssml(self.text, "target_text") if is_ssml(self.text, self.text_type) else None
 
     def check_settings(self) -> SynthesisInputs:
         """Everything but the text (a WebSocket session's settings come before its text). Returns self."""
         check_text_mode(self.text_mode)
+        check_text_type(self.text_type)
+        if self.bistream and self.text_type == "ssml":
+            raise InvalidInput("text_type", "ssml needs text_mode sentences (a whole <speak> document at once)")
         check_optional_text(self.instruct_text, "instruct_text")
         check_mode(self.mode, self.instruct_text)
         check_optional_text(self.prompt_text, REFERENCE_TEXT)
@@ -572,7 +591,8 @@ class SynthesisInputs:
                                 seed=self.seed, text_frontend=None if self.text_frontend else False,
                                 speed=None if self.speed == 1.0 else self.speed,
                                 text_mode=None if self.text_mode == SENTENCES else self.text_mode,
-                                text_stream_id=self.text_stream_id, **chunk_options(self.chunk_overrides), **sampling)
+                                text_stream_id=self.text_stream_id, text_type=self.text_type,
+                                **chunk_options(self.chunk_overrides), **sampling)
 
 
 def read_text_append(reader: TensorReader, max_chars: int) -> TextAppend | None:
@@ -611,7 +631,8 @@ def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParam
                              chunk_overrides=read_chunk_overrides(reader),
                              text_frontend=reader.boolean("text_frontend", default=True),
                              speed=reader.real("speed", 1.0),
-                             text_mode=text_mode, text_stream_id=reader.string("text_stream_id")).check(max_chars)
+                             text_mode=text_mode, text_stream_id=reader.string("text_stream_id"),
+                             text_type=reader.string("text_type")).check(max_chars)
     voice_id, audio = read_voice_choice(reader)  # after the text: an empty text is named before a missing voice
     return replace(inputs, voice_id=voice_id, audio=audio)
 

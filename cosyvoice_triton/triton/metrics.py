@@ -3,6 +3,9 @@
 Every metric carries the labels `model` and `instance`. Names (Prometheus):
 
   cosyvoice_first_chunk_latency_seconds   histogram  request received -> first audio chunk sent (cosyvoice2*)
+  cosyvoice_first_audible_latency_seconds histogram  request received -> the chunk holding the first audible
+                                                     sample sent (pipeline/audible.py; cosyvoice2*); a stream
+                                                     that is silent throughout is not counted
   cosyvoice_stream_lead_seconds           histogram  at every chunk sent, the stream's lead just before it: audio
                                                      already sent minus wall time since the first chunk, with
                                                      the listener pausing when it runs dry (pipeline/playback.py);
@@ -97,6 +100,10 @@ SYNTHESIS = {
     "first_chunk": Spec("cosyvoice_first_chunk_latency_seconds",
                         "Seconds from receiving a synthesis request to sending its first audio chunk",
                         "histogram", LATENCY_BUCKETS),
+    "first_audible": Spec("cosyvoice_first_audible_latency_seconds",
+                          "Seconds from receiving a synthesis request to sending the chunk that holds its first "
+                          "audible sample (a 10 ms window above the model's audible_threshold_dbfs)",
+                          "histogram", LATENCY_BUCKETS),
     "lead": Spec("cosyvoice_stream_lead_seconds",
                  "A stream's lead at each chunk sent: audio already sent minus wall time since its first chunk "
                  "(the listener pausing when it runs dry); negative: the chunk ended a stall of that length",

@@ -14,6 +14,8 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
+from cosyvoice_triton.pipeline.audible import DEFAULT_THRESHOLD_DBFS
+
 
 class ParameterError(ValueError):
     """A model's config.pbtxt parameters do not match its dataclass."""
@@ -145,6 +147,8 @@ class CosyVoice2Params:
     max_queue_wait_s: float = 2.0
     # native: our tensors (max_batch_size 0); official: the official runtime's ([1, ...] each; contracts.py)
     tensor_form: TensorForm = "native"
+    # first audible audio (pipeline/audible.py): a 10 ms window with an RMS above this many dBFS is heard
+    audible_threshold_dbfs: float = DEFAULT_THRESHOLD_DBFS
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,8 @@ class ServedPipeline:
                                 instruct_text=inputs.instruct_text, seed=inputs.seed,
                                 sampling=inputs.sampling or self.default_sampling,
                                 chunk_policy=policy,
-                                text_frontend=inputs.text_frontend, speed=inputs.speed).validate()
+                                text_frontend=inputs.text_frontend, speed=inputs.speed,
+                                text_type=inputs.text_type, voice_of=self.voices.store.get).validate()
 
     def run(self, inputs: SynthesisInputs, stream: bool, is_cancelled: Callable[[], bool],
             stream_id: str | None = None) -> Iterator[np.ndarray]:

@@ -5,8 +5,8 @@ instance would take no new request (or cancellation) meanwhile, and a BLS call b
 waiting on this instance would deadlock. `RequestPool` runs each request in a thread of a bounded pool
 (admitted by cosyvoice_triton/admission.py's policy);
 `send_chunks` sends one request's audio chunks as they come, checks cancellation between chunks,
-observes the stream's lead at every chunk (`cosyvoice_stream_lead_seconds`), and always ends with
-exactly one final flag; `send_whole` sends them as one waveform in one final response
+observes the stream's lead at every chunk (`cosyvoice_stream_lead_seconds`) and its first audible audio
+(`cosyvoice_first_audible_latency_seconds`, pipeline/audible.py), and always ends with exactly one final flag; `send_whole` sends them as one waveform in one final response
 (a non-decoupled model may answer through its response sender too).
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 from cosyvoice_triton.admission import MEAN_COST, AdmissionPolicy, Decision, Load, SpeedMeter, expiry
 from cosyvoice_triton.audio_out import SAMPLE_RATE
 from cosyvoice_triton.errors import Cancelled, Unavailable
+from cosyvoice_triton.pipeline.audible import DEFAULT_THRESHOLD_DBFS, AudibleDetector
 from cosyvoice_triton.pipeline.playback import Playback
 from cosyvoice_triton.triton.contracts import waveform_outputs
 from cosyvoice_triton.triton.tensors import classify, error_response, output_tensors
@@ -158,7 +159,8 @@ class _Waiting:
 
 
 def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model: str, received_at: float,
-                metrics=None, is_cancelled: Callable[[], bool] | None = None, batched: bool = False) -> str:
+                metrics=None, is_cancelled: Callable[[], bool] | None = None, batched: bool = False,
+                audible_threshold_dbfs: float = DEFAULT_THRESHOLD_DBFS) -> str:
     """Send every non-empty chunk as a `waveform` response ([1, n] when `batched`: a model with
     max_batch_size > 0), then the final flag (with the error, if one ended the request). Returns the outcome:
     "ok", "error" or "cancelled"."""
@@ -166,6 +168,7 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
     cancelled = is_cancelled or sender.is_cancelled
     error: BaseException | None = None
     playback = Playback()  # the listener's side of this stream: its lead at every chunk
+    audible = AudibleDetector(SAMPLE_RATE, audible_threshold_dbfs)
     if metrics is not None:
         metrics["active"].increment(1)
     try:
@@ -184,6 +187,8 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
                         metrics["first_chunk"].observe(sent_at - received_at)
                     metrics["lead"].observe(lead)
                 first = False
+                _observe_audible(metrics, audible.feed(chunk, sent_at), audible, received_at)
+        _observe_audible(metrics, audible.finish(), audible, received_at)
     except BaseException as exc:  # noqa: BLE001 - every failure ends this request, never the instance
         error = exc
     outcome = "ok" if error is None else ("cancelled" if classify(error).code_name == "CANCELLED" else "error")
@@ -199,15 +204,18 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
 
 
 def send_whole(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model: str, received_at: float,
-               metrics=None, is_cancelled: Callable[[], bool] | None = None, batched: bool = False) -> str:
+               metrics=None, is_cancelled: Callable[[], bool] | None = None, batched: bool = False,
+               audible_threshold_dbfs: float = DEFAULT_THRESHOLD_DBFS) -> str:
     """Collect every chunk, then send the whole `waveform` ([1, n] when `batched`) or the error in one final
-    response. Returns the outcome: "ok", "error" or "cancelled"."""
+    response. Returns the outcome: "ok", "error" or "cancelled". Its first chunk and first audible audio
+    are timed when they are made, as the streamed model's (the client has them only with the whole)."""
     final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     cancelled = is_cancelled or sender.is_cancelled
     if metrics is not None:
         metrics["active"].increment(1)
     response = None
     outcome = "ok"
+    audible = AudibleDetector(SAMPLE_RATE, audible_threshold_dbfs)
     try:
         pieces = []
         with contextlib.closing(chunks()) as produced:
@@ -217,6 +225,8 @@ def send_whole(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model:
                 if chunk.size and not pieces and metrics is not None:
                     metrics["first_chunk"].observe(time.monotonic() - received_at)
                 pieces.append(np.asarray(chunk, dtype=np.float32).reshape(-1))
+                _observe_audible(metrics, audible.feed(pieces[-1], time.monotonic()), audible, received_at)
+        _observe_audible(metrics, audible.finish(), audible, received_at)
         waveform = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
         response = pb.InferenceResponse(output_tensors=output_tensors(pb, waveform_outputs(waveform, batched)))
     except BaseException as exc:  # noqa: BLE001 - every failure ends this request, never the instance
@@ -228,6 +238,12 @@ def send_whole(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model:
     except Exception:  # noqa: BLE001 - e.g. the client has gone
         pb.Logger.log_warn(f"{model}: response not sent: {traceback.format_exc()}")
     return outcome
+
+
+def _observe_audible(metrics, found: bool, audible: AudibleDetector, received_at: float) -> None:
+    """`found`: the detector has just found the stream's first audible sample: observe when its chunk went."""
+    if found and metrics is not None:
+        metrics["first_audible"].observe(audible.at - received_at)
 
 
 def _count_outcome(metrics, outcome: str) -> None:

@@ -1,11 +1,11 @@
 // CosyVoice2 web page: voices (GET/POST/DELETE /v1/voices), microphone recording, and streamed
 // synthesis over WS /v1/tts/ws played through Web Audio as the chunks arrive (audio.js), with the chunk
-// timeline (timeline.js); the convert tab is convert.js. Errors show beside the control that caused them.
+// timeline (timeline.js), which marks the first audible audio; the convert tab is convert.js. Errors show beside the control that caused them.
 //
 // WebSocket protocol (gateway/routes_ws.py): we send {"type": "start", voice_id, mode, instruct, seed,
 // format: "pcm_f32", text} and {"type": "end"}; the gateway answers {"type": "started", seed, ...},
 // binary frames of little-endian float32 samples at 24 kHz, {"type": "segment", ...} after each
-// sentence, then {"type": "end", audio_seconds, first_chunk_ms, ...}, or {"type": "error", param, message}.
+// sentence, then {"type": "end", audio_seconds, first_chunk_ms, first_audible_ms, ...}, or {"type": "error", param, message}.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -15,6 +15,7 @@ const state = {
   player: null, // Player (audio.js) of the speak tab
   arrivals: [], // seconds from sending the text to each chunk's arrival (the chunk timeline)
   durations: [], // seconds of audio of each chunk
+  audible: null, // AudibleDetector (timeline.js) of the stream: which chunk holds its first audible sample
   sentAt: 0,
   firstChunkMs: null,
   ended: false,
@@ -219,6 +220,8 @@ function resetStats() {
   state.player.reset();
   state.arrivals = [];
   state.durations = [];
+  state.audible = new AudibleDetector(SAMPLE_RATE);
+  $("first-audible").textContent = "–";
   $("stalls").textContent = "0";
   $("stall-ms").textContent = "0";
   $("timeline").replaceChildren();
@@ -244,15 +247,23 @@ function onAudio(data) {
   }
   state.arrivals.push((performance.now() - state.sentAt) / 1000);
   state.durations.push(samples.length / SAMPLE_RATE);
+  state.audible.feed(samples);
   state.player.add(samples);
   const seconds = state.player.samples / SAMPLE_RATE;
   $("audio-seconds").textContent = seconds.toFixed(2);
   $("chunks").textContent = String(state.arrivals.length);
   $("meter-bar").style.width = `${Math.min(100, seconds * 10)}%`;
-  const {stalls, stallSeconds} = drawTimeline($("timeline"), state.arrivals, state.durations);
+  drawStream();
+}
+
+// The chunk timeline, the stalls and the first audible audio (the arrival of the chunk holding it) so far.
+function drawStream() {
+  const audibleChunk = state.audible.chunk;
+  const {stalls, stallSeconds} = drawTimeline($("timeline"), state.arrivals, state.durations, audibleChunk);
   $("timeline-figure").hidden = false;
   $("stalls").textContent = String(stalls);
   $("stall-ms").textContent = (1000 * stallSeconds).toFixed(0);
+  if (audibleChunk !== null) $("first-audible").textContent = (1000 * state.arrivals[audibleChunk]).toFixed(0);
 }
 
 // The last scheduled chunk has played.
@@ -268,11 +279,13 @@ function onMessage(message, raw) {
     $("used-seed").textContent = seed ? seed[1] : String(message.seed);
   } else if (message.type === "end") {
     state.ended = true;
+    if (state.audible.finish()) drawStream(); // a window that runs past the last sample
     finishDownload();
     setBusy(false);
     const playing = state.player.playing;
     setStatus(playing ? "Received all audio, playing" : "Done", playing ? "playing" : "done");
     $("status").dataset.serverFirstChunkMs = message.first_chunk_ms == null ? "" : message.first_chunk_ms.toFixed(0);
+    $("status").dataset.serverFirstAudibleMs = message.first_audible_ms == null ? "" : message.first_audible_ms.toFixed(0);
   } else if (message.type === "error") {
     state.failed = true;
     showError(errorControl(SPEAK_FIELDS, message.param, "speak"), message.message || "The synthesis failed.");

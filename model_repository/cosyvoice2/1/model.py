@@ -95,7 +95,7 @@ class TritonPythonModel:
             send = send_chunks if self.decoupled else send_whole
             send(pb_utils, sender, lambda: self._service_of(inputs).run(inputs, self.decoupled, cancelled, stream_id),
                  model=self.name, received_at=received, metrics=self.metrics, is_cancelled=cancelled,
-                 batched=self.official)
+                 batched=self.official, audible_threshold_dbfs=self.params.audible_threshold_dbfs)
             self._follow_store()
             self._follow_backends()
 
