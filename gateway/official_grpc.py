@@ -38,8 +38,10 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from cosyvoice_triton.audio_out import AudioEncoder
+from cosyvoice_triton.pipeline.audible import AudibleDetector
 
 from . import access_log, cosyvoice_pb2, cosyvoice_pb2_grpc
+from .audio_response import observe_first_audible
 from .auth import limit_key
 from .drain import CUT_AFTER_DRAIN_S
 from .errors import BadRequest
@@ -125,6 +127,7 @@ async def send_pcm(call: GrpcCall, context: grpc.aio.ServicerContext, chunks) ->
     metrics, rate = app[METRICS], app[CONFIG].sample_rate
     accepted, samples, first = time.monotonic(), 0, True
     encoder = AudioEncoder(PCM, rate)
+    audible = AudibleDetector(rate, app[CONFIG].audible_threshold_dbfs)
     metrics.active_streams.labels(ROUTE).inc()
     try:
         async with aclosing(chunks):
@@ -133,8 +136,12 @@ async def send_pcm(call: GrpcCall, context: grpc.aio.ServicerContext, chunks) ->
                     first, waited = False, time.monotonic() - accepted
                     metrics.first_chunk.labels(ROUTE).observe(waited)
                     access_log.first_chunk(call, waited)
+                if audible.feed(chunk, time.monotonic()):
+                    observe_first_audible(call, ROUTE, audible.at - accepted)
                 samples += chunk.size
                 await write_pcm(context, encoder.feed(chunk))
+        if audible.finish():
+            observe_first_audible(call, ROUTE, audible.at - accepted)
         await write_pcm(context, encoder.finish())
     finally:
         encoder.close()

@@ -234,7 +234,7 @@ def test_unknown_voice_missing_and_unknown_fields_are_named(gateway):
 
 # ---- the gRPC service ------------------------------------------------------------------------------------
 
-def test_grpc_requests_give_our_audio(gateway, ours):
+def test_grpc_requests_give_our_audio(gateway, ours, access_lines):
     port = gateway.grpc_port
     pcm = PCM16.tobytes()
     cases = [(grpc_request("sft_request", spk_id="default", tts_text=TEXT), dict(voice_id="default", mode="zero_shot")),
@@ -245,6 +245,11 @@ def test_grpc_requests_give_our_audio(gateway, ours):
               dict(voice_id="default", mode="instruct2", instruct=INSTRUCT))]
     for request, body in cases:
         same_audio(official_grpc(port, request), ours(**body))
+    logged = [line for line in access_lines if line.startswith("access GRPC /cosyvoice.CosyVoice/Inference 200 ")]
+    assert len(logged) == len(cases)
+    for line in logged:  # the random model's audio is audible at once: both figures are there, in order
+        fields = dict(part.split("=") for part in line.split()[4:])
+        assert float(fields["first_audible_ms"]) >= float(fields["first_chunk_ms"])
 
 
 def test_grpc_errors_name_the_field_and_are_counted_and_logged(gateway, access_lines):
