@@ -87,12 +87,18 @@ class ApiKeys:
         return Tenant(owner=owner, admin=is_admin, bucket=f"key:{owner}")
 
 
-def presented_key(request: web.Request) -> str | None:
-    auth = request.headers.get("Authorization", "")
+def header_key(headers) -> str | None:
+    """The key in `Authorization: Bearer KEY` or `X-API-Key: KEY` (HTTP headers, or a gRPC call's metadata)."""
+    auth = headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
-    if "X-API-Key" in request.headers:
-        return request.headers["X-API-Key"]
+    return headers.get("X-API-Key")
+
+
+def presented_key(request: web.Request) -> str | None:
+    key = header_key(request.headers)
+    if key is not None:
+        return key
     if "api_key" in request.query and request.path != WEBSOCKET_PATH:
         raise Unauthorized("?api_key= is accepted only on the WebSocket route; send the key in a header "
                            "(Authorization: Bearer KEY or X-API-Key)")

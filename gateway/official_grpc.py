@@ -35,7 +35,6 @@ from types import MappingProxyType, SimpleNamespace
 
 import grpc
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from cosyvoice_triton.audio_out import AudioEncoder
 from cosyvoice_triton.pipeline.audible import AudibleDetector
@@ -43,8 +42,8 @@ from cosyvoice_triton.pipeline.audible import AudibleDetector
 from . import access_log, cosyvoice_pb2, cosyvoice_pb2_grpc
 from .audio_response import observe_first_audible
 from .auth import limit_key
-from .drain import CUT_AFTER_DRAIN_S
 from .errors import BadRequest
+from .grpc_server import MESSAGE_OVERHEAD_BYTES, grpc_status, metadata_headers, running_server
 from .official_api import GRPC_FIELDS, KINDS, PCM, Kind, official_request, pcm16_wav, prepare_official
 from .state import CONFIG, LIMITER, METRICS
 from .synthesis import routing_cost, stream_audio
@@ -53,12 +52,6 @@ INFERENCE = "/cosyvoice.CosyVoice/Inference"  # the method's path: the route of 
 ROUTE = "official_grpc"  # the route label of its audio metrics
 PAYLOADS = {"sft_request": "sft", "zero_shot_request": "zero_shot", "cross_lingual_request": "cross_lingual",
             "instruct_request": "instruct"}  # Request's oneof RequestPayload -> official_api.KINDS
-MESSAGE_OVERHEAD_BYTES = 64 * 1024  # the texts next to the prompt audio in one Request
-STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-          403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
-          408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
-          504: grpc.StatusCode.DEADLINE_EXCEEDED}
 OFFICIAL_GRPC_PORT = web.AppKey("official_grpc_port", int)  # the port it listens on, once started
 
 
@@ -75,8 +68,7 @@ class GrpcCall(dict):
     def __init__(self, app: web.Application, metadata, client_max_size: int):
         super().__init__()
         self.app = app
-        self.headers = CIMultiDictProxy(CIMultiDict((key, value) for key, value in metadata or ()
-                                                    if isinstance(value, str)))  # -bin values are no headers
+        self.headers = metadata_headers(metadata)
         self.client_max_size = client_max_size
 
 
@@ -163,21 +155,17 @@ def grpc_error(response: web.Response) -> tuple[grpc.StatusCode, str, tuple[tupl
         metadata.append(("error-param", error["param"]))
     if "Retry-After" in response.headers:
         metadata.append(("retry-after", response.headers["Retry-After"]))
-    return STATUS.get(response.status, grpc.StatusCode.INTERNAL), error["message"], tuple(metadata)
+    return grpc_status(response.status), error["message"], tuple(metadata)
 
 
 async def serve_official_grpc(app: web.Application):
-    """cleanup_ctx: the service on `config.official_grpc_port` (0: a free one), on the gateway's host, from
-    startup to cleanup; calls still running at cleanup get CUT_AFTER_DRAIN_S (the drain waited for them)."""
+    """cleanup_ctx: the service on `config.official_grpc_port` (0: a free one), from startup to cleanup."""
     config = app[CONFIG]
     max_message_bytes = config.limits.max_upload_bytes + MESSAGE_OVERHEAD_BYTES
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes)])
-    cosyvoice_pb2_grpc.add_CosyVoiceServicer_to_server(OfficialService(app, max_message_bytes), server)
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    app[OFFICIAL_GRPC_PORT] = port = server.add_insecure_port(f"{host}:{config.official_grpc_port}")
-    await server.start()
-    print(f"  official gRPC {host}:{port} (cosyvoice.CosyVoice/Inference)", flush=True)
-    try:
+    service = OfficialService(app, max_message_bytes)
+    async with running_server(app, config.official_grpc_port,
+                              lambda server: cosyvoice_pb2_grpc.add_CosyVoiceServicer_to_server(service, server),
+                              [("grpc.max_receive_message_length", max_message_bytes)],
+                              "official gRPC", "cosyvoice.CosyVoice/Inference") as port:
+        app[OFFICIAL_GRPC_PORT] = port
         yield
-    finally:
-        await server.stop(CUT_AFTER_DRAIN_S)

@@ -41,9 +41,8 @@ from .fields import Fields
 from .protocol import json_body
 from .request_keys import ERROR_CODE
 from .state import CONFIG, LIMITER, METRICS
-from .synthesis import call_model, gateway_error, refused_by_server
+from .synthesis import call_model, gateway_error, refused_by_server, synthesis_cost
 from .triton_channel import TritonCallError
-from .triton_facade import synthesis_cost
 
 ROUTE = "kserve"  # the route label of its audio metrics
 MODELS = (COSYVOICE2, COSYVOICE2_OFFLINE)  # the names this route answers for

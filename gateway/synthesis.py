@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -23,7 +23,8 @@ from cosyvoice_triton.admission import AdmissionPolicy
 from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.pipeline.voice_conversion import validate_source_audio
 from cosyvoice_triton.preprocess.audio import decode_audio, validate_prompt_audio
-from cosyvoice_triton.triton.contracts import ConversionInputs, PromptAudio, SynthesisInputs, waveform_of
+from cosyvoice_triton.triton.contracts import (OFFICIAL_SAMPLE_RATE, ConversionInputs, PromptAudio, SynthesisInputs,
+                                               waveform_of)
 from cosyvoice_triton.voices.prompt_budget import speech_tokens_of
 from cosyvoice_triton.voices.store import VoiceRecord, check_voice_id, visible_to
 
@@ -140,6 +141,13 @@ def routing_cost(app: web.Application, inputs: WireRequest, prompt_tokens: int) 
     return app[COSTS].estimate(inputs.text, prompt_tokens, inputs.audio is not None)
 
 
+def synthesis_cost(app: web.Application, text: str, prompt_samples: int) -> float:
+    """A synthesis's routing cost from its text and its prompt recording's samples at the official 16 kHz (0: a
+    stored voice): the official-form requests (triton_facade.py, routes_kserve.py), whose tensors are not parsed."""
+    return app[COSTS].estimate(text, speech_tokens_of(max(0, prompt_samples), OFFICIAL_SAMPLE_RATE),
+                               prompt_samples > 0)
+
+
 async def voice_info(app: web.Application, voice_id: object, field: str, stock_voice: bool = False) -> VoiceRecord:
     """The voice if the request's tenant may use it: its own or a shared one (`auth.current_tenant`, set
     for every request). Another key's voice answers 404 exactly as a missing one. Every synthesis route
@@ -248,20 +256,28 @@ async def call_model(app: web.Application, model: str, inputs: dict[str, np.ndar
                      timeout_s: float, request_id: str = "", admit: bool = False) -> dict[str, np.ndarray]:
     """A unary call (register_voice, cosyvoice2_offline) on the least-loaded server, retried elsewhere on
     transport errors. `admit`: a synthesis, refused (Overloaded) when no server would start it in time."""
+    return await routed(app, cost, lambda server: server.client.infer(model, inputs, timeout_s, request_id), admit)
+
+
+async def routed(app: web.Application, cost: float, send: Callable[[object], Awaitable], admit: bool = False,
+                 server: object | None = None):
+    """`await send(server)` on `server`, else on the least-loaded healthy server (`admit`: a synthesis, refused
+    with Overloaded when none would start it in time), counted against it while it runs; tried once more
+    elsewhere (not with a given `server`) while `send` raises a retryable TritonCallError."""
     router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
     tried = []
     while True:
-        server = pick_admitted(app, tried) if admit else router.pick(exclude=tried)
-        tried.append(server)
-        metrics.routed.labels(server.name).inc()
-        with router.lease(server, cost):
+        chosen = server or (pick_admitted(app, tried) if admit else router.pick(exclude=tried))
+        tried.append(chosen)
+        metrics.routed.labels(chosen.name).inc()
+        with router.lease(chosen, cost):
             try:
-                return await server.client.infer(model, inputs, timeout_s, request_id)
+                return await send(chosen)
             except TritonCallError as exc:
                 metrics.errors.labels(f"triton_{exc.kind}").inc()
                 if exc.kind == "unreachable":
-                    router.set_health(server, False, exc.message)
+                    router.set_health(chosen, False, exc.message)
                 others = [b for b in router.healthy() if b not in tried]
-                if not exc.retryable or len(tried) >= routing.max_attempts or not others:
+                if server is not None or not exc.retryable or len(tried) >= routing.max_attempts or not others:
                     raise
                 metrics.retries.inc()

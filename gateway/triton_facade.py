@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
 
@@ -41,19 +40,18 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from cosyvoice_triton.errors import CosyVoiceError
 from cosyvoice_triton.server_pool import Server
-from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFLINE, OFFICIAL_MODELS, OFFICIAL_SAMPLE_RATE,
+from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFLINE, OFFICIAL_MODELS,
                                                REFERENCE_WAV, REFERENCE_WAV_LEN, TARGET_TEXT, TEXT_APPEND,
                                                TEXT_STREAM_ID, WAVEFORM,
                                                official_model_for)
 from cosyvoice_triton.triton.grpc_stream import status_error
 from cosyvoice_triton.triton.wire import MAX_MESSAGE_BYTES, STREAM_END_WAIT_S, is_final
-from cosyvoice_triton.voices.prompt_budget import speech_tokens_of
 
-from .auth import ApiKeys, Tenant
-from .drain import CUT_AFTER_DRAIN_S
+from .auth import ApiKeys, Tenant, header_key
 from .errors import as_gateway_error
-from .state import CONFIG, COSTS, DRAIN, LIMITER, METRICS, ROUTER
-from .synthesis import pick_admitted, refused_by_server
+from .grpc_server import MESSAGE_OVERHEAD_BYTES, grpc_status, metadata_headers, running_server
+from .state import CONFIG, DRAIN, LIMITER, METRICS, ROUTER
+from .synthesis import refused_by_server, routed, synthesis_cost
 from .triton_channel import TritonCallError
 
 log = logging.getLogger(__name__)
@@ -61,10 +59,6 @@ log = logging.getLogger(__name__)
 OFFICIAL_TRITON_PORT = web.AppKey("official_triton_port", int)  # the port it listens on, once started
 ROUTE = "triton_grpc"  # the route label of its audio metrics
 SYNTHESIS_MODELS = frozenset({COSYVOICE2, COSYVOICE2_OFFLINE, *OFFICIAL_MODELS})  # admitted, stream-limited
-MESSAGE_OVERHEAD_BYTES = 64 * 1024  # the texts and settings next to the prompt samples in one request
-STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-          404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-          503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}  # a gateway error's status
 Write = Callable[[service_pb2.ModelStreamInferResponse], Awaitable[None]]
 
 
@@ -239,36 +233,18 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # ---- routing, keys and limits -------------------------------------------------------------------------
     async def _routed(self, model: str, cost: float, send: Callable[[Server], Awaitable], server: Server | None = None):
-        """`await send(server)` on `server`, else on the server the router picks (admission first for a
-        synthesis: Overloaded when none would start it in time), counted against it while it runs, as
-        synthesis.call_model counts the gateway's own calls; tried once more elsewhere while `send` raises a
-        retryable UpstreamFailed (it does only before the client got anything)."""
-        app = self.app
-        router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
-        tried: list[Server] = []
-        while True:
-            chosen = server or (pick_admitted(app, tried) if model in SYNTHESIS_MODELS else router.pick(exclude=tried))
-            tried.append(chosen)
-            metrics.routed.labels(chosen.name).inc()
-            with router.lease(chosen, cost):
-                try:
-                    return await send(chosen)
-                except UpstreamFailed as exc:
-                    metrics.errors.labels(f"triton_{exc.kind}").inc()
-                    if exc.kind == "unreachable":
-                        router.set_health(chosen, False, exc.message)
-                    others = [b for b in router.healthy() if b not in tried]
-                    if server is not None or not exc.retryable or len(tried) >= routing.max_attempts or not others:
-                        refused_by_server(app, exc)
-                        raise
-                    metrics.retries.inc()
+        """synthesis.routed (admission first for a synthesis model), a server's refusal counted as the gateway's
+        own routes count it."""
+        try:
+            return await routed(self.app, cost, send, admit=model in SYNTHESIS_MODELS, server=server)
+        except UpstreamFailed as exc:
+            refused_by_server(self.app, exc)
+            raise
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         """The caller's tenant from its metadata (Unauthorized when keys are on and none valid is given)."""
-        metadata = {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
-        auth = metadata.get("authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else metadata.get("x-api-key")
-        return self.keys.tenant(key if self.keys.enabled else None)
+        key = header_key(metadata_headers(context.invocation_metadata())) if self.keys.enabled else None
+        return self.keys.tenant(key)
 
     def _stream_slot(self, model: str, tenant: Tenant, request: service_pb2.ModelInferRequest):
         """A synthesis (not a text piece for one) counts against its tenant's stream limit while it runs."""
@@ -316,12 +292,6 @@ def request_cost(app: web.Application, request: service_pb2.ModelInferRequest) -
     return synthesis_cost(app, bytes_value(request, TARGET_TEXT) or "", samples)
 
 
-def synthesis_cost(app: web.Application, text: str, prompt_samples: int) -> float:
-    """A synthesis's routing cost from its text and its prompt recording's samples at 16 kHz (0: a stored voice)."""
-    return app[COSTS].estimate(text, speech_tokens_of(max(0, prompt_samples), OFFICIAL_SAMPLE_RATE),
-                               prompt_samples > 0)
-
-
 def waveform_samples(response: service_pb2.ModelInferResponse) -> int:
     return sum(len(raw) // 4 for tensor, raw in zip(response.outputs, response.raw_output_contents)
                if tensor.name == WAVEFORM)
@@ -337,25 +307,20 @@ def error_response(request: service_pb2.ModelInferRequest, message: str) -> serv
 def aborted(exc: CosyVoiceError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
     """(status, details, trailing metadata) of an error the gateway answers itself: its status as the gateway's
     HTTP routes say it, its JSON (errors.py `to_wire`, with `retry_after_s`) and a `retry-after` entry."""
-    status = STATUS.get(as_gateway_error(exc).status, grpc.StatusCode.INTERNAL)
+    status = grpc_status(as_gateway_error(exc).status)
     retry = (("retry-after", str(exc.retry_after_s)),) if exc.retry_after_s is not None else ()
     return status, exc.to_wire(), retry
 
 
 async def serve_official_triton(app: web.Application):
-    """cleanup_ctx: the facade on `config.official_triton_port` (0: a free one), on the gateway's host, from startup
-    to cleanup; calls still running at cleanup get CUT_AFTER_DRAIN_S (the drain waited for them)."""
+    """cleanup_ctx: the facade on `config.official_triton_port` (0: a free one), from startup to cleanup."""
     config = app[CONFIG]
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", config.limits.max_upload_bytes + MESSAGE_OVERHEAD_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(TritonFacade(app), server)
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    app[OFFICIAL_TRITON_PORT] = port = server.add_insecure_port(f"{host}:{config.official_triton_port}")
-    await server.start()
-    print(f"  official Triton gRPC {host}:{port} (inference.GRPCInferenceService; cosyvoice2 in the official form)",
-          file=sys.stdout, flush=True)
-    try:
+    facade = TritonFacade(app)
+    options = [("grpc.max_receive_message_length", config.limits.max_upload_bytes + MESSAGE_OVERHEAD_BYTES),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+    async with running_server(app, config.official_triton_port,
+                              lambda server: service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(facade, server),
+                              options, "official Triton gRPC",
+                              "inference.GRPCInferenceService; cosyvoice2 in the official form") as port:
+        app[OFFICIAL_TRITON_PORT] = port
         yield
-    finally:
-        await server.stop(CUT_AFTER_DRAIN_S)

@@ -88,6 +88,7 @@ class Pipeline:
         validate_text(spoken_text(parts), field, self.preprocessor.max_chars)
         voices: dict[str | None, PromptFeatures] = {None: request.voice}
         plan: list[SpokenSentence | int] = []
+        sentences = 0
         for part in parts:
             if isinstance(part, (Pause, Mark)):
                 plan.extend([part.samples] if isinstance(part, Pause) else [])
@@ -101,9 +102,9 @@ class Pipeline:
             voice = self.voice_of(request, part.voice_id, voices)
             spoken = replace(request, text=part.text, voice=voice)
             prompt = flow_prompt_of(voice)
-            first = sum(isinstance(step, SpokenSentence) for step in plan)  # sentences count across the document
-            for index, llm_request in enumerate(self.llm_requests(spoken, stream_id, seed, first), start=first):
-                plan.append(SpokenSentence(llm_request, prompt, speed, sentence_seeds(seed, index).vocoder))
+            for llm_request in self.llm_requests(spoken, stream_id, seed, first=sentences):
+                plan.append(SpokenSentence(llm_request, prompt, speed, sentence_seeds(seed, sentences).vocoder))
+                sentences += 1  # sentences count across the document
         return plan
 
     @staticmethod
