@@ -7,6 +7,7 @@ cosyvoice-client synth --text - --prompt-audio me.wav --prompt-text "..." --out 
 cosyvoice-client synth --triton grpc://localhost:8001 --voice v_123 --text "Hi." --out a.wav
 cosyvoice-client synth --text "Hello there." --stream --chunk-first-hop 10 --out a.wav  # earlier first audio
 cosyvoice-client synth --text "Hello there." --out hello.mp3          # mp3, opus, aac, flac, pcm: from --out
+cosyvoice-client synth --text "Hello there. Bye." --out a.wav --marks marks.json   # speech marks as JSON
 cosyvoice-client voices add me.wav --prompt-text "what I say in me.wav" [--id me] [--name Me]
 cosyvoice-client voices list | show ID | delete ID
 ```
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream: print each audio chunk as it arrives (index, arrival ms, seconds of audio)")
     p.add_argument("--ws", action="store_true", help="stream over the gateway's WebSocket (implies --stream)")
     p.add_argument("--float", dest="float32", action="store_true", help="wav: write 32-bit float samples")
+    p.add_argument("--marks", type=Path, default=None, metavar="JSON",
+                   help="write the speech marks (sentence, <mark> and <break> times and text spans; "
+                        "docs/api/speech-marks.md) to this JSON file")
     _add_target(p)
     p.set_defaults(func=_synth)
 
@@ -126,7 +130,7 @@ def _synth(args) -> int:
     options = {"mode": args.mode, "instruct": args.instruct, "seed": args.seed, "text_frontend": args.text_frontend,
                "chunk_first_hop": args.chunk_first_hop, "chunk_hop_scale": args.chunk_hop_scale,
                "chunk_max_hop": args.chunk_max_hop, "chunk_policy": args.chunk_policy,
-               "speed": args.speed}  # None: not sent
+               "speed": args.speed, "marks": True if args.marks else None}  # None: not sent
     if args.prompt_audio is not None:
         options.update(prompt_audio=args.prompt_audio.read_bytes(), prompt_text=args.prompt_text)
     else:
@@ -138,7 +142,7 @@ def _synth(args) -> int:
         raise SystemExit("cosyvoice-client: --voice or --prompt-audio is needed with --triton")
     streaming = args.stream or args.ws
     started = time.monotonic()
-    if not args.triton and not streaming and fmt != "wav":
+    if not args.triton and not streaming and fmt != "wav" and not args.marks:
         data = _gateway(args).synthesize_file(text, fmt, **options)  # encoded by the gateway
         args.out.write_bytes(data)
         print(f"wrote {args.out}: {len(data)} bytes of {fmt} in {time.monotonic() - started:.2f} s", file=sys.stderr)
@@ -147,17 +151,22 @@ def _synth(args) -> int:
         if args.triton:
             client = _triton(args)
             try:
-                _collect(client.stream(text, **options), started, streaming, writer.add)
+                marks = _collect(client.stream(text, **options), started, streaming, writer.add)
             finally:
                 client.close()
         else:
             client = _gateway(args)
             if args.ws:
-                _collect(client.stream_ws(text, **options), started, streaming, writer.add)
+                marks = _collect(client.stream_ws(text, **options), started, streaming, writer.add)
             elif streaming:
-                _collect(client.stream(text, **options), started, streaming, writer.add)
+                marks = _collect(client.stream(text, **options), started, streaming, writer.add)
             else:
-                writer.add(client.synthesize(text, **options))
+                audio = client.synthesize(text, **options)
+                writer.add(audio)
+                marks = getattr(audio, "marks", [])
+    if args.marks:
+        args.marks.write_text(json.dumps(marks, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {args.marks}: {len(marks)} speech marks", file=sys.stderr)
     elapsed = time.monotonic() - started
     print(f"wrote {args.out}: {writer.samples / SAMPLE_RATE:.2f} s of audio in {elapsed:.2f} s", file=sys.stderr)
     return 0
@@ -218,10 +227,10 @@ class _AudioWriter:
             self._file.close()
 
 
-def _collect(stream, started: float, verbose: bool, add) -> None:
+def _collect(stream, started: float, verbose: bool, add) -> list[dict]:
     """Feed each audio chunk of `stream` to `add`; verbose: print one line per chunk as the service sent it
     (a gRPC response, a WebSocket frame, a chunk of the HTTP body): its index, its arrival after the
-    request, in ms, and its seconds of audio."""
+    request, in ms, and its seconds of audio. Returns the stream's complete speech marks ([] without)."""
     count, total = 0, 0
     with stream:
         for chunk in stream:
@@ -235,6 +244,7 @@ def _collect(stream, started: float, verbose: bool, add) -> None:
         first = stream.stats.first_chunk_s
         print(f"first chunk after {first * 1000:.0f} ms; {count} chunks, {total / SAMPLE_RATE:.3f} s of audio",
               file=sys.stderr)
+    return getattr(stream, "marks", [])
 
 
 def chunk_line(index: int, arrival_s: float, seconds: float, total_s: float) -> str:

@@ -24,6 +24,24 @@ from cosyvoice_triton.messages import SAMPLE_RATE, SPEECH_TOKENS_PER_SECOND
 PromptAudio = str | os.PathLike | bytes | np.ndarray
 
 
+class MarkedAudio(np.ndarray):
+    """Float32 audio (a numpy array, as every chunk) that carries speech marks (docs/api/speech-marks.md): a
+    streamed chunk's `marks` are the mark events that came with it (before its audio: a sentence's mark with
+    end_ms null, a mark_end ending an earlier one); a whole answer's are the complete marks. Given only when a
+    request asks for marks; arrays made from one (slices, sums) carry none."""
+
+    marks: list[dict]
+
+    def __array_finalize__(self, obj) -> None:
+        self.marks = []
+
+
+def with_marks(audio: np.ndarray, marks: list[dict]) -> MarkedAudio:
+    marked = np.asarray(audio, dtype=np.float32).view(MarkedAudio)
+    marked.marks = marks
+    return marked
+
+
 class TTSError(Exception):
     """The server refused or failed a request.
 

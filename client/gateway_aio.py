@@ -26,8 +26,8 @@ import aiohttp
 import numpy as np
 
 from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo, retry_after_seconds
-from .gateway_client import DEFAULT_URL, _voice_form, tts_body, vc_form, voice_from_json
-from .gateway_streams import PcmDecoder, StreamInfo, error_from_body, ws_message
+from .gateway_client import DEFAULT_URL, _voice_form, marked_audio, tts_body, vc_form, voice_from_json
+from .gateway_streams import PcmDecoder, StreamInfo, error_from_body, sse_message, ws_message
 
 
 class AsyncHttpAudioStream(AsyncIterator[np.ndarray]):
@@ -75,6 +75,49 @@ class AsyncHttpAudioStream(AsyncIterator[np.ndarray]):
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+
+class AsyncHttpEventStream(AsyncHttpAudioStream):
+    """A streamed /v1/tts answer with marks (server-sent events), as the blocking `HttpEventStream`."""
+
+    def __init__(self, response, started: float):
+        super().__init__(response, started)
+        self.stats.speech_marks.wanted = True
+        self._done = False
+        self._buffer = b""
+
+    @property
+    def marks(self) -> list[dict]:
+        return self.stats.marks
+
+    async def __anext__(self) -> np.ndarray:
+        while not self._done:
+            try:
+                line = await self._readline()
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                await self.aclose()
+                raise TTSError(f"the stream was cut before its end ({type(exc).__name__})", status=502) from None
+            if not line:
+                await self.aclose()
+                raise TTSError("the stream ended before its speech.audio.done event", status=502)
+            chunk, ended = sse_message(self.stats, self._decoder, line, self._started)
+            if ended:
+                self._done = True
+                await self.aclose()
+            elif chunk is not None:
+                return chunk
+        raise StopAsyncIteration
+
+    async def _readline(self) -> bytes:
+        """The next line, however long (an audio delta is one line: aiohttp's readline caps lines at 128 KiB)."""
+        while b"\n" not in self._buffer:
+            data = await self._response.content.readany()
+            if not data:
+                line, self._buffer = self._buffer, b""
+                return line
+            self._buffer += data
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line + b"\n"
 
 
 class AsyncWsAudioStream(AsyncIterator[np.ndarray]):
@@ -132,6 +175,11 @@ class AsyncWsAudioStream(AsyncIterator[np.ndarray]):
 
     def __aiter__(self) -> AsyncWsAudioStream:
         return self
+
+    @property
+    def marks(self) -> list[dict]:
+        """The complete speech marks received so far (a session started with marks=True)."""
+        return self.stats.marks
 
     async def __anext__(self) -> np.ndarray:
         while not self._done:
@@ -206,7 +254,8 @@ class AsyncGatewayTTS:
 
     async def synthesize(self, text: str, **options) -> np.ndarray:
         body = {**tts_body(text, **options), "format": "pcm_f32"}
-        return np.frombuffer(await self._request("POST", "/v1/tts", json=body), "<f4").astype(np.float32)
+        data = await self._request("POST", "/v1/tts", json=body)
+        return marked_audio(data) if options.get("marks") else np.frombuffer(data, "<f4").astype(np.float32)
 
     async def synthesize_wav(self, text: str, **options) -> bytes:
         return await self.synthesize_file(text, "wav", **options)
@@ -217,7 +266,8 @@ class AsyncGatewayTTS:
     async def stream(self, text: str, **options) -> AsyncHttpAudioStream:
         body = {**tts_body(text, **options), "format": "pcm_f32", "stream": True}
         started = time.monotonic()
-        return AsyncHttpAudioStream(await self._open("POST", "/v1/tts", json=body), started)
+        stream = AsyncHttpEventStream if options.get("marks") else AsyncHttpAudioStream
+        return stream(await self._open("POST", "/v1/tts", json=body), started)
 
     async def stream_ws(self, text: str | Iterable[str] | AsyncIterable[str] | None = None,
                         **options) -> AsyncWsAudioStream:
@@ -235,6 +285,7 @@ class AsyncGatewayTTS:
             raise TTSError(f"cannot reach the gateway at {self.url}: {exc}", status="UNREACHABLE") from None
         started = time.monotonic()
         stream = AsyncWsAudioStream(ws, started)
+        stream.stats.speech_marks.wanted = bool(options.get("marks"))
         try:
             await ws.send_json(start)
             if isinstance(text, str):

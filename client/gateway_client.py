@@ -13,6 +13,9 @@ with GatewayTTS("http://localhost:8080") as tts:
     with tts.stream_ws(["Hello ", "there. ", "How are you?"]) as chunks:  # text in as it is written
         for chunk in chunks: ...
     print(chunks.stats)   # the server's end message: first_chunk_ms, audio_seconds, segments, ...
+    with tts.stream("Hello there. Bye.", marks=True) as chunks:           # speech marks
+        for chunk in chunks: chunk.marks                                  # the mark events before this chunk
+    chunks.marks          # the complete marks: sentence times in the audio, spans in the text
     converted = tts.convert("source.wav", voice_id=voice.voice_id)      # voice conversion (POST /v1/vc)
 ```
 Options of synthesize/stream/stream_ws: voice_id | prompt_audio (+ prompt_sample_rate for samples) +
@@ -37,8 +40,8 @@ from urllib.parse import quote, urlsplit
 
 import numpy as np
 
-from .common import PromptAudio, TTSError, VoiceInfo, prompt_bytes, wav_bytes
-from .gateway_streams import HttpAudioStream, WsAudioStream, error_from_body
+from .common import PromptAudio, TTSError, VoiceInfo, prompt_bytes, wav_bytes, with_marks
+from .gateway_streams import HttpAudioStream, HttpEventStream, WsAudioStream, error_from_body
 
 DEFAULT_URL = "http://localhost:8080"
 
@@ -57,10 +60,12 @@ def tts_body(text: str | None, *, voice_id: str | None = None, prompt_audio: Pro
              instruct: str | None = None, seed: int | None = None, text_frontend: bool | None = None,
              chunk_first_hop: int | None = None,
              chunk_hop_scale: float | None = None, chunk_max_hop: int | None = None,
-             chunk_policy: str | None = None, speed: float | None = None, text_type: str | None = None) -> dict:
+             chunk_policy: str | None = None, speed: float | None = None, text_type: str | None = None,
+             marks: bool | None = None) -> dict:
     """The JSON of a /v1/tts request (or, without `format`/`stream`, of a WebSocket start message).
     Options left None are not sent: the gateway's (or the server's) default applies. `text_type`: "text" or
-    "ssml" (docs/api/ssml.md; default: ssml when the text starts with <speak)."""
+    "ssml" (docs/api/ssml.md; default: ssml when the text starts with <speak). `marks`: speech marks
+    (docs/api/speech-marks.md)."""
     body: dict = {} if text is None else {"text": text}
     if voice_id is not None and prompt_audio is not None:
         raise ValueError("give voice_id or prompt_audio, not both")
@@ -71,10 +76,16 @@ def tts_body(text: str | None, *, voice_id: str | None = None, prompt_audio: Pro
     for name, value in (("prompt_text", prompt_text), ("mode", mode), ("instruct", instruct), ("seed", seed), ("text_frontend", text_frontend),
                         ("chunk_first_hop", chunk_first_hop), ("chunk_hop_scale", chunk_hop_scale),
                         ("chunk_max_hop", chunk_max_hop), ("chunk_policy", chunk_policy), ("speed", speed),
-                        ("text_type", text_type)):
+                        ("text_type", text_type), ("marks", marks)):
         if value is not None:
             body[name] = value
     return body
+
+
+def marked_audio(data: bytes) -> np.ndarray:
+    """A /v1/tts answer with marks (JSON: the pcm_f32 file in base64 and the complete marks) as marked audio."""
+    answer = json.loads(data)
+    return with_marks(np.frombuffer(base64.b64decode(answer["audio"]), "<f4"), answer["marks"])
 
 
 def voice_from_json(data: dict) -> VoiceInfo:
@@ -189,10 +200,11 @@ class GatewayTTS:
     def synthesize(self, text: str, **options) -> np.ndarray:
         """The whole waveform (float32, 24 kHz). Options: voice_id | prompt_audio (+ prompt_sample_rate for
         samples) + prompt_text, mode, instruct, seed, chunk_first_hop, chunk_hop_scale, chunk_max_hop, speed,
-        text_type ("ssml": `text` is an SSML document, docs/api/ssml.md)."""
+        text_type ("ssml": `text` is an SSML document, docs/api/ssml.md), marks (True: the complete speech marks
+        in the result's `marks`, docs/api/speech-marks.md)."""
         body = {**tts_body(text, **options), "format": "pcm_f32"}
-        return np.frombuffer(self._request("POST", "/v1/tts", json.dumps(body).encode(), "application/json"),
-                             "<f4").astype(np.float32)
+        data = self._request("POST", "/v1/tts", json.dumps(body).encode(), "application/json")
+        return marked_audio(data) if options.get("marks") else np.frombuffer(data, "<f4").astype(np.float32)
 
     def synthesize_wav(self, text: str, **options) -> bytes:
         """The whole answer as a WAV file (16-bit, 24 kHz)."""
@@ -205,11 +217,12 @@ class GatewayTTS:
         return self._request("POST", "/v1/tts", json.dumps(body).encode(), "application/json")
 
     def stream(self, text: str, **options) -> HttpAudioStream:
-        """POST /v1/tts with stream=true: chunks as the gateway writes them."""
+        """POST /v1/tts with stream=true: chunks as the gateway writes them (marks=True: server-sent events, each
+        chunk's speech marks in `chunk.marks`, all of them in the stream's `marks`)."""
         body = {**tts_body(text, **options), "format": "pcm_f32", "stream": True}
         started = time.monotonic()
         connection, response = self._open("POST", "/v1/tts", json.dumps(body).encode(), "application/json")
-        return HttpAudioStream(connection, response, started)
+        return (HttpEventStream if options.get("marks") else HttpAudioStream)(connection, response, started)
 
     def stream_ws(self, text: str | Iterable[str] | None = None, *, text_mode: str | None = None,
                   **options) -> WsAudioStream:
@@ -245,7 +258,9 @@ class GatewayTTS:
         if isinstance(text, str):
             ws.send(json.dumps({"type": "end"}))
         try:
-            return WsAudioStream(ws, started, None if isinstance(text, str) else text)
+            stream = WsAudioStream(ws, started, None if isinstance(text, str) else text)
+            stream.stats.speech_marks.wanted = bool(options.get("marks"))
+            return stream
         except BaseException:
             ws.close()
             raise

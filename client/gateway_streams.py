@@ -1,7 +1,10 @@
 """The blocking gateway client's audio streams and what they share with the asyncio client (gateway_aio.py):
-the float32 PCM decoder, the stream's info, the error body and the WebSocket message handler."""
+the float32 PCM decoder, the stream's info, the error body and the WebSocket and server-sent event handlers.
+Speech marks (docs/api/speech-marks.md) come as WebSocket messages or server-sent events among the audio; each
+chunk takes the events that came before it (`MarkCollector`)."""
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import threading
@@ -11,7 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .common import SAMPLE_RATE, TTSError
+from cosyvoice_triton.pipeline.speech_marks import MarkList, event_of
+
+from .common import SAMPLE_RATE, TTSError, with_marks
 
 _READ = 64 * 1024
 
@@ -30,6 +35,30 @@ class PcmDecoder:
 
 
 @dataclass
+class MarkCollector:
+    """A stream's speech mark events as they arrive: each chunk takes those that came before it (`attach`, when
+    the request asked for marks: `wanted`); `marks` are the complete marks."""
+
+    wanted: bool = False
+    pending: list[dict] = field(default_factory=list)
+    complete: MarkList = field(default_factory=MarkList)
+
+    def add(self, event: dict) -> None:
+        self.pending.append(event)
+        self.complete.add(event)
+
+    def attach(self, chunk: np.ndarray) -> np.ndarray:
+        if not self.wanted:
+            return chunk
+        chunk, self.pending = with_marks(chunk, self.pending), []
+        return chunk
+
+    @property
+    def marks(self) -> list[dict]:
+        return self.complete.marks
+
+
+@dataclass
 class StreamInfo:
     """What the gateway said about a stream: headers (HTTP) or its messages (WebSocket)."""
 
@@ -40,6 +69,12 @@ class StreamInfo:
     samples: int = 0
     segments: list[dict] = field(default_factory=list)  # WebSocket "segment" messages
     end: dict | None = None  # WebSocket "end" message: segments, audio_seconds, first_chunk_ms, elapsed_ms
+    speech_marks: MarkCollector = field(default_factory=MarkCollector)
+
+    @property
+    def marks(self) -> list[dict]:
+        """The stream's complete speech marks (a request with marks=True)."""
+        return self.speech_marks.marks
 
     @property
     def audio_seconds(self) -> float:
@@ -69,12 +104,36 @@ def ws_message(stats: StreamInfo, decoder: PcmDecoder, message: bytes | dict,
         chunk = decoder.feed(message)
         if chunk.size:
             stats._add(chunk, started)
-            return chunk, False
+            return stats.speech_marks.attach(chunk), False
+    elif (event := event_of(message)) is not None:
+        stats.speech_marks.add(event)
     elif message.get("type") == "segment":
         stats.segments.append(message)
     elif message.get("type") == "end":
         stats.end = message
         return None, True
+    return None, False
+
+
+def sse_message(stats: StreamInfo, decoder: PcmDecoder, line: bytes, started: float) -> tuple[np.ndarray | None, bool]:
+    """One line of a server-sent event stream (/v1/tts streamed with marks, the OpenAI route's sse) as
+    `ws_message` reads a WebSocket message: an audio delta's chunk, a mark event, the done event, an error."""
+    if not line.startswith(b"data:"):
+        return None, False
+    data = json.loads(line[5:])
+    kind = data.get("type")
+    if kind == "speech.audio.delta":
+        chunk = decoder.feed(base64.b64decode(data["audio"]))
+        if chunk.size:
+            stats._add(chunk, started)
+            return stats.speech_marks.attach(chunk), False
+    elif (event := event_of(data, "speech.")) is not None:
+        stats.speech_marks.add(event)
+    elif kind == "speech.audio.done":
+        stats.end = data
+        return None, True
+    elif kind == "error":
+        raise TTSError.from_body(data, 502)
     return None, False
 
 
@@ -128,6 +187,36 @@ class HttpAudioStream(Iterator[np.ndarray]):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class HttpEventStream(HttpAudioStream):
+    """Float32 chunks of a streamed /v1/tts answer with marks: server-sent events, each chunk's `marks` the
+    events before it, `marks` the complete ones."""
+
+    def __init__(self, connection: http.client.HTTPConnection, response: http.client.HTTPResponse, started: float):
+        super().__init__(connection, response, started)
+        self.stats.speech_marks.wanted = True
+
+    @property
+    def marks(self) -> list[dict]:
+        return self.stats.marks
+
+    def __next__(self) -> np.ndarray:
+        while not self._done:
+            try:
+                line = self._response.readline()
+            except (http.client.IncompleteRead, OSError) as exc:
+                self.close()
+                raise TTSError(f"the stream was cut before its end ({type(exc).__name__})", status=502) from None
+            if not line:
+                self.close()
+                raise TTSError("the stream ended before its speech.audio.done event", status=502)
+            chunk, ended = sse_message(self.stats, self._decoder, line, self._started)
+            if ended:
+                self.close()
+            elif chunk is not None:
+                return chunk
+        raise StopIteration
 
 
 class WsAudioStream(Iterator[np.ndarray]):
@@ -198,6 +287,11 @@ class WsAudioStream(Iterator[np.ndarray]):
 
     def __iter__(self) -> WsAudioStream:
         return self
+
+    @property
+    def marks(self) -> list[dict]:
+        """The complete speech marks received so far (a session started with marks=True)."""
+        return self.stats.marks
 
     def __next__(self) -> np.ndarray:
         while not self._done:

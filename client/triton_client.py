@@ -9,6 +9,10 @@ with TritonTTS("localhost:8001") as tts:
         for chunk in chunks:          # float32 numpy arrays at 24 kHz, as the server makes them
             play(chunk)               # leaving the block early cancels the request on the server
     audio = tts.synthesize("Hello there.", voice_id=voice.voice_id)
+    with tts.stream("Hello there. Bye.", voice_id=voice.voice_id, marks=True) as chunks:
+        for chunk in chunks:
+            chunk.marks               # speech mark events that came with this chunk (docs/api/speech-marks.md)
+    chunks.marks                      # the complete marks: sentence times in the audio, spans in the text
     converted = tts.convert("source.wav", voice_id=voice.voice_id, seed=1)   # voice conversion (mode vc)
 ```
 
@@ -38,11 +42,12 @@ import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from cosyvoice_triton.messages import MODES
+from cosyvoice_triton.pipeline.speech_marks import MarkList
 from cosyvoice_triton.triton import contracts
 from cosyvoice_triton.triton.grpc_stream import AsyncStreamReader, StreamReader, status_error, status_name
 from cosyvoice_triton.triton.wire import CHANNEL_OPTIONS, infer_request, response_outputs
 
-from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo, as_samples, prompt_bytes
+from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo, as_samples, prompt_bytes, with_marks
 
 STREAMING_MODEL = contracts.COSYVOICE2
 OFFLINE_MODEL = contracts.COSYVOICE2_OFFLINE
@@ -78,9 +83,11 @@ def _check_options(overrides: dict, known) -> None:
 def synthesis_inputs(text: str, *, voice_id: str | None = None, prompt_audio: PromptAudio | None = None,
                      prompt_sample_rate: int | None = None, prompt_text: str | None = None,
                      mode: str | None = None, instruct: str | None = None, seed: int | None = None,
-                     **overrides: float) -> dict[str, np.ndarray]:
-    """The tensors of one `cosyvoice2` request, from the SDK's argument names."""
+                     marks: bool = False, **overrides: float) -> dict[str, np.ndarray]:
+    """The tensors of one `cosyvoice2` request, from the SDK's argument names (`marks`: speech marks)."""
     _check_voice(voice_id, prompt_audio)
+    if marks:
+        overrides[contracts.SPEECH_MARKS] = True
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     _check_options(overrides, contracts.OPTION_TYPES)
@@ -128,8 +135,10 @@ def bistream_request(model: str, request_id: str | None, **options) -> service_p
 
 
 def _waveform(response: service_pb2.ModelInferResponse) -> np.ndarray:
-    """The whole waveform of an offline model's answer."""
-    return contracts.waveform_of(response_outputs(response))
+    """The whole waveform of an offline model's answer (with its complete `marks` when it carries marks)."""
+    outputs = response_outputs(response)
+    audio = contracts.waveform_of(outputs)
+    return with_marks(audio, contracts.marks_of(outputs)) if contracts.MARKS in outputs else audio
 
 
 def _rpc_error(exc: grpc.RpcError) -> TTSError:
@@ -178,6 +187,9 @@ class _StreamResponses:
     def _begin(self, request: service_pb2.ModelInferRequest, done) -> None:
         self.request_id = request.id
         self.stats = StreamStats()
+        self._marked = any(tensor.name == contracts.SPEECH_MARKS for tensor in request.inputs)
+        self._marks = MarkList()
+        self._events: list[dict] = []  # mark events waiting for the next chunk
         self._done = done  # a threading or asyncio Event: set when our side of the call may close
         self._started = time.monotonic()
 
@@ -189,11 +201,27 @@ class _StreamResponses:
         return result.id.startswith(_append_prefix(self.request_id))
 
     def _chunk(self, outputs: dict[str, np.ndarray]) -> np.ndarray | None:
-        """A response's audio, None when it has none."""
+        """A response's audio, None when it has none; with marks asked for, the events that came since the
+        previous chunk in its `marks`."""
+        events = contracts.marks_of(outputs)
+        self._marks.extend(events)
+        self._events.extend(events)
         chunk = contracts.chunk_of(outputs)
         if chunk is not None:
             self.stats.add(chunk, self._started)
+            if self._marked:
+                chunk, self._events = with_marks(chunk, self._events), []
         return chunk
+
+    @property
+    def marks(self) -> list[dict]:
+        """The complete speech marks received so far (all of them once the stream is over)."""
+        return self._marks.marks
+
+    @property
+    def marked(self) -> bool:
+        """Whether the request asked for speech marks."""
+        return self._marked
 
     def _finish(self) -> None:
         self.stats.total_s = time.monotonic() - self._started
@@ -305,7 +333,8 @@ class TritonTTS(_Settings):
                instruct: str | None = None, seed: int | None = None, request_id: str | None = None,
                **overrides: float) -> AudioStream:
         """Start synthesizing `text`; iterate the result for its chunks as they are made. `overrides`: any option
-        input (`contracts.OPTION_TYPES`): speed, chunk_*, sampling, text_type ("ssml": docs/api/ssml.md)."""
+        input (`contracts.OPTION_TYPES`): speed, chunk_*, sampling, text_type ("ssml": docs/api/ssml.md); and
+        `marks=True`: speech marks, each chunk's in `chunk.marks`, all of them in the stream's `marks`."""
         request = stream_request(self.model, text, request_id, voice_id=voice_id, prompt_audio=prompt_audio,
                                  prompt_sample_rate=prompt_sample_rate, prompt_text=prompt_text, mode=mode,
                                  instruct=instruct, seed=seed, **overrides)
@@ -324,10 +353,12 @@ class TritonTTS(_Settings):
         return TextAudioStream(self._stub, request, text, self.timeout_s)
 
     def synthesize(self, text: str, *, offline: bool = False, **kwargs) -> np.ndarray:
-        """The whole waveform: the stream's chunks joined, or (`offline=True`) one call to the offline twin."""
+        """The whole waveform: the stream's chunks joined, or (`offline=True`) one call to the offline twin.
+        With `marks=True`, the complete speech marks in its `marks`."""
         if not offline:
             with self.stream(text, **kwargs) as chunks:
-                return _join(list(chunks))
+                audio = _join(list(chunks))
+            return with_marks(audio, chunks.marks) if chunks.marked else audio
         request_id = kwargs.pop("request_id", None)
         return _waveform(self._infer(self.offline_model, synthesis_inputs(text, **kwargs), request_id))
 
@@ -472,7 +503,8 @@ class AsyncTritonTTS(_Settings):
     async def synthesize(self, text: str, *, offline: bool = False, **kwargs) -> np.ndarray:
         if not offline:
             async with self.stream(text, **kwargs) as chunks:
-                return _join([chunk async for chunk in chunks])
+                audio = _join([chunk async for chunk in chunks])
+            return with_marks(audio, chunks.marks) if chunks.marked else audio
         request_id = kwargs.pop("request_id", None)
         return _waveform(await self._infer(self.offline_model, synthesis_inputs(text, **kwargs), request_id))
 

@@ -24,6 +24,10 @@ room again (wait_s - max_wait_s, rounded up, at least 1 s). An admitted request 
 `max_wait_s` all the same (the estimate was wrong) is refused then, before any audio: a queued request's
 wait is bounded, never left to a client's timeout.
 
+Streams are admitted in real-time units too (pipeline/capacity.py): their `capacity` is then at most the
+streams the server keeps ahead of their listeners (measured audio seconds per second over the real-time
+margin), so a stream beyond them waits (priced as above) or is refused, never started and starved.
+
 A refusal is an `Unavailable` error (`refusal`, `expiry`) whose `retry_after_s` carries the seconds as data:
 it crosses Triton in the error's JSON (`CosyVoiceError.to_wire`), and a gateway or client reads it back
 with `errors.from_wire`; the message says the same in words for people.

@@ -116,6 +116,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue-wait", type=float, default=2.0, metavar="S",
                    help="admission: refuse (UNAVAILABLE, 'retry after N s') a request that would wait more than S "
                         "seconds for a worker (cosyvoice_triton/admission.py)")
+    add_realtime_arguments(p)
     p.add_argument("--voice-store", default=None,
                    help="sqlite path or redis://host:port/db (default: $COSYVOICE_HOME/voices.sqlite)")
     p.add_argument("--llm-max-batch", type=int, default=8, help="LLM streams decoded together (KV slots)")
@@ -125,12 +126,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads per llm/token2wav instance (default 0: from the core count, the LLM a third "
                         "of the cores, at most 4, token2wav the rest, so that the two run side by side)")
     p.add_argument("--llm-precision", choices=(*LLM_PRECISIONS, "auto"), default="auto",
-                   help="the LLM backbone's precision: fp32 (the reference), bf16, int8 (weight-only), or auto "
-                        "(default: int8 on CPUs with AVX512-BF16/AMX, bf16 on GPUs, else fp32; quality against "
-                        "fp32 in perf/RESULTS.md)")
+                   help="the LLM backbone's precision: fp32 (the reference), bf16, int8 (weight-only), int8-dynamic "
+                        "(int8 weights and activations, CPU), or auto (default: int8 on CPUs with AVX512-BF16/AMX, "
+                        "bf16 on GPUs, else fp32; quality and speed against fp32 in "
+                        "perf/RESULTS.md)")
     p.add_argument("--flow-precision", choices=(*FLOW_PRECISIONS, "auto"), default="auto",
                    help="the torch flow estimator's arithmetic: fp32 (the reference), bf16, or auto (default: fp32 "
                         "for now, as bf16's waveform misses the 30 dB bound; quality in perf/RESULTS.md)")
+    p.add_argument("--compile", choices=("off", "auto", "on"), default="off",
+                   help="torch.compile (inductor) of the LLM's, the flow estimator's and HiFT's blocks, cached on "
+                        "disk ($COSYVOICE_HOME/inductor): off (default: on a CPU it gains ~1%% of a stream for a "
+                        "cold compile of about a minute), on, or auto (the modules that measured faster compiled "
+                        "on this device kind; perf/RESULTS.md); eager after a failure")
     p.add_argument("--engine", choices=ENGINES, default="torch",
                    help="engine of token2wav's flow and HiFT decode (torch: the reference); openvino and tensorrt "
                         "also run CAM++. One that cannot run here falls back (tensorrt -> onnxruntime -> torch, "
@@ -178,6 +185,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "flow cache; 0: off; full size: 115 MB per 75-token prompt)")
 
 
+def add_realtime_arguments(p) -> None:
+    """serve's and up's flags of admission in real-time units (cosyvoice_triton/pipeline/capacity.py)."""
+    from .pipeline.capacity import DEFAULT_REALTIME_MARGIN
+
+    p.add_argument("--realtime-margin", type=float, default=DEFAULT_REALTIME_MARGIN, metavar="X",
+                   help="a new stream starts only while every running stream still gets its audio X times faster "
+                        "than real time (from the measured capacity); else it waits in the queue or is refused "
+                        f"(default {DEFAULT_REALTIME_MARGIN:g}; 0: off, streams admitted by cost only)")
+    p.add_argument("--realtime-capacity", type=float, default=None, metavar="S_PER_S",
+                   help="audio seconds per second each cosyvoice2 instance makes, all streams together "
+                        "(default: measured, a conservative figure until then)")
+
+
 def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
     """The `ServeOptions` of the arguments `add_serve_arguments` added."""
     from .server.launcher import ServeOptions
@@ -185,8 +205,8 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(model_dir=args.model_dir, run_dir=args.run_dir, address=args.address,
                         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                         device=args.device, instances=args.instances, workers=args.workers,
-                        max_queue_wait_s=args.max_queue_wait,
-                        voice_store=args.voice_store, llm_max_batch=args.llm_max_batch,
+                        max_queue_wait_s=args.max_queue_wait, realtime_margin=args.realtime_margin,
+                        realtime_capacity=args.realtime_capacity, voice_store=args.voice_store, llm_max_batch=args.llm_max_batch,
                         t2w_max_streams=args.t2w_max_streams, t2w_max_batch=args.t2w_max_batch,
                         torch_threads=args.torch_threads, llm_precision=args.llm_precision,
                         flow_precision=args.flow_precision, engine=args.engine, precision=args.precision,
@@ -194,7 +214,7 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
                         backends=tuple(args.backend),
                         t2w_idle_timeout_s=args.t2w_idle_timeout, flow_cache_frames=args.flow_cache_frames,
                         prompt_cache_mb=args.prompt_cache_mb, chunk_policy=args.chunk_policy,
-                        chunk_preset=args.chunk_preset, official_models=args.official_models)
+                        chunk_preset=args.chunk_preset, official_models=args.official_models, compile=args.compile)
 
 
 def _run_serve(args) -> int:

@@ -184,6 +184,7 @@ class SynthesisRequest:
     speed: float = 1.0  # speaking speed in [MIN_SPEED, MAX_SPEED]: the mel interpolated by 1 / speed
     text_type: str | None = None  # text | ssml (preprocess/ssml.py); None: ssml when the text starts with <speak
     voice_of: Callable[[str], PromptFeatures] | None = None  # SSML <voice name>: a voice id -> its features
+    marks: bool = False  # speech marks among the audio chunks (pipeline/speech_marks.py)
 
     def validate(self) -> SynthesisRequest:
         check_text_type(self.text_type)
@@ -228,6 +229,9 @@ class LLMRequest:
     sampling: SamplingParams  # its `seed` is ignored: `seed` below seeds the stream
     seed: int
     bistream: bool = False  # text_tokens are only the first text: more is appended to the live stream
+    # Seconds of audio its listener still has to play when this sentence is asked for (a later sentence of a
+    # stream that plays); None: nobody listens yet. The LLM gives a free slot to the least lead first.
+    lead_s: float | None = None
 
 
 @dataclass

@@ -46,6 +46,9 @@ class Server:
     llm_slots: int = 0  # the LLM's KV-cache slots (free + used); 0: unknown
     llm_free_slots: int = 0
     token2wav_pending: float = 0.0  # chunk requests waiting in token2wav's queue
+    capacity: float = 0.0  # audio seconds per second it makes, all streams (pipeline/capacity.py); 0: unknown
+    capacity_measured: bool = False  # False: its cold default (or forced)
+    realtime_slots: int = 0  # streams it keeps ahead of their listeners; 0: unknown
     precision: dict = field(default_factory=dict)  # {"llm": ..., "flow": ...} as its metrics say (/readyz)
     last_pick: int = 0
     leaving: bool = False  # gone from its spec: out of the pool, closed once `inflight` is 0
@@ -79,13 +82,14 @@ class ServerPool:
     def healthy(self) -> list[Server]:
         return [s for s in self.servers if s.healthy]
 
-    def pick(self, exclude: Iterable[Server] = ()) -> Server | None:
-        """The healthy server with the least load (not in `exclude`), or None."""
+    def pick(self, exclude: Iterable[Server] = (), load: Callable[[Server], Any] | None = None) -> Server | None:
+        """The healthy server with the least load (`load`, default `self.load`; not in `exclude`), or None."""
         excluded = set(exclude)
         candidates = [s for s in self.servers if s.healthy and s not in excluded]
         if not candidates:
             return None
-        chosen = min(candidates, key=lambda s: (self.load(s), s.last_pick))
+        load = load or self.load
+        chosen = min(candidates, key=lambda s: (load(s), s.last_pick))
         chosen.last_pick = next(self._picks)
         return chosen
 
@@ -111,8 +115,9 @@ class ServerPool:
             return False
         server.healthy = healthy
         server.external = server.pending = server.queued = server.token2wav_pending = 0.0
-        server.slots = server.llm_slots = server.llm_free_slots = 0
+        server.slots = server.llm_slots = server.llm_free_slots = server.realtime_slots = 0
         server.seconds_per_cost = None
+        server.capacity, server.capacity_measured = 0.0, False
         return True
 
     def set_external(self, server: Server, active: float) -> None:

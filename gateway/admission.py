@@ -4,7 +4,9 @@ at once instead of a place in a queue it would time out in.
 
 A server's load, as this gateway sees it (`server_load`):
   capacity      its cosyvoice2 stream slots (`cosyvoice_stream_slots`), fewer when the LLM has fewer KV-cache
-                slots (`cosyvoice_llm_free_slots` + `cosyvoice_llm_active_streams`)
+                slots (`cosyvoice_llm_free_slots` + `cosyvoice_llm_active_streams`) or when it keeps fewer
+                streams ahead of their listeners (`cosyvoice_realtime_slots`: its measured capacity in audio
+                seconds per second over its real-time margin, cosyvoice_triton/pipeline/capacity.py)
   streams       this gateway's requests in flight there now, plus the others' (`Server.external`: running,
                 queued and pending there at the last scrape, less this gateway's); fewer than the capacity:
                 a slot is free and the request starts now
@@ -14,8 +16,21 @@ A server's load, as this gateway sees it (`server_load`):
 Until a server's metrics were scraped once (slots 0) the gateway admits and lets the server decide: the
 cosyvoice2 model applies the same policy to everything it receives, and its refusal (an Unavailable error
 whose `retry_after_s` crosses Triton as data) comes back as the same 503 with the same Retry-After.
+
+A request admitted to wait (no free slot, but it should start within the limit) has a place in the
+server's queue, as this gateway sees it (`QueuePlace`: position 1 starts next, and the expected start).
+`check` records it for the request (`QUEUE_PLACE`, 0 / 0.0 when it starts at once): an HTTP response
+carries it as `X-Queue-Position` and `X-Expected-Start-S` (`add_queue_headers`; a streamed response's
+headers go out with its first audio, so they tell what admission expected), and a WebSocket session
+that set `ON_QUEUED` sends it as a {"type": "queued"} message at once.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from aiohttp import web
 
 from cosyvoice_triton.admission import (
     DEFAULT_SECONDS_PER_COST,
@@ -23,32 +38,75 @@ from cosyvoice_triton.admission import (
     AdmissionPolicy,
     Decision,
     Load,
+    estimate_wait,
 )
 from cosyvoice_triton.server_pool import Server
 
 from .errors import Overloaded
 
+QUEUE_POSITION_HEADER, EXPECTED_START_HEADER = "X-Queue-Position", "X-Expected-Start-S"
 
-def server_load(server: Server, mean_cost: float) -> Load | None:
-    """What `server` has now, or None before its first scrape."""
+
+@dataclass(frozen=True)
+class QueuePlace:
+    position: int  # 1: the next to start; 0: started at once
+    expected_start_s: float  # admission's estimate of the wait
+
+
+QUEUE_PLACE: ContextVar[QueuePlace | None] = ContextVar("queue_place", default=None)  # this request's, if checked
+ON_QUEUED: ContextVar[Callable[[QueuePlace], None] | None] = ContextVar("on_queued", default=None)
+
+
+def server_load(server: Server, mean_cost: float, streamed: bool = True) -> Load | None:
+    """What `server` has now, or None before its first scrape. Not `streamed` (the whole audio at once: nobody
+    listens while it runs): cost-based, its real-time slots do not count."""
     if server.slots <= 0:
         return None
-    capacity = min(server.slots, server.llm_slots) if server.llm_slots > 0 else server.slots
+    realtime_slots = server.realtime_slots if streamed else 0
+    capacity = min(s for s in (server.slots, server.llm_slots, realtime_slots) if s > 0)
     streams = server.inflight + server.external
     queued_cost = max(0.0, streams - capacity) * mean_cost + server.token2wav_pending * TOKEN2WAV_CHUNK_COST
     return Load(capacity=capacity, streams=int(streams), queued_cost=queued_cost,
                 seconds_per_cost=server.seconds_per_cost or DEFAULT_SECONDS_PER_COST, mean_cost=mean_cost)
 
 
-def decide(policy: AdmissionPolicy, server: Server, mean_cost: float) -> Decision:
-    load = server_load(server, mean_cost)
+def queue_place(load: Load | None) -> QueuePlace:
+    """Where a new request would wait on a server with `load` (position 0: it starts at once)."""
+    if load is None or load.streams < load.capacity:
+        return QueuePlace(0, 0.0)
+    return QueuePlace(load.streams - load.capacity + 1, estimate_wait(load))
+
+
+def decide(policy: AdmissionPolicy, server: Server, mean_cost: float, streamed: bool = True) -> Decision:
+    load = server_load(server, mean_cost, streamed)
     return Decision(True, 0.0, 0) if load is None else policy.decide(load)
 
 
-def check(policy: AdmissionPolicy, server: Server, mean_cost: float) -> None:
-    """Raise Overloaded (503 + Retry-After) when a request sent to `server` now would not start in time."""
-    decision = decide(policy, server, mean_cost)
+def check(policy: AdmissionPolicy, server: Server, mean_cost: float, streamed: bool = True) -> None:
+    """Raise Overloaded (503 + Retry-After) when a request sent to `server` now would not start in time; else
+    record its place in the server's queue (`QUEUE_PLACE`, and `ON_QUEUED` when it waits)."""
+    decision = decide(policy, server, mean_cost, streamed)
     if not decision.admit:
         raise Overloaded(f"every server is busy: a new request would wait about {decision.wait_s:.1f} s to "
                          f"start (the limit is {policy.max_wait_s:g} s); retry after {decision.retry_after_s} s",
                          decision.retry_after_s)
+    place = queue_place(server_load(server, mean_cost, streamed))
+    QUEUE_PLACE.set(place)
+    on_queued = ON_QUEUED.get()
+    if place.position > 0 and on_queued is not None:
+        on_queued(place)
+
+
+@web.middleware
+async def queue_place_middleware(request: web.Request, handler):
+    """Each request starts without a place (a connection's task serves its requests one after another)."""
+    QUEUE_PLACE.set(None)
+    return await handler(request)
+
+
+async def add_queue_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: a request that admission checked carries its place in the queue."""
+    place = QUEUE_PLACE.get()
+    if place is not None:  # (headers may still change here: they are written after this signal)
+        response.headers[QUEUE_POSITION_HEADER] = str(place.position)
+        response.headers[EXPECTED_START_HEADER] = f"{place.expected_start_s:.2f}"

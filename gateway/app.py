@@ -40,7 +40,7 @@ from cosyvoice_triton.random_folder.marker import NOTE as RANDOM_NOTE, is_random
 from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.targets import Resolver, resolve_ips
 
-from . import routes_kserve, routes_official, routes_openai, routes_tts, routes_vc, routes_voices, routes_ws
+from . import admission, routes_kserve, routes_official, routes_openai, routes_tts, routes_vc, routes_voices, routes_ws
 from .access_log import access_log_middleware, enable_access_log
 from .auth import ApiKeys, RateLimiter, StreamLimiter, auth_middleware
 from .config import GatewayConfig
@@ -49,7 +49,7 @@ from .drain import CUT_AFTER_DRAIN_S, DRAIN_TIMEOUT_S, Drain, drain_readiness
 from .errors import error_middleware
 from .metrics import GatewayMetrics
 from .request_keys import ERROR_CODE, handle_and_report
-from .routing import CostModel, Router
+from .routing import CostModel, Router, capacity_view
 from .serving import serve_until_stopped
 from .state import (
     CONFIG,
@@ -83,7 +83,8 @@ def create_app(config: GatewayConfig, *, resolve: Resolver = resolve_ips) -> web
     keys = ApiKeys(keys=config.api_keys, admin=config.admin_keys)
     requests_rate = RateLimiter(limits.requests_per_second, 1.0, limits.request_burst, "requests")
     drain = Drain()  # refuses new requests once begun (gateway/drain.py)
-    middlewares = [metrics_middleware, error_middleware, auth_middleware(keys, requests_rate), drain.middleware]
+    middlewares = [metrics_middleware, error_middleware, auth_middleware(keys, requests_rate), drain.middleware,
+                   admission.queue_place_middleware]
     if config.access_log:
         enable_access_log()
         middlewares.insert(0, access_log_middleware)  # outermost: sees the status the error middleware chose
@@ -95,6 +96,7 @@ def create_app(config: GatewayConfig, *, resolve: Resolver = resolve_ips) -> web
     app[LIMITER] = StreamLimiter(limits.max_streams_per_key, limits.max_keyless_streams)
     app[REGISTRATION_RATE] = routes_voices.registration_rate(limits)
     app[WEBSOCKETS] = weakref.WeakSet()
+    app.on_response_prepare.append(admission.add_queue_headers)  # X-Queue-Position, X-Expected-Start-S
     app[DEFAULT_VOICE] = DefaultVoice(config.default_voice)
     app.cleanup_ctx.extend([_voice_store, _triton, _default_voice])
     if config.official_grpc_port is not None:  # imported only then: the generated protobuf code checks its runtime
@@ -209,7 +211,9 @@ async def readyz(request: web.Request) -> web.Response:
     """Ready: at least one Triton server in the pool, the voice store answering, and the default voice
     settled. `servers`: the pool's members now (with dns:// specs, what DNS names), healthy or not;
     `precision`: what each server's LLM and flow compute in (their metrics, as scraped; `auto` resolved);
-    `voice_store`: "ok", or why not (`voice_store_error`, e.g. Redis is down)."""
+    `voice_store`: "ok", or why not (`voice_store_error`, e.g. Redis is down); `capacity`: each scraped server's
+    audio seconds per second (`measured` false: its cold default), the streams it keeps ahead of their
+    listeners and the streams it has (gateway/routing.py `capacity_view`)."""
     router, voice = request.app[ROUTER], request.app[DEFAULT_VOICE]
     servers = {b.name: b.healthy for b in router.servers}
     store_error = await voice_store_error(request.app[STORE])
@@ -222,7 +226,8 @@ async def readyz(request: web.Request) -> web.Response:
     body = {"status": "ready" if ready else "starting", "waiting_for": [] if ready else waiting, "ready": ready,
             "servers": servers, "default_voice": voice.state,
             "voice_store": "ok" if store_error is None else "unavailable",
-            "precision": {b.name: b.precision for b in router.servers if b.precision}}
+            "precision": {b.name: b.precision for b in router.servers if b.precision},
+            "capacity": capacity_view(router.servers)}
     for _, parts in extra:
         body.update(parts)  # e.g. "processes" (up's supervisor), "status": "draining"
     if is_random(request.app[CONFIG].model_dir):

@@ -6,6 +6,12 @@ encodes each chunk as Triton makes it (timing the stream's first audible audio: 
 writes what the encoder gives, in one of two bodies: the audio
 bytes themselves (`AudioBytes`; a failure after the headers cuts the connection, an incomplete chunked body,
 never a short success) or OpenAI's server-sent events (`AudioEvents`; a failure ends with an error event).
+
+Speech marks (a request with `marks`; pipeline/speech_marks.py): not streamed, the answer is JSON, the encoded
+file in base64 beside the complete marks; streamed, the events are server-sent events among the audio deltas
+(speech.mark before the audio it describes, speech.mark_end after a sentence's last audio) and speech.audio.done
+carries the complete marks. (An HTTP trailer would need aiohttp to send trailers, which it does not, and the
+clients we ship would not read one.)
 """
 from __future__ import annotations
 
@@ -23,13 +29,14 @@ from aiohttp import web
 
 from cosyvoice_triton.audio_out import AudioEncoder, AudioFormat, encode
 from cosyvoice_triton.pipeline.audible import AudibleDetector, first_audible
+from cosyvoice_triton.pipeline.speech_marks import MarkList, mark_message
 
 from . import access_log
 from .errors import GatewayError
 from .fields import Fields
 from .request_keys import ABORTED
 from .state import CONFIG, METRICS
-from .synthesis import WireRequest, stream_audio, whole_audio
+from .synthesis import WireRequest, stream_audio, whole_answer
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,10 @@ class AudioBytes:
         if data:  # an empty write would end a chunked body; encoders hold a few ms until a whole frame
             await response.write(data)
 
+    async def mark(self, response: web.StreamResponse, event: dict) -> None:
+        """A speech mark event: raw audio bytes have no place for one (a request with marks is answered with
+        `AudioEvents`)."""
+
     async def finish(self, response: web.StreamResponse) -> None:
         """What follows the last audio bytes: nothing."""
 
@@ -59,12 +70,14 @@ AUDIO_BYTES = AudioBytes()
 
 class AudioEvents(AudioBytes):
     """Server-sent events (OpenAI's stream_format "sse"): a speech.audio.delta for each piece of encoded bytes
-    (base64), then speech.audio.done with the usage; a failure ends the stream with an error event."""
+    (base64), then speech.audio.done with the usage; a failure ends the stream with an error event. With
+    `marks`: speech.mark / speech.mark_end events among the deltas, and the complete marks in speech.audio.done."""
 
     chunked = False
 
-    def __init__(self, input_tokens: int):
+    def __init__(self, input_tokens: int, marks: bool = False):
         self.input_tokens = input_tokens
+        self.marks = MarkList() if marks else None
 
     def content_type(self, fmt: AudioFormat) -> str:
         return "text/event-stream"
@@ -73,10 +86,18 @@ class AudioEvents(AudioBytes):
         if data:
             await response.write(_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}))
 
+    async def mark(self, response: web.StreamResponse, event: dict) -> None:
+        if self.marks is not None:
+            self.marks.add(event)
+            await response.write(_event(mark_message(event, "speech.")))
+
     async def finish(self, response: web.StreamResponse) -> None:
         tokens = self.input_tokens
-        await response.write(_event({"type": "speech.audio.done",
-                                     "usage": {"input_tokens": tokens, "output_tokens": 0, "total_tokens": tokens}}))
+        done = {"type": "speech.audio.done",
+                "usage": {"input_tokens": tokens, "output_tokens": 0, "total_tokens": tokens}}
+        if self.marks is not None:
+            done["marks"] = self.marks.marks
+        await response.write(_event(done))
 
     async def fail(self, request: web.Request, response: web.StreamResponse,
                    error: GatewayError) -> web.StreamResponse:
@@ -104,14 +125,20 @@ async def send_audio(request: web.Request, inputs: WireRequest, cost: float, fie
     accepted = time.monotonic()
     headers = {**audio_headers(request_id, inputs.seed, fmt, rate), "Content-Type": body.content_type(fmt)}
     if not stream:  # the offline model: one full-attention flow pass per sentence, as the official offline path
-        audio = await whole_audio(app, inputs, cost, fields, request_id)
+        audio, marks = await whole_answer(app, inputs, cost, fields, request_id)
         metrics.first_chunk.labels(route).observe(time.monotonic() - accepted)
         metrics.audio_seconds.labels(route).inc(audio.size / rate)
         access_log.first_chunk(request, time.monotonic() - accepted)
         if await asyncio.to_thread(first_audible, audio, rate, config.audible_threshold_dbfs) is not None:
             observe_first_audible(request, route, time.monotonic() - accepted)
         access_log.audio_sent(request, audio.size / rate)
-        return web.Response(body=await asyncio.to_thread(encode, audio, fmt, rate), headers=headers)
+        data = await asyncio.to_thread(encode, audio, fmt, rate)
+        if getattr(inputs, "marks", False):  # the file in base64 beside the complete marks
+            headers.pop("Content-Type")
+            return web.json_response({"audio": base64.b64encode(data).decode("ascii"), "format": fmt.name,
+                                      "sample_rate": fmt.output_rate(rate), "seed": inputs.seed, "marks": marks},
+                                     headers=headers)
+        return web.Response(body=data, headers=headers)
     chunks = stream_audio(app, inputs, cost, fields, request_id)
     async with aclosing(chunks):
         first = await anext(chunks, None)
@@ -124,8 +151,8 @@ async def send_audio(request: web.Request, inputs: WireRequest, cost: float, fie
         return await _write_stream(request, response, first, chunks, fmt, route, body, request_id, accepted)
 
 
-async def _write_stream(request: web.Request, response: web.StreamResponse, first: np.ndarray | None,
-                        chunks: AsyncIterator[np.ndarray], fmt: AudioFormat, route: str, body: AudioBytes,
+async def _write_stream(request: web.Request, response: web.StreamResponse, first: np.ndarray | dict | None,
+                        chunks: AsyncIterator[np.ndarray | dict], fmt: AudioFormat, route: str, body: AudioBytes,
                         request_id: str, accepted: float) -> web.StreamResponse:
     """The one encode loop: each chunk fed to the encoder, what it gives written as `body` says."""
     metrics, config = request.app[METRICS], request.app[CONFIG]
@@ -137,6 +164,10 @@ async def _write_stream(request: web.Request, response: web.StreamResponse, firs
     try:
         chunk = first
         while chunk is not None:
+            if isinstance(chunk, dict):  # a speech mark event: before the audio it describes
+                await body.mark(response, chunk)
+                chunk = await anext(chunks, None)
+                continue
             if audible.feed(chunk, time.monotonic()):
                 observe_first_audible(request, route, audible.at - accepted)
             await body.write(response, encoder.feed(chunk))

@@ -18,6 +18,9 @@
                                                         gateway's estimate) | server (the server's own policy)
   cosyvoice_gateway_server_queued{server}               requests admitted there, waiting for a worker (last scrape)
   cosyvoice_gateway_server_slots{server}                streams it runs at once (last scrape; 0: not scraped yet)
+  cosyvoice_gateway_server_capacity_audio_seconds_per_second{server}  audio it makes per second, all streams
+                                                        (last scrape; pipeline/capacity.py)
+  cosyvoice_gateway_server_realtime_slots{server}       streams it keeps ahead of their listeners (last scrape)
   cosyvoice_gateway_server_expected_wait_seconds{server}  admission's estimate for a new request there now
   cosyvoice_gateway_llm_free_slots{server}              its LLM's free KV-cache slots (last scrape)
   cosyvoice_gateway_token2wav_pending{server}           chunks waiting in its token2wav queue (last scrape)
@@ -53,6 +56,11 @@ SERVER_GAUGES = (
      lambda server, router: server.queued),
     ("cosyvoice_gateway_server_slots", "Streams the server runs at once (last scrape; 0: not scraped yet)",
      lambda server, router: server.slots),
+    ("cosyvoice_gateway_server_capacity_audio_seconds_per_second",
+     "Audio seconds per second the server makes, all streams together (last scrape; 0: not scraped yet)",
+     lambda server, router: server.capacity),
+    ("cosyvoice_gateway_server_realtime_slots", "Streams the server keeps ahead of their listeners (last scrape)",
+     lambda server, router: server.realtime_slots),
     ("cosyvoice_gateway_server_expected_wait_seconds", "Admission's estimated wait for a new request on the server now",
      lambda server, router: _expected_wait(server, router)),
     ("cosyvoice_gateway_llm_free_slots", "The server's free LLM KV-cache slots (last scrape)",

@@ -39,7 +39,7 @@ from .fields import OPENAI_FIELDS, TTS_FIELDS, resolve_aliases
 TTS_FORMATS = (*FORMATS, *ALIASES)  # the formats of /v1/tts, /v1/vc and the WebSocket
 TTS_KEYS = frozenset({"text", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
                       "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "text_frontend", "speed",
-                      "text_type", "format", "stream"})
+                      "text_type", "marks", "format", "stream"})
 START_KEYS = (TTS_KEYS - {"stream"}) | {"type", "text_mode"}
 VC_KEYS = frozenset({"audio", "voice_id", "prompt_audio", "seed", "speed", "format", "stream"})
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer",
@@ -126,11 +126,14 @@ def parse_speech(body: dict, limits: Limits) -> SpeechRequest:
     stream_format = body.get("stream_format", "audio")
     if stream_format not in ("audio", "sse"):
         raise BadRequest("stream_format", f"must be audio or sse, got {stream_format!r}")
+    marks = given(body.get("marks"), False)
+    if marks is not False and stream_format != "sse":
+        raise BadRequest("marks", "speech marks need stream_format sse (they come as events among the audio)")
     voice = openai_voice(body.get("voice"))
     instructions = body.get("instructions") or None
     inputs = SynthesisInputs(text=body.get("input"), mode="instruct2" if instructions else "zero_shot",
                              instruct_text=given(instructions, ""), voice_id=voice,
-                             seed=seed_or_new(body.get("seed")), speed=given(body.get("speed"), 1.0))
+                             seed=seed_or_new(body.get("seed")), speed=given(body.get("speed"), 1.0), marks=marks)
     with OPENAI_FIELDS.named():
         inputs.check(limits.max_text_chars)
     return SpeechRequest(inputs, fmt, stream, stream_format == "sse", voice.lower() in OPENAI_VOICES)
@@ -197,7 +200,7 @@ def synthesis_fields(body: Mapping, text: object, limits: Limits) -> SynthesisIn
                            audio=prompt_audio, prompt_text=body.get("prompt_text"), seed=seed_or_new(body.get("seed")),
                            chunk_overrides=chunk_overrides(body), text_frontend=given(body.get("text_frontend"), True),
                            speed=given(body.get("speed"), 1.0), text_mode=body.get("text_mode", "sentences"),
-                           text_type=body.get("text_type"))
+                           text_type=body.get("text_type"), marks=given(body.get("marks"), False))
 
 
 def given(value: object, default: object) -> object:

@@ -13,6 +13,9 @@
   stream_format    audio (default): the audio bytes, streamed as they are encoded | sse: server-sent events
                    speech.audio.delta {audio: base64 of the next bytes of the file} ... then speech.audio.done
   seed             (extension) as in /v1/tts
+  marks            (extension) true, with stream_format sse: speech marks (docs/api/speech-marks.md) as events
+                   speech.mark (before the audio it describes) and speech.mark_end among the deltas, and the
+                   complete marks in speech.audio.done
   stream           (extension) true (default): chunked transfer, so `with_streaming_response` reads audio as
                    it is made (a wav then says "unknown length" in its header, as FFmpeg writes it on a
                    pipe; soundfile, FFmpeg and browsers read it to its end); false: the whole file, whose
@@ -34,7 +37,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
     app = request.app
     speech = parse_speech(await json_body(request), app[CONFIG].limits)
     inputs, prompt_tokens = await prepare(app, speech.inputs, OPENAI_FIELDS, stock_voice=speech.stock_voice)
-    body = AudioEvents(app[COSTS].text_tokens(inputs.text)) if speech.events else AUDIO_BYTES
+    body = AudioEvents(app[COSTS].text_tokens(inputs.text), inputs.marks) if speech.events else AUDIO_BYTES
     with app[LIMITER].slot(limit_key(request)):
         return await send_audio(request, inputs, routing_cost(app, inputs, prompt_tokens), OPENAI_FIELDS,
                                 speech.format, speech.stream or speech.events, route="openai", body=body)

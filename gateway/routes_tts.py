@@ -16,6 +16,10 @@ Body (JSON):
                 (number in [1, 16]) and its cap (int >= the first hop). The chunking changes where the flow
                 model's chunks fall, so the audio may differ slightly from the default's
   chunk_policy  fixed (the official schedule) | adaptive (hops follow the listener's lead; default: the server's)
+  marks         true: speech marks (docs/api/speech-marks.md): not streamed, a JSON answer {"audio": base64 of
+                the file, "format", "sample_rate", "seed", "marks": [...]}; streamed, server-sent events as the
+                OpenAI route's (speech.audio.delta, speech.mark before the audio it describes, speech.mark_end,
+                speech.audio.done with the complete marks). Default false: the answer as below, unchanged
   format        wav (default, 16-bit) | mp3 | opus | aac | flac | pcm (16-bit little-endian) | pcm_f32 (the
                 model's float32 samples); pcm_s16le is an older name of pcm. cosyvoice_triton/audio_out.py
                 lists codecs, rates and media types (opus is 48 kHz; X-Sample-Rate says the rate)
@@ -36,11 +40,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from .audio_response import send_audio
+from .audio_response import AUDIO_BYTES, AudioEvents, send_audio
 from .auth import limit_key
 from .fields import TTS_FIELDS
 from .protocol import json_body, parse_tts
-from .state import CONFIG, LIMITER
+from .state import CONFIG, COSTS, LIMITER
 from .synthesis import prepare, routing_cost
 
 
@@ -48,9 +52,11 @@ async def tts(request: web.Request) -> web.StreamResponse:
     app = request.app
     tts = parse_tts(await json_body(request), app[CONFIG].limits)
     inputs, prompt_tokens = await prepare(app, tts.inputs, TTS_FIELDS)
+    marked = tts.stream and inputs.marks  # speech marks streamed: server-sent events among the audio
+    body = AudioEvents(app[COSTS].text_tokens(inputs.text), marks=True) if marked else AUDIO_BYTES
     with app[LIMITER].slot(limit_key(request)):
         return await send_audio(request, inputs, routing_cost(app, inputs, prompt_tokens), TTS_FIELDS, tts.format,
-                                tts.stream, route="tts")
+                                tts.stream, route="tts", body=body)
 
 
 def add_routes(app: web.Application) -> None:

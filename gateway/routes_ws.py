@@ -5,7 +5,10 @@ Client -> server (JSON text frames):
    "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "speed" (as in POST /v1/tts),
    "format": "pcm_f32" (default) | any format of POST /v1/tts, "text" (optional),
    "text_mode": "sentences" (default) | "bistream",
-   "text_type": "text" (default) | "ssml"}     first, once
+   "text_type": "text" (default) | "ssml",
+   "marks": false (default) | true}             first, once
+                                                 marks: speech marks (docs/api/speech-marks.md) as messages
+                                                 before the audio they describe (below; not with bistream)
                                                  ssml: each text message is one whole <speak> document
                                                  (docs/api/ssml.md), sent as one segment as it comes (no
                                                  sentence buffering; flush does nothing); bad SSML is an
@@ -25,6 +28,14 @@ Server -> client:
   binary frames: the bytes of one audio file in that format (pcm_f32, pcm: raw samples), across all
                  segments in text order, each chunk encoded as Triton makes it and sent as soon as the
                  encoder gives bytes; the file's last bytes come before the end message
+  {"type": "queued", "index", "position", "expected_start_s"}  a segment waits for a server to start it
+                 (admission in real-time units, gateway/admission.py: position 1 starts next); sent as soon
+                 as it is known, before that segment's audio
+  {"type": "mark", "mark": {"type": "sentence" | "mark" | "break", "index", "start_ms", "end_ms", "start", "end",
+   "value"}}    with marks: before the binary frames of the audio it describes; a sentence's end_ms is null
+                 here and comes in {"type": "mark_end", "index", "end_ms"} after its last audio. Times count
+                 the session's audio, spans the session's text (every text message, start text first, joined),
+                 indexes the session's marks
   {"type": "segment", "index", "text", "audio_seconds", "first_chunk_ms"}       after each segment's audio
   {"type": "end", "segments", "audio_seconds", "first_chunk_ms", "first_audible_ms", "elapsed_ms"}  then close
                  (1000); first_audible_ms: to the chunk holding the session's first audible sample
@@ -68,9 +79,10 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from cosyvoice_triton.audio_out import AudioEncoder, audio_format
 from cosyvoice_triton.messages import SEED_LIMIT
 from cosyvoice_triton.pipeline.audible import AudibleDetector
+from cosyvoice_triton.pipeline.speech_marks import MARK_END, mark_message, shifted
 from cosyvoice_triton.triton.contracts import ConversionInputs, SynthesisInputs
 
-from . import access_log
+from . import access_log, admission
 from .auth import limit_key
 from .drain import Draining
 from .errors import BadRequest, GatewayError, PayloadTooLarge, SessionTimeout, as_gateway_error, ws_error
@@ -137,13 +149,20 @@ def _speakable(text: str) -> bool:
     return any(ch.isalnum() for ch in text)
 
 
+@dataclass(frozen=True)
+class SegmentText:
+    text: str
+    offset: int  # of its first character in the session's text (speech mark spans)
+
+
 @dataclass(eq=False)
 class Segment:
     index: int
     text: str
     submitted: float
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # chunks, then _DONE or an exception
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # chunks (and mark events), then _DONE or an exception
     task: asyncio.Task | None = None
+    offset: int = 0  # of its text in the session's text
 
 
 class Session:
@@ -173,6 +192,10 @@ class Session:
         self.audible = AudibleDetector(self.config.sample_rate, self.config.audible_threshold_dbfs)
         self.first_audible_ms: float | None = None
         self.audio_seconds = 0.0
+        self.text = ""  # every text received (speech mark spans count in it) ...
+        self.text_cursor = 0  # ... and where the next segment's text is looked for
+        self.samples = 0  # audio samples sent, across segments (speech mark times count them)
+        self.marks = 0  # speech marks sent (their indexes count them)
         self.ended = False
         self.bistream: BistreamText | None = None  # text_mode bistream: the text goes to one synthesis
 
@@ -282,9 +305,11 @@ class Session:
         if self.bistream is not None:
             self.bistream.put(text)
             return
+        self.text += text
         if self.base.text_type == "ssml":  # one whole document: one segment, checked now
             with TTS_FIELDS.named():
                 replace(self.base, text=text).check(self.config.limits.max_text_chars)
+            self.text_cursor = len(self.text) - len(text)
             self._queue([text])
             return
         self._queue(self.buffer.feed(text))
@@ -295,9 +320,16 @@ class Session:
             return
         self.drain.refuse_new()
         for item in items:
-            self.pending.put_nowait(item)
+            self.pending.put_nowait(self._located(item) if isinstance(item, str) else item)
         self.held += len(items)
         self.drain.in_flight += len(items)
+
+    def _located(self, text: str) -> SegmentText:
+        """A segment's text with its place in the session's text (segments come in order, each a piece of it)."""
+        offset = self.text.find(text, self.text_cursor)
+        offset = self.text_cursor if offset < 0 else offset
+        self.text_cursor = offset + len(text)
+        return SegmentText(text, offset)
 
     def _release(self, count: int) -> None:
         self.held -= count
@@ -311,8 +343,9 @@ class Session:
             if isinstance(item, ConversionInputs):  # a vc message: its own request, with the segment's seed
                 inputs, text = replace(item, seed=seed), ""
             else:  # the session's voice and settings with this segment's text
-                inputs, text = replace(self.base, text=item, seed=seed), item
-            segment = Segment(index, text, time.monotonic())
+                inputs, text = replace(self.base, text=item.text, seed=seed), item.text
+            segment = Segment(index, text, time.monotonic(), offset=0 if isinstance(item, ConversionInputs)
+                              else item.offset)
             cost = routing_cost(self.app, inputs, self.prompt_tokens)
             segment.task = asyncio.create_task(self._synthesize(segment, inputs, cost))
             self.segments.append(segment)
@@ -329,10 +362,12 @@ class Session:
 
     async def _bistream_segment(self, segment: Segment) -> None:
         cost = routing_cost(self.app, self.base, self.prompt_tokens)
+        admission.ON_QUEUED.set(segment.queue.put_nowait)
         await self.bistream.run(self.app, self.base, cost, TTS_FIELDS, segment.queue, f"{self.request_id}-0", _DONE)
         segment.text = self.bistream.text
 
     async def _synthesize(self, segment: Segment, inputs: WireRequest, cost: float) -> None:
+        admission.ON_QUEUED.set(segment.queue.put_nowait)  # this task's own context: its queue place
         try:
             if isinstance(inputs, SynthesisInputs):
                 await check_ssml_voices(self.app, inputs, TTS_FIELDS)  # SSML: each <voice name>, as voice_id
@@ -347,10 +382,18 @@ class Session:
     async def _send(self) -> None:
         metrics = self.app[METRICS]
         while (segment := await self.order.get()) is not None:
-            samples, first_ms = 0, None
+            samples, first_ms, marks_before, samples_before = 0, None, self.marks, self.samples
             while (item := await segment.queue.get()) is not _DONE:
                 if isinstance(item, Exception):
                     raise item
+                if isinstance(item, dict):  # a speech mark event, in the session's terms: before its audio
+                    await self.ws.send_json(mark_message(shifted(item, samples_before, segment.offset, marks_before)))
+                    self.marks += item.get("type") != MARK_END
+                    continue
+                if isinstance(item, admission.QueuePlace):
+                    await self.ws.send_json({"type": "queued", "index": segment.index, "position": item.position,
+                                             "expected_start_s": round(item.expected_start_s, 2)})
+                    continue
                 if first_ms is None:
                     first_ms = (time.monotonic() - segment.submitted) * 1000
                     if self.first_chunk_ms is None:
@@ -359,6 +402,7 @@ class Session:
                 self._time_audible(self.audible.feed(item, time.monotonic()))
                 await self._send_audio(self.encoder.feed(item))
                 samples += item.size
+                self.samples += item.size
             seconds = samples / self.config.sample_rate
             self.audio_seconds += seconds
             self.ahead.release()

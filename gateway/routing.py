@@ -1,4 +1,4 @@
-"""Which Triton server takes a request: least outstanding cost among the healthy ones.
+"""Which Triton server takes a request: least outstanding cost, in real-time units, among the healthy ones.
 
 Cost (`CostModel`, in "speech-token steps", `cosyvoice_triton.admission.request_cost`): a request costs
     SPEECH_PER_TEXT_TOKEN * text tokens   (LLM decode steps and token2wav work grow with the output)
@@ -14,6 +14,14 @@ synthesized) of `cosyvoice2`, scraped every few seconds, less this gateway's own
 mean request cost. The same scrape reads what admission needs (gateway/admission.py): the stream slots,
 the measured seconds per cost, the LLM's free slots and token2wav's pending chunks. So requests that other gateways
 sent count too. Ties go to the server picked least recently.
+
+Real-time units: each server measures what it makes, in audio seconds per wall second for its mix
+(`cosyvoice_capacity_audio_seconds_per_second`, cosyvoice_triton/pipeline/capacity.py), and how many streams
+it keeps ahead of their listeners at its margin (`cosyvoice_realtime_slots`). A server whose real-time slots
+are all taken (this gateway's streams there plus the others') is picked only when every server's are; among
+the rest, the least outstanding cost per unit of capacity wins (the work there, in seconds of that
+server's time), so a server twice as fast takes twice the work. Until every candidate was scraped once,
+plain outstanding cost decides.
 
 Health: a background loop asks each server ServerReady + ModelReady(cosyvoice2). A failing server
 leaves the pool (also at once when a call to it fails at the transport level) and comes back when it
@@ -51,6 +59,20 @@ log = logging.getLogger(__name__)
 LLM_MODEL, TOKEN2WAV_MODEL = "llm", "token2wav"  # the models cosyvoice2 calls (their metrics steer admission)
 PRECISION_INFO = (("llm", "cosyvoice_llm_precision_info", LLM_MODEL),  # (part, metric, model): /readyz
                   ("flow", "cosyvoice_flow_precision_info", TOKEN2WAV_MODEL))
+
+
+def realtime_load(server: Server, cost: float, by_capacity: bool) -> tuple[bool, float]:
+    """A server's place in the routing order (module docstring): (its real-time slots are all taken, its
+    outstanding cost per unit of capacity, or plain cost when not every candidate's capacity is known)."""
+    full = 0 < server.realtime_slots <= server.inflight + server.external
+    return full, cost / server.capacity if by_capacity else cost
+
+
+def capacity_view(servers: Iterable[Server]) -> dict[str, dict]:
+    """/readyz's `capacity`: what each scraped server makes and keeps ahead, and the streams it has now."""
+    return {s.name: {"audio_seconds_per_second": round(s.capacity, 3), "measured": s.capacity_measured,
+                     "realtime_slots": s.realtime_slots, "streams": round(s.inflight + s.external, 1)}
+            for s in servers if s.capacity > 0}
 
 
 class CostModel:
@@ -121,7 +143,9 @@ class Router:
 
     def pick(self, exclude: Iterable[Server] = ()) -> Server:
         excluded = list(exclude)
-        chosen = self.pool.pick(excluded)
+        candidates = [s for s in self.pool.healthy() if s not in excluded]
+        by_capacity = bool(candidates) and all(s.capacity > 0 for s in candidates)
+        chosen = self.pool.pick(excluded, lambda s: realtime_load(s, self.pool.load(s), by_capacity))
         if chosen is None:
             raise ServiceUnavailable("no healthy Triton server can take the request" if not excluded else
                                      "every Triton server tried failed before the first audio")
@@ -171,6 +195,9 @@ class Router:
         server.queued = metric_sum(text, "cosyvoice_queued_streams", self.model)
         server.pending = pending
         self.pool.set_external(server, pending + server.queued + active)
+        server.capacity = metric_sum(text, "cosyvoice_capacity_audio_seconds_per_second", self.model)
+        server.capacity_measured = metric_sum(text, "cosyvoice_capacity_measured", self.model) > 0
+        server.realtime_slots = int(metric_sum(text, "cosyvoice_realtime_slots", self.model))
         server.slots = int(metric_sum(text, "cosyvoice_stream_slots", self.model))
         speed = metric_sum(text, "cosyvoice_seconds_per_cost", self.model)
         server.seconds_per_cost = speed if speed > 0 else None

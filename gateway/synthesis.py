@@ -24,7 +24,7 @@ from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.pipeline.voice_conversion import validate_source_audio
 from cosyvoice_triton.preprocess.audio import decode_audio, validate_prompt_audio
 from cosyvoice_triton.triton.contracts import (OFFICIAL_SAMPLE_RATE, ConversionInputs, PromptAudio, SynthesisInputs,
-                                               waveform_of)
+                                               marks_of, waveform_of)
 from cosyvoice_triton.voices.prompt_budget import speech_tokens_of
 from cosyvoice_triton.voices.store import VoiceRecord, check_voice_id, visible_to
 
@@ -184,13 +184,14 @@ def gateway_error(exc: TritonCallError, fields: Fields, unnamed: str = "request"
     return UpstreamError(exc.message)
 
 
-def pick_admitted(app: web.Application, tried: list) -> object:
+def pick_admitted(app: web.Application, tried: list, streamed: bool = True) -> object:
     """The least-loaded healthy server not tried yet, if admission (gateway/admission.py) expects it to start
-    a new request within the queue-wait limit; else Overloaded (503 + Retry-After), counted."""
+    a new request within the queue-wait limit (`streamed`: in real-time units too); else Overloaded (503 +
+    Retry-After), counted."""
     router = app[ROUTER]
     server = router.pick(exclude=tried)
     try:
-        admission.check(AdmissionPolicy(app[CONFIG].routing.max_queue_wait_s), server, router.mean_cost)
+        admission.check(AdmissionPolicy(app[CONFIG].routing.max_queue_wait_s), server, router.mean_cost, streamed)
     except Overloaded:
         app[METRICS].refused.labels("gateway").inc()
         raise
@@ -203,10 +204,11 @@ def refused_by_server(app: web.Application, exc: TritonCallError) -> None:
 
 
 async def stream_audio(app: web.Application, inputs: WireRequest, cost: float, fields: Fields,
-                       request_id: str) -> AsyncIterator[np.ndarray]:
-    """The request's float32 24 kHz chunks from the least-loaded healthy server. A failure before the first
-    chunk is retried on another server; after it, it ends the stream (raised as a GatewayError). A request
-    that no server would start in time is refused (Overloaded) before it is sent."""
+                       request_id: str) -> AsyncIterator[np.ndarray | dict]:
+    """The request's float32 24 kHz chunks from the least-loaded healthy server (and, a request with `marks`, its
+    speech mark events, dicts, each before the audio it describes). A failure before the first chunk is retried
+    on another server; after it, it ends the stream (raised as a GatewayError). A request that no server would
+    start in time is refused (Overloaded) before it is sent."""
     router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
     tried = []
     while True:
@@ -243,13 +245,19 @@ async def whole_audio(app: web.Application, inputs: WireRequest, cost: float, fi
     """The request's whole float32 24 kHz waveform from the offline model (`cosyvoice2_offline`: each sentence's
     tokens in one full-attention flow pass, as the official non-streamed path), retried elsewhere on transport
     errors. Raises a GatewayError."""
+    return (await whole_answer(app, inputs, cost, fields, request_id))[0]
+
+
+async def whole_answer(app: web.Application, inputs: WireRequest, cost: float, fields: Fields,
+                       request_id: str) -> tuple[np.ndarray, list[dict]]:
+    """`whole_audio` and the request's complete speech marks ([] unless it asked for them)."""
     try:
         outputs = await call_model(app, app[CONFIG].offline_model, inputs.tensors(), cost,
                                    app[CONFIG].routing.offline_timeout_s, request_id, admit=True)
     except TritonCallError as exc:
         refused_by_server(app, exc)
         raise gateway_error(exc, fields) from None
-    return waveform_of(outputs)
+    return waveform_of(outputs), marks_of(outputs)
 
 
 async def call_model(app: web.Application, model: str, inputs: dict[str, np.ndarray], cost: float,
@@ -267,7 +275,7 @@ async def routed(app: web.Application, cost: float, send: Callable[[object], Awa
     router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
     tried = []
     while True:
-        chosen = server or (pick_admitted(app, tried) if admit else router.pick(exclude=tried))
+        chosen = server or (pick_admitted(app, tried, streamed=False) if admit else router.pick(exclude=tried))
         tried.append(chosen)
         metrics.routed.labels(chosen.name).inc()
         with router.lease(chosen, cost):

@@ -27,7 +27,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from cosyvoice_triton.errors import CosyVoiceError
 from cosyvoice_triton.triton import wire
-from cosyvoice_triton.triton.contracts import chunk_of
+from cosyvoice_triton.triton.contracts import chunk_of, marks_of
 from cosyvoice_triton.triton.grpc_stream import AsyncStreamReader, status_error
 from cosyvoice_triton.triton.wire import infer_request, response_outputs
 
@@ -99,8 +99,9 @@ class TritonClient:
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     async def stream(self, model: str, inputs: Mapping[str, np.ndarray], request_id: str = "", *,
-                     first_timeout_s: float, chunk_timeout_s: float) -> AsyncIterator[np.ndarray]:
-        """The request's `waveform` chunks as they come (float32, non-empty). Raises TritonCallError.
+                     first_timeout_s: float, chunk_timeout_s: float) -> AsyncIterator[np.ndarray | dict]:
+        """The request's `waveform` chunks as they come (float32, non-empty), each response's speech mark events
+        (dicts, a request with speech_marks only) before its chunk. Raises TritonCallError.
         Iterate it inside `contextlib.aclosing`: closing early, or cancelling the task, cancels the call
         (`grpc_stream.AsyncStreamReader` reads it)."""
         request = infer_request(model, inputs, request_id, empty_final=True)
@@ -113,6 +114,8 @@ class TritonClient:
                                       first_timeout_s=first_timeout_s, next_timeout_s=chunk_timeout_s)
         async with aclosing(responses):
             async for outputs in responses:
+                for event in marks_of(outputs):
+                    yield event
                 chunk = chunk_of(outputs)
                 if chunk is not None:
                     yield chunk

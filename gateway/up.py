@@ -12,6 +12,9 @@ the library's CLI finds it through the `cosyvoice_triton.commands` entry point i
 4. A tritonserver that dies (a crash, an OOM kill) is started again on its ports with backoff (1 s,
    doubling up to 30 s; `server.supervisor`); `/readyz` says `processes` (state, restarts) and is 503
    while it is down, `/metrics` has `cosyvoice_gateway_process_up` and `..._process_restarts_total`.
+   One that runs but whose cosyvoice2 or llm stops answering liveness probes (a hang: server/liveness.py)
+   is killed and started again the same way (`hangs` in `/readyz`, `..._process_hangs_total`); the streams
+   it held fail at once.
 5. Ctrl-C / SIGTERM drains: new requests get 503 (naming the reason) and `/readyz` says "draining";
    the requests in flight get `--drain-timeout` seconds to finish (the rest are cut: an aborted HTTP
    body, a WebSocket closed with GOING_AWAY); then tritonserver stops (every model unloads) and the
@@ -37,6 +40,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from cosyvoice_triton.cli import add_realtime_arguments
 from cosyvoice_triton.gateway.config import add_gateway_arguments, config_from_args, split_triton_specs, voice_store_url
 from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
 from cosyvoice_triton.targets import TritonTarget
@@ -45,6 +49,8 @@ from cosyvoice_triton.server.launcher import (ENGINES, PRECISIONS, ServeOptions,
 from cosyvoice_triton.random_folder.marker import NOTE as RANDOM_NOTE, is_random
 from cosyvoice_triton.server import free_port
 from cosyvoice_triton.server.ports import check_ports_free
+from cosyvoice_triton.server.liveness import Liveness
+from cosyvoice_triton.server.process import TritonProcess
 from cosyvoice_triton.server.supervisor import Backoff, Supervisor
 from cosyvoice_triton.server.templates import model_names
 
@@ -77,13 +83,16 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--device", default="cpu", help="torch device of llm and token2wav: cpu or cuda")
     t.add_argument("--instances", type=int, default=1, help="instances of the stateless models")
     t.add_argument("--workers", type=int, default=16, help="requests synthesized at once per cosyvoice2 instance")
+    add_realtime_arguments(t)
     t.add_argument("--llm-max-batch", type=int, default=8, help="LLM streams decoded together (KV slots)")
     t.add_argument("--torch-threads", type=int, default=0,
                    help="torch threads per llm/token2wav instance (0: from the core count, see serve --help)")
-    t.add_argument("--llm-precision", choices=("fp32", "bf16", "int8", "auto"), default="auto",
+    t.add_argument("--llm-precision", choices=("fp32", "bf16", "int8", "int8-dynamic", "auto"), default="auto",
                    help="the LLM backbone's precision (as serve --llm-precision; auto: from the CPU's instructions)")
     t.add_argument("--flow-precision", choices=("fp32", "bf16", "auto"), default="auto",
                    help="the torch flow estimator's arithmetic (as serve --flow-precision)")
+    t.add_argument("--compile", choices=("off", "auto", "on"), default="off",
+                   help="torch.compile of the hot loops' blocks (as serve --compile)")
     t.add_argument("--chunk-preset", choices=tuple(CHUNK_PRESETS), default="official",
                    help="the chunk schedule's defaults (as serve --chunk-preset)")
     t.add_argument("--official-models", action=argparse.BooleanOptionalAction, default=True,
@@ -127,7 +136,7 @@ def up(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     voice_store = resolve_voice_store(voice_store_url(args))
     options = serve_options(args, model_dir, voice_store)
     server = prepare(options, die_with_parent=True)  # one service: tritonserver never outlives the gateway
-    supervisor = Supervisor({"tritonserver": server}, backoff(args))
+    supervisor = Supervisor({"tritonserver": server}, backoff(args), liveness={"tritonserver": Liveness(server)})
     print(f"starting tritonserver (log: {server.workdir / 'tritonserver.log'}) ...", file=out, flush=True)
     startup = TritonStartup(server, out, on_ready=supervisor.begin)
     codes: dict[str, int | None] = {}
@@ -256,7 +265,9 @@ def up_split(args: argparse.Namespace, out: TextIO) -> int:
     codes: dict[str, int | None] = {}
     try:
         topology.start()
-        supervisor = Supervisor(topology.processes(), backoff(args)).begin()
+        servers = {name: p for name, p in topology.processes().items() if isinstance(p, TritonProcess)}
+        supervisor = Supervisor(topology.processes(), backoff(args),
+                                liveness={name: Liveness(p) for name, p in servers.items()}).begin()
         targets = tuple(f.target for f in topology.frontends)
         lines = [*(f"  frontend grpc {f.grpc_url}, metrics {f.metrics_url} (pid {f.pid})" for f in topology.frontends),
                  *(f"  backend  grpc {b.grpc_url}, metrics {b.metrics_url} (pid {b.pid})" for b in topology.backends),
@@ -299,6 +310,7 @@ def serve_options(args: argparse.Namespace, model_dir: Path, voice_store: str | 
                         metrics_port=_port(args.triton_metrics_port), device=args.device,
                         instances=args.instances, workers=args.workers, voice_store=voice_store,
                         max_queue_wait_s=args.max_queue_wait,  # the gateway's flag: one limit for both sides
+                        realtime_margin=args.realtime_margin, realtime_capacity=args.realtime_capacity,
                         llm_max_batch=args.llm_max_batch, torch_threads=args.torch_threads,
                         llm_precision=args.llm_precision, flow_precision=args.flow_precision,
                         chunk_preset=args.chunk_preset, official_models=args.official_models,
@@ -306,7 +318,8 @@ def serve_options(args: argparse.Namespace, model_dir: Path, voice_store: str | 
                         onnx_dir=args.onnx_dir,
                         max_text_chars=args.max_text_chars, max_token_text_ratio=args.max_token_text_ratio,
                         t2w_idle_timeout_s=args.t2w_idle_timeout,
-                        flow_cache_frames=args.flow_cache_frames, prompt_cache_mb=args.prompt_cache_mb)
+                        flow_cache_frames=args.flow_cache_frames, prompt_cache_mb=args.prompt_cache_mb,
+                        compile=args.compile)
 
 
 def run_gateway(args, targets: tuple[TritonTarget, ...], model_dir: Path, voice_store: str, lines: list[str],
@@ -362,12 +375,15 @@ class ProcessCollector:
                                 labels=["process"])
         restarts = CounterMetricFamily("cosyvoice_gateway_process_restarts",
                                        "Times the supervised process was started again", labels=["process"])
+        hangs = CounterMetricFamily("cosyvoice_gateway_process_hangs", "Times the supervised process was killed "
+                                    "because its models stopped answering liveness probes", labels=["process"])
         for name, state in self.supervisor.states().items():
             up_.add_metric([name], 1.0 if state["state"] == "running" else 0.0)
             restarts.add_metric([name], state["restarts"])
+            hangs.add_metric([name], state["hangs"])
         draining = GaugeMetricFamily("cosyvoice_gateway_draining", "1 once the gateway drains before it stops")
         draining.add_metric([], 1.0 if self.drain.draining else 0.0)
-        yield from (up_, restarts, draining)
+        yield from (up_, restarts, hangs, draining)
 
     def describe(self):
         return []

@@ -1,7 +1,7 @@
-"""Quality and speed of the LLM precisions (fp32 | bf16 | int8) against the fp32 reference.
+"""Quality and speed of the LLM precisions (fp32 | bf16 | int8 | int8-dynamic) against the fp32 reference.
 
     python -m cosyvoice_triton.perf.llm_quality --model-dir DIR [--steps 250] [--text-tokens 40]
-        [--prompt-tokens 75] [--timing-steps 10] [--json OUT]
+        [--prompt-tokens 75] [--timing-steps 10] [--precisions bf16 int8 int8-dynamic] [--json OUT]
 
 Teacher-forced: one fixed sequence (random text, prompt text and prompt speech ids, then `--steps`
 forced speech tokens, seeded) is scored by every precision in one cache-free causal pass; at each of
@@ -105,6 +105,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=75)
     parser.add_argument("--timing-steps", type=int, default=10, help="0: no timing")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--precisions", nargs="+", default=list(LLM_PRECISIONS[1:]), choices=LLM_PRECISIONS[1:],
+                        help="the reduced precisions to compare with fp32")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -114,7 +116,7 @@ def main() -> None:
     x, prompt_len = forced_sequence(reference, args.steps, args.text_tokens, args.prompt_tokens)
     ref_logp = step_log_probs(reference, x, prompt_len)
     rows, ms, loads = [compare("fp32", ref_logp, ref_logp)], {}, [os.getloadavg()[0]]
-    for precision in LLM_PRECISIONS[1:]:
+    for precision in args.precisions:
         candidate = SpeechLM.from_model_dir(args.model_dir, max_seq_len=max_seq_len, precision=precision)
         rows.append(compare(precision, ref_logp, step_log_probs(candidate, x, prompt_len)))
         if args.timing_steps:
@@ -127,7 +129,8 @@ def main() -> None:
     ms = {key: statistics.median(values) for key, values in ms.items()}
     load = (min(loads), max(loads))
     print(f"model {args.model_dir}; {args.steps} teacher-forced steps, context {prompt_len}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; bf16 CPU support {cpu_has_bf16()}; "
+          f"{torch.get_num_threads()} threads; CPU capability {torch.backends.cpu.get_cpu_capability()}, bf16 "
+          f"instructions {cpu_has_bf16()}, quantized engine {torch.backends.quantized.engine}; "
           f"load average {load[0]:.1f}-{load[1]:.1f}; ratios against fp32 timed in the same pair")
     print("| precision | mean KL (nats/step) | top-1 agreement | max abs d log p | decode step (ms) | / fp32 |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -19,18 +19,35 @@ def tiny(tmp_path_factory) -> Path:
     return write_random_model(tmp_path_factory.mktemp("auto") / "tiny", size="tiny", seed=0)
 
 
-@pytest.mark.parametrize("has_bf16, device, llm, flow", [
-    (True, "cpu", "int8", "fp32"),  # AVX512-BF16 / AMX: the int8 LLM is native; a bf16 flow misses its bound
-    (False, "cpu", "fp32", "fp32"),  # AVX2 (or AVX512 without BF16): emulated, slower than fp32
-    (False, "cuda", "bf16", "fp32"),
+@pytest.mark.parametrize("capability, has_bf16, device, llm, flow", [
+    ("AVX512", True, "cpu", "int8", "fp32"),  # AVX512-BF16 / AMX: weight-only int8 in bf16; a bf16 flow misses
+    ("AVX512", False, "cpu", "fp32", "fp32"),  # AVX512 without BF16: bf16 emulated; int8-dynamic loses a step
+    ("AVX2", False, "cpu", "fp32", "fp32"),  # AVX2: int8-dynamic's step is slower than fp32's on busy cores
+    ("DEFAULT", False, "cpu", "fp32", "fp32"),
+    ("AVX2", False, "cuda", "bf16", "fp32"),
 ])
-def test_auto_follows_the_cpus_instructions_and_the_device(monkeypatch, has_bf16, device, llm, flow) -> None:
+def test_auto_follows_the_cpus_instructions_and_the_device(monkeypatch, capability, has_bf16, device, llm,
+                                                           flow) -> None:
     monkeypatch.setattr(auto_precision, "cpu_has_bf16", lambda: has_bf16)
+    monkeypatch.setattr(auto_precision, "_capability", lambda: capability)
     assert auto_precision.resolve_llm_precision("auto", device) == llm
     assert auto_precision.resolve_flow_precision("auto", device) == flow
     assert auto_precision.resolve_llm_precision("fp32", device) == "fp32"  # a named precision is kept
     assert auto_precision.resolve_flow_precision("bf16", device) == "bf16"
-    assert ("with BF16" if has_bf16 else "without BF16") in auto_precision.describe_cpu()
+    assert auto_precision.describe_cpu() == f"{capability} {'with' if has_bf16 else 'without'} BF16"
+    assert auto_precision.resolved_precisions("auto", "auto", device) == \
+        {"llm": llm, "flow": flow, "cpu": auto_precision.describe_cpu()}
+
+
+def test_bf16_counts_as_native_only_where_atens_kernels_may_use_avx512(monkeypatch) -> None:
+    """ATEN_CPU_CAPABILITY=avx2 (how perf/ measures an AVX2 CPU on an AVX512 one) turns bf16 off for auto."""
+    from cosyvoice_triton.models import llm_precision
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not llm_precision.cpu_has_bf16()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert llm_precision.cpu_has_bf16()
 
 
 def test_the_launcher_writes_the_resolved_precisions_and_serve_reports_them(monkeypatch, tmp_path) -> None:
@@ -42,6 +59,7 @@ def test_the_launcher_writes_the_resolved_precisions_and_serve_reports_them(monk
     assert rendered_parameter(repo, "llm", "core_share") == str(tmp_path / "run" / "core_share")
     assert precision_summary(repo) == "LLM int8, flow fp32 (CPU: %s)" % auto_precision.describe_cpu()
     monkeypatch.setattr(auto_precision, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(auto_precision, "_capability", lambda: "AVX2")
     repo = render_run_repository(options, tmp_path / "model", "v.sqlite", tmp_path / "run2" / "repo")
     assert (rendered_parameter(repo, "llm", "precision"), rendered_parameter(repo, "token2wav", "flow_precision")) \
         == ("fp32", "fp32")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cosyvoice_triton.messages import LLMRequest, SamplingParams
-from cosyvoice_triton.models.llm_precision import Int8WeightOnlyLinear
+from cosyvoice_triton.models.llm_precision import Int8DynamicLinear, Int8WeightOnlyLinear
 from cosyvoice_triton.models.qwen2 import KV_BUCKET, kv_bucket
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.perf.llm_quality import quality_table
@@ -65,7 +65,7 @@ def test_bucketed_attention_equals_attention_over_the_whole_cache(model_dir: Pat
     assert torch.allclose(bucketed, whole, rtol=0, atol=1e-6), (bucketed - whole).abs().max()
 
 
-@pytest.mark.parametrize("precision", ["bf16", "int8"])
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int8-dynamic"])
 def test_reduced_precision_stays_within_the_kl_bound(model_dir: Path, precision: str) -> None:
     rows, models, _ = quality_table(str(model_dir), precisions=("fp32", precision), steps=60,
                                     text_tokens=12, prompt_tokens=20)
@@ -77,6 +77,9 @@ def test_reduced_precision_stays_within_the_kl_bound(model_dir: Path, precision:
     if precision == "int8":
         assert isinstance(backbone.layers[0].mlp.up_proj, Int8WeightOnlyLinear)
         assert backbone.layers[0].mlp.up_proj.weight.dtype == torch.int8
+    elif precision == "int8-dynamic":  # float32 around the quantized engine's int8 products
+        assert isinstance(backbone.layers[0].self_attn.q_proj, Int8DynamicLinear)
+        assert models[precision].llm_embedding.weight.dtype == torch.float32
     else:
         assert backbone.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
     assert backbone.rope_cos.dtype == torch.float32
@@ -100,7 +103,7 @@ def run_engine(llm: SpeechLM, requests: list[LLMRequest], max_batch: int) -> lis
         scheduler.stop()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int8-dynamic"])
 def test_a_seed_gives_the_same_tokens_alone_and_in_any_batch(model_dir: Path, precision: str) -> None:
     llm = SpeechLM.from_model_dir(model_dir, max_seq_len=MAX_SEQ_LEN, precision=precision)
     target = request(llm, "target", 4, 12, seed=7)

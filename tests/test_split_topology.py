@@ -55,7 +55,8 @@ def split(tiny_model_dir, tmp_path_factory):
                "--port", str(port), "--workers", "8", "--torch-threads", "1", "--max-token-text-ratio", str(RATIO),
                "--t2w-idle-timeout", str(IDLE_TIMEOUT_S),
                "--llm-precision", "fp32", "--flow-precision", "fp32",  # the reference's arithmetic on any CPU
-               "--restart-delay", "3600"]  # the killed frontend stays down (tests/test_faults.py: restarts)
+               "--restart-delay", "3600",  # the killed frontend stays down (tests/test_faults.py: restarts)
+               "--realtime-margin", "0"]  # every stream runs at once: the audio is compared, not admission
     up = CliProcess(command, {**os.environ, "COSYVOICE_HOME": str(run_dir / "home")})
     url = f"http://127.0.0.1:{port}"
     try:

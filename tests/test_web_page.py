@@ -326,3 +326,19 @@ def test_convert_a_recording_in_the_convert_tab(page, tmp_path):
     errors = shown_errors(page, "#panel-convert")
     assert list(errors) == ["vc-target-file"] and "prompt_audio" in errors["vc-target-file"], errors
     shot(page, tmp_path, "convert_error")
+
+
+def test_the_sentence_being_spoken_is_highlighted_from_the_speech_marks(page, tmp_path):
+    text = "Hello from the page. It highlights each sentence as it plays."
+    page.fill("#text", text)
+    page.click("#speak")
+    # the first sentence is highlighted while its audio plays, then the second (speech marks over the WebSocket)
+    page.wait_for("document.querySelector('#spoken').dataset.current === '1'", 120)
+    assert page.evaluate("document.querySelector('#spoken .speaking').textContent") == "It highlights each sentence as it plays."
+    shot(page, tmp_path, "highlighted")
+    page.wait_for("document.querySelector('#status').dataset.state === 'done'", 120)
+    assert page.evaluate("document.querySelector('#spoken').dataset.history") == "0,1"
+    assert page.evaluate("[...document.querySelectorAll('#spoken .sentence')].map(s => s.textContent)") == [
+        "Hello from the page.", "It highlights each sentence as it plays."]
+    assert page.evaluate("document.querySelector('#spoken').textContent") == text
+    assert page.evaluate("document.querySelectorAll('#spoken .speaking').length") == 0  # done: none is spoken

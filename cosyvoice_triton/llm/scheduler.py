@@ -45,11 +45,14 @@ from ..models.qwen2 import kv_bucket
 from ..models.speech_lm import SpeechLM
 from .bistream import BistreamPlan, Segment, embed_segments, new_plan
 from .stream import LLMStream
-from .sampling import RasSampler, make_generator, ras_sample
+from .sampling import GeneratorTable, RasSampler, make_generator, ras_sample_table
 
 log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 5.0  # LLMStats.tokens_per_s averages over this many seconds
+# A stream nobody listens to yet (a first sentence) waits for a slot as if its listener had this much audio
+# left: a later sentence of a stream that plays, with less lead, gets the next free slot first (issue 25).
+NEW_STREAM_LEAD_S = 2.0
 
 
 class SchedulerUnavailable(Unavailable):
@@ -128,6 +131,10 @@ class LLMScheduler:
         self._waiting: deque[LLMStream] = deque()
         self._live: dict[int, _Live] = {}  # slot -> stream; written by the scheduler thread only
         self._free_slots = list(range(max_batch - 1, -1, -1))  # pop() hands out slot 0 first
+        # The sentence streams' generators and histories, one row per slot, so that a round draws every
+        # row with tensor ops (llm/sampling.py). On the host beside the log-probs: a draw from the
+        # device's softmax could differ from today's tokens for a seed by rounding.
+        self._generators = GeneratorTable(max_batch)
         self._closed = False
         self._thread: threading.Thread | None = None
         self._last_batch = 0
@@ -155,6 +162,7 @@ class LLMScheduler:
         when the queue is full or the scheduler has stopped."""
         self._validate(request)
         stream = LLMStream(request, wake=self._wake)
+        stream.deadline = time.monotonic() + (NEW_STREAM_LEAD_S if request.lead_s is None else request.lead_s)
         with self._cond:
             if self._closed:
                 raise SchedulerUnavailable("the LLM scheduler has stopped")
@@ -256,12 +264,15 @@ class LLMScheduler:
             self._retire(live, "cancelled")
 
     def _admit(self) -> None:
-        """Move waiting requests, oldest first, into free slots and prefill each."""
+        """Move waiting requests into free slots, the earliest deadline first (the oldest among equals: a
+        sentence whose listener has the least audio left before new streams), and prefill each."""
         while True:
             with self._cond:
                 if not self._waiting or not self._free_slots:
                     return
-                stream = self._waiting.popleft()
+                first = min(range(len(self._waiting)), key=lambda i: (self._waiting[i].deadline, i))
+                stream = self._waiting[first]
+                del self._waiting[first]
                 live = self._new_live(stream, self._free_slots.pop())
                 self._live[live.slot] = live
             if live.plan is None:
@@ -276,9 +287,11 @@ class LLMScheduler:
                          sampler=RasSampler(request.sampling), generator=make_generator(request.seed), plan=plan)
         min_len, max_len = self.llm.length_limits(len(request.text_tokens))
         prompt_len = _prompt_len(request)
+        generator = make_generator(request.seed)
+        self._generators.load(slot, generator, request.sampling.win_size)  # the table draws for it from now on
         return _Live(stream=stream, slot=slot, min_len=min_len,
                      max_len=min(max_len, self.max_seq_len - prompt_len),
-                     sampler=RasSampler(request.sampling), generator=make_generator(request.seed))
+                     sampler=RasSampler(request.sampling), generator=generator)
 
     def _prefill(self, live: _Live) -> None:
         request, device = live.stream.request, self.device
@@ -403,8 +416,8 @@ class LLMScheduler:
         if short:
             logp[short, self._eos] = -math.inf
         try:
-            return ras_sample(logp, [live.sampler.params for live in batch], [live.decoded for live in batch],
-                              [live.generator for live in batch])
+            return ras_sample_table(logp, [live.sampler.params for live in batch], self._generators,
+                                    [live.slot for live in batch])
         except Exception as exc:
             return [exc] * len(batch)
 

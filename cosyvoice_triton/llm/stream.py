@@ -23,6 +23,7 @@ class LLMStream:
     def __init__(self, request: LLMRequest, wake: Callable[[], None] = lambda: None):
         """`wake()` tells the scheduler that the stream has news (text, its end, a cancel)."""
         self.request = request
+        self.deadline = 0.0  # when its listener runs dry (time.monotonic()): set by the scheduler's submit
         self._wake = wake
         self._text: list[int] = []  # text tokens appended, not yet taken by the scheduler
         self._text_ended = False

@@ -2,9 +2,14 @@
 
 Reduced precision pays only where the hardware computes it natively, and is a default only where its
 quality holds. Measured on the full-size folder (perf/RESULTS.md, "Precision per CPU kind"):
-- LLM: on CPUs with AVX512-BF16 (or AMX) the int8 weight-only backbone (bf16 activations) is the fastest
-  and within the bound (mean KL 4.1e-6 <= 1e-3 nats per step); without bf16 instructions (AVX2-only,
-  AVX512 without BF16) bf16 is emulated and the int8 weight matmul is slower than fp32: fp32. On a GPU: bf16.
+- LLM: on CPUs with AVX512-BF16 (or AMX) the int8 weight-only backbone (bf16 activations) is fast and the
+  closest to fp32 (mean KL 3.1e-5 <= 1e-3 nats per step): int8. Without bf16 instructions (AVX2, or
+  AVX512 without BF16) bf16 is emulated and the weight-only int8 matmul is slower than fp32. The quantized
+  engine's dynamic int8 (`int8-dynamic`, within the bound: mean KL 4.0e-4) has native AVX2 kernels and its
+  Linear calls alone are faster than fp32's, but a whole decode step measured 3.5x slower than fp32's
+  (median, 2 busy cores; its best step 0.5x) with AVX2 kernels: on a CPU shared with other work, as a
+  served LLM always is (token2wav beside it), it loses. So fp32 there, int8-dynamic offered by name.
+  On a GPU: bf16.
 - Flow estimator: bf16 keeps the mel at 47 dB SNR after all 10 steps, but the vocoder turns that into a
   waveform at 8 dB (below the 30 dB bound for a default), so `auto` keeps the flow in fp32 everywhere;
   `bf16` is there for who measures it fine on their weights (perf/flow_quality.py).
@@ -51,3 +56,11 @@ def resolve_llm_precision(precision: str, device: str | torch.device = "cpu") ->
 
 def resolve_flow_precision(precision: str, device: str | torch.device = "cpu") -> str:
     return auto_flow_precision(device) if precision == "auto" else precision
+
+
+def resolved_precisions(llm_precision: str = "auto", flow_precision: str = "auto",
+                        device: str | torch.device = "cpu") -> dict[str, str]:
+    """What `auto` (or a named precision) resolves to here, for start-up lines and /readyz:
+    {"llm": ..., "flow": ..., "cpu": describe_cpu()}."""
+    return {"llm": resolve_llm_precision(llm_precision, device),
+            "flow": resolve_flow_precision(flow_precision, device), "cpu": describe_cpu()}

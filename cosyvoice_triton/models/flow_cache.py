@@ -102,18 +102,9 @@ class _Pass:
 
     def transformer(self, block: TransformerBlock, x: Tensor, bias: Tensor) -> Tensor:
         """x: (2B, N, C) new frames; bias: (2B, 1, N, M + N) over cached then new keys."""
-        attn = block.attn1
-        B2, N, _ = x.shape
-        H, D = attn.n_heads, attn.head_dim
-        normed = block.norm1(x)
+        x, normed = block.forward_cached(x, next(self.past), bias)
         self.new.append(normed)
-        keys_in = torch.cat([next(self.past), normed], dim=1)  # (2B, M + N, C)
-        q = attn.to_q(normed).view(B2, N, H, D).transpose(1, 2)  # (2B, H, N, D)
-        k = attn.to_k(keys_in).view(B2, -1, H, D).transpose(1, 2)  # (2B, H, M + N, D)
-        v = attn.to_v(keys_in).view(B2, -1, H, D).transpose(1, 2)  # (2B, H, M + N, D)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-        x = attn.to_out[0](out.transpose(1, 2).reshape(B2, N, H * D)) + x  # (2B, H, N, D) -> (2B, N, H*D)
-        return block.ff(block.norm3(x)) + x
+        return x
 
     def estimator(self, est: FlowEstimator, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor,
                   cond: Tensor, bias: Tensor) -> Tensor:

@@ -113,13 +113,15 @@ class SelfAttention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # `to_out.1` was dropout
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, C); bias: (B, 1, T, T) added to the scores."""
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, keys_in: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, C) queries' input; keys_in: (B, S, C) the keys' and values' input (default x, S = T);
+        bias: (B, 1, T, S) added to the scores."""
+        keys_in = x if keys_in is None else keys_in
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
         q = self.to_q(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k = self.to_k(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        v = self.to_v(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = self.to_k(keys_in).view(B, -1, H, D).transpose(1, 2)  # (B, H, S, D)
+        v = self.to_v(keys_in).view(B, -1, H, D).transpose(1, 2)  # (B, H, S, D)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         return self.to_out[0](out.transpose(1, 2).reshape(B, T, H * D))  # (B, H, T, D) -> (B, T, H*D)
 
@@ -159,6 +161,15 @@ class TransformerBlock(nn.Module):
         """x: (B, T, C); bias: (B, 1, T, T)."""
         x = self.attn1(self.norm1(x), bias) + x
         return self.ff(self.norm3(x)) + x
+
+    def forward_cached(self, x: torch.Tensor, past: torch.Tensor,
+                       bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` over new frames after cached ones (models/flow_cache.py). x: (B, N, C) new frames;
+        past: (B, M, C) the cached frames' normed inputs; bias: (B, 1, N, M + N) over cached then new keys.
+        Returns (output (B, N, C), the new frames' normed input (B, N, C), to cache)."""
+        normed = self.norm1(x)
+        x = self.attn1(normed, bias, torch.cat([past, normed], dim=1)) + x
+        return self.ff(self.norm3(x)) + x, normed
 
 
 class TimestepEmbedding(nn.Module):

@@ -19,7 +19,8 @@ from cosyvoice_triton.config import ModelPaths, read_qwen_config, read_yaml
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import SamplingParams
 from cosyvoice_triton.models.auto_precision import resolve_llm_precision
-from cosyvoice_triton.models.llm_precision import activation_dtype, check_llm_precision, quantize_linears
+from cosyvoice_triton.models.llm_precision import (activation_dtype, check_llm_precision, quantize_linears,
+                                                   quantize_linears_dynamic)
 from cosyvoice_triton.models.qwen2 import Qwen2Config, Qwen2Decoder, Qwen2ForCausalLM, rope_tables
 
 SOS_INDEX = 0  # rows of `llm_embedding`
@@ -94,7 +95,7 @@ class SpeechLM(nn.Module):
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: torch.device | str = "cpu", max_batch: int = 1,
                        max_seq_len: int = 2048, precision: str = "fp32") -> SpeechLM:
-        """Load `llm.pt` strictly, set the backbone's `precision` (fp32 | bf16 | int8, or auto:
+        """Load `llm.pt` strictly, set the backbone's `precision` (fp32 | bf16 | int8 | int8-dynamic, or auto:
         models/auto_precision.py) and allocate a KV cache of `max_batch` slots x `max_seq_len` positions."""
         paths = ModelPaths(Path(model_dir))
         model = cls(SpeechLMConfig.from_model_dir(model_dir), max_seq_len)
@@ -106,8 +107,8 @@ class SpeechLM(nn.Module):
         return model
 
     def set_precision(self, precision: str) -> None:
-        """Run the backbone in `precision` (fp32 | bf16 | int8: models/llm_precision.py), once, from fp32.
-        The speech head and the rotary tables stay float32; call setup_caches() afterwards (the KV cache
+        """Run the backbone in `precision` (fp32 | bf16 | int8 | int8-dynamic: models/llm_precision.py), once,
+        from fp32. The speech head and the rotary tables stay float32; call setup_caches() afterwards (the KV cache
         takes the embeddings' dtype)."""
         check_llm_precision(precision)
         if self.precision != "fp32":
@@ -116,7 +117,13 @@ class SpeechLM(nn.Module):
         if precision == "fp32":
             return
         backbone = self.backbone
-        dtype = activation_dtype(precision, self.llm_decoder.weight.device)
+        device = self.llm_decoder.weight.device
+        if precision == "int8-dynamic":  # float32 around int8 products: nothing else changes dtype
+            if device.type != "cpu":
+                raise ValueError(f"llm precision int8-dynamic runs on the CPU only, not on {device}")
+            quantize_linears_dynamic(backbone.layers)
+            return
+        dtype = activation_dtype(precision, device)
         if precision == "int8":
             quantize_linears(backbone.layers, dtype)
         for module in (self.llm_embedding, self.speech_embedding, backbone):

@@ -9,7 +9,8 @@ Steps 1, 3 and 4 are the `Pipeline`; here it runs with in-process stages. `engin
 `precision` and `ort_providers` choose where token2wav's graphs and CAM++ run, as `serve` does
 (engines/select.py); `device` is checked first (engines/providers.py). `llm_precision` (fp32 | bf16 |
 int8, models/llm_precision.py) is the LLM backbone's, `flow_precision` (fp32 | bf16, models/flow.py) the flow
-estimator's; `auto` picks each from the CPU's instructions (models/auto_precision.py).
+estimator's; `auto` picks each from the CPU's instructions (models/auto_precision.py). `compile` (off | auto |
+on) runs the LLM's, the flow estimator's and HiFT's blocks through torch.compile (models/compiled.py).
 
 With `decode_ahead` (the default) the LLM decodes in a thread of its own, ahead of the chunks, so the
 next tokens come while token2wav turns a chunk into audio; the two share the torch threads this
@@ -33,6 +34,7 @@ from ..errors import ModelFolderError
 from ..messages import PromptFeatures, SynthesisRequest
 from ..preprocess.prompt import PromptEncoder
 from ..preprocess.text import TextPreprocessor
+from ..models.compiled import apply_compile
 from ..models.flow_cache import FlowCacheSettings
 from ..models.speech_lm import SpeechLM
 from .local_stages import CoreSharingToken2Wav, DecodeAheadLLM, ReferenceLLM, ReferenceToken2Wav
@@ -71,7 +73,8 @@ class CosyVoice2:
     def from_model_dir(cls, model_dir: str | Path, device: str = "cpu", *, engine: str = "torch",
                        precision: str = "fp32", ort_providers: str | None = None,
                        onnx_dir: str | Path | None = None, llm_precision: str = "fp32", flow_precision: str = "fp32",
-                       decode_ahead: bool = True, flow_cache: FlowCacheSettings = FlowCacheSettings()) -> "CosyVoice2":
+                       decode_ahead: bool = True, flow_cache: FlowCacheSettings = FlowCacheSettings(),
+                       compile: str = "off") -> "CosyVoice2":
         paths = ModelPaths(Path(model_dir))
         missing = paths.missing()
         if missing:
@@ -85,6 +88,7 @@ class CosyVoice2:
         llm = SpeechLM.from_model_dir(paths.root, device=device, max_seq_len=4096, precision=llm_precision)
         flow, hift = build_token2wav(paths.root, engine, device, precision=precision, onnx_dir=onnx_dir,
                                      ort_providers=ort_providers, flow_precision=flow_precision)
+        apply_compile(compile, device, llm=llm, flow=flow, hift=hift)  # off | auto | on: models/compiled.py
         return cls(paths.root, preprocessor, prompt_encoder, llm, Token2Wav(flow, hift, flow_cache),
                    decode_ahead=decode_ahead)
 

@@ -16,11 +16,15 @@ SSML text (`preprocess/ssml.py`: text_type "ssml", or text that starts with <spe
 and sentence laid out, before any audio (`ssml_plan`); then its parts run in order: each speech run's sentences
 (split within the run) in its voice and speed, each <break> as one chunk of zeros (offline too). Sentences are
 counted across the whole document for their seeds (`sentence_seeds(seed, i)`), so a seed gives the same audio.
+
+With `request.marks`, `run` yields speech marks among the chunks (pipeline/speech_marks.py): each sentence's mark
+before its audio and its MarkEnd after, each <mark> and <break> where it falls; the audio is the same as without.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -30,13 +34,15 @@ import numpy as np
 from ..errors import Cancelled, InvalidInput, NotFound
 from ..llm.bistream import TextFeed, WordPieces
 from ..messages import MAX_SPEED, MIN_SPEED, FlowPrompt, LLMRequest, PromptFeatures, SynthesisRequest
-from ..preprocess.ssml import Mark, Pause, expand_say_as, is_ssml, parse_ssml, spoken_text
+from ..preprocess.spans import source_spans
+from ..preprocess.ssml import Mark, Pause, Speech, expand_say_as, is_ssml, parse_ssml, spoken_text
 from ..preprocess.text import TextPreprocessor, is_only_punctuation, validate_text
 from .chunk_policy import ChunkSchedule
 from .chunk_sender import ChunkSender
 from .playback import Playback
 from .stages import LLMStage, Token2WavStage, TokenStream
 from .seeds import END_OF_PROMPT, random_seed, sentence_seeds
+from .speech_marks import MarkClock, MarkEvent, source_value
 
 
 log = logging.getLogger(__name__)
@@ -60,6 +66,8 @@ class SpokenSentence:
     prompt: FlowPrompt
     speed: float
     vocoder_seed: int
+    span: tuple[int, int] = (0, 0)  # characters of the request text it came from (speech marks)
+    value: str = ""  # its text there, as written (tags dropped)
 
 
 class Pipeline:
@@ -68,30 +76,36 @@ class Pipeline:
         self.llm = llm
         self.token2wav = token2wav
 
-    def llm_requests(self, request: SynthesisRequest, stream_id: str, seed: int, first: int = 0) -> list[LLMRequest]:
-        """Normalize and split the text; lay out each sentence's LLM prompt by mode. `first`: the index of the
-        first sentence in the request (its seeds and stream id)."""
+    def pieces(self, request: SynthesisRequest) -> list[str]:
+        """The request text's sentences: normalized and split, or (text_frontend false) the text as given."""
+        if request.text_frontend:
+            return self.preprocessor.split(request.text, field="target_text")
+        return [validate_text(request.text, "target_text", self.preprocessor.max_chars)]  # as given: one piece
+
+    def llm_requests(self, request: SynthesisRequest, stream_id: str, seed: int, first: int = 0,
+                     pieces: list[str] | None = None) -> list[LLMRequest]:
+        """Normalize and split the text (or take its `pieces`); lay out each sentence's LLM prompt by mode.
+        `first`: the index of the first sentence in the request (its seeds and stream id)."""
         encode = self.preprocessor.tokenizer.encode
-        pieces = self.preprocessor.split(request.text, field="target_text") if request.text_frontend \
-            else [validate_text(request.text, "target_text", self.preprocessor.max_chars)]  # as given: one piece
+        pieces = self.pieces(request) if pieces is None else pieces
         prompt_text_tokens, prompt_speech = self.prompt_tokens(request)
         return [LLMRequest(stream_id=f"{stream_id}/{i}", text_tokens=encode(piece),
                            prompt_text_tokens=prompt_text_tokens, prompt_speech_tokens=prompt_speech,
                            sampling=request.sampling, seed=sentence_seeds(seed, i).llm)
                 for i, piece in enumerate(pieces, start=first)]
 
-    def ssml_plan(self, request: SynthesisRequest, stream_id: str, seed: int) -> list[SpokenSentence | int]:
-        """The SSML document's sentences and pauses (samples of silence) in order, every voice resolved: all its
-        errors (InvalidInput / NotFound naming target_text) come before any audio. Marks make no audio."""
+    def ssml_plan(self, request: SynthesisRequest, stream_id: str, seed: int) -> list[SpokenSentence | Pause | Mark]:
+        """The SSML document's sentences, pauses and marks in order, every voice resolved: all its errors
+        (InvalidInput / NotFound naming target_text) come before any audio. Marks make no audio."""
         field = "target_text"
         parts = parse_ssml(request.text, field, expand_say_as)
         validate_text(spoken_text(parts), field, self.preprocessor.max_chars)
         voices: dict[str | None, PromptFeatures] = {None: request.voice}
-        plan: list[SpokenSentence | int] = []
+        plan: list[SpokenSentence | Pause | Mark] = []
         sentences = 0
         for part in parts:
             if isinstance(part, (Pause, Mark)):
-                plan.extend([part.samples] if isinstance(part, Pause) else [])
+                plan.append(part)
                 continue
             if is_only_punctuation(part.text.replace(" ", "")):
                 continue  # nothing to speak (".", a lone tag's neighbour)
@@ -102,10 +116,20 @@ class Pipeline:
             voice = self.voice_of(request, part.voice_id, voices)
             spoken = replace(request, text=part.text, voice=voice)
             prompt = flow_prompt_of(voice)
-            for llm_request in self.llm_requests(spoken, stream_id, seed, first=sentences):
-                plan.append(SpokenSentence(llm_request, prompt, speed, sentence_seeds(seed, sentences).vocoder))
+            pieces = self.pieces(spoken)
+            spans = self.part_spans(request.text, part, pieces) if request.marks else [part.span] * len(pieces)
+            for llm_request, span in zip(self.llm_requests(spoken, stream_id, seed, first=sentences, pieces=pieces),
+                                         spans):
+                plan.append(SpokenSentence(llm_request, prompt, speed, sentence_seeds(seed, sentences).vocoder, span,
+                                           source_value(request.text, span, ssml=True) if request.marks else ""))
                 sentences += 1  # sentences count across the document
         return plan
+
+    @staticmethod
+    def part_spans(text: str, part: Speech, pieces: list[str]) -> list[tuple[int, int]]:
+        """The span of each sentence of an SSML speech run in the document: aligned within the run's span."""
+        start, end = part.span
+        return [(start + a, start + b) for a, b in source_spans(text[start:end], pieces)]
 
     @staticmethod
     def voice_of(request: SynthesisRequest, voice_id: str | None,
@@ -138,32 +162,46 @@ class Pipeline:
         return (encode(prompt_text) if prompt_text else []), prompt_speech
 
     def run(self, request: SynthesisRequest, stream: bool, is_cancelled: Callable[[], bool] = lambda: False,
-            stream_id: str | None = None) -> Iterator[np.ndarray]:
-        """Yield float32 audio chunks in order. Offline (`stream=False`) yields one chunk per sentence."""
+            stream_id: str | None = None) -> Iterator[np.ndarray | MarkEvent]:
+        """Yield float32 audio chunks in order. Offline (`stream=False`) yields one chunk per sentence. With
+        `request.marks`, speech marks too, each before the audio it describes (pipeline/speech_marks.py)."""
         request.validate()
         stream_id = stream_id or uuid.uuid4().hex
         seed = request.seed if request.seed is not None else random_seed()
         playback = Playback()  # the listener of the whole request, sentence after sentence
+        clock = MarkClock() if request.marks else None
         if is_ssml(request.text, request.text_type):
             yield from self._run_plan(request, self.ssml_plan(request, stream_id, seed), stream, is_cancelled,
-                                      playback)
+                                      playback, clock)
             return
         prompt = flow_prompt_of(request.voice)
-        for index, llm_request in enumerate(self.llm_requests(request, stream_id, seed)):
-            yield from self._sentence(request, llm_request, prompt, sentence_seeds(seed, index).vocoder,
-                                      stream, is_cancelled, playback)
+        pieces = self.pieces(request)
+        spans = source_spans(request.text, pieces) if clock else [(0, 0)] * len(pieces)
+        for index, (llm_request, span) in enumerate(zip(self.llm_requests(request, stream_id, seed, pieces=pieces),
+                                                        spans)):
+            chunks = self._sentence(request, llm_request, prompt, sentence_seeds(seed, index).vocoder,
+                                    stream, is_cancelled, playback)
+            yield from clock.sentence(span, source_value(request.text, span, ssml=False), chunks) if clock else chunks
 
-    def _run_plan(self, request: SynthesisRequest, plan: list[SpokenSentence | int], stream: bool,
-                  is_cancelled: Callable[[], bool], playback: Playback) -> Iterator[np.ndarray]:
+    def _run_plan(self, request: SynthesisRequest, plan: list[SpokenSentence | Pause | Mark], stream: bool,
+                  is_cancelled: Callable[[], bool], playback: Playback,
+                  clock: MarkClock | None = None) -> Iterator[np.ndarray | MarkEvent]:
         for step in plan:
-            if isinstance(step, int):  # a <break>: its own chunk of silence
+            if isinstance(step, Mark):  # a named point: no audio
+                if clock:
+                    yield clock.point(step.name, step.span)
+                continue
+            if isinstance(step, Pause):  # a <break>: its own chunk of silence
                 if is_cancelled():
                     raise Cancelled("the client cancelled the request")
-                if step:
-                    yield np.zeros(step, dtype=np.float32)
+                if clock:
+                    yield clock.pause(step.samples, step.span)
+                if step.samples:
+                    yield np.zeros(step.samples, dtype=np.float32)
                 continue
-            yield from self._sentence(request, step.llm_request, step.prompt, step.vocoder_seed, stream,
-                                      is_cancelled, playback, speed=step.speed)
+            chunks = self._sentence(request, step.llm_request, step.prompt, step.vocoder_seed, stream,
+                                    is_cancelled, playback, speed=step.speed)
+            yield from clock.sentence(step.span, step.value, chunks) if clock else chunks
 
     def run_bistream(self, request: SynthesisRequest, text: Iterable[str], stream: bool,
                      is_cancelled: Callable[[], bool] = lambda: False,
@@ -173,6 +211,8 @@ class Pipeline:
         request.validate()
         if request.text_type == "ssml":
             raise InvalidInput("text_type", "ssml needs text_mode sentences (a whole <speak> document at once)")
+        if request.marks:
+            raise InvalidInput("speech_marks", "need text_mode sentences (bistream text has no sentences to mark)")
         stream_id = stream_id or uuid.uuid4().hex
         seeds = sentence_seeds(request.seed if request.seed is not None else random_seed(), 0)
         prompt_text_tokens, prompt_speech = self.prompt_tokens(request)
@@ -206,7 +246,7 @@ class Pipeline:
         speed = request.speed if speed is None else speed
         sender = ChunkSender(self.token2wav, llm_request.stream_id, prompt, vocoder_seed, speed, playback)
         tokens: list[int] = []
-        token_stream = token_stream if token_stream is not None else self.llm.stream(llm_request)
+        token_stream = token_stream if token_stream is not None else self.llm.stream(with_lead(llm_request, playback))
         try:
             for new_tokens in token_stream:
                 if is_cancelled():
@@ -219,6 +259,14 @@ class Pipeline:
             if not sender.finished:
                 token_stream.cancel()
                 sender.close()
+
+
+def with_lead(request: LLMRequest, playback: Playback) -> LLMRequest:
+    """The sentence's LLM request with its listener's lead, when one listens: the LLM gives a free slot to
+    the least lead first (llm/scheduler.py)."""
+    if playback.played_until is None:
+        return request
+    return replace(request, lead_s=max(0.0, playback.lead(time.monotonic())))
 
 
 class _TextFeeder:

@@ -72,6 +72,11 @@ class ServeOptions:
     workers: int = 16  # requests synthesized at once per cosyvoice2 instance
     max_pending: int = 64  # requests queued per cosyvoice2 instance beyond that
     max_queue_wait_s: float = 2.0  # a request that would wait longer to start is refused (admission.py)
+    # streams in real-time units (pipeline/capacity.py): every running stream this many times faster than real
+    # time, or a new one waits. 0 (off) here, so tests and in-process users keep cost-based admission; `serve`
+    # and `up` turn it on (1.2)
+    realtime_margin: float = 0.0
+    realtime_capacity: float | None = None  # audio seconds per second per cosyvoice2 instance; None: measured
     voice_store: str | None = None  # sqlite path or redis:// url; None: $COSYVOICE_HOME/voices.sqlite
     llm_max_batch: int = 8
     llm_max_seq_len: int = 4096
@@ -88,6 +93,7 @@ class ServeOptions:
     torch_threads: int = 0  # per llm / token2wav instance; 0: chosen from the core count (pipeline/threads.py)
     llm_precision: str = "fp32"  # the LLM backbone's: fp32 | bf16 | int8 | auto (models/auto_precision.py)
     flow_precision: str = "fp32"  # the torch flow estimator's: fp32 | bf16 | auto (the CLI's default: auto)
+    compile: str = "off"  # torch.compile of the hot loops' blocks: off | auto | on (models/compiled.py)
     engine: str = "torch"  # token2wav: torch | onnxruntime | openvino | tensorrt (CAM++ too; torch: onnxruntime)
     precision: str = "fp32"  # of TensorRT plans and OpenVINO's hint: fp32 | fp16 | bf16
     ort_providers: str | None = None  # with engine onnxruntime: execution providers (engines/providers.py)
@@ -193,6 +199,7 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str,
     llm and token2wav share the cores (pipeline/shared_cores.py); empty: fixed shares. `auto` precisions
     are resolved here, on the machine the server runs on, so each config names the precision it runs."""
     from cosyvoice_triton.models.auto_precision import resolve_flow_precision, resolve_llm_precision
+    from cosyvoice_triton.models.compiled import check_compile_setting
 
     if options.engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {options.engine!r}")
@@ -212,7 +219,8 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str,
     providers = options.ort_providers or ""
     synthesis = {"model_dir": model_dir, "voice_store": voice_store, "instances": options.instances,
                  "max_workers": options.workers, "max_pending": options.max_pending,
-                 "max_queue_wait_s": options.max_queue_wait_s,
+                 "max_queue_wait_s": options.max_queue_wait_s, "realtime_margin": options.realtime_margin,
+                 "realtime_capacity": options.realtime_capacity or 0.0,
                  "max_text_chars": options.max_text_chars, "max_seq_len": options.llm_max_seq_len,
                  "token2wav_backends": ",".join(backend_spec(b) for b in options.backends),
                  "token2wav_timeout_s": options.token2wav_timeout_s, "chunk_policy": options.chunk_policy,
@@ -230,14 +238,15 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str,
                 "max_batch": options.llm_max_batch, "max_seq_len": options.llm_max_seq_len,
                 "max_queue": options.llm_max_queue, "max_token_text_ratio": ratio,
                 "torch_threads": options.torch_threads, "core_share": core_share,
-                "precision": resolve_llm_precision(options.llm_precision, torch_device)},
+                "precision": resolve_llm_precision(options.llm_precision, torch_device),
+                "compile": check_compile_setting(options.compile)},
         "token2wav": {"model_dir": model_dir, "placement": placement, "device": torch_device,
                       "max_streams": options.t2w_max_streams, "max_batch": options.t2w_max_batch,
                       "idle_timeout_s": options.t2w_idle_timeout_s,
                       "flow_cache_frames": options.flow_cache_frames, "queue_delay_us": options.t2w_queue_delay_us,
                       "prompt_cache_mb": options.prompt_cache_mb,
                       "flow_precision": resolve_flow_precision(options.flow_precision, torch_device),
-                      "chunk_preset": options.chunk_preset,
+                      "chunk_preset": options.chunk_preset, "compile": options.compile,
                       # A backend server runs token2wav alone: every core (pipeline/threads.py).
                       "torch_threads": options.torch_threads or (available_cores() if options.role == "backend" else 0),
                       "core_share": core_share,

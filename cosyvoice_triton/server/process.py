@@ -235,6 +235,13 @@ class TritonProcess:
     def environment(self) -> dict[str, str]:
         return server_environment(self.binary, self.python_env, pythonpath=self.pythonpath, extra=self.extra_env)
 
+    def _launch_environment(self) -> dict[str, str]:
+        """The environment, plus this server's gRPC address (its ports are picked by now): its models call
+        `llm` through it (triton/grpc_llm.py says why not BLS)."""
+        from cosyvoice_triton.triton.grpc_llm import SERVER_GRPC_ENV
+
+        return {**self.environment(), SERVER_GRPC_ENV: self.grpc_url}
+
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> "TritonProcess":
         if self.is_running():
@@ -294,7 +301,7 @@ class TritonProcess:
         self.returncode = None
         self._proc = subprocess.Popen(term_with_parent(cmd) if self.die_with_parent else cmd,
                                       stdout=self._log_file, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, env=self.environment(),
+                                      stdin=subprocess.DEVNULL, env=self._launch_environment(),
                                       cwd=self.workdir, start_new_session=True)
         log.info("tritonserver pid %d: http %s grpc %s metrics %s, log %s", self._proc.pid,
                  self.http_url, self.grpc_url, self.metrics_url, self.log_path)
@@ -337,6 +344,12 @@ class TritonProcess:
             except subprocess.TimeoutExpired:
                 pass
             interval = min(interval * 2, 0.5)
+
+    def kill(self) -> None:
+        """SIGKILL the server and its stubs now (a hung server: server/liveness.py); `restart()` cleans up."""
+        if self._proc is not None and self._proc.poll() is None:
+            _kill_group(self._proc.pid)
+            self._proc.wait()
 
     def stop(self, grace_s: float | None = None) -> int | None:
         """SIGINT, then SIGKILL to the whole process group after `grace_s` (default: the exit timeout

@@ -11,6 +11,10 @@ that clients, the gateway and other servers keep its address; raises when it doe
 first restart waits `initial_delay_s`, each failed one doubles the wait up to `max_delay_s`, and a
 process that stays up for `stable_s` starts again from the initial delay.
 
+A process may also be watched for liveness (`liveness`: name -> a `Liveness` of server/liveness.py): one
+that runs but whose models stopped answering (a hang) is killed, then restarted as if it had died
+(`hangs` counts these).
+
 Restarts run in the supervisor's thread, which lives until `close()` has stopped the processes: the
 kernel's parent-death signal (`die_with_parent`) follows the thread that started a child.
 """
@@ -38,6 +42,8 @@ class Supervised(Protocol):
 
     def restart(self) -> object: ...
 
+    def kill(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class Backoff:
@@ -57,6 +63,7 @@ class ProcessState:
     group: str  # processes of one group stand in for each other: "frontend", "backend", "tritonserver", "redis"
     state: str = RUNNING
     restarts: int = 0  # successful restarts
+    hangs: int = 0  # times it was killed because its models stopped answering
     last_exit_code: int | None = None
     last_error: str | None = None  # why the last restart failed
     delay_s: float = 0.0
@@ -64,7 +71,8 @@ class ProcessState:
     up_since: float = 0.0
 
     def report(self) -> dict:
-        body = {"state": self.state, "restarts": self.restarts, "last_exit_code": self.last_exit_code}
+        body = {"state": self.state, "restarts": self.restarts, "hangs": self.hangs,
+                "last_exit_code": self.last_exit_code}
         if self.last_error:
             body["last_error"] = self.last_error
         return body
@@ -77,9 +85,11 @@ def group_of(name: str) -> str:
 
 
 class Supervisor:
-    def __init__(self, processes: Mapping[str, Supervised], backoff: Backoff = Backoff()):
+    def __init__(self, processes: Mapping[str, Supervised], backoff: Backoff = Backoff(),
+                 liveness: Mapping[str, object] | None = None):
         self.processes = dict(processes)
         self.backoff = backoff
+        self.liveness = dict(liveness or {})  # name -> Liveness (server/liveness.py)
         now = time.monotonic()
         self._states = {name: ProcessState(name, group_of(name), up_since=now) for name in self.processes}
         self._lock = threading.Lock()  # guards the states
@@ -91,6 +101,8 @@ class Supervisor:
     def begin(self) -> Supervisor:
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
         self._thread.start()
+        for watch in self.liveness.values():
+            watch.start()
         return self
 
     # -- what is reported ----------------------------------------------------------------------------
@@ -126,6 +138,7 @@ class Supervisor:
         now = time.monotonic()
         if state.state == RUNNING:
             if process.is_running():
+                self._kill_if_hung(name, process, state)
                 return
             with self._lock:
                 state.state, state.last_exit_code = RESTARTING, process.exit_code
@@ -135,6 +148,19 @@ class Supervisor:
             log.warning("%s exited (code %s); restarting it in %.1f s", name, state.last_exit_code, state.delay_s)
         if state.state == RESTARTING and now >= state.next_attempt:
             self._restart(name, process, state)
+
+    def _kill_if_hung(self, name: str, process: Supervised, state: ProcessState) -> None:
+        """A running process whose models stopped answering is killed: the next pass restarts it."""
+        watch = self.liveness.get(name)
+        hung = watch.hung if watch is not None else None
+        if hung is None:
+            return
+        log.warning("%s is hung: %s answered none of %d liveness probes; killing it to restart it", name, hung,
+                    watch.hung_after)
+        with self._lock:
+            state.hangs += 1
+        process.kill()
+        watch.reset()
 
     def _restart(self, name: str, process: Supervised, state: ProcessState) -> None:
         try:
@@ -155,6 +181,8 @@ class Supervisor:
         """No more restarts (one under way finishes first); then `stop()` (which stops the processes)
         while the watching thread still lives; then the thread ends."""
         self._closing.set()
+        for watch in self.liveness.values():
+            watch.stop()
         try:
             with self._pass:
                 stop()

@@ -83,6 +83,9 @@ class BlsLLM:
     def stream(self, request: LLMRequest) -> BlsTokenStream:
         return BlsTokenStream(self.pb, self.model, request)
 
+    def close(self) -> None:
+        pass
+
 
 class BlsToken2Wav:
     def __init__(self, pb, model: str = contracts.TOKEN2WAV):

@@ -41,9 +41,15 @@ cosyvoice2 (decoupled) and cosyvoice2_offline (its non-decoupled twin, same temp
        text_append            BOOL [1]   opt  true: target_text continues bistream synthesis text_stream_id (no
                                               other input); answered by one empty final response
        text_end               BOOL [1]   opt  with text_append: the text ends after this piece
+       speech_marks           BOOL [1]   opt  true: speech marks in `marks` (pipeline/speech_marks.py; needs
+                                              text_mode sentences)
        top_p FP32, top_k INT32, win_size INT32, tau_r FP32   [1] opt  sampling overrides (default: the yaml's)
   out  waveform               FP32 [-1]       24 kHz audio: one response per chunk (decoupled, then an
                                               empty final response), or the whole waveform (twin)
+       marks                  STRING [1]      with speech_marks only: a JSON list of mark events, which come
+                                              before the response's audio (decoupled: a sentence's mark with
+                                              end_ms null, its mark_end later; a response may carry only
+                                              marks); the twin: the complete marks
   Exactly one voice: reference_audio_id, reference_wav (+ reference_sample_rate) or reference_audio.
   Voice conversion, mode "vc" (the official inference_vc: no text, no LLM; target_text is then refused):
        source_wav             FP32 [-1]  opt  the recording to speak again in the voice, mono, in [-1, 1] ...
@@ -118,6 +124,7 @@ register_voice (max_batch_size 0)
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -144,6 +151,7 @@ REGISTER_VOICE = "register_voice"
 
 # Tensor names that code beyond this page needs (the config.pbtxt files name them too). Outputs:
 WAVEFORM = "waveform"  # cosyvoice2, cosyvoice2_offline, token2wav: FP32 audio at 24 kHz
+MARKS = "marks"  # cosyvoice2, cosyvoice2_offline: STRING, a JSON list of speech mark events
 SPEECH_TOKENS = "speech_tokens"  # llm, audio_tokenizer, prompt_encoder: INT32 S3 tokens, 25 Hz
 EMBEDDING = "embedding"  # speaker_embedding, prompt_encoder: FP32 [192]
 PROMPT_MEL = "prompt_mel"  # prompt_audio, prompt_encoder: FP32 [-1, 80]
@@ -157,7 +165,9 @@ PROMPT_ENCODER_OUTPUTS = (EMBEDDING, SPEECH_TOKENS, PROMPT_MEL)
 # Inputs that errors raised beyond this page name.
 STREAM_ID = "stream_id"  # llm, token2wav
 TEXT_APPEND = "text_append"  # llm, cosyvoice2
+LEAD_S = "lead_s"  # llm: FP32 [1], optional: the audio its listener still has to play (LLMRequest.lead_s)
 TEXT_MODE = "text_mode"  # cosyvoice2
+SPEECH_MARKS = "speech_marks"  # cosyvoice2
 REFERENCE_WAV, REFERENCE_TEXT = "reference_wav", "reference_text"  # cosyvoice2, register_voice, prompt_audio
 REFERENCE_WAV_LEN = "reference_wav_len"  # cosyvoice2
 TARGET_TEXT, TEXT_STREAM_ID = "target_text", "text_stream_id"  # cosyvoice2
@@ -171,7 +181,7 @@ CHUNK_FIELDS = {"chunk_first_hop": "first_hop", "chunk_hop_scale": "hop_scale", 
 OPTION_TYPES: dict[str, type] = {"top_p": np.float32, "top_k": np.int32, "win_size": np.int32, "tau_r": np.float32,
                                  "chunk_first_hop": np.int32, "chunk_hop_scale": np.float32,
                                  "chunk_max_hop": np.int32, "text_frontend": np.bool_, "chunk_policy": str, "speed": np.float32,
-                                 "text_mode": str, "text_stream_id": str, "text_type": str}
+                                 "text_mode": str, "text_stream_id": str, "text_type": str, "speech_marks": np.bool_}
 INT32_MAX = 2**31 - 1
 # Each input of cosyvoice2 and register_voice -> the request field it carries: text, voice_id, audio (the prompt
 # recording), prompt_text, source (a conversion's recording), ...; an option keeps its own name (seed, speed,
@@ -185,6 +195,7 @@ INPUT_FIELDS: dict[str, str] = {
     "text_append": "text_append", "text_end": "text_end",
     "voice_id": "voice_id", "name": "name", "owner": "owner",  # register_voice: the id to register under, ...
     **{name: name for name in OPTION_TYPES},
+    SPEECH_MARKS: "marks",
 }
 INPUT_NAMES = frozenset(INPUT_FIELDS)
 
@@ -286,6 +297,8 @@ def llm_inputs(request: LLMRequest) -> dict[str, np.ndarray]:
     values.update(sampling_inputs(request.sampling))
     if request.bistream:
         values["bistream"] = np.array([True])
+    if request.lead_s is not None:
+        values[LEAD_S] = np.array([request.lead_s], dtype=np.float32)
     return values
 
 
@@ -320,10 +333,14 @@ def parse_llm_request(reader: TensorReader,
         return TextAppend(stream_id, reader.token_ids("text_tokens"), reader.boolean("text_end", default=False))
     seed = reader.integer("seed", required=True, low=0, high=SEED_LIMIT - 1)
     bistream = reader.boolean("bistream", default=False)
+    lead_s = reader.real(LEAD_S)
+    if lead_s is not None and not lead_s >= 0:
+        raise InvalidInput(LEAD_S, f"must be >= 0 seconds, got {lead_s}")
     return LLMRequest(stream_id=stream_id, text_tokens=reader.token_ids("text_tokens", required=not bistream),
                       prompt_text_tokens=reader.token_ids("prompt_text_tokens"),
                       prompt_speech_tokens=reader.token_ids("prompt_speech_tokens"),
-                      sampling=read_sampling(reader, default_sampling).validate(), seed=seed, bistream=bistream)
+                      sampling=read_sampling(reader, default_sampling).validate(), seed=seed, bistream=bistream,
+                      lead_s=lead_s)
 
 
 # ---- token2wav ---------------------------------------------------------------------------------------
@@ -533,6 +550,7 @@ class SynthesisInputs:
     text_mode: str = SENTENCES  # bistream: `text` is the first piece, text_append requests bring the rest
     text_stream_id: str | None = None  # bistream: the caller's id of the synthesis
     text_type: str | None = None  # text | ssml; None: ssml when the text starts with <speak (preprocess/ssml.py)
+    marks: bool = False  # speech marks among the audio (pipeline/speech_marks.py)
 
     @property
     def bistream(self) -> bool:
@@ -570,6 +588,10 @@ class SynthesisInputs:
         check_text_type(self.text_type)
         if self.bistream and self.text_type == "ssml":
             raise InvalidInput("text_type", "ssml needs text_mode sentences (a whole <speak> document at once)")
+        if not isinstance(self.marks, bool):
+            raise InvalidInput(SPEECH_MARKS, "must be true or false")
+        if self.bistream and self.marks:
+            raise InvalidInput(SPEECH_MARKS, "need text_mode sentences (bistream text has no sentences to mark)")
         check_optional_text(self.instruct_text, "instruct_text")
         check_mode(self.mode, self.instruct_text)
         check_optional_text(self.prompt_text, REFERENCE_TEXT)
@@ -592,7 +614,7 @@ class SynthesisInputs:
                                 speed=None if self.speed == 1.0 else self.speed,
                                 text_mode=None if self.text_mode == SENTENCES else self.text_mode,
                                 text_stream_id=self.text_stream_id, text_type=self.text_type,
-                                **chunk_options(self.chunk_overrides), **sampling)
+                                speech_marks=True if self.marks else None, **chunk_options(self.chunk_overrides), **sampling)
 
 
 def read_text_append(reader: TensorReader, max_chars: int) -> TextAppend | None:
@@ -632,7 +654,8 @@ def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParam
                              text_frontend=reader.boolean("text_frontend", default=True),
                              speed=reader.real("speed", 1.0),
                              text_mode=text_mode, text_stream_id=reader.string("text_stream_id"),
-                             text_type=reader.string("text_type")).check(max_chars)
+                             text_type=reader.string("text_type"),
+                             marks=reader.boolean(SPEECH_MARKS, default=False)).check(max_chars)
     voice_id, audio = read_voice_choice(reader)  # after the text: an empty text is named before a missing voice
     return replace(inputs, voice_id=voice_id, audio=audio)
 
@@ -779,6 +802,18 @@ def waveform_of(outputs: Mapping[str, np.ndarray]) -> np.ndarray:
 def chunk_of(outputs: Mapping[str, np.ndarray]) -> np.ndarray | None:
     """A streamed cosyvoice2 response's audio as `waveform_of`; None when it carries none."""
     return waveform_of(outputs) if outputs.get(WAVEFORM) is not None and outputs[WAVEFORM].size else None
+
+
+def marks_outputs(events: list[dict], batched: bool = False) -> dict[str, np.ndarray]:
+    """A cosyvoice2 answer's speech mark events (pipeline/speech_marks.py) as its `marks` ([1, 1] `batched`)."""
+    marks = string_array(json.dumps(events, ensure_ascii=False))
+    return {MARKS: marks.reshape(1, 1) if batched else marks}
+
+
+def marks_of(outputs: Mapping[str, np.ndarray]) -> list[dict]:
+    """The speech mark events of a cosyvoice2 answer, in order ([] when it carries none)."""
+    marks = outputs.get(MARKS)
+    return json.loads(_first_string(marks)) if marks is not None and marks.size else []
 
 
 # ---- register_voice's answer -------------------------------------------------------------------------

@@ -15,6 +15,15 @@ Every metric carries the labels `model` and `instance`. Names (Prometheus):
   cosyvoice_stream_slots                  gauge      requests an instance runs at once (cosyvoice2*)
   cosyvoice_seconds_per_cost              gauge      measured running seconds per cost unit (admission.py)
   cosyvoice_admission_refused_total       counter    requests refused by admission (cosyvoice2*)
+  cosyvoice_queue_wait_seconds            histogram  request received -> a worker starts it (cosyvoice2*)
+  cosyvoice_capacity_audio_seconds_per_second gauge  audio made per wall second, all streams together, measured
+                                                     (or the cold default, or serve --realtime-capacity) (cosyvoice2;
+                                                     pipeline/capacity.py)
+  cosyvoice_capacity_measured             gauge      1 once measurements replaced the cold default (cosyvoice2)
+  cosyvoice_realtime_slots                gauge      streams kept ahead of their listeners at the margin (cosyvoice2)
+  cosyvoice_starved_streams_total         counter    admitted streams whose listener (0.3 s start buffer) ran dry
+                                                     for more than 50 ms at least once (cosyvoice2)
+  cosyvoice_stall_seconds_total           counter    those listeners' waits, summed (cosyvoice2)
   cosyvoice_requests_total{outcome}       counter    finished requests: ok | error | cancelled (cosyvoice2*)
   cosyvoice_voice_store_hits_total        counter    voice-store gets answered from the LRU (cosyvoice2*)
   cosyvoice_voice_store_misses_total      counter    gets of unknown voice ids
@@ -25,7 +34,7 @@ Every metric carries the labels `model` and `instance`. Names (Prometheus):
   cosyvoice_llm_batch_size                gauge      rows of the latest decode step
   cosyvoice_llm_tokens_per_second         gauge      speech tokens sent per second, last 5 s
   cosyvoice_llm_streams_total{reason}     counter    ended streams: stop_token | max_len | cancelled | error
-  cosyvoice_llm_precision_info{precision} gauge      1 for what the backbone computes in: fp32 | bf16 | int8
+  cosyvoice_llm_precision_info{precision} gauge      1 for the backbone's precision: fp32 | bf16 | int8 | int8-dynamic
   cosyvoice_token2wav_active_streams      gauge      streams holding state (token2wav)
   cosyvoice_token2wav_batch_size          histogram  requests (chunks, cancels) per execute (dynamic batch)
   cosyvoice_token2wav_flow_batch          gauge      rows of the latest flow call
@@ -115,6 +124,19 @@ SYNTHESIS = {
                              "Measured running seconds per cost unit (cosyvoice_triton/admission.py)", "gauge"),
     "refused": Spec("cosyvoice_admission_refused_total",
                     "Requests refused by admission: at once, or after waiting max_queue_wait_s", "counter"),
+    "queue_wait": Spec("cosyvoice_queue_wait_seconds", "Seconds from receiving a synthesis request to a worker "
+                       "starting it (its wait in the admission queue)", "histogram", LATENCY_BUCKETS),
+    "capacity": Spec("cosyvoice_capacity_audio_seconds_per_second",
+                     "Audio seconds this instance makes per wall second, all its streams together (measured; "
+                     "before that the cold default; pipeline/capacity.py)", "gauge"),
+    "measured": Spec("cosyvoice_capacity_measured", "1 once the capacity is measured, 0 on the cold default",
+                     "gauge"),
+    "realtime_slots": Spec("cosyvoice_realtime_slots", "Streams this instance keeps ahead of their listeners "
+                           "(capacity / realtime margin, at most its workers)", "gauge"),
+    "starved": Spec("cosyvoice_starved_streams_total", "Admitted streams whose listener (0.3 s start buffer) "
+                    "waited more than 50 ms for audio at least once", "counter"),
+    "stall_seconds": Spec("cosyvoice_stall_seconds_total", "Seconds the listeners of starved streams waited, "
+                          "summed", "counter"),
     "requests": Spec("cosyvoice_requests_total", "Finished synthesis requests by outcome", "counter",
                      label_values=(("outcome", "ok"), ("outcome", "error"), ("outcome", "cancelled"))),
     "voice_hits": Spec("cosyvoice_voice_store_hits_total", "Voice-store gets answered from the LRU", "counter"),
@@ -143,7 +165,7 @@ LLM_METRICS = {
                   label_values=tuple(("reason", r) for r in ("stop_token", "max_len", "cancelled", "error"))),
     "precision": Spec("cosyvoice_llm_precision_info", "1 for the precision the LLM backbone computes in "
                       "(serve --llm-precision, auto resolved)", "gauge",
-                      label_values=tuple(("precision", p) for p in ("fp32", "bf16", "int8"))),
+                      label_values=tuple(("precision", p) for p in ("fp32", "bf16", "int8", "int8-dynamic"))),
 }
 
 TOKEN2WAV_METRICS = {

@@ -25,8 +25,9 @@ class ParameterError(ValueError):
 Engine = Literal["torch", "onnxruntime", "openvino", "tensorrt"]
 Precision = Literal["fp32", "fp16", "bf16"]
 GraphEngine = Literal["onnxruntime", "openvino", "tensorrt"]  # for models that ship as ONNX only (CAM++)
-LLMPrecision = Literal["fp32", "bf16", "int8"]  # models.llm_precision.LLM_PRECISIONS
+LLMPrecision = Literal["fp32", "bf16", "int8", "int8-dynamic"]  # models.llm_precision.LLM_PRECISIONS
 ChunkKind = Literal["fixed", "adaptive"]  # messages.CHUNK_POLICIES: the server's chunk policy
+CompileSetting = Literal["off", "auto", "on"]  # models.compiled.COMPILE_SETTINGS
 ChunkPresetName = Literal["official", "quick"]  # pipeline/chunk_policy.CHUNK_PRESETS
 TensorForm = Literal["native", "official"]  # triton/contracts.TENSOR_FORMS: cosyvoice2's tensors, ours or the official's
 
@@ -90,6 +91,7 @@ class LLMParams:
     torch_threads: int  # 0: chosen from the core count (pipeline/threads.py)
     core_share: str | None  # the server's core-share file (pipeline/shared_cores.py); None: a fixed share
     precision: LLMPrecision  # of the backbone (models/llm_precision.py)
+    compile: CompileSetting = "off"  # torch.compile of the decoder layers (models/compiled.py)
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class Token2WavParams:
     prompt_cache_mb: float = 512.0  # torch flow: MB of voices' frames kept (models/prompt_cache.py); 0: off
     flow_precision: str = "fp32"  # torch flow estimator: fp32 | bf16 (models/flow.py); the launcher resolves auto
     chunk_preset: ChunkPresetName = "official"  # quick: the last chunk a cached streaming call (chunk_policy.py)
+    compile: CompileSetting = "off"  # torch.compile of the flow estimator's and HiFT's blocks (models/compiled.py)
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,10 @@ class CosyVoice2Params:
     max_seq_len: int = 4096  # the llm's positions per stream: longer prompts are refused (prompt_budget)
     # admission (cosyvoice_triton/admission.py): a request expected to wait longer to start is refused
     max_queue_wait_s: float = 2.0
+    # streams (decoupled) in real-time units (pipeline/capacity.py): every running stream gets audio this many
+    # times faster than real time, or a new one waits; 0: off (cost-based admission only)
+    realtime_margin: float = 0.0
+    realtime_capacity: float = 0.0  # audio seconds per second this instance makes; 0: measured
     # native: our tensors (max_batch_size 0); official: the official runtime's ([1, ...] each; contracts.py)
     tensor_form: TensorForm = "native"
     # first audible audio (pipeline/audible.py): a 10 ms window with an RMS above this many dBFS is heard

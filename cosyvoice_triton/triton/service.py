@@ -103,7 +103,8 @@ class ServedPipeline:
                                 sampling=inputs.sampling or self.default_sampling,
                                 chunk_policy=policy,
                                 text_frontend=inputs.text_frontend, speed=inputs.speed,
-                                text_type=inputs.text_type, voice_of=self.voices.store.get).validate()
+                                text_type=inputs.text_type, voice_of=self.voices.store.get,
+                                marks=inputs.marks).validate()
 
     def run(self, inputs: SynthesisInputs, stream: bool, is_cancelled: Callable[[], bool],
             stream_id: str | None = None) -> Iterator[np.ndarray]:

@@ -26,8 +26,10 @@ from cosyvoice_triton.admission import MEAN_COST, AdmissionPolicy, Decision, Loa
 from cosyvoice_triton.audio_out import SAMPLE_RATE
 from cosyvoice_triton.errors import Cancelled, Unavailable
 from cosyvoice_triton.pipeline.audible import DEFAULT_THRESHOLD_DBFS, AudibleDetector
+from cosyvoice_triton.pipeline.capacity import Capacity
 from cosyvoice_triton.pipeline.playback import Playback
-from cosyvoice_triton.triton.contracts import waveform_outputs
+from cosyvoice_triton.pipeline.speech_marks import complete_marks, is_mark_event
+from cosyvoice_triton.triton.contracts import marks_outputs, waveform_outputs
 from cosyvoice_triton.triton.tensors import classify, error_response, output_tensors
 
 
@@ -37,10 +39,14 @@ class RequestPool:
     `max_pending` wait. `admit` refuses beyond that at once; a waiting request that has not started after
     `max_wait_s` is refused then (`on_expired`), so no request waits longer than that for a worker.
 
+    With a `capacity` (streamed requests: admission in real-time units, pipeline/capacity.py) the requests
+    that run at once are also at most its real-time slots, and none starts while a running stream's
+    listener waits for audio: the head of the queue starts when a stream ends or the streams catch up.
+
     `waiting` / `running` / `refused` are the counts that the model's metrics follow."""
 
     def __init__(self, max_workers: int, max_pending: int, name: str,
-                 policy: AdmissionPolicy = AdmissionPolicy()):
+                 policy: AdmissionPolicy = AdmissionPolicy(), capacity: Capacity | None = None):
         if max_workers < 1 or max_pending < 0:
             raise ValueError(f"max_workers ({max_workers}) must be >= 1 and max_pending ({max_pending}) >= 0")
         self.name = name
@@ -48,6 +54,9 @@ class RequestPool:
         self.max_pending = max_pending
         self.policy = policy
         self.speed = SpeedMeter()
+        self.capacity = capacity
+        if capacity is not None:
+            capacity.on_change = self._notify  # a stream opened, made audio or closed: the head may start
         self.stopping = threading.Event()
         self.running = 0
         self.refused = 0  # requests refused (at once or after waiting), since the start
@@ -65,8 +74,23 @@ class RequestPool:
         return len(self._queue)
 
     def load(self) -> Load:
-        return Load(capacity=self.max_workers, streams=self.running + len(self._queue), queued_cost=self._queued_cost,
+        return Load(capacity=self.slots(), streams=self.running + len(self._queue), queued_cost=self._queued_cost,
                     seconds_per_cost=self.speed.seconds_per_cost, mean_cost=self.speed.mean_cost)
+
+    def slots(self) -> int:
+        """Requests that may run at once now: the workers, or fewer real-time slots; while a listener waits
+        for audio, no more than run now."""
+        if self.capacity is None:
+            return self.max_workers
+        slots = self.capacity.slots(self.max_workers)
+        return max(1, min(slots, self.running)) if self.capacity.stalled() else slots
+
+    def _may_start(self) -> bool:
+        return self.running < self.slots()
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
 
     def admit(self, job: Callable[[], None], cost: float = MEAN_COST,
               on_expired: Callable[[Unavailable], None] | None = None) -> Decision:
@@ -93,7 +117,7 @@ class RequestPool:
     def _work(self) -> None:
         while True:
             with self._changed:
-                while not self._queue and not self.stopping.is_set():
+                while not (self._queue and self._may_start()) and not self.stopping.is_set():
                     self._changed.wait()
                 if not self._queue:
                     return
@@ -163,7 +187,8 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
                 audible_threshold_dbfs: float = DEFAULT_THRESHOLD_DBFS) -> str:
     """Send every non-empty chunk as a `waveform` response ([1, n] when `batched`: a model with
     max_batch_size > 0), then the final flag (with the error, if one ended the request). Returns the outcome:
-    "ok", "error" or "cancelled"."""
+    "ok", "error" or "cancelled". Speech mark events among the chunks (pipeline/speech_marks.py) go in `marks`
+    with the next chunk's response, those after the last chunk in a response of their own."""
     final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     cancelled = is_cancelled or sender.is_cancelled
     error: BaseException | None = None
@@ -171,15 +196,21 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
     audible = AudibleDetector(SAMPLE_RATE, audible_threshold_dbfs)
     if metrics is not None:
         metrics["active"].increment(1)
+    marks: list[dict] = []  # events waiting for the next response
     try:
         first = True
         with contextlib.closing(chunks()) as produced:  # closing runs the producer's cleanup (cancels)
             for chunk in produced:
                 if cancelled():
                     raise Cancelled("the client cancelled the request")
+                if is_mark_event(chunk):
+                    marks.append(chunk.to_json())
+                    continue
                 if chunk.size == 0:
                     continue
-                sender.send(pb.InferenceResponse(output_tensors=output_tensors(pb, waveform_outputs(chunk, batched))))
+                outputs = {**waveform_outputs(chunk, batched), **(marks_outputs(marks, batched) if marks else {})}
+                marks = []
+                sender.send(pb.InferenceResponse(output_tensors=output_tensors(pb, outputs)))
                 sent_at = time.monotonic()
                 lead = playback.add(sent_at, chunk.size / SAMPLE_RATE)
                 if metrics is not None:
@@ -189,6 +220,8 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
                 first = False
                 _observe_audible(metrics, audible.feed(chunk, sent_at), audible, received_at)
         _observe_audible(metrics, audible.finish(), audible, received_at)
+        if marks:  # the last sentence's mark_end: after its audio, alone
+            sender.send(pb.InferenceResponse(output_tensors=output_tensors(pb, marks_outputs(marks, batched))))
     except BaseException as exc:  # noqa: BLE001 - every failure ends this request, never the instance
         error = exc
     outcome = "ok" if error is None else ("cancelled" if classify(error).code_name == "CANCELLED" else "error")
@@ -208,7 +241,8 @@ def send_whole(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model:
                audible_threshold_dbfs: float = DEFAULT_THRESHOLD_DBFS) -> str:
     """Collect every chunk, then send the whole `waveform` ([1, n] when `batched`) or the error in one final
     response. Returns the outcome: "ok", "error" or "cancelled". Its first chunk and first audible audio
-    are timed when they are made, as the streamed model's (the client has them only with the whole)."""
+    are timed when they are made, as the streamed model's (the client has them only with the whole). Speech mark
+    events among the chunks go with it in `marks`, as the complete marks (pipeline/speech_marks.py)."""
     final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     cancelled = is_cancelled or sender.is_cancelled
     if metrics is not None:
@@ -217,18 +251,24 @@ def send_whole(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model:
     outcome = "ok"
     audible = AudibleDetector(SAMPLE_RATE, audible_threshold_dbfs)
     try:
-        pieces = []
+        pieces, marks = [], []
         with contextlib.closing(chunks()) as produced:
             for chunk in produced:
                 if cancelled():
                     raise Cancelled("the client cancelled the request")
+                if is_mark_event(chunk):
+                    marks.append(chunk.to_json())
+                    continue
                 if chunk.size and not pieces and metrics is not None:
                     metrics["first_chunk"].observe(time.monotonic() - received_at)
                 pieces.append(np.asarray(chunk, dtype=np.float32).reshape(-1))
                 _observe_audible(metrics, audible.feed(pieces[-1], time.monotonic()), audible, received_at)
         _observe_audible(metrics, audible.finish(), audible, received_at)
         waveform = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
-        response = pb.InferenceResponse(output_tensors=output_tensors(pb, waveform_outputs(waveform, batched)))
+        outputs = waveform_outputs(waveform, batched)
+        if marks:
+            outputs.update(marks_outputs(complete_marks(marks), batched))
+        response = pb.InferenceResponse(output_tensors=output_tensors(pb, outputs))
     except BaseException as exc:  # noqa: BLE001 - every failure ends this request, never the instance
         outcome = "cancelled" if classify(exc).code_name == "CANCELLED" else "error"
         response = error_response(pb, exc, model)

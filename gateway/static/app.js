@@ -1,10 +1,12 @@
 // CosyVoice2 web page: voices (GET/POST/DELETE /v1/voices), microphone recording, and streamed
 // synthesis over WS /v1/tts/ws played through Web Audio as the chunks arrive (audio.js), with the chunk
-// timeline (timeline.js), which marks the first audible audio; the convert tab is convert.js. Errors show beside the control that caused them.
+// timeline (timeline.js), which marks the first audible audio, and the text with the sentence being spoken
+// highlighted from the speech marks (marks.js); the convert tab is convert.js. Errors show beside the control that caused them.
 //
 // WebSocket protocol (gateway/routes_ws.py): we send {"type": "start", voice_id, mode, instruct, seed,
-// format: "pcm_f32", text} and {"type": "end"}; the gateway answers {"type": "started", seed, ...},
-// binary frames of little-endian float32 samples at 24 kHz, {"type": "segment", ...} after each
+// format: "pcm_f32", marks: true, text} and {"type": "end"}; the gateway answers {"type": "started", seed, ...},
+// binary frames of little-endian float32 samples at 24 kHz, {"type": "mark"} / {"type": "mark_end"} speech
+// marks before the audio they describe, {"type": "segment", ...} after each
 // sentence, then {"type": "end", audio_seconds, first_chunk_ms, first_audible_ms, ...}, or {"type": "error", param, message}.
 "use strict";
 
@@ -13,6 +15,7 @@ const $ = (id) => document.getElementById(id);
 const state = {
   ws: null,
   player: null, // Player (audio.js) of the speak tab
+  spoken: null, // SpokenText (marks.js): the text, its sentence being spoken highlighted
   arrivals: [], // seconds from sending the text to each chunk's arrival (the chunk timeline)
   durations: [], // seconds of audio of each chunk
   audible: null, // AudibleDetector (timeline.js) of the stream: which chunk holds its first audible sample
@@ -268,7 +271,9 @@ function drawStream() {
 
 // The last scheduled chunk has played.
 function onDrained() {
-  if (state.ended) setStatus("Done", "done");
+  if (!state.ended) return;
+  state.spoken.stop();
+  setStatus("Done", "done");
 }
 
 const SPEAK_FIELDS = {voice_id: "voice", text: "text", seed: "seed", mode: "mode", instruct: "instruct"};
@@ -277,12 +282,20 @@ function onMessage(message, raw) {
   if (message.type === "started") {
     const seed = /"seed":\s*(\d+)/.exec(raw); // exact digits (JSON.parse rounds numbers past 2^53)
     $("used-seed").textContent = seed ? seed[1] : String(message.seed);
+  } else if (message.type === "mark") { // speech marks: which sentence plays when (marks.js)
+    state.spoken.add(message.mark);
+  } else if (message.type === "mark_end") {
+    state.spoken.add(message);
+  } else if (message.type === "queued") { // admission: the segment waits for a server to start it
+    setStatus(`Queued: position ${message.position}, starts in about ${message.expected_start_s.toFixed(1)} s`,
+              "queued");
   } else if (message.type === "end") {
     state.ended = true;
     if (state.audible.finish()) drawStream(); // a window that runs past the last sample
     finishDownload();
     setBusy(false);
     const playing = state.player.playing;
+    if (!playing) state.spoken.stop();
     setStatus(playing ? "Received all audio, playing" : "Done", playing ? "playing" : "done");
     $("status").dataset.serverFirstChunkMs = message.first_chunk_ms == null ? "" : message.first_chunk_ms.toFixed(0);
     $("status").dataset.serverFirstAudibleMs = message.first_audible_ms == null ? "" : message.first_audible_ms.toFixed(0);
@@ -326,7 +339,7 @@ function speak() {
     showError("voice", "Choose a voice first (or register one below).");
     return;
   }
-  const start = {type: "start", voice_id: voice, mode: $("mode").value, format: "pcm_f32", text};
+  const start = {type: "start", voice_id: voice, mode: $("mode").value, format: "pcm_f32", marks: true, text};
   if (start.mode === "instruct2") start.instruct = $("instruct").value;
   const seed = seedDigits("seed");
   if (seed === null) return;
@@ -335,6 +348,8 @@ function speak() {
 
   stopSpeaking(false);
   resetStats();
+  state.spoken.reset(text);
+  state.spoken.start();
   state.player.open(); // inside the click: browsers let it play
   setBusy(true);
   setStatus("Connecting", "connecting");
@@ -377,6 +392,7 @@ function stopSpeaking(update = true) {
   state.ws = null;
   if (ws && ws.readyState <= WebSocket.OPEN) ws.close(1000, "stopped"); // the gateway cancels the synthesis
   state.player.stop();
+  state.spoken.stop();
   if (update) {
     setBusy(false);
     finishDownload();
@@ -399,6 +415,7 @@ function selectTab(name) {
 
 function init() {
   state.player = new Player($("waveform"), onDrained);
+  state.spoken = new SpokenText($("spoken"), () => 1000 * state.player.playedSeconds());
   $("api-key").value = localStorage.getItem("cosyvoice-api-key") || "";
   $("api-key").addEventListener("change", () => {
     localStorage.setItem("cosyvoice-api-key", apiKey());

@@ -137,3 +137,18 @@ def library_pipeline(stack: Stack, voice_id: str = "default"):
         return tts, store.get(voice_id)
     finally:
         store.close()
+
+
+def stub_pid(server, model: str) -> int:
+    """The pid of `server`'s Python-backend stub for `model` (its command line names the model file of
+    this server's repository, not another server's)."""
+    model_file = f"{server.model_repository}/{model}/1/model.py"
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if model_file in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                return int(proc.name)
+        except OSError:
+            continue
+    raise LookupError(f"no stub of {model} for {server.model_repository}")

@@ -19,9 +19,11 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.admission import AdmissionPolicy, refusal, request_cost, text_tokens_estimate
 from cosyvoice_triton.errors import InvalidInput, NotFound, Unavailable
+from cosyvoice_triton.pipeline.capacity import Capacity
 from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
 from cosyvoice_triton.voices.stores import open_voice_store
-from cosyvoice_triton.triton.bls import BlsLLM, BlsPromptEncoder, BlsToken2Wav
+from cosyvoice_triton.triton.bls import BlsPromptEncoder, BlsToken2Wav
+from cosyvoice_triton.triton.grpc_llm import served_llm
 from cosyvoice_triton.triton.contracts import (OFFICIAL_FORM, TEXT_MODE, ConversionInputs, SynthesisInputs, TextAppend,
                                                from_official_form, parse_cosyvoice2_request)
 from cosyvoice_triton.triton.vc_service import BlsAudioTokenizer, ConversionService
@@ -51,7 +53,8 @@ class TritonPythonModel:
         self.token2wav = RemoteToken2Wav.from_specs(params.token2wav_backends, params.token2wav_model,
                                                     params.token2wav_timeout_s) \
             if params.token2wav_backends else BlsToken2Wav(pb_utils, params.token2wav_model)
-        self.service = ServedPipeline(params.model_dir, voices, BlsLLM(pb_utils, params.llm_model),
+        self.llm = served_llm(pb_utils, params.llm_model)  # gRPC to this server, not BLS: triton/grpc_llm.py
+        self.service = ServedPipeline(params.model_dir, voices, self.llm,
                                       self.token2wav, params.max_text_chars, CHUNK_PRESETS[params.chunk_preset].policy(params.chunk_policy))
         self.conversion = ConversionService(voices, BlsAudioTokenizer(pb_utils), self.token2wav,
                                             CHUNK_PRESETS[params.chunk_preset].policy(params.chunk_policy))
@@ -61,9 +64,12 @@ class TritonPythonModel:
             self.remote_metrics = ModelMetrics(pb_utils, REMOTE_TOKEN2WAV, instance_labels(args))
             self.token2wav.on_change = self._follow_backends
             self._follow_backends()
+        # Streams are admitted in real-time units (pipeline/capacity.py); the twin keeps cost-based admission.
+        self.capacity = Capacity(params.realtime_margin, params.realtime_capacity or None) if self.decoupled else None
         self.pool = RequestPool(params.max_workers, params.max_pending, self.name,
-                                AdmissionPolicy(params.max_queue_wait_s))
+                                AdmissionPolicy(params.max_queue_wait_s), self.capacity)
         self.metrics["slots"].set(params.max_workers)
+        self._follow_pool()  # the capacity's cold default is there before the first request
 
     def execute(self, requests):
         for request in requests:
@@ -91,12 +97,13 @@ class TritonPythonModel:
             return sender.is_cancelled() or self.pool.stopping.is_set()
 
         def job() -> None:
+            self.metrics["queue_wait"].observe(time.monotonic() - received)
             self._follow_pool()
             send = send_chunks if self.decoupled else send_whole
-            send(pb_utils, sender, lambda: self._service_of(inputs).run(inputs, self.decoupled, cancelled, stream_id),
+            send(pb_utils, sender, lambda: self._chunks(inputs, cancelled, stream_id),
                  model=self.name, received_at=received, metrics=self.metrics, is_cancelled=cancelled,
                  batched=self.official, audible_threshold_dbfs=self.params.audible_threshold_dbfs)
-            self._follow_store()
+            self._follow_pool()
             self._follow_backends()
 
         def expired(error: Unavailable) -> None:  # waited max_queue_wait_s without a worker: never started
@@ -138,10 +145,25 @@ class TritonPythonModel:
             return False
         return True
 
+    def _chunks(self, inputs, cancelled, stream_id: str):
+        """The request's chunks: a stream's counted by the capacity meter and heard by its listener; the voice
+        store's counters followed before the final response, so a client with its answer reads them counted."""
+        try:
+            chunks = self._service_of(inputs).run(inputs, self.decoupled, cancelled, stream_id)
+            yield from (chunks if self.capacity is None else self.capacity.watch(chunks))
+        finally:
+            self._follow_store()
+
     def _follow_pool(self) -> None:
-        pool = self.pool
-        self.metrics.set_gauges(lambda: {"queued": pool.waiting, "seconds_per_cost": pool.speed.seconds_per_cost})
+        pool, capacity = self.pool, self.capacity
+        self.metrics.set_gauges(lambda: {"queued": pool.waiting, "seconds_per_cost": pool.speed.seconds_per_cost,
+                                         **({} if capacity is None else {
+                                             "capacity": capacity.estimate(), "measured": float(capacity.measured),
+                                             "realtime_slots": capacity.slots(pool.max_workers)})})
         self.metrics.follow_counter("refused", pool.refused)
+        if capacity is not None:
+            self.metrics.follow_counter("starved", capacity.starved)
+            self.metrics.follow_counter("stall_seconds", capacity.stall_s)
 
     def _service_of(self, inputs):
         return self.conversion if isinstance(inputs, ConversionInputs) else self.service
@@ -162,6 +184,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.pool.close()
+        self.llm.close()
         self.store.close()
         if isinstance(self.token2wav, RemoteToken2Wav):
             self.token2wav.close()

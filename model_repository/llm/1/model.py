@@ -12,6 +12,7 @@ from contextlib import nullcontext
 import torch
 import triton_python_backend_utils as pb_utils
 
+from cosyvoice_triton.models.compiled import apply_compile
 from cosyvoice_triton.models.llm_precision import describe_backbone
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.llm.scheduler import LLMScheduler
@@ -66,13 +67,15 @@ class TritonPythonModel:
         llm = SpeechLM.from_model_dir(params.model_dir, device=device,
                                       max_batch=params.max_batch, max_seq_len=params.max_seq_len,
                                       precision=params.precision)
+        compiled = apply_compile(params.compile, device, llm=llm)  # one warning line if it cannot
         if params.max_token_text_ratio is not None:
             llm.config.max_token_text_ratio = params.max_token_text_ratio
         self.default_sampling = llm.config.sampling
         self.scheduler = LLMScheduler(llm, max_batch=params.max_batch, max_seq_len=params.max_seq_len,
                                       max_queue=params.max_queue,
                                       step_unit=(lambda: self.cores.running("llm")) if self.cores else nullcontext)
-        pb_utils.Logger.log_info(f"{self.name}: backbone {describe_backbone(llm)}; {threads}")
+        pb_utils.Logger.log_info(f"{self.name}: backbone {describe_backbone(llm)}; {threads}; "
+                                 f"compiled: {', '.join(compiled) or 'none'} (compile {params.compile})")
         self.metrics = ModelMetrics(pb_utils, LLM_METRICS, instance_labels(args))
         self.metrics.labelled("precision", llm.precision).set(1)
         self.streams = LLMStreamForwarder(self.scheduler, on_tokens=self._refresh, on_end=self._count_end)

@@ -25,6 +25,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.engines.select import build_token2wav
+from cosyvoice_triton.models.compiled import apply_compile
 from cosyvoice_triton.models.flow_cache import FlowCacheSettings, supports_cache
 from cosyvoice_triton.token2wav.idle_sweeper import IdleSweeper
 from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
@@ -59,6 +60,9 @@ class TritonPythonModel:
             flow, hift = build_token2wav(params.model_dir, params.engine, device, precision=params.precision,
                                          onnx_dir=params.onnx_dir, max_streams=params.max_batch,
                                          ort_providers=params.ort_providers, flow_precision=params.flow_precision)
+            compiled = apply_compile(params.compile, device, flow=flow, hift=hift)  # torch modules only
+            pb_utils.Logger.log_info(f"{self.name}: compiled: {', '.join(compiled) or 'none'} "
+                                     f"(compile {params.compile})")
         preset = CHUNK_PRESETS[params.chunk_preset]
         self.scheduler = Token2WavScheduler(flow, hift, max_streams=params.max_streams, max_batch=params.max_batch,
                                       idle_timeout_s=params.idle_timeout_s,

@@ -1,0 +1,128 @@
+"""The `llm` model over its own server's gRPC endpoint: `cosyvoice2`'s LLM stage (`LLMStage`).
+
+Why not BLS. Triton 2.51's Python backend can deadlock a model that reads decoupled BLS streams on several
+threads, as `cosyvoice2`'s workers do (seen about once in 15 runs of the 64-stream load test; stacks of
+the hung stub in the note of issue 25). Three threads of the caller's stub and three locks make a cycle:
+
+1. a worker in `ResponseIterator.Next()` is woken by a token response and takes the GIL back while it
+   still holds that iterator's lock;
+2. the stub's response thread, delivering the next response of the same stream, holds the stub's lock of
+   all iterators and waits for that iterator's lock;
+3. another worker, opening a new decoupled BLS stream, holds the GIL and waits for the lock of all
+   iterators.
+
+Nothing breaks the cycle; the instance stops for good with every stream in it. So the token streams do
+not use BLS: each is a `ModelStreamInfer` call to the same tritonserver, read by `StreamReader` (a gRPC
+thread delivers the responses; no lock of the stub is involved). The `llm` model, its requests and its
+answers are the same as before; only the transport changed. The address comes from the environment
+(`SERVER_GRPC_ENV`, set by `TritonProcess` when it starts tritonserver); without it (a tritonserver
+started by hand) the BLS stage is used, with one warning line.
+
+Cancelling and bistream text are requests of their own (`cancel`, `text_append` with the stream's id),
+each one call that ends with its empty final response, as the BLS stage sent them.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from cosyvoice_triton.messages import LLMRequest
+from cosyvoice_triton.triton import contracts
+from cosyvoice_triton.triton.grpc_stream import StreamReader
+
+SERVER_GRPC_ENV = "COSYVOICE_SERVER_GRPC"  # host:port of the tritonserver a model runs in
+CONTROL_TIMEOUT_S = 60.0  # a cancel or a text append is answered at the LLM's next round
+
+
+class GrpcLLM:
+    """`LLMStage` whose streams are gRPC calls to the `llm` model of the server at `target` (host:port)."""
+
+    def __init__(self, target: str, model: str = contracts.LLM):
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
+
+        from cosyvoice_triton.triton.wire import CHANNEL_OPTIONS
+
+        self.target = target
+        self.model = model
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+
+    def stream(self, request: LLMRequest) -> GrpcTokenStream:
+        return GrpcTokenStream(self._stub, self.model, request)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class GrpcTokenStream:
+    """The speech tokens of one `llm` stream, as they come (a `TokenStream`)."""
+
+    def __init__(self, stub, model: str, request: LLMRequest):
+        self._stub = stub
+        self._model = model
+        self.stream_id = request.stream_id
+        self._ended = False
+        self._appends = 0
+        self._responses = _open(stub, model, contracts.llm_inputs(request), request.stream_id)
+        if request.bistream:  # the model answers at once that the stream is open: text may come now
+            next(self._responses)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for outputs in self._responses:
+            tokens = outputs[contracts.SPEECH_TOKENS].reshape(-1).astype(np.int64).tolist()
+            if tokens:
+                yield tokens
+        self._ended = True
+
+    def append_text(self, tokens: list[int], end: bool = False) -> None:
+        """Bistream: more text for the live stream (a text_append request, answered by one empty final)."""
+        self._appends += 1
+        _call(self._stub, self._model, contracts.llm_append_inputs(self.stream_id, tokens, end),
+              f"{self.stream_id}/text/{self._appends}")
+
+    def cancel(self) -> None:
+        """End the stream in `llm` and wait for its last response, so its slot is free on return."""
+        if self._ended:
+            return
+        _call(self._stub, self._model, contracts.llm_cancel_inputs(self.stream_id), f"{self.stream_id}/cancel")
+        for _ in self._responses:  # the cancelled stream's remaining responses, then its final one
+            pass
+        self._ended = True
+
+
+def _open(stub, model: str, values: Mapping[str, np.ndarray], request_id: str,
+          timeout_s: float | None = None) -> StreamReader:
+    """One request on a `ModelStreamInfer` call of its own; our side stays open until its final response."""
+    from cosyvoice_triton.triton.wire import infer_request
+
+    done = threading.Event()
+
+    def requests():
+        yield infer_request(model, values, request_id, empty_final=True)
+        done.wait()
+
+    return StreamReader(stub.ModelStreamInfer(requests(), timeout=timeout_s), on_end=done.set)
+
+
+def _call(stub, model: str, values: Mapping[str, np.ndarray], request_id: str) -> None:
+    """A request answered by one empty final response (or an error, raised)."""
+    for _ in _open(stub, model, values, request_id, CONTROL_TIMEOUT_S):
+        pass
+
+
+def served_llm(pb, model: str = contracts.LLM):
+    """The LLM stage of a model running inside tritonserver: over the server's gRPC endpoint when
+    `SERVER_GRPC_ENV` names it, else BLS (with a warning: see the module docstring)."""
+    target = os.environ.get(SERVER_GRPC_ENV)
+    if target:
+        return GrpcLLM(target, model)
+    from cosyvoice_triton.triton.bls import BlsLLM
+
+    pb.Logger.log_warn(f"{SERVER_GRPC_ENV} is not set: the LLM streams use decoupled BLS, which can deadlock "
+                       f"Triton 2.51's Python backend under concurrent streams (start the server with "
+                       f"`cosyvoice-triton serve`, or set {SERVER_GRPC_ENV}=host:port of its gRPC endpoint)")
+    return BlsLLM(pb, model)
