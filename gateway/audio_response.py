@@ -126,12 +126,7 @@ async def send_audio(request: web.Request, inputs: WireRequest, cost: float, fie
     headers = {**audio_headers(request_id, inputs.seed, fmt, rate), "Content-Type": body.content_type(fmt)}
     if not stream:  # the offline model: one full-attention flow pass per sentence, as the official offline path
         audio, marks = await whole_answer(app, inputs, cost, fields, request_id)
-        metrics.first_chunk.labels(route).observe(time.monotonic() - accepted)
-        metrics.audio_seconds.labels(route).inc(audio.size / rate)
-        access_log.first_chunk(request, time.monotonic() - accepted)
-        if await asyncio.to_thread(first_audible, audio, rate, config.audible_threshold_dbfs) is not None:
-            observe_first_audible(request, route, time.monotonic() - accepted)
-        access_log.audio_sent(request, audio.size / rate)
+        await observe_whole_answer(request, route, audio, accepted)
         data = await asyncio.to_thread(encode, audio, fmt, rate)
         if getattr(inputs, "marks", False):  # the file in base64 beside the complete marks
             headers.pop("Content-Type")
@@ -190,6 +185,21 @@ async def _write_stream(request: web.Request, response: web.StreamResponse, firs
         access_log.audio_sent(request, samples / rate)
     await response.write_eof()
     return response
+
+
+async def observe_whole_answer(request: web.Request, route: str, audio: np.ndarray, accepted: float) -> None:
+    """A whole answer's figures (its audio comes at once): first chunk and, when it holds an audible sample,
+    first audible audio at `accepted` -> now; its audio seconds; in the metrics and the access line."""
+    app = request.app
+    metrics, config = app[METRICS], app[CONFIG]
+    waited = time.monotonic() - accepted
+    metrics.first_chunk.labels(route).observe(waited)
+    access_log.first_chunk(request, waited)
+    audio = np.asarray(audio, dtype=np.float32).reshape(-1)
+    if await asyncio.to_thread(first_audible, audio, config.sample_rate, config.audible_threshold_dbfs) is not None:
+        observe_first_audible(request, route, time.monotonic() - accepted)
+    metrics.audio_seconds.labels(route).inc(audio.size / config.sample_rate)
+    access_log.audio_sent(request, audio.size / config.sample_rate)
 
 
 def observe_first_audible(request: web.Request, route: str, seconds: float) -> None:

@@ -23,6 +23,7 @@ with `data` flat. Errors: {"error": "..."} as Triton's HTTP port answers, the te
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,13 +35,13 @@ from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFLINE, R
                                                TARGET_TEXT, WAVEFORM, official_model_for)
 from cosyvoice_triton.triton.wire import DATATYPES
 
-from . import access_log
+from .audio_response import observe_whole_answer
 from .auth import limit_key
 from .errors import BadRequest, GatewayError, bounded
 from .fields import Fields
 from .protocol import json_body
 from .request_keys import ERROR_CODE
-from .state import CONFIG, LIMITER, METRICS
+from .state import CONFIG, LIMITER
 from .synthesis import call_model, gateway_error, refused_by_server, synthesis_cost
 from .triton_channel import TritonCallError
 
@@ -134,6 +135,7 @@ def parse_input(item: object, index: int) -> tuple[str, np.ndarray]:
 
 async def infer(request: web.Request) -> web.Response:
     app, name = request.app, request.match_info["name"]
+    accepted = time.monotonic()
     try:
         if name not in MODELS:
             raise ModelNotFound("model_name", f"this gateway answers KServe inference for {', '.join(MODELS)} only, "
@@ -154,9 +156,7 @@ async def infer(request: web.Request) -> web.Response:
     unknown = [o for o in asked if o not in outputs]
     if unknown:
         return kserve_error(request, BadRequest("outputs", f"{model} has no output {bounded(repr(unknown[0]), 60)}"))
-    seconds = outputs[WAVEFORM].size / app[CONFIG].sample_rate if WAVEFORM in outputs else 0.0
-    app[METRICS].audio_seconds.labels(ROUTE).inc(seconds)
-    access_log.audio_sent(request, seconds)
+    await observe_whole_answer(request, ROUTE, outputs.get(WAVEFORM, np.zeros(0, np.float32)), accepted)
     return web.json_response({"model_name": name, "id": kserve.id,
                               "outputs": [output_json(o, outputs[o]) for o in asked]})
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
 
@@ -39,13 +40,14 @@ from aiohttp import web
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from cosyvoice_triton.errors import CosyVoiceError
+from cosyvoice_triton.pipeline.audible import AudibleDetector
 from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFLINE, OFFICIAL_MODELS,
                                                REFERENCE_WAV, REFERENCE_WAV_LEN, TARGET_TEXT, TEXT_APPEND,
                                                TEXT_STREAM_ID, WAVEFORM,
                                                official_model_for)
 from cosyvoice_triton.triton.grpc_stream import status_error
-from cosyvoice_triton.triton.wire import MAX_MESSAGE_BYTES, STREAM_END_WAIT_S, is_final
+from cosyvoice_triton.triton.wire import MAX_MESSAGE_BYTES, STREAM_END_WAIT_S, is_final, response_outputs
 
 from .auth import ApiKeys, Tenant, header_key
 from .errors import as_gateway_error
@@ -125,6 +127,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
             except grpc.aio.AioRpcError as error:
                 raise UpstreamFailed(error) from None
 
+        accepted = time.monotonic()
         try:
             tenant = self._tenant(context)
             app[DRAIN].refuse_new()
@@ -134,6 +137,9 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(exc.status.code(), exc.status.details() or "")
         except CosyVoiceError as exc:
             await context.abort(*aborted(exc))
+        timing = AudioTiming(app, accepted)  # the whole waveform comes at once
+        timing.feed(response)
+        timing.finish()
         app[METRICS].audio_seconds.labels(ROUTE).inc(waveform_samples(response) / app[CONFIG].sample_rate)
         response.model_name = request.model_name
         return response
@@ -207,6 +213,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
         call = server.client.stub.ModelStreamInfer(one_request())
         relayed = final = False
         samples = 0
+        timing = AudioTiming(self.app, time.monotonic())
         metrics.active_streams.labels(ROUTE).inc()
         try:
             while True:
@@ -217,6 +224,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if response.HasField("infer_response"):
                     response.infer_response.model_name = asked
                 samples += waveform_samples(response.infer_response)
+                timing.feed(response.infer_response)
                 await write(response)
                 relayed = True
                 final = final or bool(response.error_message) or is_final(response.infer_response)
@@ -228,6 +236,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
             await write(error_response(request, error.details() or status_error(error).to_wire()))
         finally:
             call.cancel()  # nothing once the call ended; else Triton cancels the request
+            timing.finish()
             metrics.active_streams.labels(ROUTE).dec()
             metrics.audio_seconds.labels(ROUTE).inc(samples / rate)
 
@@ -290,6 +299,30 @@ def request_cost(app: web.Application, request: service_pb2.ModelInferRequest) -
     length = inputs.get(REFERENCE_WAV_LEN, ([], b""))[1]
     samples = min(sent, int.from_bytes(length[:4], "little", signed=True)) if len(length) >= 4 else sent
     return synthesis_cost(app, bytes_value(request, TARGET_TEXT) or "", samples)
+
+
+class AudioTiming:
+    """A relayed request's first chunk and first audible audio (pipeline/audible.py), from `accepted`, in the
+    gateway's metrics under this facade's route."""
+
+    def __init__(self, app: web.Application, accepted: float):
+        self.metrics, self.accepted = app[METRICS], accepted
+        self.audible = AudibleDetector(app[CONFIG].sample_rate, app[CONFIG].audible_threshold_dbfs)
+        self.first = True
+
+    def feed(self, response: service_pb2.ModelInferResponse) -> None:
+        if not waveform_samples(response):
+            return
+        now = time.monotonic()
+        if self.first:
+            self.first = False
+            self.metrics.first_chunk.labels(ROUTE).observe(now - self.accepted)
+        if self.audible.feed(response_outputs(response)[WAVEFORM].reshape(-1), now):
+            self.metrics.first_audible.labels(ROUTE).observe(self.audible.at - self.accepted)
+
+    def finish(self) -> None:
+        if self.audible.finish():
+            self.metrics.first_audible.labels(ROUTE).observe(self.audible.at - self.accepted)
 
 
 def waveform_samples(response: service_pb2.ModelInferResponse) -> int:

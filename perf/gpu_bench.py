@@ -38,6 +38,7 @@ from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.perf import scenarios
 from cosyvoice_triton.perf.gpu_report import RANDOM_LLM_NOTE, environment, progress_line, write_outputs
 from cosyvoice_triton.perf.stats import RequestResult, percentile
+from cosyvoice_triton.pipeline.audible import AudibleDetector
 from cosyvoice_triton.random_folder.write import write_random_model
 from cosyvoice_triton.pipeline.local_stages import BatchingToken2WavStage, LocalLLMStage
 from cosyvoice_triton.llm.scheduler import LLMScheduler
@@ -135,6 +136,7 @@ def open_stack(model_dir: Path, args: argparse.Namespace, device: torch.device, 
 def one_request(stack: Stack, case: scenarios.Case, voice, seed: int) -> RequestResult:
     """Stream one request through the pipeline; times from handing it over (s)."""
     result, chunks, samples = RequestResult(), 0, 0
+    audible = AudibleDetector(stack.sample_rate)  # the first sample a listener hears (pipeline/audible.py)
     start = time.perf_counter()
     try:
         request = SynthesisRequest(text=case.text, voice=voice, mode=case.mode, seed=seed,
@@ -147,6 +149,9 @@ def one_request(stack: Stack, case: scenarios.Case, voice, seed: int) -> Request
                 result.first_chunk_s = time.perf_counter() - start
             elif chunks == 2:
                 result.second_chunk_s = time.perf_counter() - start
+            audible.feed(chunk, time.perf_counter() - start)
+        audible.finish()
+        result.first_audible_s = audible.at
     except Exception as exc:  # noqa: BLE001 - counted as this request's error; the level goes on
         result.error = f"{type(exc).__name__}: {exc}"
     result.total_s = time.perf_counter() - start
@@ -193,7 +198,7 @@ def summarize(concurrency: int, planned: int, results: list[RequestResult], wall
            "audio_per_request_s": audio / len(ok) if ok else None,
            "rtf": wall_s / audio if audio else None, "throughput": audio / wall_s if wall_s else None,
            "flow_batch_mean": flow_batch, "first_error": next((r.error for r in results if r.error), None)}
-    for name in ("first_chunk", "second_chunk", "total"):
+    for name in ("first_chunk", "first_audible", "second_chunk", "total"):
         values = [getattr(r, f"{name}_s") for r in ok if getattr(r, f"{name}_s") is not None]
         for q in (50, 90, 99):
             out[f"{name}_p{q}_s"] = percentile(values, q)

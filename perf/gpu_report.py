@@ -39,8 +39,8 @@ MEASURES_NOTE = (
     "between models are excluded). Times in ms from handing the request to the pipeline; RTF = level "
     "wall time / audio seconds made; throughput = audio seconds per second; flow batch = mean chunks per "
     "token2wav flow call.")
-TABLE_HEADER = ("| concurrency | requests | errors | first chunk p50 / p90 / p99 | second chunk p50 | total p50 "
-                "| audio / request (s) | RTF | throughput | flow batch |")
+TABLE_HEADER = ("| concurrency | requests | errors | first chunk p50 / p90 / p99 | first audible p50 | second chunk p50 "
+                "| total p50 | audio / request (s) | RTF | throughput | flow batch |")
 RANDOM_LLM_NOTE = ("random weights: the LLM seldom samples its end token, so each sentence runs to the most "
                    "speech tokens per text token allowed; audio lengths are not those of real speech")
 
@@ -48,7 +48,8 @@ RANDOM_LLM_NOTE = ("random weights: the LLM seldom samples its end token, so eac
 def table_row(s: dict) -> str:
     cut = "" if s["requests"] == s["planned"] else f" of {s['planned']}"
     return (f"| {s['concurrency']} | {s['requests']}{cut} | {s['errors']} | {ms(s['first_chunk_p50_s'])} / "
-            f"{ms(s['first_chunk_p90_s'])} / {ms(s['first_chunk_p99_s'])} | {ms(s['second_chunk_p50_s'])} | "
+            f"{ms(s['first_chunk_p90_s'])} / {ms(s['first_chunk_p99_s'])} | {ms(s.get('first_audible_p50_s'))} | "
+            f"{ms(s['second_chunk_p50_s'])} | "
             f"{ms(s['total_p50_s'])} | {num(s['audio_per_request_s'], 2)} | {num(s['rtf'], 4)} | "
             f"{num(s['throughput'], 1)} | {num(s['flow_batch_mean'], 1)} |")
 
@@ -61,7 +62,7 @@ def markdown(results: dict) -> str:
     for scenario in results["scenarios"]:
         lines += ["", f"## {scenario['name']}", "", f"{scenario['description']}; prompt {scenario['prompt']}", ""]
         if scenario["levels"]:
-            lines += [TABLE_HEADER, "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+            lines += [TABLE_HEADER, "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
             lines += [table_row(s) for s in scenario["levels"]] + [""]  # a blank line ends the table
         if scenario.get("warmup"):
             lines.append(f"- warm-up, not in the table: {progress_line('', scenario['warmup']).strip()}")

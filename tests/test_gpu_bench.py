@@ -44,6 +44,7 @@ def test_quick_cpu_run_writes_a_report_per_level(tmp_path):
     levels = scenario["levels"]
     assert [(s["concurrency"], s["requests"], s["errors"]) for s in levels] == [(1, 2, 0), (2, 2, 0)]
     assert all(s["audio_s"] > 0 and s["first_chunk_p50_s"] is not None for s in levels)
+    assert all(s["first_audible_p50_s"] >= s["first_chunk_p50_s"] for s in levels)  # heard no sooner than sent
     report = (tmp_path / "out" / "report.md").read_text()
     assert [row[:3] for row in table_rows(report)] == [["1", "2", "0"], ["2", "2", "0"]]
     assert "## Targets (reported, not asserted)" in report and "max speech tokens per text token 3" in report

@@ -166,6 +166,10 @@ def test_offline_as_client_grpc_and_client_http_equal_triton(stack):
     (output,) = answer.json()["outputs"]
     assert (output["name"], output["datatype"], output["shape"]) == ("waveform", "FP32", list(want.shape))
     np.testing.assert_allclose(np.array(output["data"], np.float32), want.reshape(-1), rtol=0, atol=ATOL)
+    gateway_metrics = scrape(stack.gateway.url + "/metrics")  # a whole answer's first chunk and audible audio
+    for name in ("cosyvoice_gateway_first_chunk_seconds_count", "cosyvoice_gateway_first_audible_seconds_count"):
+        for route in ("kserve", "triton_grpc"):
+            assert (metric_value(gateway_metrics, name, route=route) or 0) >= 1, (name, route)
 
 
 def test_metadata_calls_are_answered_by_a_server(stack):

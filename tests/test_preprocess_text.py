@@ -152,6 +152,14 @@ def test_long_english_paragraph_splits_by_tokens(normalizer: TextNormalizer,
     assert all(60 < n <= max(80, 60 + longest_piece) for n in lengths[:-1])
 
 
+def test_a_language_hint_chooses_the_normalizer(normalizer: TextNormalizer) -> None:
+    """SSML's <lang xml:lang> (pipeline.ssml_plan): the part is normalized in that language, not the detected one."""
+    assert normalizer.split("I have 2 cats.") == ["I have two cats."]  # detected: English
+    chinese = normalizer.split("I have 2 cats.", lang="zh")
+    assert "two" not in "".join(chinese) and "二" in "".join(chinese)  # the Chinese normalizer read the number
+    assert normalizer.split("I have 2 cats.", lang="en") == ["I have two cats."]
+
+
 def test_frontend_validates_and_splits(qwen_dir: Path) -> None:
     preprocessor = TextPreprocessor.from_model_dir(qwen_dir.parent)
     assert preprocessor.split("你好，世界。今天是3月5日。") == ["你好，世界。今天是三月五日。"]

@@ -109,6 +109,27 @@ def test_say_as(kind, content, lang, words):
     assert parse_ssml(doc, say_as=expand_say_as)[0].text == words
 
 
+def test_lang_chooses_the_normalizer_of_its_part(tiny_model_dir):
+    """<lang xml:lang> reaches the text normalizer: the same words, read as Chinese inside it."""
+    from cosyvoice_triton.messages import PromptFeatures, SamplingParams, SynthesisRequest
+    from cosyvoice_triton.pipeline.pipeline import Pipeline
+    from cosyvoice_triton.preprocess.text import TextPreprocessor
+
+    pipeline = Pipeline(TextPreprocessor.from_model_dir(tiny_model_dir), llm=None, token2wav=None)
+    decode = pipeline.preprocessor.tokenizer.decode
+
+    def spoken(doc: str) -> list[str]:
+        voice = PromptFeatures(np.zeros(192, np.float32), np.zeros(4, np.int32), np.zeros((8, 80), np.float32), "", "")
+        request = SynthesisRequest(text=doc, voice=voice, mode="cross_lingual", seed=1, sampling=SamplingParams())
+        return [decode(step.llm_request.text_tokens) for step in pipeline.ssml_plan(request, "s", 1)
+                if hasattr(step, "llm_request")]
+
+    assert spoken("<speak>I have 2 cats.</speak>") == ["I have two cats."]
+    assert "二" in spoken('<speak><lang xml:lang="zh-CN">I have 2 cats.</lang></speak>')[0]
+    assert spoken('<speak xml:lang="zh-CN"><lang xml:lang="en-US">I have 2 cats.</lang></speak>') == \
+        ["I have two cats."]
+
+
 def test_ordinal_words():
     assert [ordinal_words(w) for w in ("one", "twelve", "twenty", "ninety-nine", "seven")] == \
         ["first", "twelfth", "twentieth", "ninety-ninth", "seventh"]

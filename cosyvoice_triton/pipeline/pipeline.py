@@ -35,7 +35,7 @@ from ..errors import Cancelled, InvalidInput, NotFound
 from ..llm.bistream import TextFeed, WordPieces
 from ..messages import MAX_SPEED, MIN_SPEED, FlowPrompt, LLMRequest, PromptFeatures, SynthesisRequest
 from ..preprocess.spans import source_spans
-from ..preprocess.ssml import Mark, Pause, Speech, expand_say_as, is_ssml, parse_ssml, spoken_text
+from ..preprocess.ssml import Mark, Pause, Speech, expand_say_as, is_ssml, language, parse_ssml, spoken_text
 from ..preprocess.text import TextPreprocessor, is_only_punctuation, validate_text
 from .chunk_policy import ChunkSchedule
 from .chunk_sender import ChunkSender
@@ -76,10 +76,11 @@ class Pipeline:
         self.llm = llm
         self.token2wav = token2wav
 
-    def pieces(self, request: SynthesisRequest) -> list[str]:
-        """The request text's sentences: normalized and split, or (text_frontend false) the text as given."""
+    def pieces(self, request: SynthesisRequest, lang: str | None = None) -> list[str]:
+        """The request text's sentences: normalized (in `lang`, "zh" or "en"; None: detected) and split, or
+        (text_frontend false) the text as given."""
         if request.text_frontend:
-            return self.preprocessor.split(request.text, field="target_text")
+            return self.preprocessor.split(request.text, field="target_text", lang=lang)
         return [validate_text(request.text, "target_text", self.preprocessor.max_chars)]  # as given: one piece
 
     def llm_requests(self, request: SynthesisRequest, stream_id: str, seed: int, first: int = 0,
@@ -116,7 +117,7 @@ class Pipeline:
             voice = self.voice_of(request, part.voice_id, voices)
             spoken = replace(request, text=part.text, voice=voice)
             prompt = flow_prompt_of(voice)
-            pieces = self.pieces(spoken)
+            pieces = self.pieces(spoken, language(part.lang) if part.lang else None)  # <lang>, xml:lang
             spans = self.part_spans(request.text, part, pieces) if request.marks else [part.span] * len(pieces)
             for llm_request, span in zip(self.llm_requests(spoken, stream_id, seed, first=sentences, pieces=pieces),
                                          spans):

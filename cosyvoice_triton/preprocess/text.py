@@ -241,10 +241,11 @@ class TextNormalizer:
         self.count_tokens = count_tokens
         self.zh, self.en = normalizers or wetext_normalizers()  # (Chinese, English)
 
-    def _normalize(self, text: str) -> tuple[str, bool]:
-        """(normalized text, whether it is Chinese)."""
+    def _normalize(self, text: str, lang: str | None = None) -> tuple[str, bool]:
+        """(normalized text, whether it is Chinese): in `lang` ("zh" or "en", an SSML language hint), else in
+        the language the text looks like (Chinese characters or not, as the official frontend decides)."""
         text = text.strip()
-        chinese = contains_chinese(text)
+        chinese = lang == "zh" if lang else contains_chinese(text)
         if chinese:
             return clean_chinese(self.zh.normalize(text)), True
         return spell_out_numbers(self.en.normalize(text)), False
@@ -255,11 +256,12 @@ class TextNormalizer:
             return text
         return self._normalize(text)[0]
 
-    def split(self, text: str) -> list[str]:
-        """Normalized sentences to synthesize one by one, punctuation-only pieces dropped."""
+    def split(self, text: str, lang: str | None = None) -> list[str]:
+        """Normalized sentences to synthesize one by one, punctuation-only pieces dropped (`lang` as
+        `_normalize`)."""
         if is_markup(text) or not text:
             return [text]
-        normalized, chinese = self._normalize(text)
+        normalized, chinese = self._normalize(text, lang)
         sentences = split_paragraph(normalized, self.count_tokens, chinese)
         return [s for s in sentences if not is_only_punctuation(s)]
 
@@ -279,9 +281,10 @@ class TextPreprocessor:
         return cls(TextTokenizer.from_dir(ModelPaths(Path(model_dir)).qwen_dir), max_chars=max_chars,
                    normalizers=normalizers)
 
-    def split(self, text: object, field: str = "text") -> list[str]:
-        """Check `text` (errors name `field`) and return its normalized sentences."""
-        sentences = self.normalizer.split(validate_text(text, field, self.max_chars))
+    def split(self, text: object, field: str = "text", lang: str | None = None) -> list[str]:
+        """Check `text` (errors name `field`) and return its normalized sentences (in `lang`: "zh" or "en";
+        None: detected)."""
+        sentences = self.normalizer.split(validate_text(text, field, self.max_chars), lang)
         if not sentences:
             raise InvalidInput(field, "has nothing to speak (only punctuation or symbols)")
         return sentences
