@@ -128,11 +128,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llm-precision", choices=(*LLM_PRECISIONS, "auto"), default="auto",
                    help="the LLM backbone's precision: fp32 (the reference), bf16, int8 (weight-only), int8-dynamic "
                         "(int8 weights and activations, CPU), or auto (default: int8 on CPUs with AVX512-BF16/AMX, "
-                        "bf16 on GPUs, else fp32; quality and speed against fp32 in "
+                        "bf16 on GPUs, int8-dynamic on other x86 CPUs with AVX2, else fp32; quality and speed "
+                        "against fp32 in "
                         "perf/RESULTS.md)")
     p.add_argument("--flow-precision", choices=(*FLOW_PRECISIONS, "auto"), default="auto",
-                   help="the torch flow estimator's arithmetic: fp32 (the reference), bf16, or auto (default: fp32 "
-                        "for now, as bf16's waveform misses the 30 dB bound; quality in perf/RESULTS.md)")
+                   help="the torch flow estimator's arithmetic: fp32 (the reference), bf16, int8-dynamic (CPU), or auto "
+                        "(default: fp32, as bf16's and int8-dynamic's waveforms miss the 30 dB bound; quality in "
+                        "perf/RESULTS.md)")
     p.add_argument("--compile", choices=("off", "auto", "on"), default="off",
                    help="torch.compile (inductor) of the LLM's, the flow estimator's and HiFT's blocks, cached on "
                         "disk ($COSYVOICE_HOME/inductor): off (default: on a CPU it gains ~1%% of a stream for a "

@@ -89,7 +89,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads per llm/token2wav instance (0: from the core count, see serve --help)")
     t.add_argument("--llm-precision", choices=("fp32", "bf16", "int8", "int8-dynamic", "auto"), default="auto",
                    help="the LLM backbone's precision (as serve --llm-precision; auto: from the CPU's instructions)")
-    t.add_argument("--flow-precision", choices=("fp32", "bf16", "auto"), default="auto",
+    t.add_argument("--flow-precision", choices=("fp32", "bf16", "int8-dynamic", "auto"), default="auto",
                    help="the torch flow estimator's arithmetic (as serve --flow-precision)")
     t.add_argument("--compile", choices=("off", "auto", "on"), default="off",
                    help="torch.compile of the hot loops' blocks (as serve --compile)")

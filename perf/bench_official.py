@@ -50,6 +50,8 @@ import numpy as np
 
 from cosyvoice_triton.audio_out import SAMPLE_RATE
 from cosyvoice_triton.messages import SPEECH_TOKENS_PER_SECOND
+from cosyvoice_triton.models.flow import FLOW_PRECISIONS
+from cosyvoice_triton.models.llm_precision import LLM_PRECISIONS
 from cosyvoice_triton.pipeline import audible
 from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
 
@@ -498,9 +500,9 @@ def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-tokens", type=int, default=40, help="at least T text tokens")
     parser.add_argument("--prompt-tokens", type=int, default=75, help="a prompt of P speech tokens")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per side")
-    parser.add_argument("--llm-precision", default="auto", choices=["fp32", "bf16", "int8", "auto"],
+    parser.add_argument("--llm-precision", default="auto", choices=[*LLM_PRECISIONS, "auto"],
                         help="our LLM's (as serve's; auto: from the CPU's instructions, models/auto_precision.py)")
-    parser.add_argument("--flow-precision", default="auto", choices=["fp32", "bf16", "auto"],
+    parser.add_argument("--flow-precision", default="auto", choices=[*FLOW_PRECISIONS, "auto"],
                         help="our torch flow estimator's (as serve's)")
     parser.add_argument("--chunk-preset", default="official", choices=list(CHUNK_PRESETS),
                         help="our in-process side's chunk preset (a served side: the server's, serve --chunk-preset)")

@@ -1,7 +1,7 @@
 """The flow estimator's reduced precision against fp32, after all 10 Euler steps: mel and waveform SNR.
 
     python -m cosyvoice_triton.perf.flow_quality --model-dir DIR [--speech-tokens 250] [--prompt-tokens 75] \
-        [--precision bf16] [--seeds 0 1] [--json]
+        [--precision bf16|int8-dynamic] [--seeds 0 1] [--json]
 
 For each seed: one voice (a speech-like recording of P / 25 s through our prompt encoder) and N random
 speech tokens; the flow in fp32 and in `--precision`, everything else alike (HiFT fp32, the same noise):
@@ -67,19 +67,16 @@ def measure(model_dir: str, speech_tokens: int, prompt_tokens: int, precision: s
     from cosyvoice_triton.token2wav.stream import prompt_tensors
 
     tts = CosyVoice2.from_model_dir(model_dir)
-    token2wav, solver = tts.token2wav, tts.token2wav.flow.decoder
+    token2wav = tts.token2wav
+    tested = CosyVoice2.from_model_dir(model_dir, flow_precision=precision).token2wav
     voice = tts.encode_voice(prompt_recording(prompt_tokens), PROMPT_RATE, PROMPT_TEXT)
     prompt = prompt_tensors(flow_prompt_of(voice))
     rows = []
     for seed in seeds:
         tokens = torch.randint(0, token2wav.flow.config.vocab_size, (speech_tokens,),
                                generator=torch.Generator().manual_seed(seed)).tolist()
-        results = {}
-        for run in ("fp32", precision):
-            solver.precision = run
-            results[run] = (*offline(token2wav, prompt, tokens, seed), streamed(token2wav, prompt, tokens, seed))
-        solver.precision = "fp32"
-        (mel, wave, stream), (mel_t, wave_t, stream_t) = results["fp32"], results[precision]
+        mel, wave, stream = *offline(token2wav, prompt, tokens, seed), streamed(token2wav, prompt, tokens, seed)
+        mel_t, wave_t, stream_t = *offline(tested, prompt, tokens, seed), streamed(tested, prompt, tokens, seed)
         quick = streamed(token2wav, prompt, tokens, seed, "quick")  # fp32, the quick preset's chunks
         rows.append({"seed": seed, "mel_snr_db": snr_db(mel, mel_t), "offline_wave_snr_db": snr_db(wave, wave_t),
                      "streamed_wave_snr_db": snr_db(stream, stream_t), "audio_s": stream.size / 24000,
@@ -106,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--speech-tokens", type=int, default=250)
     parser.add_argument("--prompt-tokens", type=int, default=75)
-    parser.add_argument("--precision", default="bf16", choices=["bf16"])
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "int8-dynamic"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", action="store_true")

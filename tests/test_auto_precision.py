@@ -21,8 +21,8 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("capability, has_bf16, device, llm, flow", [
     ("AVX512", True, "cpu", "int8", "fp32"),  # AVX512-BF16 / AMX: weight-only int8 in bf16; a bf16 flow misses
-    ("AVX512", False, "cpu", "fp32", "fp32"),  # AVX512 without BF16: bf16 emulated; int8-dynamic loses a step
-    ("AVX2", False, "cpu", "fp32", "fp32"),  # AVX2: int8-dynamic's step is slower than fp32's on busy cores
+    ("AVX512", False, "cpu", "int8-dynamic", "fp32"),  # AVX512 without BF16: bf16 emulated, fbgemm native
+    ("AVX2", False, "cpu", "int8-dynamic", "fp32"),  # AVX2: fbgemm's dynamic int8 step beats fp32's
     ("DEFAULT", False, "cpu", "fp32", "fp32"),
     ("AVX2", False, "cuda", "bf16", "fp32"),
 ])
@@ -62,7 +62,7 @@ def test_the_launcher_writes_the_resolved_precisions_and_serve_reports_them(monk
     monkeypatch.setattr(auto_precision, "_capability", lambda: "AVX2")
     repo = render_run_repository(options, tmp_path / "model", "v.sqlite", tmp_path / "run2" / "repo")
     assert (rendered_parameter(repo, "llm", "precision"), rendered_parameter(repo, "token2wav", "flow_precision")) \
-        == ("fp32", "fp32")
+        == ("int8-dynamic", "fp32")
 
 
 def test_serve_and_up_default_to_auto() -> None:
@@ -80,16 +80,43 @@ def test_serve_and_up_default_to_auto() -> None:
     assert (args.llm_precision, args.flow_precision) == ("auto", "auto")
 
 
-def test_the_flow_in_bf16_stays_within_its_bound_of_fp32(tiny) -> None:
-    """Mel and waveform (offline, and streamed with the flow caches) of the bf16 estimator against fp32, after
-    all 10 Euler steps."""
+@pytest.mark.parametrize("precision", ["bf16", "int8-dynamic"])
+def test_the_flow_in_reduced_precision_stays_within_its_bound_of_fp32(tiny, precision) -> None:
+    """Mel and waveform (offline, and streamed with the flow caches) of the bf16 / int8-dynamic estimator
+    against fp32, after all 10 Euler steps."""
     from cosyvoice_triton.perf.flow_quality import measure
 
     torch.set_num_threads(1)
-    result = measure(str(tiny), speech_tokens=60, prompt_tokens=20, precision="bf16", seeds=[0])
+    result = measure(str(tiny), speech_tokens=60, prompt_tokens=20, precision=precision, seeds=[0])
     [row] = result["seeds"]
-    assert np.isfinite(row["mel_snr_db"]) and row["audio_s"] > 1.0  # bf16 changed something; audio was made
+    assert np.isfinite(row["mel_snr_db"]) and row["audio_s"] > 1.0  # it changed something; audio was made
     assert result["min_db"] >= TINY_BOUND_DB, result
+
+
+def test_the_flow_in_int8_dynamic_quantizes_its_transformer_blocks_each_row_on_its_own(tiny) -> None:
+    """int8-dynamic replaces exactly the transformer blocks' Linear layers, once; a row's products do not depend
+    on its batch (a loud neighbour would coarsen a shared activation scale)."""
+    from torch import nn
+
+    from cosyvoice_triton.models.flow import FlowModel
+    from cosyvoice_triton.models.flow_estimator import TransformerBlock
+    from cosyvoice_triton.models.llm_precision import Int8DynamicLinear
+
+    solver = FlowModel.from_model_dir(tiny).decoder
+    blocks = [m for m in solver.estimator.modules() if isinstance(m, TransformerBlock)]
+    in_blocks = sum(isinstance(m, nn.Linear) for block in blocks for m in block.modules())
+    outside = sum(isinstance(m, nn.Linear) for m in solver.estimator.modules()) - in_blocks
+    solver.set_precision("int8-dynamic")
+    assert sum(isinstance(m, Int8DynamicLinear) for m in solver.estimator.modules()) == in_blocks > 0
+    assert sum(isinstance(m, nn.Linear) for m in solver.estimator.modules()) == outside  # time embedding: fp32
+    with pytest.raises(RuntimeError, match="already quantized"):
+        solver.set_precision("fp32")
+    linear, width = blocks[0].ff.net[2], 4 * blocks[0].norm3.normalized_shape[0]  # feed-forward out: 4C -> C
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 40, width, generator=generator)
+    rows[1] *= 50.0  # the neighbour
+    with torch.inference_mode():
+        assert torch.equal(linear(rows)[:1], linear(rows[:1]))
 
 
 TINY_BOUND_DB = 20.0  # the tiny random folder's bound; the full-size folder's (30 dB) is in perf/RESULTS.md

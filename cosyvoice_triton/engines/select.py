@@ -122,7 +122,7 @@ def build_token2wav(model_dir: str | Path, engine: str = "torch", device: str | 
     precision: TensorRT and OpenVINO ("fp32", "fp16", "bf16"); torch and ONNX Runtime run fp32.
     max_streams / max_seconds: the TensorRT profile (flow rows per call, i.e. 2 * max_streams estimator
     rows, and mel length). ort_providers: see `open_runner`. flow_precision: the torch flow estimator's
-    arithmetic, fp32 | bf16 | auto (models/flow.py, models/auto_precision.py); graph engines take `precision`."""
+    arithmetic, fp32 | bf16 | int8-dynamic | auto (models/flow.py, models/auto_precision.py); graph engines take `precision`."""
     from .onnx_export import token2wav_onnx  # the exporter loads only when a graph engine is used
     from .onnx_graphs import token2wav_specs
 
@@ -131,7 +131,7 @@ def build_token2wav(model_dir: str | Path, engine: str = "torch", device: str | 
     chosen = resolve_engine(engine, device)
     flow = FlowModel.from_model_dir(model_dir, device=device)
     if chosen == "torch":
-        flow.decoder.precision = check_flow_precision(resolve_flow_precision(flow_precision, device))
+        flow.decoder.set_precision(check_flow_precision(resolve_flow_precision(flow_precision, device)))
         log.info("token2wav on torch (%s): flow estimator in %s", device, flow.decoder.precision)
         return flow, HiFTGenerator.from_model_dir(model_dir, device=device)
     hift = RunnerHiFT.from_model_dir(model_dir, device=device)

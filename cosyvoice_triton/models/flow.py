@@ -6,9 +6,12 @@ of many streams into one call). Per row: prompt tokens ++ new tokens are embedde
 the prompt mel conditions its own frames; 10 Euler steps from fixed noise with classifier-free guidance
 produce the mel, and the prompt frames are cut off.
 
-Precision (`FlowMatching.precision`): "fp32", the reference, or "bf16": the estimator's matrix products
+Precision (`FlowMatching.set_precision`): "fp32", the reference; "bf16": the estimator's matrix products
 and convolutions in bfloat16 under autocast (norms, softmax and the Euler update stay float32), native
-on CPUs with AVX512-BF16/AMX and on GPUs. Its quality against fp32 after all 10 steps: perf/flow_quality.py.
+on CPUs with AVX512-BF16/AMX and on GPUs; "int8-dynamic" (CPU): the Linear layers of the estimator's
+transformer blocks (attention and feed-forward, most of its products) in int8 through PyTorch's quantized
+engine, each row's activations quantized on their own (models/llm_precision.Int8DynamicLinear), so a
+row's mel does not depend on its batch. Quality against fp32 after all 10 steps: perf/flow_quality.py.
 """
 from __future__ import annotations
 
@@ -23,13 +26,14 @@ from torch import nn
 from cosyvoice_triton.config import ModelPaths, read_yaml
 from cosyvoice_triton.errors import InvalidInput, ModelFolderError
 from cosyvoice_triton.models.flow_encoder import FlowEncoder, FlowEncoderConfig
-from cosyvoice_triton.models.flow_estimator import FlowEstimator, FlowEstimatorConfig
+from cosyvoice_triton.models.flow_estimator import FlowEstimator, FlowEstimatorConfig, TransformerBlock
+from cosyvoice_triton.models.llm_precision import quantize_linears_dynamic
 
 # Values the official code fixes outside the yaml.
 N_TIMESTEPS = 10  # Euler steps (`CausalMaskedDiffWithXvec.inference`)
 NOISE_SEED = 0  # `CausalConditionalCFM.__init__` seeds 0 and then draws its noise
 NOISE_FRAMES = 50 * 300  # 300 s of 50 Hz mel frames
-FLOW_PRECISIONS = ("fp32", "bf16")
+FLOW_PRECISIONS = ("fp32", "bf16", "int8-dynamic")
 
 
 def check_flow_precision(precision: str) -> str:
@@ -100,9 +104,24 @@ class FlowMatching(nn.Module):
         self.register_buffer("dt_steps", dt_steps, persistent=False)  # (n_timesteps,)
         self.precision = "fp32"  # of the estimator's arithmetic (module docstring)
 
+    def set_precision(self, precision: str) -> None:
+        """fp32 and bf16 switch back and forth; int8-dynamic quantizes the transformer blocks' Linear layers
+        in place, once, from fp32 (CPU only)."""
+        check_flow_precision(precision)
+        if self.precision == "int8-dynamic" and precision != "int8-dynamic":
+            raise RuntimeError("the flow estimator is already quantized (int8-dynamic)")
+        if precision == "int8-dynamic" and self.precision != precision:
+            if self.t_steps.device.type != "cpu":
+                raise ValueError(f"flow precision int8-dynamic runs on the CPU only, not on {self.t_steps.device}")
+            for block in self.estimator.modules():
+                if isinstance(block, TransformerBlock):
+                    quantize_linears_dynamic(block)
+        self.precision = precision
+
     def estimator_arithmetic(self, device: torch.device) -> AbstractContextManager:
-        """Where the estimator runs: as it is (fp32), or under bf16 autocast; callers take float32 out."""
-        if self.precision == "fp32":
+        """Where the estimator runs: as it is (fp32, int8-dynamic), or under bf16 autocast; callers take
+        float32 out."""
+        if self.precision != "bf16":
             return nullcontext()
         return torch.autocast(device.type, dtype=torch.bfloat16)
 

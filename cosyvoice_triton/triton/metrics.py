@@ -39,7 +39,7 @@ Every metric carries the labels `model` and `instance`. Names (Prometheus):
   cosyvoice_token2wav_batch_size          histogram  requests (chunks, cancels) per execute (dynamic batch)
   cosyvoice_token2wav_flow_batch          gauge      rows of the latest flow call
   cosyvoice_token2wav_streams_freed_total{reason}  counter  finalize | cancel | idle
-  cosyvoice_flow_precision_info{precision}  gauge    1 for the flow estimator's precision: fp32 | bf16 | fp16
+  cosyvoice_flow_precision_info{precision}  gauge    1 for the flow estimator's precision: fp32 | bf16 | fp16 | int8-dynamic
   cosyvoice_remote_token2wav_backends     gauge      token2wav backends in a split frontend's pool (cosyvoice2*)
   cosyvoice_remote_token2wav_healthy      gauge      of those, taking new streams
   cosyvoice_remote_token2wav_streams      gauge      this frontend's streams pinned to a backend
@@ -178,7 +178,7 @@ TOKEN2WAV_METRICS = {
                   label_values=tuple(("reason", r) for r in ("finalize", "cancel", "idle"))),
     "precision": Spec("cosyvoice_flow_precision_info", "1 for the precision of the flow estimator (torch: "
                       "serve --flow-precision, auto resolved; graph engines: --precision)", "gauge",
-                      label_values=tuple(("precision", p) for p in ("fp32", "bf16", "fp16"))),
+                      label_values=tuple(("precision", p) for p in ("fp32", "bf16", "fp16", "int8-dynamic"))),
 }
 
 

@@ -109,7 +109,7 @@ class Token2WavParams:
     onnx_dir: str | None  # exported graphs (TensorRT plans in <onnx_dir>/trt); None: <model_dir>/onnx
     ort_providers: str | None  # onnxruntime's execution providers (engines/providers.py); None: CPU / CUDA
     prompt_cache_mb: float = 512.0  # torch flow: MB of voices' frames kept (models/prompt_cache.py); 0: off
-    flow_precision: str = "fp32"  # torch flow estimator: fp32 | bf16 (models/flow.py); the launcher resolves auto
+    flow_precision: str = "fp32"  # torch flow estimator: fp32 | bf16 | int8-dynamic (models/flow.py); the launcher resolves auto
     chunk_preset: ChunkPresetName = "official"  # quick: the last chunk a cached streaming call (chunk_policy.py)
     compile: CompileSetting = "off"  # torch.compile of the flow estimator's and HiFT's blocks (models/compiled.py)
 
