@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from cosyvoice_triton.messages import FlowPrompt
+from cosyvoice_triton.models.flow import FLOW_PRECISIONS
 from cosyvoice_triton.models.hift_source import GeneratorNoise
 from cosyvoice_triton.perf.bench_official import PROMPT_RATE, PROMPT_TEXT, prompt_recording
 from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS, ChunkSchedule
@@ -62,13 +63,15 @@ def streamed(token2wav, prompt: FlowPrompt, tokens: list[int], seed: int, preset
 
 
 def measure(model_dir: str, speech_tokens: int, prompt_tokens: int, precision: str, seeds: list[int]) -> dict:
+    from cosyvoice_triton.engines.select import build_token2wav
     from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
     from cosyvoice_triton.pipeline.pipeline import flow_prompt_of
-    from cosyvoice_triton.token2wav.stream import prompt_tensors
+    from cosyvoice_triton.token2wav.stream import Token2Wav, prompt_tensors
 
     tts = CosyVoice2.from_model_dir(model_dir)
     token2wav = tts.token2wav
-    tested = CosyVoice2.from_model_dir(model_dir, flow_precision=precision).token2wav
+    # A second flow + HiFT in `precision` (int8-dynamic quantizes in place, so not the same modules toggled).
+    tested = Token2Wav(*build_token2wav(model_dir, flow_precision=precision), token2wav.flow_cache)
     voice = tts.encode_voice(prompt_recording(prompt_tokens), PROMPT_RATE, PROMPT_TEXT)
     prompt = prompt_tensors(flow_prompt_of(voice))
     rows = []
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--speech-tokens", type=int, default=250)
     parser.add_argument("--prompt-tokens", type=int, default=75)
-    parser.add_argument("--precision", default="bf16", choices=["bf16", "int8-dynamic"])
+    parser.add_argument("--precision", default="bf16", choices=[p for p in FLOW_PRECISIONS if p != "fp32"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", action="store_true")

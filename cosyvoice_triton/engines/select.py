@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..config import ModelPaths
 from ..models.auto_precision import resolve_flow_precision
-from ..models.flow import FlowModel, check_flow_precision
+from ..models.flow import FlowModel
 from ..models.hift import HiFTGenerator
 from .base import ENGINES, PRECISIONS, GraphSpec, Runner, RunnerModule
 from .onnx_session import CUDA_PROVIDER
@@ -131,7 +131,7 @@ def build_token2wav(model_dir: str | Path, engine: str = "torch", device: str | 
     chosen = resolve_engine(engine, device)
     flow = FlowModel.from_model_dir(model_dir, device=device)
     if chosen == "torch":
-        flow.decoder.set_precision(check_flow_precision(resolve_flow_precision(flow_precision, device)))
+        flow.decoder.set_precision(resolve_flow_precision(flow_precision, device))  # checks the name
         log.info("token2wav on torch (%s): flow estimator in %s", device, flow.decoder.precision)
         return flow, HiFTGenerator.from_model_dir(model_dir, device=device)
     hift = RunnerHiFT.from_model_dir(model_dir, device=device)
