@@ -114,7 +114,7 @@ class OurSide:
 
     def __init__(self, model_dir: str, speech_tokens: int, text_tokens: int, prompt_tokens: int,
                  llm_precision: str = "fp32", decode_ahead: bool = True, first_chunk_alone: bool = True,
-                 flow_precision: str = "fp32", chunk_preset: str = "official"):
+                 flow_precision: str = "fp32", chunk_preset: str = "official", flow_rows: bool = True):
         from cosyvoice_triton.models.flow_cache import FlowCacheSettings
         from cosyvoice_triton.perf.exact_length import exact_length
         from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
@@ -131,6 +131,8 @@ class OurSide:
         self.synths = [self.load()]
         self.decode_ahead = decode_ahead
         self.first_chunk_alone = first_chunk_alone
+        self.flow_rows = flow_rows  # False: the flow's batched solver (models/flow_cache.py), the before
+        self._map_rows = {}  # each synthesizer's own RowWorkers.map, kept while the batched solver runs
         self.request, self.arrays = make_inputs(self.synths[0], text_tokens, prompt_tokens)
         self.request = dataclasses.replace(self.request, chunk_policy=preset.policy())
 
@@ -141,6 +143,8 @@ class OurSide:
             tts.use_decode_ahead(self.decode_ahead)
             if self.decode_ahead:  # its CoreSharingToken2Wav
                 tts.pipeline.token2wav.first_chunk_alone = self.first_chunk_alone
+            map_rows = self._map_rows.setdefault(id(tts), tts.token2wav.map_rows)
+            tts.token2wav.map_rows = map_rows if self.flow_rows else None
         return concurrent_round([lambda tts=tts: self._stream(tts) for tts in self.synths[:concurrency]])
 
     def _stream(self, tts) -> dict:
@@ -237,7 +241,7 @@ def serve_ours(args) -> None:
     protocol, sys.stdout = sys.stdout, sys.stderr
     side = OurSide(args.model_dir, args.speech_tokens, args.text_tokens, args.prompt_tokens, args.llm_precision,
                    decode_ahead=args.decode_ahead != "off", first_chunk_alone=args.first_chunk != "shared",
-                   flow_precision=args.flow_precision, chunk_preset=args.chunk_preset)
+                   flow_precision=args.flow_precision, chunk_preset=args.chunk_preset, flow_rows=args.flow_rows != "off")
     np.savez(args.write_inputs, **side.arrays)
     protocol.write(json.dumps({"ready": True, "torch": torch.__version__}) + "\n")
     protocol.flush()
@@ -290,7 +294,7 @@ def ours_command(args, inputs: Path) -> list[str]:
             "--llm-precision", args.llm_precision, "--flow-precision", args.flow_precision,
             "--chunk-preset", args.chunk_preset,
             "--decode-ahead", args.decode_ahead,
-            "--first-chunk", args.first_chunk, "--write-inputs", str(inputs)]
+            "--first-chunk", args.first_chunk, "--flow-rows", args.flow_rows, "--write-inputs", str(inputs)]
 
 
 def official_command(python: Path, args, inputs: Path) -> list[str]:
@@ -440,11 +444,12 @@ def our_variants(args) -> tuple[OurSide, list[tuple[str, object]]]:
     the order they alternate."""
     side = OurSide(args.model_dir, args.speech_tokens, args.text_tokens, args.prompt_tokens, args.llm_precision,
                    decode_ahead=args.decode_ahead != "off", first_chunk_alone=args.first_chunk != "shared",
-                   flow_precision=args.flow_precision, chunk_preset=args.chunk_preset)
+                   flow_precision=args.flow_precision, chunk_preset=args.chunk_preset, flow_rows=args.flow_rows != "off")
 
-    def in_process(decode_ahead: bool, first_chunk_alone: bool = args.first_chunk != "shared"):
+    def in_process(decode_ahead: bool, first_chunk_alone: bool = args.first_chunk != "shared",
+                   flow_rows: bool = args.flow_rows != "off"):
         def run(concurrency: int) -> dict:
-            side.decode_ahead, side.first_chunk_alone = decode_ahead, first_chunk_alone
+            side.decode_ahead, side.first_chunk_alone, side.flow_rows = decode_ahead, first_chunk_alone, flow_rows
             return side.round(concurrency)
         return run
 
@@ -453,6 +458,8 @@ def our_variants(args) -> tuple[OurSide, list[tuple[str, object]]]:
         variants.insert(0, ("in_process_first_chunk_shared", in_process(args.decode_ahead != "off", False)))
     if args.decode_ahead == "both":
         variants.insert(0, ("in_process_llm_waits", in_process(False)))
+    if args.flow_rows == "both":
+        variants.insert(0, ("in_process_flow_batched", in_process(args.decode_ahead != "off", flow_rows=False)))
     for served in served_sides(args):
         variants.append((served.name, served.round))
     return side, variants
@@ -460,7 +467,8 @@ def our_variants(args) -> tuple[OurSide, list[tuple[str, object]]]:
 
 RATIOS = [("triton", "in_process"), ("triton_audio", "in_process"),  # (variant, the peer it is divided by)
           ("in_process", "in_process_llm_waits"),
-          ("in_process", "in_process_first_chunk_shared")]
+          ("in_process", "in_process_first_chunk_shared"),
+          ("in_process", "in_process_flow_batched")]
 
 
 def ours_alone(args) -> dict:
@@ -488,7 +496,8 @@ def ours_alone(args) -> dict:
                        **summaries["in_process"], "variants": summaries, "ratios": ratios})
     return {"speech_tokens": args.speech_tokens, "text_tokens": len(side.arrays["text_tokens"]),
             "prompt_tokens": len(side.arrays["prompt_speech_tokens"]), **precisions(args),
-            "decode_ahead": args.decode_ahead, "first_chunk": args.first_chunk, "triton": args.triton,
+            "decode_ahead": args.decode_ahead, "first_chunk": args.first_chunk, "flow_rows": args.flow_rows,
+            "triton": args.triton,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "threads": args.threads, "cpu": cpu_name(), "levels": levels}
 
@@ -521,6 +530,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-chunk", default="alone", choices=["alone", "shared", "both"],
                         help="with decode-ahead, a stream's first chunk runs alone on every core while the LLM "
                              "waits (alone), on token2wav's share beside the LLM (shared), or both, interleaved "
+                             "(our side alone)")
+    parser.add_argument("--flow-rows", default="on", choices=["on", "off", "both"],
+                        help="our torch flow solves each stream's guidance halves as rows spread over the free "
+                             "cores (on), or as one batch per Euler step (off, the before), or both, interleaved "
                              "(our side alone)")
     parser.add_argument("--triton", metavar="HOST:PORT", default=None,
                         help="our side alone: also time a running tritonserver of the same folder over gRPC "

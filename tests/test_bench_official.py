@@ -42,10 +42,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_our_side_alone_prints_json_of_exactly_n_tokens(model_dir: Path, capsys) -> None:
     """The pipeline with the LLM waiting while token2wav runs and with the two overlapped (the first chunk
-    beside the LLM on token2wav's share, and alone on every core), interleaved."""
+    beside the LLM on token2wav's share, and alone on every core; the flow's rows spread over the cores,
+    and its batched solver), interleaved."""
     bench_official.main(["--model-dir", str(model_dir), "--speech-tokens", str(N), "--text-tokens", "6",
                          "--prompt-tokens", "20", "--concurrency", "1", "--repeats", "1", "--decode-ahead", "both",
-                         "--first-chunk", "both", "--json"])
+                         "--first-chunk", "both", "--flow-rows", "both", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert (result["speech_tokens"], result["prompt_tokens"]) == (N, 20)
     assert result["text_tokens"] >= 6
@@ -60,6 +61,10 @@ def test_our_side_alone_prints_json_of_exactly_n_tokens(model_dir: Path, capsys)
     assert shared["audio_s"] == overlapped["audio_s"]
     assert level["ratios"]["in_process / in_process_first_chunk_shared"]["first_audio_s"] == pytest.approx(
         overlapped["first_audio_s"] / shared["first_audio_s"])
+    batched = level["variants"]["in_process_flow_batched"]  # the flow's batched solver: the same audio length
+    assert batched["audio_s"] == overlapped["audio_s"] and result["flow_rows"] == "both"
+    assert level["ratios"]["in_process / in_process_flow_batched"]["total_s"] == pytest.approx(
+        overlapped["total_s"] / batched["total_s"])
 
 
 def test_bench_official_is_a_cosyvoice_triton_command(model_dir: Path, capsys) -> None:

@@ -43,11 +43,14 @@ def test_an_llm_unit_gets_every_core_alone_and_its_share_beside_token2wav_in_ano
     share = SharedCoreShare(tmp_path / "cores", PLAN)
     with share.running("llm") as threads:
         assert threads == 6
+    assert share.idle("token2wav")
     child, release = _child(tmp_path / "cores", "token2wav", 4)
+    assert not share.idle("token2wav") and share.idle("llm")  # what the flow's RowWorkers look at
     with share.running("llm") as threads:
         assert threads == 2  # token2wav is busy in the other process
     release.set()
     child.join(60)
+    assert share.idle("token2wav")
     with share.running("llm") as threads:
         assert threads == 6
     share.close()

@@ -23,10 +23,17 @@ pass) or has no cache computes every frame: with an empty cache the code is the 
 The prompt's first frames depend only on the voice; models/prompt_cache.py keeps a cache over them per
 prompt, so that a new stream of that prompt starts from it (`cached_mel(..., voice_frames=...)` returns it).
 Cached tensors are never written in place: a cache grows into new tensors, so streams may share them.
+
+On the CPU the solver may take each stream's two guidance halves as rows of their own (`map_rows`,
+`_solve_by_row`): a pass of one row over just its frames, so that a row's sums depend on nothing but the
+row, and the rows of an Euler step can run side by side on as many cores as are free at that step
+(pipeline/threads.py `RowWorkers`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +42,10 @@ from torch import Tensor
 from .flow import FlowConditions, FlowModel
 from .flow_encoder import chunked_attention_mask
 from .flow_estimator import BLOCKED_BIAS, CausalBlock, CausalConv1d, CausalResnetBlock, FlowEstimator, TransformerBlock
+
+
+# map_rows(fn, rows) -> [fn(row) for row in rows], in order, however it spreads them (pipeline/threads.py RowWorkers).
+MapRows = Callable[[Callable[[Any], Any], Sequence[Any]], list]
 
 
 @dataclass(frozen=True)
@@ -187,7 +198,7 @@ def _extend(old: list[Tensor], new: list[Tensor], attention: list[bool], b: int,
 
 @torch.inference_mode()
 def cached_mel(flow: FlowModel, c: FlowConditions, caches: list[StreamFlowCache | None], cache_until: list[int],
-               max_frames: int, voice_frames: list[int] | None = None
+               max_frames: int, voice_frames: list[int] | None = None, map_rows: MapRows | None = None
                ) -> tuple[Tensor, list[int], list[StreamFlowCache | None], list[StreamFlowCache | None]]:
     """The solver over each row's frames from the end of its cache on.
 
@@ -196,6 +207,9 @@ def cached_mel(flow: FlowModel, c: FlowConditions, caches: list[StreamFlowCache 
     row caches the frames that are final, up to cache_until[b] (frames; the caller's next emitted frame) and
     max_frames, in whole chunks. voice_frames[b] > 0 (whole chunks, from `prompt_cache.voice_final_frames`):
     a streaming row that computes those frames also returns its cache over just them (the voice's share).
+    map_rows (CPU): solve each stream's two guidance halves as rows of their own, each an estimator pass
+    of one row over just its frames, spread by `map_rows` over the cores (`_solve_by_row`); None: one
+    estimator pass over the padded batch per Euler step.
     Returns (mel (B, 80, N): row b holds its frames starts[b] .. mel_len[b] - 1 from column 0, then zeros;
     starts; the caches to keep, the old object where nothing was added; the voice caches, None where none).
     """
@@ -218,6 +232,11 @@ def cached_mel(flow: FlowModel, c: FlowConditions, caches: list[StreamFlowCache 
         keeps.append(end - starts[b] if cacheable and end > starts[b] else 0)
         voice_end = min(voice_frames[b] if voice_frames else 0, final, max_frames) // chunk * chunk
         voice_keeps.append(voice_end - starts[b] if streaming[b] and voice_end > starts[b] else 0)
+
+    if map_rows is not None:
+        x, new_steps, voice_steps = _solve_by_row(flow, c, usable, starts, keeps, voice_keeps, empty, attention,
+                                                  map_rows)
+        return _results(x, starts, caches, keeps, voice_keeps, new_steps, voice_steps)
 
     N = max(length - start for length, start in zip(mel_len, starts))
     j = torch.arange(N, device=device)[None, :]  # (1, N)
@@ -258,6 +277,69 @@ def cached_mel(flow: FlowModel, c: FlowConditions, caches: list[StreamFlowCache 
             if keep:
                 voice_steps[b].append(_extend(rows[b], p.new, attention, b, B, keep))
 
+    return _results(x * mask, starts, caches, keeps, voice_keeps, new_steps, voice_steps)
+
+
+def _results(mel: Tensor, starts: list[int], caches: list[StreamFlowCache | None], keeps: list[int],
+             voice_keeps: list[int], new_steps: list[list[list[Tensor]]], voice_steps: list[list[list[Tensor]]]):
+    """`cached_mel`'s return value from the solved mel and each row's new slots."""
     kept = [StreamFlowCache(starts[b] + keep, new_steps[b]) if keep else caches[b] for b, keep in enumerate(keeps)]
     voice = [StreamFlowCache(starts[b] + keep, voice_steps[b]) if keep else None for b, keep in enumerate(voice_keeps)]
-    return x * mask, starts, kept, voice
+    return mel, starts, kept, voice
+
+
+def _solve_by_row(flow: FlowModel, c: FlowConditions, usable: list[StreamFlowCache | None], starts: list[int],
+                  keeps: list[int], voice_keeps: list[int], empty: list[Tensor], attention: list[bool],
+                  map_rows: MapRows) -> tuple[Tensor, list[list[list[Tensor]]], list[list[list[Tensor]]]]:
+    """The solver with each (stream, guidance half) as a row of its own: a pass over that row's frames
+    only, its cached keys unpadded. A row's sums then depend on nothing but the row (not on the other
+    streams of the batch, nor on how many rows run at once), so `map_rows` may run the 2B rows of each
+    Euler step on as many cores as are free at that step. Returns (mel (B, 80, N), each row's new
+    slots per step, its voice slots per step), as the batched loop of `cached_mel` makes them."""
+    est: FlowEstimator = flow.decoder.estimator
+    solver, chunk = flow.decoder, est.config.static_chunk_size
+    B, device, dtype = c.mu.size(0), c.mu.device, c.mu.dtype
+    streaming, mel_len = c.streaming.tolist(), c.mel_len.tolist()
+    spans = [(start, length) for start, length in zip(starts, mel_len)]
+    xs, halves = [], []  # per stream: x (1, 80, N_b); per stream, per half: the estimator's inputs but x
+    for b, (start, end) in enumerate(spans):
+        N = end - start
+        xs.append(solver.rand_noise[:, :, start:end].to(dtype))  # (1, 80, N)
+        mask = torch.ones(1, 1, N, device=device, dtype=dtype)
+        new_allowed = chunked_attention_mask(mask[:, 0] > 0, chunk, c.streaming[b:b + 1])  # (1, N, N)
+        allowed = torch.cat([torch.ones(1, N, start, dtype=torch.bool, device=device), new_allowed], dim=2)
+        bias = ((1.0 - allowed.to(dtype)) * BLOCKED_BIAS)[:, None]  # (1, 1, N, start + N): cached then new keys
+        mu, cond, spks = c.mu[b:b + 1, :, start:end], c.cond[b:b + 1, :, start:end], c.spks[b:b + 1]
+        halves.append([(mask, mu, spks, cond, bias),  # conditioned
+                       (mask, torch.zeros_like(mu), torch.zeros_like(spks), torch.zeros_like(cond), bias)])
+    rows = [(b, half) for half in range(2) for b in range(B) if spans[b][1] > spans[b][0]]
+    new_steps: list[list[list[Tensor]]] = [[] for _ in range(B)]
+    voice_steps: list[list[list[Tensor]]] = [[] for _ in range(B)]
+    for step in range(solver.t_steps.size(0)):
+        slots = [usable[b].steps[step] if usable[b] is not None else empty for b in range(B)]
+        t = solver.t_steps[step].expand(1)
+
+        def row_pass(row: tuple[int, int]) -> tuple[Tensor, list[Tensor]]:
+            b, half = row
+            mask, mu, spks, cond, bias = halves[b][half]
+            p = _Pass([slot[half:half + 1] for slot in slots[b]])
+            # Inference mode and autocast are per thread: map_rows may run this in another.
+            with torch.inference_mode(), solver.estimator_arithmetic(device):
+                velocity = p.estimator(est, xs[b], mask, mu, t, spks, cond, bias).float()  # (1, 80, N_b)
+            return velocity, p.new
+
+        done = dict(zip(rows, map_rows(row_pass, rows)))
+        for b in range(B):
+            if (b, 0) not in done:
+                continue
+            (v_cond, new_cond), (v_uncond, new_uncond) = done[(b, 0)], done[(b, 1)]
+            velocity = (1.0 + solver.inference_cfg_rate) * v_cond - solver.inference_cfg_rate * v_uncond
+            xs[b] = xs[b] + solver.dt_steps[step] * velocity
+            new = [torch.cat(pair) for pair in zip(new_cond, new_uncond)]  # (2, ...) per slot: both halves
+            if keeps[b]:
+                new_steps[b].append(_extend(slots[b], new, attention, 0, 1, keeps[b]))
+            if voice_keeps[b]:
+                voice_steps[b].append(_extend(slots[b], new, attention, 0, 1, voice_keeps[b]))
+    N = max(end - start for start, end in spans)
+    mel = torch.stack([F.pad(x[0], (0, N - x.size(2))) for x in xs])  # (B, 80, N), zeros after each row's frames
+    return mel, new_steps, voice_steps

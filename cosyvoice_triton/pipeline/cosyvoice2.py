@@ -39,7 +39,7 @@ from ..models.flow_cache import FlowCacheSettings
 from ..models.speech_lm import SpeechLM
 from .local_stages import CoreSharingToken2Wav, DecodeAheadLLM, ReferenceLLM, ReferenceToken2Wav
 from .pipeline import Pipeline
-from .threads import CoreShare, thread_plan
+from .threads import CoreShare, RowWorkers, thread_plan
 from ..token2wav.stream import Token2Wav
 
 
@@ -58,6 +58,9 @@ class CosyVoice2:
         self.token2wav = token2wav
         self.sample_rate = token2wav.hift.config.sampling_rate
         self.cores = CoreShare(thread_plan(torch.get_num_threads()))
+        if token2wav.flow_cache is not None and token2wav.device.type == "cpu":
+            # The flow's rows over the cores the LLM leaves at each Euler step (pipeline/threads.py).
+            token2wav.map_rows = RowWorkers(self.cores).map
         self.pipeline = Pipeline(preprocessor, ReferenceLLM(llm), ReferenceToken2Wav(token2wav))
         self.use_decode_ahead(decode_ahead)
 

@@ -83,6 +83,10 @@ class SharedCoreShare(CoreShare):
                     return False
             time.sleep(POLL_S)
 
+    def idle(self, module: Module) -> bool:
+        with self._locked():
+            return self._counts()[("busy", module)] == 0
+
     def _leave(self, module: Module, alone: bool) -> None:
         with self._locked():
             self._add(("busy", module), -1)

@@ -14,7 +14,9 @@ chunks, and every core for its first chunk (what first audio waits for: the LLM'
 while it runs, a unit run `alone`) and its last (which comes after the LLM's end). Its count is fixed per
 chunk kind (`chunk_unit`), not by what runs beside it: the flow's sums come out differently (by ~1e-6) at
 different thread counts, and a seed's audio must not depend on timing. (The LLM's logits are the same
-at any count, and only when its steps run depends on the first chunk.)
+at any count, and only when its steps run depends on the first chunk.) The flow estimator's rows are the
+exception (`RowWorkers`): each runs on a fixed count of its own, so how many run at once may follow the
+cores free at each step.
 
 `CoreShare` keeps its counts in this process (the in-process pipeline's threads);
 `pipeline/shared_cores.py` keeps the same counts in a file that the `llm` and `token2wav` processes of
@@ -24,10 +26,11 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from collections.abc import Sequence
-from typing import Iterator, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Iterator, Literal
 
 from ..messages import ChunkRequest
 
@@ -114,6 +117,10 @@ class CoreShare:
         finally:
             self._leave(module, alone)
 
+    def idle(self, module: Module) -> bool:
+        """Whether `module` runs no unit now (a glance: it may start one the next moment)."""
+        return self._busy[module] == 0
+
     def _enter(self, module: Module, alone: bool) -> bool:
         """Wait until `module` may run a unit and count it; whether the other module is busy beside it."""
         other = OTHER[module]
@@ -130,3 +137,55 @@ class CoreShare:
             self._busy[module] -= 1
             self._alone[module] -= alone
             self._changed.notify_all()
+
+
+class RowWorkers:
+    """The flow estimator's rows (each stream's two guidance halves, models/flow_cache.py `_solve_by_row`)
+    spread over the cores token2wav may use at each Euler step.
+
+    Every row runs on `threads_per_row` torch threads, whichever thread runs it (a fixed count per
+    process: half the cores, at least 1), so its sums are the same however many rows run beside it. That
+    frees the number of rows in flight from the "fixed per chunk kind" rule above: a middle chunk runs
+    its rows on token2wav's share while the LLM decodes, and on every core once the LLM is idle (at one
+    stream, from its last token on), where a chunk's thread count had to stay at the share to its end.
+    Rows in parallel also beat one OpenMP team over the batch on two cores (no barrier per operation).
+    The LLM, starting a round while the rows hold every core, runs beside them until the next step, which
+    takes token2wav's share again."""
+
+    def __init__(self, share: CoreShare):
+        self.share = share
+        self.threads_per_row = max(1, share.plan.cores // 2)
+        self.max_lanes = max(1, share.plan.cores // self.threads_per_row)
+        self._pool = (ThreadPoolExecutor(max_workers=self.max_lanes - 1, thread_name_prefix="flow-rows")
+                      if self.max_lanes > 1 else None)
+
+    def lanes(self, unit_threads: int) -> int:
+        """Rows in flight now: the cores of the calling unit, or every core while the LLM is idle."""
+        cores = self.share.plan.cores if self.share.idle("llm") else unit_threads
+        return min(self.max_lanes, max(1, cores // self.threads_per_row))
+
+    def map(self, fn: Callable[[Any], Any], rows: Sequence[Any]) -> list:
+        """[fn(row) for row in rows], in lanes: lane 0 in the calling thread, the others in the pool."""
+        import torch
+
+        unit_threads = torch.get_num_threads()
+        lanes = min(len(rows), self.lanes(unit_threads))
+
+        def lane(indices: range) -> list:
+            set_torch_threads(self.threads_per_row)
+            return [fn(rows[i]) for i in indices]
+
+        others = [self._pool.submit(lane, range(i, len(rows), lanes)) for i in range(1, lanes)]
+        try:
+            mine = lane(range(0, len(rows), lanes))
+        finally:
+            set_torch_threads(unit_threads)  # the unit's count again, for its encoder and HiFT calls
+        results: list = [None] * len(rows)
+        results[0::lanes] = mine
+        for i, future in enumerate(others, start=1):
+            results[i::lanes] = future.result()
+        return results
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)

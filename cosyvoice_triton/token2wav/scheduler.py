@@ -53,7 +53,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..errors import CosyVoiceError, InvalidInput, NotFound, Unavailable
 from ..models.flow import FlowModel
-from ..models.flow_cache import FlowCacheSettings, StreamFlowCache, cached_mel, supports_cache
+from ..models.flow_cache import FlowCacheSettings, MapRows, StreamFlowCache, cached_mel, supports_cache
 from ..models.hift import HiFTGenerator
 from ..models.prompt_cache import PromptCache, frames_to_store, new_stream_cache, stage_prompt_cache
 from ..models.hift_source import GeneratorNoise, StackedNoise
@@ -114,10 +114,13 @@ class Token2WavScheduler:
     def __init__(self, flow: FlowModel, hift: HiFTGenerator, *, max_streams: int = 64, max_batch: int = 16,
                  idle_timeout_s: float = 120.0, lookahead: int | None = None,
                  clock: Callable[[], float] = time.monotonic, flow_cache: FlowCacheSettings = FlowCacheSettings(),
-                 prompt_cache: PromptCache | None = None):
+                 prompt_cache: PromptCache | None = None, map_rows: MapRows | None = None):
         self.flow = flow
         # Graph engines (ONNX, TensorRT, OpenVINO) re-run the flow over every frame.
         self.flow_cache = flow_cache if flow_cache.enabled and supports_cache(flow) else None
+        # With the flow cache: the estimator's rows one by one, spread over the cores (pipeline/threads.py
+        # RowWorkers); None: one pass over the padded batch per Euler step.
+        self.map_rows = map_rows if self.flow_cache is not None else None
         # The voices' share of the flow (models/prompt_cache.py); pass one to share it with another stage.
         self.prompt_cache = stage_prompt_cache(self.flow_cache, prompt_cache)
         self.hift = hift
@@ -360,7 +363,7 @@ class Token2WavScheduler:
         voice = [frames_to_store(self.flow, self.flow_cache, self.prompt_cache, row.stream.prompt, cache)
                  for row, cache in zip(batch, caches)]
         mel, starts, kept, voice_caches = cached_mel(self.flow, conditions, caches, until,
-                                                     self.flow_cache.max_frames, voice)
+                                                     self.flow_cache.max_frames, voice, self.map_rows)
         for row, old, cache, voice_cache in zip(batch, caches, kept, voice_caches):
             row.flow_cache = cache
             if voice_cache is not None:  # the voice's frames: right for any stream of this prompt

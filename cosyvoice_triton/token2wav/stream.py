@@ -11,7 +11,7 @@ import torch
 
 from ..messages import FlowPrompt
 from ..models.flow import FlowModel
-from ..models.flow_cache import FlowCacheSettings, StreamFlowCache, cached_mel, supports_cache
+from ..models.flow_cache import FlowCacheSettings, MapRows, StreamFlowCache, cached_mel, supports_cache
 from ..models.hift import HiFTGenerator
 from ..models.prompt_cache import PromptCache, frames_to_store, new_stream_cache, stage_prompt_cache
 from .vocoder_stream import VocoderStream
@@ -31,7 +31,7 @@ class Token2Wav:
     """The flow + HiFT pair shared by all streams of one model instance."""
 
     def __init__(self, flow: FlowModel, hift: HiFTGenerator, flow_cache: FlowCacheSettings = FlowCacheSettings(),
-                 prompt_cache: PromptCache | None = None):
+                 prompt_cache: PromptCache | None = None, map_rows: MapRows | None = None):
         self.flow = flow
         # Graph engines (ONNX, TensorRT, OpenVINO) re-run the flow over every frame.
         self.flow_cache = flow_cache if flow_cache.enabled and supports_cache(flow) else None
@@ -41,6 +41,9 @@ class Token2Wav:
         self.token_mel_ratio = flow.config.token_mel_ratio
         self.samples_per_frame = hift.config.samples_per_frame
         self.device = next(flow.parameters()).device
+        # With the flow cache: the estimator's rows one by one, spread over the cores (pipeline/threads.py
+        # RowWorkers), the final full-attention pass too; None: one pass over the batch per Euler step.
+        self.map_rows = map_rows if self.flow_cache is not None else None
 
     @torch.inference_mode()
     def mel(self, tokens: torch.Tensor, prompt: FlowPrompt, token_offset: int, finalize: bool,
@@ -50,22 +53,26 @@ class Token2Wav:
         With a cache (streaming calls), only the frames after the cached ones are computed, and the cache
         grows by the frames made final, up to the frames of `next_offset` (where the next call starts).
         An empty cache with a `voice_key` (`PromptCache.open_stream`) also stores the voice's frames."""
-        if cache is not None and streaming:
-            return self._cached_mel(tokens, prompt, token_offset, finalize, cache, next_offset)
+        if (cache is not None and streaming) or self.map_rows is not None:
+            return self._cached_mel(tokens, prompt, token_offset, finalize, cache if streaming else None,
+                                    next_offset, streaming)
         return self._flow_inputs(tokens, prompt, self.flow.inference, streaming, finalize)[
             :, :, token_offset * self.token_mel_ratio:]
 
     def _cached_mel(self, tokens: torch.Tensor, prompt: FlowPrompt, token_offset: int, finalize: bool,
-                    cache: StreamFlowCache, next_offset: int) -> torch.Tensor:
-        conditions = self._flow_inputs(tokens, prompt, self.flow.conditions, True, finalize)
+                    cache: StreamFlowCache | None, next_offset: int, streaming: bool = True) -> torch.Tensor:
+        """`mel` through `cached_mel`: a streaming call with the stream's cache, or (cache None) a call
+        that computes every frame."""
+        conditions = self._flow_inputs(tokens, prompt, self.flow.conditions, streaming, finalize)
         prompt_frames = prompt.mel.shape[1]
         voice = frames_to_store(self.flow, self.flow_cache, self.prompt_cache, prompt, cache)
         mel, (start,), (kept,), (voice_cache,) = cached_mel(
             self.flow, conditions, [cache], [prompt_frames + self.token_mel_ratio * next_offset],
-            self.flow_cache.max_frames, [voice])
+            self.flow_cache.max_frames, [voice], self.map_rows)
         if voice_cache is not None:
             self.prompt_cache.store(cache.voice_key, voice_cache)
-        cache.replace_with(kept)
+        if cache is not None:
+            cache.replace_with(kept)
         first = prompt_frames + self.token_mel_ratio * token_offset - start  # >= 0: cached frames were spoken
         return mel[:, :, first:int(conditions.mel_len[0]) - start]
 

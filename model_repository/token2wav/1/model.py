@@ -29,7 +29,7 @@ from cosyvoice_triton.models.compiled import apply_compile
 from cosyvoice_triton.models.flow_cache import FlowCacheSettings, supports_cache
 from cosyvoice_triton.token2wav.idle_sweeper import IdleSweeper
 from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
-from cosyvoice_triton.pipeline.threads import chunk_unit, thread_plan
+from cosyvoice_triton.pipeline.threads import RowWorkers, chunk_unit, thread_plan
 from cosyvoice_triton.token2wav.scheduler import Token2WavScheduler
 from cosyvoice_triton.triton import instance_device, open_core_share
 from cosyvoice_triton.triton.bls import bls_request
@@ -69,7 +69,9 @@ class TritonPythonModel:
                                       flow_cache=FlowCacheSettings(enabled=params.flow_cache_frames > 0,
                                                                    max_frames=max(1, params.flow_cache_frames),
                                                                    prompt_cache_mb=params.prompt_cache_mb,
-                                                                   cached_final=preset.cached_final))
+                                                                   cached_final=preset.cached_final),
+                                      # The flow's rows over the cores the share leaves token2wav at each step.
+                                      map_rows=RowWorkers(self.cores).map if self.cores is not None else None)
         self.metrics = ModelMetrics(pb_utils, TOKEN2WAV_METRICS, instance_labels(args))
         # The torch estimator's own precision; a graph engine's is its plan's (`precision`).
         flow_precision = flow.decoder.precision if supports_cache(flow) else params.precision
