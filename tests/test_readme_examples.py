@@ -255,6 +255,16 @@ def _env(workdir: Path, service: Service) -> dict[str, str]:
             "COSYVOICE_URL": service.rewrite("http://localhost:8080")}
 
 
+def _error_bodies(workdir: Path, code: str) -> str:
+    """The short output files a failed example left: curl --fail-with-body writes an error's body there."""
+    parts = []
+    for name in _outputs(code):
+        path = workdir / name
+        if path.exists() and path.stat().st_size < 4096:
+            parts.append(f"--- {name}\n{path.read_bytes().decode('utf-8', 'replace')}\n")
+    return "".join(parts)
+
+
 def _outputs(code: str) -> list[str]:
     """Files the block writes with curl -o / --out / stream_to_file / write_wav."""
     names = re.findall(r"(?:-o|--out)\s+(\S+)", code)
@@ -296,7 +306,8 @@ def test_readme_example_runs(block, service, workdir):
         (workdir / name).unlink(missing_ok=True)
     result = _run_example(command, workdir, _env(workdir, service), service)
     assert result.returncode == 0, f"{block} failed ({result.returncode}):\n{code}\n--- stdout\n" \
-                                   f"{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
+                                   f"{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}\n" \
+                                   f"{_error_bodies(workdir, code)}--- service log\n{service.log()[-4000:]}"
     for name in _outputs(code):
         path = workdir / name
         assert path.exists() and path.stat().st_size > 0, f"{block} did not write {name}"
