@@ -109,6 +109,7 @@ def test_row_workers_follow_the_llm_and_give_the_unit_its_threads_back() -> None
         assert workers.lanes(unit_threads=2) == 2  # a unit run alone keeps every core
     set_torch_threads(2)
     assert workers.map(lambda row: row * 10, list(range(5))) == [0, 10, 20, 30, 40]  # in order
+    assert workers.map(lambda row: row, []) == []  # a call whose streams have no new frame
     assert torch.get_num_threads() == 2
     big = RowWorkers(CoreShare(ThreadPlan(cores=8, llm=2, token2wav=6)))
     assert big.threads_per_row == 4 and big.lanes(unit_threads=6) == 2

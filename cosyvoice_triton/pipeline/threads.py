@@ -168,6 +168,8 @@ class RowWorkers:
         """[fn(row) for row in rows], in lanes: lane 0 in the calling thread, the others in the pool."""
         import torch
 
+        if not rows:
+            return []
         unit_threads = torch.get_num_threads()
         lanes = min(len(rows), self.lanes(unit_threads))
 
