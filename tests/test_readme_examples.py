@@ -216,7 +216,11 @@ def service(tiny_model_dir, tmp_path_factory):
                "--host", "127.0.0.1", "--port", str(ports.gateway), "--triton-http-port", str(ports.http),
                "--triton-grpc-port", str(ports.grpc), "--triton-metrics-port", str(ports.metrics),
                "--official-triton-port", str(ports.official_triton), "--official-grpc-port", str(ports.official_grpc),
-               "--workers", "4", "--torch-threads", "1", "--max-token-text-ratio", "3"]
+               "--workers", "4", "--torch-threads", "1", "--max-token-text-ratio", "3",
+               # Examples run back to back on a CI machine slower than real time: a request may find the
+               # previous example's stream still ending; it waits for it instead of an overload refusal
+               # (the refusal has its own tests: test_realtime_admission.py, test_admission*.py).
+               "--max-queue-wait", "60"]
     up = CliProcess(command, {**os.environ, "COSYVOICE_HOME": str(home)})
     try:
         deadline = time.monotonic() + 300
