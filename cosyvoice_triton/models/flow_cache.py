@@ -299,8 +299,7 @@ def _solve_by_row(flow: FlowModel, c: FlowConditions, usable: list[StreamFlowCac
     est: FlowEstimator = flow.decoder.estimator
     solver, chunk = flow.decoder, est.config.static_chunk_size
     B, device, dtype = c.mu.size(0), c.mu.device, c.mu.dtype
-    streaming, mel_len = c.streaming.tolist(), c.mel_len.tolist()
-    spans = [(start, length) for start, length in zip(starts, mel_len)]
+    spans = list(zip(starts, c.mel_len.tolist()))  # (first frame computed, end) per stream
     xs, halves = [], []  # per stream: x (1, 80, N_b); per stream, per half: the estimator's inputs but x
     for b, (start, end) in enumerate(spans):
         N = end - start
