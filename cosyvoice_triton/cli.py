@@ -140,6 +140,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "disk ($COSYVOICE_HOME/inductor): off (default: on a CPU it gains ~1%% of a stream for a "
                         "cold compile of about a minute), on, or auto (the modules that measured faster compiled "
                         "on this device kind; perf/RESULTS.md); eager after a failure")
+    p.add_argument("--cuda-graphs", choices=("off", "auto", "on"), default="auto",
+                   help="with --device cuda: the LLM's decode step replayed from CUDA graphs per slot-count bucket and "
+                        "the torch flow estimator's step per (rows, frames) bucket, which turns the flow cache off "
+                        "(engines/cuda_graphs.py): auto (default: on for CUDA devices), on, or off; eager after a "
+                        "failed capture, with one log line")
     p.add_argument("--engine", choices=ENGINES, default="torch",
                    help="engine of token2wav's flow and HiFT decode (torch: the reference); openvino and tensorrt "
                         "also run CAM++. One that cannot run here falls back (tensorrt -> onnxruntime -> torch, "
@@ -216,7 +221,8 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
                         backends=tuple(args.backend),
                         t2w_idle_timeout_s=args.t2w_idle_timeout, flow_cache_frames=args.flow_cache_frames,
                         prompt_cache_mb=args.prompt_cache_mb, chunk_policy=args.chunk_policy,
-                        chunk_preset=args.chunk_preset, official_models=args.official_models, compile=args.compile)
+                        chunk_preset=args.chunk_preset, official_models=args.official_models, compile=args.compile,
+                        cuda_graphs=args.cuda_graphs)
 
 
 def _run_serve(args) -> int:

@@ -93,6 +93,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                    help="the torch flow estimator's arithmetic (as serve --flow-precision)")
     t.add_argument("--compile", choices=("off", "auto", "on"), default="off",
                    help="torch.compile of the hot loops' blocks (as serve --compile)")
+    t.add_argument("--cuda-graphs", choices=("off", "auto", "on"), default="auto",
+                   help="CUDA graphs of the LLM's decode step and the flow estimator's step (as serve --cuda-graphs)")
     t.add_argument("--chunk-preset", choices=tuple(CHUNK_PRESETS), default="official",
                    help="the chunk schedule's defaults (as serve --chunk-preset)")
     t.add_argument("--official-models", action=argparse.BooleanOptionalAction, default=True,
@@ -319,7 +321,7 @@ def serve_options(args: argparse.Namespace, model_dir: Path, voice_store: str | 
                         max_text_chars=args.max_text_chars, max_token_text_ratio=args.max_token_text_ratio,
                         t2w_idle_timeout_s=args.t2w_idle_timeout,
                         flow_cache_frames=args.flow_cache_frames, prompt_cache_mb=args.prompt_cache_mb,
-                        compile=args.compile)
+                        compile=args.compile, cuda_graphs=args.cuda_graphs)
 
 
 def run_gateway(args, targets: tuple[TritonTarget, ...], model_dir: Path, voice_store: str, lines: list[str],

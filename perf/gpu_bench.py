@@ -11,6 +11,11 @@ batcher does for the `token2wav` model. Each concurrency level has N client thre
 reads its chunks to the end and sends the next, until the level's requests are done. Left out: gRPC, BLS
 hops and tensor copies between models, and the cosyvoice2 worker pool (each client runs its own request).
 
+Variants: each `--cuda-graphs` setting with each `--llm-precision` (default: off and on, fp32 and bf16), each
+on a stack of its own, built as the Triton models build theirs: `LLMScheduler(cuda_graphs=...)` with its
+decode graphs warmed, `capture_estimator_steps` on the flow (engines/cuda_graphs.py); the time budget is
+shared out between the variants still to run.
+
 A voice is encoded once per prompt before the levels (as `bench --voice-mode id`). `--time-budget-s`
 counts from the start (model writing included): a level whose estimated time does not fit is not started,
 a level that reaches the deadline starts no more requests, and the report says so. The report (report.md,
@@ -30,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from cosyvoice_triton.engines.cuda_graphs import capture_estimator_steps, use_cuda_graphs
 from cosyvoice_triton.engines.select import build_token2wav, resolve_engine, unavailable_reason
 from cosyvoice_triton.preprocess.prompt import PromptEncoder
 from cosyvoice_triton.preprocess.text import TextPreprocessor
@@ -79,6 +85,20 @@ def check_packages() -> tuple[tuple[UnchangedText, UnchangedText] | None, list[s
     return normalizers, notes
 
 
+@dataclass(frozen=True)
+class Variant:
+    cuda_graphs: str  # off | on (engines/cuda_graphs.py)
+    llm_precision: str  # fp32 | bf16 (models/llm_precision.py)
+
+    @property
+    def label(self) -> str:
+        return f"CUDA graphs {self.cuda_graphs}, LLM {self.llm_precision}"
+
+    @property
+    def slug(self) -> str:
+        return f"graphs-{self.cuda_graphs}-{self.llm_precision}"
+
+
 @dataclass
 class Stack:
     """Everything one run serves with."""
@@ -98,28 +118,37 @@ class Stack:
 
 
 def open_stack(model_dir: Path, args: argparse.Namespace, device: torch.device, onnx_dir: Path,
-               normalizers: tuple | None) -> Stack:
+               normalizers: tuple | None, variant: Variant) -> Stack:
     """The engines and the pipeline on `device`, set up as the Triton models set them up (the text
     preprocessor with `normalizers`, None: wetext's)."""
     llm = SpeechLM.from_model_dir(model_dir, device=device, max_batch=args.llm_max_batch,
-                                  max_seq_len=args.llm_max_seq_len)
+                                  max_seq_len=args.llm_max_seq_len, precision=variant.llm_precision)
     if args.max_token_text_ratio is not None:
         llm.config.max_token_text_ratio = args.max_token_text_ratio
+    graphs = use_cuda_graphs(variant.cuda_graphs, device)  # `on` on a CPU: one warning line, eager
     llm_scheduler = LLMScheduler(llm, max_batch=args.llm_max_batch, max_seq_len=args.llm_max_seq_len,
-                           max_queue=args.llm_max_queue)
+                                 max_queue=args.llm_max_queue, cuda_graphs=graphs)
+    warm_start = time.perf_counter()
+    warmed = llm_scheduler.decode_graphs.warm_up() if graphs else 0
     engine = resolve_engine(args.engine, device)  # a fallback is one warning line from engines/select.py
     flow, hift = build_token2wav(model_dir, engine, device, precision=args.precision, onnx_dir=onnx_dir,
                                  max_streams=args.t2w_max_batch)
+    estimator_graphs = graphs and capture_estimator_steps(flow, args.t2w_max_batch)
     t2w_scheduler = Token2WavScheduler(flow, hift, max_streams=args.t2w_max_streams, max_batch=args.t2w_max_batch)
     engine_line = engine if engine == args.engine else \
         f"{engine} ({args.engine} unavailable: {unavailable_reason(args.engine, device)})"
+    failure = llm_scheduler.decode_graphs.table.failure if graphs else None
+    decode = ("eager" if not graphs else f"eager after a failed capture ({failure})" if failure else
+              f"decode step from CUDA graphs ({warmed} buckets warmed in {time.perf_counter() - warm_start:.1f} s)")
     settings = {
         "llm": f"LLMScheduler on {device}: {args.llm_max_batch} slots, max_seq_len {args.llm_max_seq_len}, "
                f"queue {args.llm_max_queue}; max speech tokens per text token "
-               f"{llm.config.max_token_text_ratio:g}",
+               f"{llm.config.max_token_text_ratio:g}; backbone {llm.precision}; {decode}",
         "token2wav": f"{engine_line}, precision {args.precision if engine == 'tensorrt' else 'fp32'}; "
                      f"Token2WavScheduler max_batch {args.t2w_max_batch}, max_streams {args.t2w_max_streams}; "
-                     f"batcher delay {args.queue_delay_us} us"}
+                     f"batcher delay {args.queue_delay_us} us; "
+                     + ("estimator step from CUDA graphs per (rows, frames) bucket, no flow cache"
+                        if estimator_graphs else "eager" + (", flow cache on" if t2w_scheduler.flow_cache else ""))}
     prompt_encoder = PromptEncoder.from_model_dir(model_dir)
     preprocessor = TextPreprocessor.from_model_dir(model_dir, normalizers=normalizers)
     # The two threads start last: nothing after them can fail and leave them running.
@@ -254,15 +283,15 @@ def encode_voices(stack: Stack, cases: tuple) -> dict:
     return voices
 
 
-def run_scenario(stack: Stack, name: str, args: argparse.Namespace, started: float, record: dict,
+def run_scenario(stack: Stack, name: str, args: argparse.Namespace, deadline: float, record: dict,
                  save) -> None:
-    """Warm-up, then each level that fits the time budget, into `record` (saved after every level)."""
+    """Warm-up, then each level that fits before `deadline` (time.monotonic()), into `record` (saved after every
+    level)."""
     scenario = scenarios.build(name, quick=args.quick)
     cases = list(scenario.cases)
     record.update(description=scenario.description,
                   prompt=f"{cases[0].prompt_source}, {cases[0].prompt_seconds:.1f} s")
     voices = encode_voices(stack, scenario.cases)
-    deadline = started + args.time_budget_s
     previous = None
     if args.warmup:
         previous = record["warmup"] = measure(stack, cases, voices, 1, args.warmup, deadline, args.seed)
@@ -273,8 +302,7 @@ def run_scenario(stack: Stack, name: str, args: argparse.Namespace, started: flo
         needed = estimate_s(previous, concurrency, requests)
         if left <= 0 or needed > left:
             why = "spent" if left <= 0 else f"short: about {needed:.1f} s needed, {left:.1f} s left"
-            record["skipped"].append(f"concurrency {concurrency} not started: the {args.time_budget_s:.0f} s "
-                                     f"time budget is {why}")
+            record["skipped"].append(f"concurrency {concurrency} not started: the time budget is {why}")
             continue
         level = measure(stack, cases, voices, concurrency, requests, deadline, args.seed)
         if level["requests"] < requests:
@@ -297,12 +325,14 @@ def run(args: argparse.Namespace) -> int:
     model_dir, model_line = prepare_model(args)
     if args.model_dir is None:
         notes.append(RANDOM_LLM_NOTE)
-    stack = open_stack(model_dir, args, device, args.work_dir / f"onnx_{model_dir.name}", normalizers)
-    settings = {"model": model_line, "llm": stack.settings["llm"], "token2wav": stack.settings["token2wav"],
+    variants = [Variant(graphs, precision) for graphs in args.cuda_graphs for precision in args.llm_precision]
+    several = len(variants) > 1
+    settings = {"model": model_line,
                 "voice": "encoded once per prompt before the levels (as bench --voice-mode id)",
                 "warm-up": f"{args.warmup} request(s) at concurrency 1 before each scenario, not measured",
                 "clients": "one thread per concurrent request; each sends its next request when one ends",
-                "time budget": f"{args.time_budget_s:.0f} s from the start, model writing included"}
+                "time budget": f"{args.time_budget_s:.0f} s from the start, model writing included"
+                               + (", shared out between the variants still to run" if several else "")}
     results = {"environment": environment(device), "settings": settings, "notes": notes, "scenarios": []}
 
     def save(plots: bool) -> str:
@@ -311,14 +341,24 @@ def run(args: argparse.Namespace) -> int:
             settings["peak GPU memory"] = f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated"
         return write_outputs(results, out, plots)
 
-    print(f"gpu_bench: {model_line}; {settings['token2wav']}; report in {out}", flush=True)
-    try:
-        for name in args.scenario:
-            record = {"name": name, "levels": [], "skipped": []}
-            results["scenarios"].append(record)
-            run_scenario(stack, name, args, started, record, save)
-    finally:
-        stack.close()
+    for index, variant in enumerate(variants):
+        deadline = time.monotonic() + (started + args.time_budget_s - time.monotonic()) / (len(variants) - index)
+        stack = open_stack(model_dir, args, device, args.work_dir / f"onnx_{model_dir.name}", normalizers, variant)
+        prefix = f"{variant.label}: " if several else ""
+        settings[f"{prefix}llm"], settings[f"{prefix}token2wav"] = stack.settings["llm"], stack.settings["token2wav"]
+        print(f"gpu_bench: {model_line}; {prefix}{stack.settings['token2wav']}; report in {out}", flush=True)
+        try:
+            for name in args.scenario:
+                record = {"name": name, "levels": [], "skipped": []}
+                if several:
+                    record.update(variant=variant.label, slug=variant.slug)
+                results["scenarios"].append(record)
+                run_scenario(stack, name, args, deadline, record, save)
+        finally:
+            stack.close()
+        del stack  # its models and graphs, before the next variant's
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     print(save(plots=True), flush=True)
     errors = sum(level["errors"] for record in results["scenarios"] for level in record["levels"])
     return 0 if errors == 0 else 1
@@ -332,7 +372,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "cosyvoice_gpu_bench",
                    help="where the random folder and exported graphs go (reused when present)")
     p.add_argument("--scenario", nargs="+", choices=scenarios.NAMES, default=["fast_clone"])
-    p.add_argument("--concurrency", type=int, nargs="+", help="levels (default 1 4 16 32; --quick: 1 2)")
+    p.add_argument("--concurrency", type=int, nargs="+", help="levels (default 1 4 16 64; --quick: 1 2)")
+    p.add_argument("--cuda-graphs", choices=["off", "on"], nargs="+",
+                   help="variants: the LLM's decode step and the flow estimator's step eager (off) or from CUDA "
+                        "graphs (on; on a CPU: eager, one warning line) (default off on; --quick: off)")
+    p.add_argument("--llm-precision", choices=["fp32", "bf16"], nargs="+",
+                   help="variants: the LLM backbone's precision (default fp32 bf16; --quick: fp32); each with "
+                        "each --cuda-graphs setting")
     p.add_argument("--requests", type=int, help="requests per level (default max(16, 2 x concurrency); "
                                                 "--quick: 2)")
     p.add_argument("--engine", choices=["torch", "onnxruntime", "tensorrt"], default=ServeOptions.engine,
@@ -358,7 +404,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "starts; a level estimated to end later is not started")
     p.add_argument("--out", type=Path, help="report folder (default $OUT/gpu_bench, else perf/results/gpu-<time>)")
     args = p.parse_args(argv)
-    args.concurrency = args.concurrency or ([1, 2] if args.quick else [1, 4, 16, 32])
+    args.concurrency = args.concurrency or ([1, 2] if args.quick else [1, 4, 16, 64])
+    args.cuda_graphs = args.cuda_graphs or (["off"] if args.quick else ["off", "on"])
+    args.llm_precision = args.llm_precision or (["fp32"] if args.quick else ["fp32", "bf16"])
     args.llm_max_batch = args.llm_max_batch or max(ServeOptions.llm_max_batch, *args.concurrency)
     if args.max_token_text_ratio is None and args.quick:
         args.max_token_text_ratio = QUICK_RATIO

@@ -20,7 +20,9 @@
 #     engine falls back to torch with one line.
 #   - This project is installed from the working tree (editable, --no-index) when it is not importable.
 # Time: writing the full-size random folder takes about a minute, then two warm-up requests and the levels
-# 1 4 16 32; --time-budget-s (default 480, from the start) keeps levels that would not fit from starting.
+# 1 4 16 64, for each variant: CUDA graphs off / on x LLM fp32 / bf16 (the served LLMScheduler and
+# Token2WavScheduler, built as the Triton models build them); --time-budget-s (default 480, from the start,
+# shared out between the variants) keeps levels that would not fit from starting.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source perf/gpu_env.sh

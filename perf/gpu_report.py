@@ -12,9 +12,9 @@ from cosyvoice_triton.perf import report
 from cosyvoice_triton.perf.report import ms, num
 
 TARGETS = (  # (scenario or None for every scenario, concurrency, summary key, bound, label); reported only
-    ("fast_clone", 1, "first_chunk_p50_s", 0.100, "first chunk p50 <= 100 ms"),
-    ("fast_clone", 16, "first_chunk_p99_s", 0.300, "first chunk p99 <= 300 ms"),
-    (None, 32, "rtf", 0.02, "aggregate RTF <= 0.02"),
+    ("fast_clone", 1, "first_chunk_p50_s", 0.050, "first chunk p50 <= 50 ms"),
+    ("fast_clone", 16, "first_chunk_p99_s", 0.250, "first chunk p99 <= 250 ms"),
+    (None, 64, "rtf", 0.01, "aggregate RTF <= 0.01"),
 )
 
 
@@ -29,9 +29,18 @@ def target_rows(results: dict) -> list[dict]:
             value = None if level is None else level[key]
             status = "not measured" if value is None else ("met" if value <= bound else "not met")
             shown = "-" if value is None else (f"{value:.4f}" if key == "rtf" else f"{ms(value)} ms")
-            rows.append({"target": f"{scenario['name']}: {label} at concurrency {concurrency}",
+            rows.append({"target": f"{title(scenario)}: {label} at concurrency {concurrency}",
                          "measured": shown, "status": status})
     return rows
+
+
+def title(scenario: dict) -> str:
+    """The scenario's name, with the variant it ran under (CUDA graphs, LLM precision) when there is one."""
+    return f"{scenario['name']} ({scenario['variant']})" if scenario.get("variant") else scenario["name"]
+
+
+def plot_name(scenario: dict) -> str:
+    return f"{scenario['name']}-{scenario['slug']}.png" if scenario.get("slug") else f"{scenario['name']}.png"
 
 
 MEASURES_NOTE = (
@@ -60,7 +69,7 @@ def markdown(results: dict) -> str:
              *(f"- **{key}**: {value}" for key, value in results["settings"].items()),
              *(f"- **note**: {note}" for note in results["notes"]), "", MEASURES_NOTE]
     for scenario in results["scenarios"]:
-        lines += ["", f"## {scenario['name']}", "", f"{scenario['description']}; prompt {scenario['prompt']}", ""]
+        lines += ["", f"## {title(scenario)}", "", f"{scenario['description']}; prompt {scenario['prompt']}", ""]
         if scenario["levels"]:
             lines += [TABLE_HEADER, "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
             lines += [table_row(s) for s in scenario["levels"]] + [""]  # a blank line ends the table
@@ -86,9 +95,9 @@ def plot(scenario: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for q, style in (("p50", "o-"), ("p90", "^:"), ("p99", "s--")):
         left.plot(x, series(f"first_chunk_{q}_s", 1000), style, label=q)
-    left.set(xlabel="concurrency", ylabel="first chunk (ms)", title=f"{scenario['name']}: first chunk")
+    left.set(xlabel="concurrency", ylabel="first chunk (ms)", title=f"{title(scenario)}: first chunk")
     right.plot(x, series("rtf"), "o-", color="tab:red", label="RTF")
-    right.set(xlabel="concurrency", ylabel="RTF (wall / audio)", title=f"{scenario['name']}: RTF, throughput")
+    right.set(xlabel="concurrency", ylabel="RTF (wall / audio)", title=f"{title(scenario)}: RTF, throughput")
     twin = right.twinx()
     twin.plot(x, series("throughput"), "s--", color="tab:blue", label="throughput")
     twin.set_ylabel("audio seconds per second")
@@ -111,7 +120,7 @@ def write_outputs(results: dict, out: Path, plots: bool) -> str:
         plots = False
     for scenario in results["scenarios"] if plots else []:
         if scenario["levels"]:
-            plot(scenario, out / f"{scenario['name']}.png")
+            plot(scenario, out / plot_name(scenario))
     results["targets"] = target_rows(results)
     text = markdown(results)
     report.write_texts(out, text, results)

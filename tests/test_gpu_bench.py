@@ -61,15 +61,21 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_runs_as_on_the_gpu_image_without_wetext_and_soundfile(tiny_model_dir, tmp_path):
+    """Two variants, CUDA graphs off and on: on the CPU `on` runs eager with one warning line."""
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, "-c", GPU_IMAGE, "--device", "cpu", "--model-dir", str(tiny_model_dir),
                           "--quick", "--concurrency", "1", "--requests", "1", "--warmup", "0",
-                          "--scenario", "cross_lingual", "--work-dir", str(tmp_path / "work"), "--out", str(out)],
+                          "--cuda-graphs", "off", "on", "--scenario", "cross_lingual",
+                          "--work-dir", str(tmp_path / "work"), "--out", str(out)],
                          capture_output=True, text=True, timeout=110, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     report = (out / "report.md").read_text()
     assert "wetext is not installed" in report and "soundfile is not installed" in report
-    assert [row[:3] for row in table_rows(report)] == [["1", "1", "0"]]
+    assert [row[:3] for row in table_rows(report)] == [["1", "1", "0"], ["1", "1", "0"]]
+    assert "## cross_lingual (CUDA graphs off, LLM fp32)" in report
+    assert "## cross_lingual (CUDA graphs on, LLM fp32)" in report
+    assert "CUDA graphs need a CUDA device" in run.stderr
+    assert (out / "cross_lingual-graphs-on-fp32.png").stat().st_size > 0
 
 
 class FakeEngine:
@@ -142,16 +148,16 @@ def level(concurrency: int, first_p50: float, first_p99: float, rtf: float) -> d
 
 def test_report_marks_targets_and_skipped_levels(tmp_path):
     scenario = {"name": "fast_clone", "description": "short", "prompt": "speech_like, 3.0 s",
-                "levels": [level(1, 0.08, 0.09, 0.05), level(16, 0.2, 0.4, 0.03)],
-                "skipped": ["concurrency 32 not started: the 480 s time budget is short: about 90 s needed, 10 s left"]}
+                "levels": [level(1, 0.04, 0.09, 0.05), level(16, 0.2, 0.4, 0.03)],
+                "skipped": ["concurrency 64 not started: the time budget is short: about 90 s needed, 10 s left"]}
     results = {"environment": {"date": "2026-11-30", "gpu": "GPU test", "cpu_count": 2, "python": "3.12",
                                "versions": "torch"}, "settings": {"model": "tiny"}, "notes": [],
                "scenarios": [scenario]}
     report = gpu_bench.write_outputs(results, tmp_path, plots=True)
-    assert "| fast_clone: first chunk p50 <= 100 ms at concurrency 1 | 80 ms | met |" in report
-    assert "| fast_clone: first chunk p99 <= 300 ms at concurrency 16 | 400 ms | not met |" in report
-    assert "| fast_clone: aggregate RTF <= 0.02 at concurrency 32 | - | not measured |" in report
-    assert "- concurrency 32 not started: the 480 s time budget is short" in report
+    assert "| fast_clone: first chunk p50 <= 50 ms at concurrency 1 | 40 ms | met |" in report
+    assert "| fast_clone: first chunk p99 <= 250 ms at concurrency 16 | 400 ms | not met |" in report
+    assert "| fast_clone: aggregate RTF <= 0.01 at concurrency 64 | - | not measured |" in report
+    assert "- concurrency 64 not started: the time budget is short" in report
     assert json.loads((tmp_path / "results.json").read_text())["targets"][0]["status"] == "met"
     assert (tmp_path / "fast_clone.png").stat().st_size > 0
 

@@ -33,7 +33,10 @@ class CudaGraphCall:
     """`fn` captured for the shapes of `example_inputs`. A call copies its inputs into the captured
     buffers and replays; the output tensor is the captured one, overwritten by the next call."""
 
-    def __init__(self, fn: Callable[..., Tensor], example_inputs: tuple[Tensor, ...], warmup: int = 2):
+    def __init__(self, fn: Callable[..., Tensor], example_inputs: tuple[Tensor, ...], warmup: int = 2,
+                 pool: tuple | None = None):
+        """`pool` (`torch.cuda.graph_pool_handle()`): memory shared with other graphs of that pool, for graphs
+        replayed one at a time whose outputs are read before the next replay."""
         self.device = example_inputs[0].device
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need CUDA tensors, got {self.device}")
@@ -46,7 +49,7 @@ class CudaGraphCall:
                 for _ in range(warmup):
                     fn(*self.static_inputs)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            with torch.cuda.graph(self.graph):
+            with torch.cuda.graph(self.graph, pool=pool):
                 self.static_output = fn(*self.static_inputs)
 
     def __call__(self, *inputs: Tensor) -> Tensor:

@@ -6,6 +6,7 @@ Each loop round (gpt-fast style, over the model's static KV cache of `max_batch`
    `step_logits` returns only the last column of a row;
 3. one decode step for all live streams (B = live streams, each row at its own position and slot);
    Attention spans the cache prefix the batch uses (the highest position, rounded up to a `kv_bucket`).
+   With `cuda_graphs` the step is replayed from a CUDA graph per slot-count bucket (llm/decode_graphs.py).
 4. sample every row with the request's own generator, push the token to its stream, retire streams
    on a stop token, at max_len, or on error.
 
@@ -41,9 +42,11 @@ from torch import Tensor
 
 from ..errors import CosyVoiceError, InvalidInput, Unavailable
 from ..messages import LLMRequest, SamplingParams, check_seed
+from ..engines.cuda_graphs import Capture
 from ..models.qwen2 import kv_bucket
 from ..models.speech_lm import SpeechLM
 from .bistream import BistreamPlan, Segment, embed_segments, new_plan
+from .decode_graphs import DecodeGraphs
 from .stream import LLMStream
 from .sampling import GeneratorTable, RasSampler, make_generator, ras_sample_table
 
@@ -111,16 +114,21 @@ class LLMScheduler:
 
     def __init__(self, llm: SpeechLM, max_batch: int = 8, max_seq_len: int = 4096,
                  device: torch.device | str | None = None, max_queue: int = 64,
-                 step_unit: Callable[[], AbstractContextManager] = nullcontext):
+                 step_unit: Callable[[], AbstractContextManager] = nullcontext, cuda_graphs: bool = False,
+                 graph_capture: Capture | None = None):
         """`max_seq_len` bounds the positions of one stream (prompt + speech); the model's own cache
         length bounds it too. At most `max_queue` requests wait for a slot; more are refused. Each round
         (prefills, then one decode step) runs inside `step_unit()`: the core share's LLM unit, which sets
-        this thread's torch threads and waits while token2wav runs a first chunk (pipeline/threads.py)."""
+        this thread's torch threads and waits while token2wav runs a first chunk (pipeline/threads.py).
+        `cuda_graphs`: the decode step replayed from CUDA graphs per slot-count bucket (llm/decode_graphs.py;
+        `decode_graphs.warm_up()` captures the first buckets); `graph_capture` replaces the CUDA capture
+        (tests)."""
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch ({max_batch}) and max_queue ({max_queue}) must be >= 1")
         self.device = torch.device(device) if device is not None else next(llm.parameters()).device
         self.llm = llm.to(self.device).eval()
-        self.llm.setup_caches(max_batch)
+        self.llm.setup_caches(max_batch + 1 if cuda_graphs else max_batch)  # + the graphs' scratch slot
+        self.decode_graphs = DecodeGraphs(self.llm, max_batch, graph_capture) if cuda_graphs else None
         self.max_batch = max_batch
         self.max_seq_len = min(max_seq_len, llm.max_seq_len)
         self.max_queue = max_queue
@@ -357,7 +365,10 @@ class LLMScheduler:
             input_pos = torch.tensor([[live.pos] for live in batch], device=device)  # (B, 1)
             slots = torch.tensor([live.slot for live in batch], device=device)  # (B,)
             kv_len = kv_bucket(max(live.pos for live in batch) + 1, self.llm.max_seq_len)
-            logits = self.llm.step_logits(self.llm.embed_speech(tokens), input_pos, slots, kv_len)  # (B, V)
+            if self.decode_graphs is not None:
+                logits = self.decode_graphs.step(tokens, input_pos, slots, kv_len)  # (B, V)
+            else:
+                logits = self.llm.step_logits(self.llm.embed_speech(tokens), input_pos, slots, kv_len)  # (B, V)
             logp = _host_log_probs(logits)  # (B, V)
         except Exception as exc:
             self._fail(batch, "decode step", exc)

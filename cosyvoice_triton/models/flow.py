@@ -143,10 +143,14 @@ class FlowMatching(nn.Module):
             t = self.t_steps[step].expand(2 * B)
             with self.estimator_arithmetic(x.device):
                 velocity = self.estimator(torch.cat([x, x]), mask2, mu2, t, spks2, cond2, streaming2).float()
-            v_cond, v_uncond = velocity.split(B)
-            velocity = (1.0 + self.inference_cfg_rate) * v_cond - self.inference_cfg_rate * v_uncond
-            x = x + self.dt_steps[step] * velocity
+            x = self.euler_step(x, step, *velocity.split(B))
         return x
+
+    def euler_step(self, x: torch.Tensor, step: int, v_cond: torch.Tensor, v_uncond: torch.Tensor) -> torch.Tensor:
+        """x (B, 80, T) after Euler step `step` along the guided velocity: the conditioned velocity v_cond pushed
+        away from the unconditioned v_uncond (each (B, 80, T)) by the guidance rate."""
+        velocity = (1.0 + self.inference_cfg_rate) * v_cond - self.inference_cfg_rate * v_uncond
+        return x + self.dt_steps[step] * velocity
 
 
 @dataclass(frozen=True)

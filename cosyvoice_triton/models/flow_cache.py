@@ -267,9 +267,7 @@ def cached_mel(flow: FlowModel, c: FlowConditions, caches: list[StreamFlowCache 
         t = solver.t_steps[step].expand(2 * B)
         with solver.estimator_arithmetic(device):
             velocity = p.estimator(est, torch.cat([x, x]), mask2, mu2, t, spks2, cond2, bias).float()
-        v_cond, v_uncond = velocity.split(B)
-        velocity = (1.0 + solver.inference_cfg_rate) * v_cond - solver.inference_cfg_rate * v_uncond
-        x = x + solver.dt_steps[step] * velocity
+        x = solver.euler_step(x, step, *velocity.split(B))
         for b, keep in enumerate(keeps):
             if keep:
                 new_steps[b].append(_extend(rows[b], p.new, attention, b, B, keep))
@@ -332,8 +330,7 @@ def _solve_by_row(flow: FlowModel, c: FlowConditions, usable: list[StreamFlowCac
             if (b, 0) not in done:
                 continue
             (v_cond, new_cond), (v_uncond, new_uncond) = done[(b, 0)], done[(b, 1)]
-            velocity = (1.0 + solver.inference_cfg_rate) * v_cond - solver.inference_cfg_rate * v_uncond
-            xs[b] = xs[b] + solver.dt_steps[step] * velocity
+            xs[b] = solver.euler_step(xs[b], step, v_cond, v_uncond)
             new = [torch.cat(pair) for pair in zip(new_cond, new_uncond)]  # (2, ...) per slot: both halves
             if keeps[b]:
                 new_steps[b].append(_extend(slots[b], new, attention, 0, 1, keeps[b]))

@@ -94,6 +94,7 @@ class ServeOptions:
     llm_precision: str = "fp32"  # the LLM backbone's: fp32 | bf16 | int8 | auto (models/auto_precision.py)
     flow_precision: str = "fp32"  # the torch flow estimator's: fp32 | bf16 | auto (the CLI's default: auto)
     compile: str = "off"  # torch.compile of the hot loops' blocks: off | auto | on (models/compiled.py)
+    cuda_graphs: str = "auto"  # the LLM's decode step and the flow estimator's step: off | auto | on (engines/cuda_graphs.py)
     engine: str = "torch"  # token2wav: torch | onnxruntime | openvino | tensorrt (CAM++ too; torch: onnxruntime)
     precision: str = "fp32"  # of TensorRT plans and OpenVINO's hint: fp32 | fp16 | bf16
     ort_providers: str | None = None  # with engine onnxruntime: execution providers (engines/providers.py)
@@ -199,6 +200,7 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str,
     llm and token2wav share the cores (pipeline/shared_cores.py); empty: fixed shares. `auto` precisions
     are resolved here, on the machine the server runs on, so each config names the precision it runs."""
     from cosyvoice_triton.models.auto_precision import resolve_flow_precision, resolve_llm_precision
+    from cosyvoice_triton.engines.cuda_graphs import check_cuda_graphs_setting
     from cosyvoice_triton.models.compiled import check_compile_setting
 
     if options.engine not in ENGINES:
@@ -239,7 +241,8 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str,
                 "max_queue": options.llm_max_queue, "max_token_text_ratio": ratio,
                 "torch_threads": options.torch_threads, "core_share": core_share,
                 "precision": resolve_llm_precision(options.llm_precision, torch_device),
-                "compile": check_compile_setting(options.compile)},
+                "compile": check_compile_setting(options.compile),
+                "cuda_graphs": check_cuda_graphs_setting(options.cuda_graphs)},
         "token2wav": {"model_dir": model_dir, "placement": placement, "device": torch_device,
                       "max_streams": options.t2w_max_streams, "max_batch": options.t2w_max_batch,
                       "idle_timeout_s": options.t2w_idle_timeout_s,
@@ -247,6 +250,7 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str,
                       "prompt_cache_mb": options.prompt_cache_mb,
                       "flow_precision": resolve_flow_precision(options.flow_precision, torch_device),
                       "chunk_preset": options.chunk_preset, "compile": options.compile,
+                      "cuda_graphs": options.cuda_graphs,
                       # A backend server runs token2wav alone: every core (pipeline/threads.py).
                       "torch_threads": options.torch_threads or (available_cores() if options.role == "backend" else 0),
                       "core_share": core_share,

@@ -12,6 +12,7 @@ from contextlib import nullcontext
 import torch
 import triton_python_backend_utils as pb_utils
 
+from cosyvoice_triton.engines.cuda_graphs import use_cuda_graphs
 from cosyvoice_triton.models.compiled import apply_compile
 from cosyvoice_triton.models.llm_precision import describe_backbone
 from cosyvoice_triton.models.speech_lm import SpeechLM
@@ -73,9 +74,11 @@ class TritonPythonModel:
         self.default_sampling = llm.config.sampling
         self.scheduler = LLMScheduler(llm, max_batch=params.max_batch, max_seq_len=params.max_seq_len,
                                       max_queue=params.max_queue,
-                                      step_unit=(lambda: self.cores.running("llm")) if self.cores else nullcontext)
+                                      step_unit=(lambda: self.cores.running("llm")) if self.cores else nullcontext,
+                                      cuda_graphs=use_cuda_graphs(params.cuda_graphs, device))
         pb_utils.Logger.log_info(f"{self.name}: backbone {describe_backbone(llm)}; {threads}; "
-                                 f"compiled: {', '.join(compiled) or 'none'} (compile {params.compile})")
+                                 f"compiled: {', '.join(compiled) or 'none'} (compile {params.compile}); "
+                                 f"{_warm_graphs(self.scheduler)}")
         self.metrics = ModelMetrics(pb_utils, LLM_METRICS, instance_labels(args))
         self.metrics.labelled("precision", llm.precision).set(1)
         self.streams = LLMStreamForwarder(self.scheduler, on_tokens=self._refresh, on_end=self._count_end)
@@ -134,3 +137,14 @@ def _tokens_response(tokens: list[int]):
 def _opened_response():
     """An empty speech_tokens response: a bistream stream is open (callers skip responses without tokens)."""
     return _tokens_response([])
+
+
+def _warm_graphs(scheduler: LLMScheduler) -> str:
+    """Capture the decode step's first buckets before the first request; what happened, for the log."""
+    graphs = scheduler.decode_graphs
+    if graphs is None:
+        return "CUDA graphs: off"
+    captured = graphs.warm_up()
+    if graphs.table.failure is not None:
+        return f"CUDA graphs: eager after a failed capture ({graphs.table.failure})"
+    return f"CUDA graphs: {captured} decode-step buckets captured, more on first use"

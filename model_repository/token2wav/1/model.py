@@ -25,6 +25,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.engines.select import build_token2wav
+from cosyvoice_triton.engines.cuda_graphs import capture_estimator_steps, use_cuda_graphs
 from cosyvoice_triton.models.compiled import apply_compile
 from cosyvoice_triton.models.flow_cache import FlowCacheSettings, supports_cache
 from cosyvoice_triton.token2wav.idle_sweeper import IdleSweeper
@@ -61,8 +62,11 @@ class TritonPythonModel:
                                          onnx_dir=params.onnx_dir, max_streams=params.max_batch,
                                          ort_providers=params.ort_providers, flow_precision=params.flow_precision)
             compiled = apply_compile(params.compile, device, flow=flow, hift=hift)  # torch modules only
+            # The torch estimator's step from CUDA graphs per (rows, frames) bucket, captured on first use.
+            graphs = use_cuda_graphs(params.cuda_graphs, device) and capture_estimator_steps(flow, params.max_batch)
             pb_utils.Logger.log_info(f"{self.name}: compiled: {', '.join(compiled) or 'none'} "
-                                     f"(compile {params.compile})")
+                                     f"(compile {params.compile}); CUDA graphs: "
+                                     f"{'the estimator step (no flow cache)' if graphs else 'off'}")
         preset = CHUNK_PRESETS[params.chunk_preset]
         self.scheduler = Token2WavScheduler(flow, hift, max_streams=params.max_streams, max_batch=params.max_batch,
                                       idle_timeout_s=params.idle_timeout_s,
@@ -74,7 +78,7 @@ class TritonPythonModel:
                                       map_rows=RowWorkers(self.cores).map if self.cores is not None else None)
         self.metrics = ModelMetrics(pb_utils, TOKEN2WAV_METRICS, instance_labels(args))
         # The torch estimator's own precision; a graph engine's is its plan's (`precision`).
-        flow_precision = flow.decoder.precision if supports_cache(flow) else params.precision
+        flow_precision = flow.decoder.precision if supports_cache(flow) or graphs else params.precision
         self.metrics.labelled("precision", flow_precision).set(1)
         self._lock = threading.Lock()  # the scheduler has one caller at a time: execute or the idle sweeper
         # The idle sweeper's no-op request: a cancel of this id (random, so no client stream can have it).
