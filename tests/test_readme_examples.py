@@ -76,7 +76,7 @@ NOT_RUN = {
     "perf/README.md": {
         "# against a running server (gRPC, model cosyvoice2)",
         "perf/perf_analyzer_sweep.sh localhost:8001                      # zero-shot inputs, concurrency 1:4:2",
-        "bash perf/gpu_bench.sh                               # full-size random folder, fast_clone, levels 1 4 16 32",
+        "bash perf/gpu_bench.sh                               # full-size random folder, fast_clone, levels 1 4 16 64",
     },
 }
 # what the examples write, checked after each block: audio files must decode
