@@ -87,7 +87,7 @@ from .auth import limit_key
 from .drain import Draining
 from .errors import BadRequest, GatewayError, PayloadTooLarge, SessionTimeout, as_gateway_error, ws_error
 from .fields import TTS_FIELDS
-from .protocol import parse_start, parse_vc_message
+from .protocol import optional_text, parse_start, parse_vc_message
 from .request_keys import CLIENT_LEFT
 from .state import CONFIG, DRAIN, LIMITER, METRICS, WEBSOCKETS
 from .synthesis import WireRequest, check_ssml_voices, conversion_in_voice, prepare, routing_cost, stream_audio
@@ -298,6 +298,9 @@ class Session:
     def _add_text(self, text: object) -> None:
         if not isinstance(text, str):
             raise BadRequest("text", f"must be a string, got {type(text).__name__}")
+        # Refused as it comes, not when its sentence is complete: a piece without a sentence end would
+        # otherwise wait in the buffer until the idle timeout.
+        optional_text(text, "text")
         self.received_chars += len(text)
         if self.received_chars > self.config.limits.max_session_chars:
             raise PayloadTooLarge(f"text: a session takes at most {self.config.limits.max_session_chars} "

@@ -341,3 +341,13 @@ def test_a_transcript_synthesis_could_not_take_is_refused_at_registration(stack)
     spoken = requests.post(gateway.url + "/v1/tts", json={"text": "Hi there.", "voice_id": fits.json()["id"]},
                            timeout=120)
     assert spoken.status_code == 200, spoken.text
+
+
+def test_a_websocket_piece_with_a_control_character_is_refused_at_once(stack):
+    """Text is checked as it arrives, not when its sentence is complete: a piece without a sentence end is
+    refused with a 400 naming `text`, not left in the buffer until the idle timeout (408)."""
+    _, gateway = stack
+    for messages in ([{**START, "text": "\u001b[31m"}], [START, {"type": "text", "text": "no end \x00 yet"}]):
+        answer = asyncio.run(ws_case(gateway, messages))
+        assert (answer["type"], answer["status"], answer["param"]) == ("error", 400, "text"), answer
+        assert "control character" in answer["message"]
