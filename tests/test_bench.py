@@ -84,8 +84,9 @@ def test_bench_start_quick_end_to_end(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "report"
     code = main(["bench", "--start", "--quick", "--model-dir", str(tiny_model_dir), "--warmup", "0",
                  "--out", str(out)])
-    printed = capsys.readouterr().out
-    assert code == 0, printed
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert code == 0, printed + captured.err  # stderr: the error of a run that stopped (exit 2)
     assert "concurrency   1:" in printed and "concurrency   2:" in printed  # one progress line per level
     assert [row[0] for row in _table_rows(out / "report.md")] == ["1", "2"]
     assert "streams with a stall" in (out / "report.md").read_text()

@@ -96,15 +96,15 @@ class GraphTable:
         self.graphs: dict[Hashable, Callable[..., Tensor]] = {}
         self.failure: str | None = None  # why capturing stopped; None while it works
 
-    def get(self, key: Hashable, fn: Callable[..., Tensor], example_inputs: tuple[Tensor, ...]
+    def get(self, key: Hashable, fn: Callable[..., Tensor], example: Callable[[], tuple[Tensor, ...]]
             ) -> Callable[..., Tensor] | None:
-        """The graph of `key`, captured now from fn and example inputs if new; None after a failed capture."""
+        """The graph of `key`, captured now from fn and `example()`'s inputs if new; None after a failed capture."""
         if self.failure is not None:
             return None
         graph = self.graphs.get(key)
         if graph is None:
             try:
-                graph = self.graphs[key] = self.capture(fn, example_inputs)
+                graph = self.graphs[key] = self.capture(fn, example())
             except Exception as exc:  # noqa: BLE001 - e.g. no CUDA device, an operator that syncs
                 self.failure = f"{type(exc).__name__}: {exc}"
                 log.warning("%s: CUDA graph capture failed for bucket %s (%s); eager from now on",
@@ -145,7 +145,7 @@ class EstimatorGraphs(nn.Module):
         if rows is not None and frames is not None:
             # Autocast (a bf16 estimator) is part of what is recorded.
             key = (rows, frames, torch.is_autocast_enabled(x.device.type))
-            graph = self.table.get(key, self.estimator, self.example(rows, frames, x))
+            graph = self.table.get(key, self.estimator, lambda: self.example(rows, frames, x))
         if graph is None:
             return self.estimator(x, mask, mu, t, spks, cond, streaming)
 

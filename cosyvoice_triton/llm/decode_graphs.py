@@ -59,10 +59,11 @@ class DecodeGraphs:
         return len(self.table.graphs)
 
     def _graph(self, rows: int, kv_len: int, device: torch.device):
-        # The capture's warm-up calls run the step: every example row writes into the scratch slot.
-        example = (torch.zeros(rows, 1, dtype=torch.int64, device=device),
-                   torch.zeros(rows, 1, dtype=torch.int64, device=device),
-                   torch.full((rows,), self.scratch_slot, dtype=torch.int64, device=device))
+        def example() -> tuple[Tensor, ...]:  # the capture's warm-up calls run the step: rows write the scratch slot
+            return (torch.zeros(rows, 1, dtype=torch.int64, device=device),
+                    torch.zeros(rows, 1, dtype=torch.int64, device=device),
+                    torch.full((rows,), self.scratch_slot, dtype=torch.int64, device=device))
+
         return self.table.get((rows, kv_len), lambda *inputs: self._eager(*inputs, kv_len), example)
 
     def _eager(self, tokens: Tensor, input_pos: Tensor, slots: Tensor, kv_len: int) -> Tensor:
