@@ -128,8 +128,7 @@ def open_stack(model_dir: Path, args: argparse.Namespace, device: torch.device, 
     graphs = use_cuda_graphs(variant.cuda_graphs, device)  # `on` on a CPU: one warning line, eager
     llm_scheduler = LLMScheduler(llm, max_batch=args.llm_max_batch, max_seq_len=args.llm_max_seq_len,
                                  max_queue=args.llm_max_queue, cuda_graphs=graphs)
-    warm_start = time.perf_counter()
-    warmed = llm_scheduler.decode_graphs.warm_up() if graphs else 0
+    decode = f"decode step from CUDA graphs: {llm_scheduler.decode_graphs.warm_up_report()}" if graphs else "eager"
     engine = resolve_engine(args.engine, device)  # a fallback is one warning line from engines/select.py
     flow, hift = build_token2wav(model_dir, engine, device, precision=args.precision, onnx_dir=onnx_dir,
                                  max_streams=args.t2w_max_batch)
@@ -137,9 +136,6 @@ def open_stack(model_dir: Path, args: argparse.Namespace, device: torch.device, 
     t2w_scheduler = Token2WavScheduler(flow, hift, max_streams=args.t2w_max_streams, max_batch=args.t2w_max_batch)
     engine_line = engine if engine == args.engine else \
         f"{engine} ({args.engine} unavailable: {unavailable_reason(args.engine, device)})"
-    failure = llm_scheduler.decode_graphs.table.failure if graphs else None
-    decode = ("eager" if not graphs else f"eager after a failed capture ({failure})" if failure else
-              f"decode step from CUDA graphs ({warmed} buckets warmed in {time.perf_counter() - warm_start:.1f} s)")
     settings = {
         "llm": f"LLMScheduler on {device}: {args.llm_max_batch} slots, max_seq_len {args.llm_max_seq_len}, "
                f"queue {args.llm_max_queue}; max speech tokens per text token "

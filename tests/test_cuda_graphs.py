@@ -126,6 +126,10 @@ def test_decode_graphs_pad_to_a_bucket_and_give_the_solo_tokens(llm: SpeechLM) -
 def test_warm_up_captures_each_rows_bucket_per_cache_length(llm: SpeechLM) -> None:
     scheduler = LLMScheduler(llm, max_batch=3, max_seq_len=MAX_SEQ_LEN, cuda_graphs=True, graph_capture=Captures())
     assert scheduler.decode_graphs.warm_up() == 3 * 4  # rows 1, 2, 3 x kv_len 128 .. 512
+    assert scheduler.decode_graphs.warm_up_report().startswith("12 decode-step buckets captured in ")
+    failing = LLMScheduler(llm, max_batch=3, max_seq_len=MAX_SEQ_LEN, cuda_graphs=True,
+                           graph_capture=Captures(fail=True))
+    assert failing.decode_graphs.warm_up_report().startswith("eager after a failed capture (RuntimeError: ")
     with pytest.raises(ValueError, match="scratch slot"):
         DecodeGraphs(llm, max_batch=8)
 

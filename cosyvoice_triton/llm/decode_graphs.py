@@ -10,6 +10,7 @@ the first cache lengths at load. Fallbacks as engines/cuda_graphs.py: eager afte
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
@@ -57,6 +58,15 @@ class DecodeGraphs:
             for rows in self.row_buckets:
                 self._graph(rows, kv_len, device)
         return len(self.table.graphs)
+
+    def warm_up_report(self) -> str:
+        """`warm_up()` at load, and what came of it, for the start-up log and the benchmark's report."""
+        start = time.perf_counter()
+        captured = self.warm_up()
+        if self.table.failure is not None:
+            return f"eager after a failed capture ({self.table.failure})"
+        return (f"{captured} decode-step buckets captured in {time.perf_counter() - start:.1f} s, "
+                "more on first use")
 
     def _graph(self, rows: int, kv_len: int, device: torch.device):
         def example() -> tuple[Tensor, ...]:  # the capture's warm-up calls run the step: rows write the scratch slot

@@ -78,12 +78,17 @@ class TritonPythonModel:
                                       cuda_graphs=use_cuda_graphs(params.cuda_graphs, device))
         pb_utils.Logger.log_info(f"{self.name}: backbone {describe_backbone(llm)}; {threads}; "
                                  f"compiled: {', '.join(compiled) or 'none'} (compile {params.compile}); "
-                                 f"{_warm_graphs(self.scheduler)}")
+                                 f"CUDA graphs: {self._warm_graphs()}")
         self.metrics = ModelMetrics(pb_utils, LLM_METRICS, instance_labels(args))
         self.metrics.labelled("precision", llm.precision).set(1)
         self.streams = LLMStreamForwarder(self.scheduler, on_tokens=self._refresh, on_end=self._count_end)
         self.streams.start()
         self._refresh()
+
+    def _warm_graphs(self) -> str:
+        """The decode step's first buckets captured before the first request (llm/decode_graphs.py)."""
+        graphs = self.scheduler.decode_graphs
+        return "off" if graphs is None else graphs.warm_up_report()
 
     def execute(self, requests):
         for request in requests:
@@ -138,13 +143,3 @@ def _opened_response():
     """An empty speech_tokens response: a bistream stream is open (callers skip responses without tokens)."""
     return _tokens_response([])
 
-
-def _warm_graphs(scheduler: LLMScheduler) -> str:
-    """Capture the decode step's first buckets before the first request; what happened, for the log."""
-    graphs = scheduler.decode_graphs
-    if graphs is None:
-        return "CUDA graphs: off"
-    captured = graphs.warm_up()
-    if graphs.table.failure is not None:
-        return f"CUDA graphs: eager after a failed capture ({graphs.table.failure})"
-    return f"CUDA graphs: {captured} decode-step buckets captured, more on first use"
