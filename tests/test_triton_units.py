@@ -100,9 +100,12 @@ def test_engine_parameters_are_parsed_and_validated(tmp_path):
     import typing
 
     from cosyvoice_triton.engines.base import ENGINES, PRECISIONS
-    from cosyvoice_triton.triton.params import Engine, Precision
+    from cosyvoice_triton.engines.cuda_graphs import CUDA_GRAPH_SETTINGS
+    from cosyvoice_triton.models.compiled import COMPILE_SETTINGS
+    from cosyvoice_triton.triton.params import Engine, OffAutoOn, Precision
 
     assert typing.get_args(Engine) == ENGINES and typing.get_args(Precision) == PRECISIONS
+    assert typing.get_args(OffAutoOn) == COMPILE_SETTINGS == CUDA_GRAPH_SETTINGS
     default = parse_parameters(Token2WavParams, model_config("token2wav", tmp_path), "token2wav")
     assert (default.engine, default.precision, default.onnx_dir) == ("torch", "fp32", None)
     config = model_config("token2wav", tmp_path, engine="onnxruntime", precision="fp16", onnx_dir=tmp_path / "graphs")

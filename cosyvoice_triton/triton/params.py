@@ -27,8 +27,8 @@ Precision = Literal["fp32", "fp16", "bf16"]
 GraphEngine = Literal["onnxruntime", "openvino", "tensorrt"]  # for models that ship as ONNX only (CAM++)
 LLMPrecision = Literal["fp32", "bf16", "int8", "int8-dynamic"]  # models.llm_precision.LLM_PRECISIONS
 ChunkKind = Literal["fixed", "adaptive"]  # messages.CHUNK_POLICIES: the server's chunk policy
-CompileSetting = Literal["off", "auto", "on"]  # models.compiled.COMPILE_SETTINGS
-CudaGraphSetting = Literal["off", "auto", "on"]  # engines.cuda_graphs.CUDA_GRAPH_SETTINGS
+# models.compiled.COMPILE_SETTINGS and engines.cuda_graphs.CUDA_GRAPH_SETTINGS: auto decides by the device
+OffAutoOn = Literal["off", "auto", "on"]
 ChunkPresetName = Literal["official", "quick"]  # pipeline/chunk_policy.CHUNK_PRESETS
 TensorForm = Literal["native", "official"]  # triton/contracts.TENSOR_FORMS: cosyvoice2's tensors, ours or the official's
 
@@ -92,8 +92,8 @@ class LLMParams:
     torch_threads: int  # 0: chosen from the core count (pipeline/threads.py)
     core_share: str | None  # the server's core-share file (pipeline/shared_cores.py); None: a fixed share
     precision: LLMPrecision  # of the backbone (models/llm_precision.py)
-    compile: CompileSetting = "off"  # torch.compile of the decoder layers (models/compiled.py)
-    cuda_graphs: CudaGraphSetting = "auto"  # the decode step per slot-count bucket (engines/cuda_graphs.py)
+    compile: OffAutoOn = "off"  # torch.compile of the decoder layers (models/compiled.py)
+    cuda_graphs: OffAutoOn = "auto"  # the decode step per slot-count bucket (engines/cuda_graphs.py)
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,8 @@ class Token2WavParams:
     prompt_cache_mb: float = 512.0  # torch flow: MB of voices' frames kept (models/prompt_cache.py); 0: off
     flow_precision: str = "fp32"  # torch flow estimator: fp32 | bf16 | int8-dynamic (models/flow.py); the launcher resolves auto
     chunk_preset: ChunkPresetName = "official"  # quick: the last chunk a cached streaming call (chunk_policy.py)
-    compile: CompileSetting = "off"  # torch.compile of the flow estimator's and HiFT's blocks (models/compiled.py)
-    cuda_graphs: CudaGraphSetting = "auto"  # the torch estimator's step per (rows, frames) bucket (engines/cuda_graphs.py)
+    compile: OffAutoOn = "off"  # torch.compile of the flow estimator's and HiFT's blocks (models/compiled.py)
+    cuda_graphs: OffAutoOn = "auto"  # the torch estimator's step per (rows, frames) bucket (engines/cuda_graphs.py)
 
 
 @dataclass(frozen=True)
