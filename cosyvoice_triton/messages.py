@@ -111,6 +111,11 @@ class SamplingParams:
             raise InvalidInput("seed", f"must be null or an integer in [0, 2**64), got {self.seed!r}")
         return self
 
+    @classmethod
+    def from_llm_yaml(cls, llm: dict) -> SamplingParams:
+        """The folder's settings: `cosyvoice2.yaml`'s `llm.sampling` (its other keys are not sampling settings)."""
+        return cls(**{k: v for k, v in llm["sampling"].items() if k in ("top_p", "top_k", "win_size", "tau_r")}).validate()
+
 
 @dataclass(frozen=True)
 class ChunkPolicy:

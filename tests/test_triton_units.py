@@ -666,3 +666,31 @@ def test_token2wav_idle_frees_reach_the_metrics_through_execute_only(tiny, monke
             assert set(calls.outside) <= {threading.current_thread().name}, calls.outside
         finally:
             model.finalize()
+
+
+ORCHESTRATING_MODELS = ("cosyvoice2", "cosyvoice2_offline", "cosyvoice2_official", "cosyvoice2_official_offline",
+                        "register_voice")
+_IMPORT_WITHOUT_TRITON = """
+import importlib.util, sys, types
+pb = types.ModuleType("triton_python_backend_utils")
+pb.__file__ = "pb_utils.py"
+pb.__getattr__ = lambda name: object()  # module-level constants only; nothing runs before initialize()
+sys.modules[pb.__name__] = pb
+spec = importlib.util.spec_from_file_location("model", sys.argv[1])
+spec.loader.exec_module(importlib.util.module_from_spec(spec))
+print(" ".join(sorted(m for m in ("torch", "onnxruntime", "transformers") if m in sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("model", ORCHESTRATING_MODELS)
+def test_orchestrating_models_load_without_torch(model) -> None:
+    """The models that only orchestrate (text, voices, BLS calls) never import torch: each of a server's
+    stubs is its own process, and torch's import is most of a stub's start-up on a small CPU."""
+    import subprocess
+    import sys
+
+    path = REPO / model / "1" / "model.py"
+    done = subprocess.run([sys.executable, "-c", _IMPORT_WITHOUT_TRITON, str(path)], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == []

@@ -59,11 +59,10 @@ class SpeechLMConfig:
     def from_model_dir(cls, model_dir: str | Path) -> SpeechLMConfig:
         """Read `cosyvoice2.yaml` (key `llm`) and `CosyVoice-BlankEN/config.json`."""
         llm = read_yaml(ModelPaths(Path(model_dir)).yaml)["llm"]
-        sampling = {k: v for k, v in llm["sampling"].items() if k in ("top_p", "top_k", "win_size", "tau_r")}
         return cls(llm_input_size=llm["llm_input_size"], llm_output_size=llm["llm_output_size"],
                    speech_token_size=llm["speech_token_size"],
                    qwen=Qwen2Config.from_json(read_qwen_config(model_dir)),
-                   sampling=SamplingParams(**sampling).validate())
+                   sampling=SamplingParams.from_llm_yaml(llm))
 
 
 class _Qwen2Encoder(nn.Module):

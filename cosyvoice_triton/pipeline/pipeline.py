@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import Cancelled, InvalidInput, NotFound
-from ..llm.bistream import TextFeed, WordPieces
+from .text_feed import TextFeed, WordPieces
 from ..messages import MAX_SPEED, MIN_SPEED, FlowPrompt, LLMRequest, PromptFeatures, SynthesisRequest
 from ..preprocess.spans import source_spans
 from ..preprocess.ssml import Mark, Pause, Speech, expand_say_as, is_ssml, language, parse_ssml, spoken_text

@@ -18,9 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from cosyvoice_triton.messages import PromptFeatures
-from cosyvoice_triton.llm.scheduler import LLMRequest
-from cosyvoice_triton.token2wav.scheduler import ChunkRequest
+from cosyvoice_triton.messages import ChunkRequest, LLMRequest, PromptFeatures
 from cosyvoice_triton.triton import contracts
 from cosyvoice_triton.triton.tensors import RemoteError, output_tensors, response_arrays
 

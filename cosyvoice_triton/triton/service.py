@@ -12,11 +12,10 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_triton.config import ModelPaths, read_yaml
-from cosyvoice_triton.llm.bistream import TEXT_IDLE_TIMEOUT_S, TextFeeds
-from cosyvoice_triton.messages import ChunkPolicy, PromptFeatures, SynthesisRequest
-from cosyvoice_triton.models.speech_lm import SpeechLMConfig
+from cosyvoice_triton.messages import ChunkPolicy, PromptFeatures, SamplingParams, SynthesisRequest
 from cosyvoice_triton.pipeline.pipeline import Pipeline
 from cosyvoice_triton.pipeline.stages import LLMStage, Token2WavStage
+from cosyvoice_triton.pipeline.text_feed import TEXT_IDLE_TIMEOUT_S, TextFeeds
 from cosyvoice_triton.preprocess.audio import decode_audio, to_mono, validate_prompt_audio
 from cosyvoice_triton.preprocess.text import TextPreprocessor, check_clean_text
 from cosyvoice_triton.preprocess.voice_features import audio_sha256
@@ -91,7 +90,7 @@ class ServedPipeline:
                  max_text_chars: int, chunk_policy: ChunkPolicy = ChunkPolicy()):
         self.chunk_policy = chunk_policy  # the server's; a request may override its fields
         self.preprocessor = TextPreprocessor.from_model_dir(model_dir, max_chars=max_text_chars)
-        self.default_sampling = SpeechLMConfig.from_model_dir(model_dir).sampling
+        self.default_sampling = SamplingParams.from_llm_yaml(read_yaml(ModelPaths(Path(model_dir)).yaml)["llm"])
         self.voices = voices
         self.pipeline = Pipeline(self.preprocessor, llm, token2wav)
         self.text_feeds = TextFeeds(idle_timeout_s=TEXT_IDLE_TIMEOUT_S)  # bistream syntheses by text_stream_id
