@@ -16,6 +16,6 @@ case "${1:-}" in
   setup) setup ;;
   serve) shift; setup; exec "$VENV/bin/cosyvoice-triton" up "$@" ;;
   synth) shift; setup; exec "$VENV/bin/cosyvoice-triton" synth "$@" ;;
-  test)  shift; setup; COSYVOICE_STRICT_TESTS=${COSYVOICE_STRICT_TESTS:-1} exec "$VENV/bin/python" -m pytest -n "${COSYVOICE_TEST_WORKERS:-2}" --dist loadscope "$@" ;;
+  test)  shift; setup; COSYVOICE_STRICT_TESTS=${COSYVOICE_STRICT_TESTS:-1} exec "$VENV/bin/python" -m pytest -n "${COSYVOICE_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@" ;;
   *) echo "usage: ./run.sh {setup|serve|synth|test} [args]" >&2; exit 2 ;;
 esac

@@ -91,10 +91,38 @@ def prompt_wav_16k() -> tuple[np.ndarray, int]:
     return speech_like(3.0, 16000, seed=0), 16000
 
 
+# Longest module first. `./run.sh test` hands whole modules to two xdist workers in the order collected
+# (--dist loadscope --no-loadscope-reorder); a long module taken last would leave one worker alone for minutes
+# at the end. The seconds are those of a measured run (MODULE_SECONDS, written by a run with
+# COSYVOICE_RECORD_MODULE_SECONDS=1); a module it does not list counts as 0 s (it runs among the short ones).
+MODULE_SECONDS = REPO_ROOT / "tests" / "module_seconds.json"
+RECORD_SECONDS = os.environ.get("COSYVOICE_RECORD_MODULE_SECONDS") == "1"
+_recorded: dict[str, float] = {}
+
+
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    seconds = json.loads(MODULE_SECONDS.read_text()) if MODULE_SECONDS.exists() else {}
+    items.sort(key=lambda item: -seconds.get(module_of(item.nodeid), 0.0))  # stable: a module keeps its order
+
+
+def pytest_runtest_logreport(report):
+    """Runs in the process that reports (the xdist controller, or the only process): every worker's tests."""
+    if RECORD_SECONDS:
+        _recorded[module_of(report.nodeid)] = _recorded.get(module_of(report.nodeid), 0.0) + report.duration
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Stop the tritonservers that modules shared (tests/web/stack.py), so none outlives the run."""
+    """Stop the tritonservers that modules shared (tests/web/stack.py), so none outlives the run; write the
+    modules' seconds when asked (the controller only: a worker saw its own modules)."""
     import sys
 
     stack = sys.modules.get("web.stack")
     if stack is not None:
         stack.stop_shared_servers()
+    if RECORD_SECONDS and _recorded and not hasattr(session.config, "workerinput"):
+        ordered = dict(sorted(((m, round(s, 1)) for m, s in _recorded.items()), key=lambda kv: -kv[1]))
+        MODULE_SECONDS.write_text(json.dumps(ordered, indent=1) + "\n")

@@ -183,6 +183,34 @@ def test_process_argument_checks(tmp_path):
         TritonProcess(tmp_path / "none", binary=binary)
 
 
+def test_a_server_killed_by_a_signal_while_starting_is_started_once_more(tmp_path, caplog):
+    """python_backend now and then aborts while its stubs start on a busy machine: the first launch here is
+    killed by SIGABRT before it is ready (a wrapper around the real binary); the second one serves. A second
+    crash is not retried."""
+    import dataclasses
+    import logging
+
+    real = tritonserver_or_skip()
+    marker, wrapper = tmp_path / "launched", tmp_path / "tritonserver"
+    wrapper.write_text(f'#!/bin/bash\nif [ ! -e {marker} ]; then touch {marker}; kill -ABRT $$; fi\n'
+                       f'exec {real.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    repo = render_repository(TEST_MODELS, tmp_path / "repo", {"echo_stream": ECHO_VALUES}, ["echo_stream"])
+    server = TritonProcess(repo, workdir=tmp_path / "run", binary=dataclasses.replace(real, executable=wrapper))
+    with caplog.at_level(logging.WARNING, logger="cosyvoice_triton.server.process"), server:
+        assert server.is_ready()
+    assert [r.getMessage().split(" (log")[0] for r in caplog.records] == [
+        "tritonserver was killed by signal 6 before it was ready"]
+
+    always = tmp_path / "always-aborts"
+    always.write_text("#!/bin/bash\nkill -ABRT $$\n")
+    always.chmod(0o755)
+    server = TritonProcess(repo, workdir=tmp_path / "run2", binary=dataclasses.replace(real, executable=always))
+    with pytest.raises(TritonStartError, match="exited with code -6"):
+        server.start()
+    assert not server.is_running()
+
+
 def test_start_fails_fast_with_the_log_tail(tmp_path):
     binary = tritonserver_or_skip()
     model = tmp_path / "repo" / "broken"
