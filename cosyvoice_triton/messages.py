@@ -114,7 +114,8 @@ class SamplingParams:
     @classmethod
     def from_llm_yaml(cls, llm: dict) -> SamplingParams:
         """The folder's settings: `cosyvoice2.yaml`'s `llm.sampling` (its other keys are not sampling settings)."""
-        return cls(**{k: v for k, v in llm["sampling"].items() if k in ("top_p", "top_k", "win_size", "tau_r")}).validate()
+        keys = ("top_p", "top_k", "win_size", "tau_r")
+        return cls(**{k: v for k, v in llm["sampling"].items() if k in keys}).validate()
 
 
 @dataclass(frozen=True)

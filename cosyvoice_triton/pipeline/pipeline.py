@@ -32,7 +32,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import Cancelled, InvalidInput, NotFound
-from .text_feed import TextFeed, WordPieces
 from ..messages import MAX_SPEED, MIN_SPEED, FlowPrompt, LLMRequest, PromptFeatures, SynthesisRequest
 from ..preprocess.spans import source_spans
 from ..preprocess.ssml import Mark, Pause, Speech, expand_say_as, is_ssml, language, parse_ssml, spoken_text
@@ -43,6 +42,7 @@ from .playback import Playback
 from .stages import LLMStage, Token2WavStage, TokenStream
 from .seeds import END_OF_PROMPT, random_seed, sentence_seeds
 from .speech_marks import MarkClock, MarkEvent, source_value
+from .text_feed import TextFeed, WordPieces
 
 
 log = logging.getLogger(__name__)
