@@ -12,7 +12,20 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # The golden outputs were computed with 2 CPU threads; thread count barely matters, but keep it fixed.
-torch.set_num_threads(2)
+TORCH_THREADS = 2
+torch.set_num_threads(TORCH_THREADS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads_at_module_start():
+    """Every module starts with TORCH_THREADS in the main thread, whatever the modules before it in this process
+    left (a core share or thread plan run here sets the calling thread's count): a thread count changes float
+    sums, and a batched-vs-solo token comparison can then sample one token differently (seen at 4 threads).
+    A module's own fixtures may still set their count for the module (the references at one thread)."""
+    from cosyvoice_triton.pipeline.threads import set_torch_threads
+
+    set_torch_threads(TORCH_THREADS)  # also what it remembers having set for this thread
+    torch.set_num_threads(TORCH_THREADS)
 
 
 # Strict mode (`./run.sh test` and CI turn it on): a test that skips because a real component is missing

@@ -161,10 +161,16 @@ def bare_home(tmp_path, monkeypatch):
     site = tmp_path / "stand_in_site"
     site.mkdir()
     monkeypatch.syspath_prepend(str(site))
-    for name in ("modelscope", "huggingface_hub"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+    saved = {name: sys.modules.pop(name, None) for name in ("modelscope", "huggingface_hub")}
+    for name in saved:
         stand_in(site, name, "    raise ConnectionError('no network in this test')\n")
-    return home, site
+    yield home, site
+    # The stand-ins must not outlive the test: a later test of this process imports the real package
+    # (peft -> transformers -> huggingface_hub.utils).
+    for name, module in saved.items():
+        sys.modules.pop(name, None)
+        if module is not None:
+            sys.modules[name] = module
 
 
 def stand_in(site, package: str, body: str) -> None:
