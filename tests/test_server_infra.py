@@ -199,6 +199,8 @@ def test_a_server_killed_by_a_signal_while_starting_is_started_once_more(tmp_pat
     server = TritonProcess(repo, workdir=tmp_path / "run", binary=dataclasses.replace(real, executable=wrapper))
     with caplog.at_level(logging.WARNING, logger="cosyvoice_triton.server.process"), server:
         assert server.is_ready()
+        with urllib.request.urlopen(server.metrics_url, timeout=5) as response:  # start waits for it too
+            assert b"nv_inference_request_success" in response.read()
     assert [r.getMessage().split(" (log")[0] for r in caplog.records] == [
         "tritonserver was killed by signal 6 before it was ready"]
 

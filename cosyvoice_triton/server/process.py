@@ -330,6 +330,13 @@ class TritonProcess:
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
 
+    def _metrics_listening(self) -> bool:
+        try:
+            socket.create_connection((self.client_host, self.metrics_port), timeout=1.0).close()
+            return True
+        except OSError:
+            return False
+
     def wait_ready(self, timeout_s: float) -> None:
         """Poll readiness until `timeout_s` passes; waiting on the process between polls, so an exit
         ends the wait at once."""
@@ -341,7 +348,9 @@ class TritonProcess:
                 raise TritonStartError(
                     f"tritonserver exited with code {self._proc.returncode} before it was ready; "
                     f"log {self.log_path}:\n{self.log_tail()}")
-            if self.is_ready(timeout_s=1.0):
+            # Ready over HTTP, and the metrics endpoint listening: Triton opens it a few ms after the
+            # others, and a caller's first act may be to read the counters.
+            if self.is_ready(timeout_s=1.0) and self._metrics_listening():
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
