@@ -1,6 +1,6 @@
 """GPU mode of the benchmark: the serving engines driven in this process, with no Triton server.
 
-    bash perf/gpu_bench.sh                                          # on the GPU machine (device tool)
+    bash perf/gpu_bench.sh                                          # on a machine with an NVIDIA GPU
     python -m cosyvoice_triton.perf.gpu_bench --device cpu --size tiny --quick      # a smoke run on a CPU
 
 What runs is the `cosyvoice2` model's serving path without its transport: the shared `Pipeline`
@@ -19,15 +19,15 @@ shared out between the variants still to run.
 A voice is encoded once per prompt before the levels (as `bench --voice-mode id`). `--time-budget-s`
 counts from the start (model writing included): a level whose estimated time does not fit is not started,
 a level that reaches the deadline starts no more requests, and the report says so. The report (report.md,
-results.json, one PNG per scenario) goes to `--out`, default $OUT/gpu_bench when OUT is set, else
-perf/results/gpu-<timestamp>/; report.md and results.json are rewritten after every level.
+results.json, one PNG per scenario) goes to `--out`, default $COSYVOICE_PERF_RESULTS/gpu-<timestamp>/
+(perf/results/ of the checkout when that is unset); report.md and results.json are rewritten after every level.
 """
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +43,7 @@ from cosyvoice_triton.messages import SynthesisRequest
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.perf import scenarios
 from cosyvoice_triton.perf.gpu_report import RANDOM_LLM_NOTE, environment, progress_line, write_outputs
+from cosyvoice_triton.perf.report import results_dir
 from cosyvoice_triton.perf.stats import RequestResult, percentile
 from cosyvoice_triton.pipeline.audible import AudibleDetector
 from cosyvoice_triton.random_folder.write import write_random_model
@@ -53,10 +54,9 @@ from cosyvoice_triton.token2wav.scheduler import Token2WavScheduler
 from cosyvoice_triton.server.launcher import ServeOptions
 
 QUICK_RATIO = 3.0  # --quick: at most 3 speech tokens per text token, so the random LLM stops early
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-# ---- packages the GPU image lacks -------------------------------------------------------------------
+# ---- packages a GPU machine may lack ---------------------------------------------------------------
 
 class UnchangedText:
     """A text normalizer that leaves the text as written: the text preprocessor's normalizers where wetext is
@@ -68,7 +68,7 @@ class UnchangedText:
 
 def check_packages() -> tuple[tuple[UnchangedText, UnchangedText] | None, list[str]]:
     """(normalizers for the text preprocessor, None meaning wetext's; one report note per missing package).
-    The GPU image has neither wetext nor soundfile: the library imports wetext only to build its
+    A GPU container may have neither wetext nor soundfile: the library imports wetext only to build its
     normalizers and soundfile only to decode file bytes, which this benchmark never does (it passes
     prompt samples)."""
     normalizers, notes = None, []
@@ -316,8 +316,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
-    out = args.out or (Path(os.environ["OUT"]) / "gpu_bench" if os.environ.get("OUT")
-                       else RESULTS_DIR / time.strftime("gpu-%Y%m%d-%H%M%S"))
+    out = args.out or results_dir() / time.strftime("gpu-%Y%m%d-%H%M%S")
     model_dir, model_line = prepare_model(args)
     if args.model_dir is None:
         notes.append(RANDOM_LLM_NOTE)
@@ -365,7 +364,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cuda[:N], or cpu for a smoke run of the same code")
     p.add_argument("--size", choices=["tiny", "full"], default="full", help="random model folder to write")
     p.add_argument("--model-dir", type=Path, help="an existing model folder instead of a random one")
-    p.add_argument("--work-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "cosyvoice_gpu_bench",
+    p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "cosyvoice_gpu_bench",
                    help="where the random folder and exported graphs go (reused when present)")
     p.add_argument("--scenario", nargs="+", choices=scenarios.NAMES, default=["fast_clone"])
     p.add_argument("--concurrency", type=int, nargs="+", help="levels (default 1 4 16 64; --quick: 1 2)")
@@ -398,7 +397,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--time-budget-s", type=float, default=480.0,
                    help="seconds from the start (model writing included) after which no level or request "
                         "starts; a level estimated to end later is not started")
-    p.add_argument("--out", type=Path, help="report folder (default $OUT/gpu_bench, else perf/results/gpu-<time>)")
+    p.add_argument("--out", type=Path, help="report folder (default $COSYVOICE_PERF_RESULTS/gpu-<time>, "
+                                            "$COSYVOICE_PERF_RESULTS defaulting to perf/results)")
     args = p.parse_args(argv)
     args.concurrency = args.concurrency or ([1, 2] if args.quick else [1, 4, 16, 64])
     args.cuda_graphs = args.cuda_graphs or (["off"] if args.quick else ["off", "on"])

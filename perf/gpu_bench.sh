@@ -2,23 +2,21 @@
 # GPU benchmark of the in-process serving path (perf/gpu_bench.py): the LLM scheduler, the token2wav scheduler
 # and the pipeline of the cosyvoice2 model in one process, no tritonserver, N client threads per
 # concurrency level. Per level: first / second chunk and total latency percentiles, RTF, throughput,
-# errors; the targets marked met / not met.
+# errors; the report marks its targets met / not met (perf/gpu_report.py, TARGETS).
 #
+# On a machine with an NVIDIA GPU, from the repository root:
 #   bash perf/gpu_bench.sh [options of perf/gpu_bench.py]     e.g. --scenario fast_clone long_text
-#
-# Through the device tool, from the repository root:
-#   run(command="bash perf/gpu_bench.sh", timeout_s=600)          # add carry=["wheels"] when wheels/ exists
-# The report (report.md, results.json, one PNG per scenario) goes to $OUT/gpu_bench when OUT is set, else
-# to perf/results/gpu-<time>/, and report.md to stdout at the end. Without network access it installs
-# nothing from a registry:
+# The report (report.md, results.json, one PNG per scenario) goes to the folder given by --out, default
+# $COSYVOICE_PERF_RESULTS/gpu-<time>/ ($COSYVOICE_PERF_RESULTS defaults to perf/results/ of the checkout),
+# and report.md to stdout at the end. It installs nothing from a registry (perf/gpu_env.sh):
 #   - The Python that runs it (`python3`, or $PYTHON) must hold torch (with CUDA), onnx, onnxruntime,
-#     numpy, pyyaml, scipy, safetensors and tokenizers; matplotlib for the plots (the device image has
-#     them all). Without wetext (the image lacks it) the text is not normalized; soundfile is not needed
-#     (prompts are passed as samples). The report says which is missing.
-#   - tensorrt (for --engine tensorrt) and onnxruntime-gpu (--engine onnxruntime on CUDA) must be on the
-#     image or be carried as wheels in `wheels/` (see perf/gpu_check.sh); without them the token2wav
-#     engine falls back to torch with one line.
-#   - This project is installed from the working tree (editable, --no-index) when it is not importable.
+#     numpy, pyyaml, scipy, safetensors and tokenizers; matplotlib for the plots. Without wetext the text is
+#     not normalized; soundfile is not needed (prompts are passed as samples). The report says which is
+#     missing.
+#   - tensorrt (for --engine tensorrt) and onnxruntime-gpu (--engine onnxruntime on CUDA) must be installed
+#     or be put as wheels in `wheels/` (see perf/gpu_env.sh); without them the token2wav engine falls back to
+#     torch with one line.
+#   - This project is installed from the checkout (editable, --no-index) when it is not importable.
 # Time: writing the full-size random folder takes about a minute, then two warm-up requests and the levels
 # 1 4 16 64, for each variant: CUDA graphs off / on x LLM fp32 / bf16 (the served LLMScheduler and
 # Token2WavScheduler, built as the Triton models build them); --time-budget-s (default 480, from the start,

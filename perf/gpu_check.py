@@ -1,6 +1,6 @@
 """GPU check of the token2wav and CAM++ engines: parity with torch, then per-call times, as markdown.
 
-    bash perf/gpu_check.sh                      # on the GPU machine (the script's header says what it needs)
+    bash perf/gpu_check.sh                      # on a machine with an NVIDIA GPU (its header says what it needs)
     python -m cosyvoice_triton.perf.gpu_check --dry-run                         # folder + ONNX export only
     python -m cosyvoice_triton.perf.gpu_check --device cpu --size tiny --batches 1 --chunks 1 --iters 2
 
@@ -9,15 +9,16 @@ Steps: a random model folder (`--size full`, no backbone weights) -> ONNX export
 and cached in the work folder) -> parity of each engine with torch -> the median time of one call of the
 estimator (one Euler step on 2N rows), the whole 10-step loop, HiFT and CAM++ for N = 1, 4, 16 streams
 and 1 s / 4 s chunks. An engine that cannot run says why in its column and the check goes on. The report
-goes to stdout and, when OUT is set, to $OUT/gpu_check.md. TF32 is off everywhere: fp32 means fp32.
+goes to stdout and to `--out`, default $COSYVOICE_PERF_RESULTS/gpu-check-<time>.md (perf/results/ of the
+checkout when that is unset). TF32 is off everywhere: fp32 means fp32.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from cosyvoice_triton.engines.torch_runner import CudaGraphCall
 from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import ZeroNoise
+from cosyvoice_triton.perf.report import results_dir
 from cosyvoice_triton.random_folder.write import write_random_model
 
 MODULES = ("estimator step", "estimator 10-step loop", "HiFT", "CAM++")
@@ -290,7 +292,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cuda[:N], or cpu for a smoke run of the same code")
     p.add_argument("--size", choices=["tiny", "full"], default="full")
     p.add_argument("--model-dir", type=Path, help="an existing model folder instead of a random one")
-    p.add_argument("--work-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "cosyvoice_gpu_check")
+    p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "cosyvoice_gpu_check")
     p.add_argument("--dry-run", action="store_true", help="stop after the model folder and the ONNX export")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16],
                    help="streams per call (comma-separated)")
@@ -304,7 +306,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="mel length (prompt included) the TensorRT profiles cover; the largest of --batches "
                         "sets their streams")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--out", type=Path, help="also write the report here (default: $OUT/gpu_check.md if OUT is set)")
+    p.add_argument("--out", type=Path, help="also write the report here (default $COSYVOICE_PERF_RESULTS/"
+                                            "gpu-check-<time>.md, $COSYVOICE_PERF_RESULTS defaulting to perf/results)")
     return p.parse_args(argv)
 
 
@@ -312,10 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = run(args)
     print(report)
-    out = args.out or (Path(os.environ["OUT"]) / "gpu_check.md" if os.environ.get("OUT") else None)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(report)
+    out = args.out or results_dir() / time.strftime("gpu-check-%Y%m%d-%H%M%S.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report)
     return 0
 
 

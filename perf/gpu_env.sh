@@ -1,11 +1,13 @@
-# Sourced by perf/gpu_check.sh and perf/gpu_bench.sh: the Python that runs a GPU script, installing nothing
-# from a registry. Wheels in wheels/ (carried to the device machine) go into /tmp/cosyvoice_gpu_site ahead
-# of the image's packages; this project is installed from the working tree when it is not importable.
+# Sourced by perf/gpu_check.sh and perf/gpu_bench.sh: the Python that runs a GPU script ($PYTHON, default
+# python3), installing nothing from a registry. Wheels put in wheels/ at the repository root (for packages the
+# machine lacks, e.g. tensorrt or onnxruntime-gpu) are installed with `pip --no-index --no-deps` into
+# build/gpu-site/, ahead of the installed packages; this project is installed from the checkout (editable)
+# when it is not importable.
 PYTHON=${PYTHON:-python3}
 if compgen -G "wheels/*.whl" > /dev/null; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/cosyvoice_gpu_site wheels/*.whl
-    export PYTHONPATH=/tmp/cosyvoice_gpu_site${PYTHONPATH:+:$PYTHONPATH}
+        --target build/gpu-site wheels/*.whl
+    export PYTHONPATH=$PWD/build/gpu-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 if ! "$PYTHON" -c "import cosyvoice_triton.perf" 2> /dev/null; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e .

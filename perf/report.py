@@ -9,11 +9,18 @@ results.json with the levels of each variant, and one line per variant in `first
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import time
 from importlib import metadata
 from pathlib import Path
+
+
+def results_dir() -> Path:
+    """Where a GPU script's report goes without --out: $COSYVOICE_PERF_RESULTS, else perf/results/ of the
+    checkout (ignored by git)."""
+    return Path(os.environ.get("COSYVOICE_PERF_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 def cpu_name() -> str:

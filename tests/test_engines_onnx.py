@@ -337,11 +337,12 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, capsys):
 
 
 def test_gpu_check_script_dry_run(tmp_path):
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
+    env = {**os.environ, "PYTHON": sys.executable, "COSYVOICE_PERF_RESULTS": str(tmp_path / "out")}
     result = subprocess.run(["bash", str(REPO_ROOT / "perf" / "gpu_check.sh"), "--dry-run", "--size", "tiny",
                              "--work-dir", str(tmp_path / "work")], env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "dry run: stopped before loading any engine" in (tmp_path / "out" / "gpu_check.md").read_text()
+    (report,) = (tmp_path / "out").glob("gpu-check-*.md")  # the default report file under the results folder
+    assert "dry run: stopped before loading any engine" in report.read_text()
     assert sorted(p.name for p in (tmp_path / "work" / "onnx_tiny").glob("*.onnx")) == [
         "flow_encoder.onnx", "flow_estimator.onnx", "hift_decode.onnx"]
