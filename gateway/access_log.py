@@ -3,7 +3,8 @@
     access POST /v1/audio/speech 200 first_chunk_ms=412 first_audible_ms=430 audio_s=2.36 total_ms=1630
 
 method, the route as registered (`/v1/voices/{voice_id}`, never the query string: no keys, no ids from the
-URL), the status ("cancelled" when the client left, "aborted" when a stream was cut after its headers),
+URL), the status (request_keys.py: "cancelled" when the client left, "aborted" when we cut a failed stream
+after its headers; the same status the requests counter records, decided once per request),
 the milliseconds from accepting the request to its first audio byte and to the chunk holding its first
 audible sample (cosyvoice_triton/pipeline/audible.py; "-" when none was audible, or the route does not
 tell), the seconds of audio sent ("-" for requests without audio), and the time the request took.
@@ -11,7 +12,8 @@ Nothing from headers or bodies is logged.
 
 The routes report audio with `first_chunk(request, seconds)`, `first_audible(request, seconds)` and
 `audio_sent(request, seconds)`; the
-middleware writes the line when the handler ends (after the last byte of a streamed answer). The lines go
+reporting middleware (app.py `report_middleware`) opens the record (`begin`) and writes the line (`write`)
+when the handler ends (after the last byte of a streamed answer). The lines go
 to the logger `cosyvoice_triton.gateway.access`, which gets its own stderr handler at INFO
 (`enable_access_log`), so they show whatever level the rest of the logs have.
 """
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from .request_keys import _request_key, handle_and_report
+from .request_keys import _request_key
 
 ACCESS_LOGGER = "cosyvoice_triton.gateway.access"
 log = logging.getLogger(ACCESS_LOGGER)
@@ -72,15 +74,16 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
-@web.middleware
-async def access_log_middleware(request: web.Request, handler):
-    record = AccessRecord(started=time.monotonic())
-    request[ACCESS] = record
+def begin(request: web.Request) -> None:
+    """Open the access record of a request just accepted."""
+    request[ACCESS] = AccessRecord(started=time.monotonic())
 
-    def write(route: str, status: str) -> None:
+
+def write(request: web.Request, route: str, status: str) -> None:
+    """The request's access line, with the status decided for it (request_keys.handle_and_report)."""
+    record = request.get(ACCESS)
+    if record is not None:
         log.info("%s", access_line(request.method, route, status, record, time.monotonic()))
-
-    return await handle_and_report(request, handler, write)
 
 
 def enable_access_log() -> None:

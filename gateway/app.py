@@ -40,8 +40,8 @@ from cosyvoice_triton.random_folder.marker import NOTE as RANDOM_NOTE, is_random
 from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.targets import Resolver, resolve_ips
 
-from . import admission, routes_kserve, routes_official, routes_openai, routes_tts, routes_vc, routes_voices, routes_ws
-from .access_log import access_log_middleware, enable_access_log
+from . import (access_log, admission, routes_kserve, routes_official, routes_openai, routes_tts, routes_vc, routes_voices,
+               routes_ws)
 from .auth import ApiKeys, RateLimiter, StreamLimiter, auth_middleware
 from .config import GatewayConfig
 from .default_voice import DefaultVoice
@@ -83,11 +83,11 @@ def create_app(config: GatewayConfig, *, resolve: Resolver = resolve_ips) -> web
     keys = ApiKeys(keys=config.api_keys, admin=config.admin_keys)
     requests_rate = RateLimiter(limits.requests_per_second, 1.0, limits.request_burst, "requests")
     drain = Drain()  # refuses new requests once begun (gateway/drain.py)
-    middlewares = [metrics_middleware, error_middleware, auth_middleware(keys, requests_rate), drain.middleware,
-                   admission.queue_place_middleware]
+    # outermost: records the status the error middleware chose
+    middlewares = [report_middleware(config.access_log), error_middleware, auth_middleware(keys, requests_rate),
+                   drain.middleware, admission.queue_place_middleware]
     if config.access_log:
-        enable_access_log()
-        middlewares.insert(0, access_log_middleware)  # outermost: sees the status the error middleware chose
+        access_log.enable_access_log()
     app = web.Application(client_max_size=body_limit(limits.max_upload_bytes), middlewares=middlewares)
     app[CONFIG] = config
     app[DRAIN] = drain
@@ -188,16 +188,26 @@ async def _default_voice(app: web.Application):
 
 # ---- middleware and plain routes --------------------------------------------------------------------------
 
-@web.middleware
-async def metrics_middleware(request: web.Request, handler):
-    def count(route: str, status: str) -> None:
-        metrics_ = request.app.get(METRICS)
-        if metrics_ is not None:
-            metrics_.requests.labels(route, status).inc()
-            if request.get(ERROR_CODE):
-                metrics_.errors.labels(request[ERROR_CODE]).inc()
+def report_middleware(access_lines: bool = True):
+    """How each request ended, decided once (request_keys.handle_and_report), counted in
+    cosyvoice_gateway_requests_total and written in its access line (`access_lines`): the two never disagree."""
 
-    return await handle_and_report(request, handler, count)
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if access_lines:
+            access_log.begin(request)
+
+        def report(route: str, status: str) -> None:
+            metrics_ = request.app.get(METRICS)
+            if metrics_ is not None:
+                metrics_.requests.labels(route, status).inc()
+                if request.get(ERROR_CODE):
+                    metrics_.errors.labels(request[ERROR_CODE]).inc()
+            access_log.write(request, route, status)
+
+        return await handle_and_report(request, handler, report)
+
+    return middleware
 
 
 async def healthz(request: web.Request) -> web.Response:

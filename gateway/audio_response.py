@@ -34,7 +34,7 @@ from cosyvoice_triton.pipeline.speech_marks import MarkList, mark_message
 from . import access_log
 from .errors import GatewayError
 from .fields import Fields
-from .request_keys import ABORTED
+from .request_keys import ABORTED, client_left
 from .state import CONFIG, METRICS
 from .synthesis import WireRequest, stream_audio, whole_answer
 
@@ -142,14 +142,21 @@ async def send_audio(request: web.Request, inputs: WireRequest, cost: float, fie
         response = web.StreamResponse(headers={**headers, "Cache-Control": "no-store"})
         if body.chunked:
             response.enable_chunked_encoding()
-        await response.prepare(request)
-        return await _write_stream(request, response, first, chunks, fmt, route, body, request_id, accepted)
+        try:
+            await response.prepare(request)
+            return await _write_stream(request, response, first, chunks, fmt, route, body, request_id, accepted)
+        except ConnectionError:
+            if request.transport is not None and not request.transport.is_closing():
+                raise  # not from a write to a closing connection
+            client_left(request)  # a write failed because the client went away
+            return response
 
 
 async def _write_stream(request: web.Request, response: web.StreamResponse, first: np.ndarray | dict | None,
                         chunks: AsyncIterator[np.ndarray | dict], fmt: AudioFormat, route: str, body: AudioBytes,
                         request_id: str, accepted: float) -> web.StreamResponse:
-    """The one encode loop: each chunk fed to the encoder, what it gives written as `body` says."""
+    """The one encode loop: each chunk fed to the encoder, what it gives written as `body` says. A write that
+    fails because the client went away raises ConnectionError (`send_audio` counts it as the client's leaving)."""
     metrics, config = request.app[METRICS], request.app[CONFIG]
     rate = config.sample_rate
     samples = 0
@@ -172,18 +179,16 @@ async def _write_stream(request: web.Request, response: web.StreamResponse, firs
             observe_first_audible(request, route, audible.at - accepted)
         await body.write(response, encoder.finish())
         await body.finish(response)
+        await response.write_eof()
     except GatewayError as exc:
         metrics.errors.labels(exc.code).inc()
         log.warning("request %s: stream failed after %.2f s of audio: %s", request_id, samples / rate, exc)
         return await body.fail(request, response, exc)
-    except ConnectionError:  # the client went away while we wrote
-        return abort(request, response)
     finally:
         encoder.close()
         metrics.active_streams.labels(route).dec()
         metrics.audio_seconds.labels(route).inc(samples / rate)
         access_log.audio_sent(request, samples / rate)
-    await response.write_eof()
     return response
 
 
@@ -209,8 +214,8 @@ def observe_first_audible(request: web.Request, route: str, seconds: float) -> N
 
 
 def abort(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
-    """Cut the connection of a response whose headers went out, so that the client sees an incomplete
-    chunked body rather than a short success (aiohttp then skips the end of the body quietly)."""
+    """Cut the connection of a response that failed after its headers went out, so that the client sees an
+    incomplete chunked body rather than a short success (aiohttp then skips the end of the body quietly)."""
     request[ABORTED] = True
     if request.transport is not None:
         request.transport.abort()

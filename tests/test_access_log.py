@@ -11,6 +11,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from cosyvoice_triton.gateway import access_log
+from cosyvoice_triton.gateway.app import report_middleware
 from cosyvoice_triton.gateway.errors import BadRequest, error_middleware
 
 
@@ -42,7 +43,7 @@ def lines_of(requests) -> list[str]:
     logger.setLevel(logging.INFO)
 
     async def run():
-        app = web.Application(middlewares=[access_log.access_log_middleware, error_middleware])
+        app = web.Application(middlewares=[report_middleware(), error_middleware])
         app.router.add_post("/v1/speak", speak)
         app.router.add_get("/v1/voices/{voice_id}", refuse)
         async with TestClient(TestServer(app)) as client:
