@@ -7,7 +7,9 @@ compiled, interleaved in the same process, and reports medians:
 - llm: one decode step of `--rows` rows at position `--position`;
 - hift: one vocoder call over `--frames` mel frames.
 
-    python -m cosyvoice_triton.perf.compile_bench --model-dir /work/full_model --threads 2 --repeats 7
+    python -m cosyvoice_triton.perf.compile_bench --model-dir FULL_MODEL --threads 2 --repeats 7
+
+(FULL_MODEL: a model folder, e.g. one written by `cosyvoice-triton export --size full`.)
 """
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
 """torch vs ONNX Runtime (CPU) vs OpenVINO on this machine: per-call times of the flow encoder, the flow
 estimator, HiFT's decode and CAM++, then the whole in-process pipeline's first chunk and RTF.
 
-    python -m cosyvoice_triton.perf.engine_compare --model-dir /tmp/full [--rounds 7] [--e2e-rounds 2]
+    python -m cosyvoice_triton.perf.engine_compare --model-dir FULL_MODEL [--rounds 7] [--e2e-rounds 2]
         [--seconds 3] [--ort-openvino-python VENV/bin/python] [--out report.md]
 
 Interleaved: each round calls every engine once (A, B, C, A, B, C, ...), so the load of other processes
 falls on all of them alike; the tables give medians, ratios to torch (> 1: faster than torch), the load
 average before and after, and each engine's error against torch on the same inputs (max abs and SNR in
-dB). CAM++ ships as ONNX only: its reference is ONNX Runtime on the CPU.
+dB). CAM++ ships as ONNX only: its reference is ONNX Runtime on the CPU. FULL_MODEL: a model folder, e.g. one
+written by `cosyvoice-triton export --size full --no-backbone-weights`.
 
 `--ort-openvino-python`: a Python whose onnxruntime is the `onnxruntime-openvino` wheel (it replaces the
 `onnxruntime` module, so it lives in an environment of its own). It runs the same graphs on ONNX Runtime's

@@ -1,6 +1,6 @@
-"""Flow seconds per streaming chunk with and without the per-stream flow cache (issue 12's flow section).
+"""Flow seconds per streaming chunk with and without the per-stream flow cache (models/flow_cache.py).
 
-One stream on a model folder (the full-size random folder by default): a random 75-token prompt, 250 random
+One stream on a model folder (FULL_MODEL: e.g. one written by `cosyvoice-triton export --size full`): a random 75-token prompt, 250 random
 speech tokens cut into 28 / 50 / 100 / rest chunks (the 3 look-ahead tokens inside each), HiFT noise zeroed.
 Three modes run one after the other, `--rounds` times (interleaved): the flow cache off, on (the final chunk
 one full-attention pass, the default) and on with the cached streaming final chunk. Prints a markdown table
@@ -11,8 +11,8 @@ With `--prompt-cache`: the first flow call of a new stream of a voice seen befor
 kept frames (models/prompt_cache.py) against the same call with the prompt cache off, interleaved, median of
 `--rounds`; prints the seconds, the memory per voice and the mel difference.
 
-    python -m cosyvoice_triton.perf.flow_cache_bench --model-dir /work/full_model/full --threads 2
-    python -m cosyvoice_triton.perf.flow_cache_bench --model-dir /work/full_model/full --threads 2 --prompt-cache --rounds 3
+    python -m cosyvoice_triton.perf.flow_cache_bench --model-dir FULL_MODEL --threads 2
+    python -m cosyvoice_triton.perf.flow_cache_bench --model-dir FULL_MODEL --threads 2 --prompt-cache --rounds 3
 """
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def run_stream(token2wav: TimedToken2Wav, prompt: FlowPrompt, tokens: list[int])
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", default="/work/full_model/full")
+    parser.add_argument("--model-dir", required=True,
+                        help="model folder, e.g. one written by `cosyvoice-triton export --size full`")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=75)

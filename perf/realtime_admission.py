@@ -1,5 +1,5 @@
 """Bursts of concurrent streams against a running service: which start, wait or are refused, and whether any
-admitted stream's listener stalls (issue 25's check of admission in real-time units).
+admitted stream's listener stalls (admission in real-time units: docs/operations/overload.md).
 
 ```
 cosyvoice-triton up --model-dir TINY --port 8080 --triton-grpc-port 8001 &     # or --frontends 2 --backends 1
