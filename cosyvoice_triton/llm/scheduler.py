@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 5.0  # LLMStats.tokens_per_s averages over this many seconds
 # A stream nobody listens to yet (a first sentence) waits for a slot as if its listener had this much audio
-# left: a later sentence of a stream that plays, with less lead, gets the next free slot first (issue 25).
+# left: a later sentence of a stream that plays, with less lead, gets the next free slot first.
 NEW_STREAM_LEAD_S = 2.0
 
 

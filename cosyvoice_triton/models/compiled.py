@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 COMPILE_SETTINGS = ("off", "auto", "on")
 COMPILED_MODULES = ("llm", "flow", "hift")
 # auto: the modules whose compiled blocks measured faster per call than eager on this device kind
-# (perf/RESULTS.md, "Compiled hot loops (issue 24)"). On CPUs HiFT only: its residual blocks fuse the Snake
+# (perf/RESULTS.md, "Compiled hot loops"). On CPUs HiFT only: its residual blocks fuse the Snake
 # activations around the convolutions (1.1-1.5x a call); the flow estimator's and the LLM's steps are bound
 # by their matrix products and measured no faster (0.7-1.1x, noise included). GPUs: not measured yet, so nothing.
 AUTO_MODULES: dict[str, frozenset[str]] = {"cpu": frozenset({"hift"}), "cuda": frozenset()}

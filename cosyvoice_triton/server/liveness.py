@@ -1,6 +1,6 @@
 """Whether a running tritonserver still answers: probes for `up`'s supervisor (server/supervisor.py).
 
-A server can run and yet be stuck: a deadlock inside a Python-backend stub (issue 25; the one found is
+A server can run and yet be stuck: a deadlock inside a Python-backend stub (the one found is
 avoided, triton/grpc_llm.py) leaves the process alive while every stream in it waits forever. `Liveness`
 probes the server's Python models that hold streams with requests each answers in `execute` at once,
 without a worker, the LLM's slots or the flow, and counted nowhere: `cosyvoice2` gets an empty bistream

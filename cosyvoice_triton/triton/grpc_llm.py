@@ -1,8 +1,8 @@
 """The `llm` model over its own server's gRPC endpoint: `cosyvoice2`'s LLM stage (`LLMStage`).
 
 Why not BLS. Triton 2.51's Python backend can deadlock a model that reads decoupled BLS streams on several
-threads, as `cosyvoice2`'s workers do (seen about once in 15 runs of the 64-stream load test; stacks of
-the hung stub in the note of issue 25). Three threads of the caller's stub and three locks make a cycle:
+threads, as `cosyvoice2`'s workers do (seen about once in 15 runs of the 64-stream load test, read from
+the hung stub's thread stacks). Three threads of the caller's stub and three locks make a cycle:
 
 1. a worker in `ResponseIterator.Next()` is woken by a token response and takes the GIL back while it
    still holds that iterator's lock;
