@@ -43,7 +43,8 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--triton", default=None, metavar="grpc://HOST:PORT",
                    help="talk to a Triton server's gRPC endpoint directly instead of the gateway")
     p.add_argument("--api-key", default=os.environ.get("COSYVOICE_API_KEY"), help="gateway API key")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="give up on a request after S seconds (default %(default)g)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, helptext in (("show", _voices_show, "show one voice"),
                                  ("delete", _voices_delete, "delete a voice")):
         q = vsub.add_parser(name, help=helptext)
-        q.add_argument("voice_id")
+        q.add_argument("voice_id", help="the voice's id")
         _add_target(q)
         q.set_defaults(func=func)
     return parser

@@ -1,4 +1,6 @@
-"""`cosyvoice-triton`: export random model folders, synthesize, serve (and the tools' commands: up, bench)."""
+"""`cosyvoice-triton`: serve CosyVoice2 on Triton (`up`: tritonserver and the gateway; `serve`: tritonserver
+alone), synthesize offline, export random model folders, fine-tune, import voices, and benchmark (`bench`,
+`bench-official`)."""
 from __future__ import annotations
 
 import argparse
@@ -9,19 +11,22 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import __version__
 from .errors import CosyVoiceError
 
 if TYPE_CHECKING:
     from .server.launcher import ServeOptions
 
 COMMANDS_GROUP = "cosyvoice_triton.commands"  # entry points: name = "module:add_command"
+SERVE_EXTRA = "pip install 'cosyvoice-triton[serve]'"  # what a client-only install lacks for these commands
 
 
 def _add_export(sub) -> None:
     p = sub.add_parser("export", help="write a model folder with random weights in the released layout")
-    p.add_argument("--size", choices=["tiny", "full"], default="tiny")
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=["tiny", "full"], default="tiny",
+                   help="tiny (seconds to make; the tests' size) or full (the released model's shapes, for benchmarks)")
+    p.add_argument("--out", required=True, type=Path, help="the folder to write (new, or empty)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default %(default)s)")
     p.add_argument("--no-backbone-weights", action="store_true",
                    help="skip CosyVoice-BlankEN/model.safetensors (not needed by this stack; 1 GB at full size)")
     p.set_defaults(func=_run_export)
@@ -42,12 +47,15 @@ def _add_synth(sub) -> None:
                    help="the prompt recording (wav, flac, ogg); --prompt-wav is its older name")
     p.add_argument("--prompt-text", default="", help="transcript of the prompt audio (zero_shot mode)")
     p.add_argument("--text", required=True, help="text to speak")
-    p.add_argument("--mode", default="zero_shot", choices=["zero_shot", "cross_lingual", "instruct2"])
+    p.add_argument("--mode", default="zero_shot", choices=["zero_shot", "cross_lingual", "instruct2"],
+                   help="zero_shot (default: needs --prompt-text), cross_lingual (no transcript) or instruct2 "
+                        "(with --instruct)")
     p.add_argument("--instruct", default="", help="style instruction (instruct2 mode)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed, the same audio "
+                                                           "(default: a random one)")
     p.add_argument("--stream", action="store_true", help="stream: write chunks as they come, print their times")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda[:N]")
+    p.add_argument("--out", required=True, type=Path, help="the wav file to write (24 kHz, float32)")
     p.set_defaults(func=_run_synth)
 
 
@@ -104,9 +112,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default="127.0.0.1",
                    help="address tritonserver listens on (default loopback: Triton has no keys or limits, so "
                         "clients go through the gateway; 0.0.0.0 only on a private network)")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--http-port", type=int, default=8000, help="Triton's HTTP/REST port (default %(default)s)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="Triton's gRPC port (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=8002,
+                   help="Triton's Prometheus metrics port (default %(default)s)")
     p.add_argument("--device", default="cpu",
                    help="torch device of llm and token2wav: cpu, cuda[:N], or xpu, npu, mps, hpu where torch and its "
                         "plugin support them (checked at start)")
@@ -251,7 +260,7 @@ def _add_voices(sub) -> None:
     commands = p.add_subparsers(dest="voices_command", required=True)
     imp = commands.add_parser("import", help="store the speakers of an official spk2info.pt (add_zero_shot_spk + "
                                              "save_spkinfo) as voices named by their speaker ids")
-    imp.add_argument("spk2info", type=Path)
+    imp.add_argument("spk2info", type=Path, help="the spk2info.pt file the official code saved")
     imp.add_argument("--model-dir", type=Path, required=True,
                      help="the model folder whose tokenizer decodes the saved prompt transcripts")
     imp.add_argument("--voice-store", default=None,
@@ -293,7 +302,9 @@ def _add_tool_commands(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cosyvoice-triton", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the version and exit")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (default: warnings only)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_export(sub)
     _add_synth(sub)
@@ -305,7 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except ModuleNotFoundError as exc:  # a client-only install: the SDK's packages, not the server's
+        return _without_server_packages(exc, sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -313,6 +328,17 @@ def main(argv: list[str] | None = None) -> int:
     except CosyVoiceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _without_server_packages(exc: ModuleNotFoundError, argv: list[str]) -> int:
+    """The commands' flags are read from the server's modules (torch and the rest), which a client-only
+    install (`pip install '.[client]'`) does not have: say which extra brings them; --version still answers."""
+    if "--version" in argv:
+        print(f"cosyvoice-triton {__version__}")
+        return 0
+    print(f"cosyvoice-triton: its commands need the server's packages ({exc.name} is not installed): "
+          f"{SERVE_EXTRA}, or from a clone `pip install '.[serve]'`", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -16,13 +16,18 @@ from .config import add_gateway_arguments, config_from_args
 from .drain import DRAIN_TIMEOUT_S
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cosyvoice_triton.gateway", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (default: warnings only)")
     parser.add_argument("--model-dir", default=None, help="model folder whose tokenizer prices requests (optional)")
     parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="S",
                         help="on SIGTERM / Ctrl-C, how long requests in flight may take to finish")
     add_gateway_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -55,7 +55,9 @@ def add_command(sub) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=scenarios.NAMES, default="fast_clone")
+    p.add_argument("--scenario", choices=scenarios.NAMES, default="fast_clone",
+                   help="the request shape: fast_clone (default: a short text and prompt), cross_lingual or "
+                        "long_text (perf/scenarios.py)")
     p.add_argument("--concurrency", type=int, nargs="+", default=None, help="levels (default 1 2 4 8 16)")
     p.add_argument("--requests", type=int, default=None, help="requests per level (default 16)")
     target = p.add_mutually_exclusive_group()

@@ -504,7 +504,7 @@ def ours_alone(args) -> dict:
 
 def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
     """The setting our side runs in (also perf/stream_profile.py's): folder, token counts, threads, precision."""
-    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--model-dir", required=True, help="the model folder both sides load")
     parser.add_argument("--speech-tokens", type=int, default=250, help="exactly N speech tokens per stream")
     parser.add_argument("--text-tokens", type=int, default=40, help="at least T text tokens")
     parser.add_argument("--prompt-tokens", type=int, default=75, help="a prompt of P speech tokens")
@@ -522,8 +522,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--official-src", type=Path, help="checkout of the official repository (with "
                                                           "third_party/Matcha-TTS); without it, our side alone")
     parser.add_argument("--official-venv", type=Path, help="its virtualenv (default: made under a temp folder)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4],
+                        help="streams at once, one run per level (default 1 4)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="rounds; each runs every level on every side, interleaved (default 2)")
     parser.add_argument("--decode-ahead", default="on", choices=["on", "off", "both"],
                         help="our pipeline's LLM decodes while token2wav runs (on), waits for it (off), or both, "
                              "interleaved (our side alone)")
@@ -539,7 +541,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="our side alone: also time a running tritonserver of the same folder over gRPC "
                              "(started with python -m cosyvoice_triton.perf.exact_length --exact-speech-tokens N), "
                              "interleaved with in-process")
-    parser.add_argument("--out", default="bench_official_out")
+    parser.add_argument("--out", default="bench_official_out",
+                        help="folder of the report and the raw timings (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="our side alone: print its JSON on one line")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--write-inputs", type=Path, help=argparse.SUPPRESS)

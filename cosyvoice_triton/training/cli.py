@@ -15,8 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="new model folder; its finetune/ subfolder keeps features, checkpoints and logs")
     p.add_argument("--part", choices=PARTS, default="llm", help="which model to train (default: llm)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (merged into the weights at the end)")
-    p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--lora-alpha", type=int, default=32)
+    p.add_argument("--lora-rank", type=int, default=16, help="with --lora: the adapters' rank (default %(default)s)")
+    p.add_argument("--lora-alpha", type=int, default=32,
+                   help="with --lora: the adapters' scale numerator, alpha / rank (default %(default)s)")
     p.add_argument("--max-steps", type=int, default=2000, help="optimizer steps in all (a resumed run included)")
     p.add_argument("--batch-size", type=int, default=16, help="recordings per batch, at most")
     p.add_argument("--max-tokens", type=int, default=0,
@@ -35,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="auto: bf16 autocast on GPUs that support it, else fp32")
     p.add_argument("--log-dir", type=Path, default=None, help="TensorBoard folder (default OUT/finetune/tensorboard)")
-    p.add_argument("--seed", type=int, default=1986)
+    p.add_argument("--seed", type=int, default=1986,
+                   help="seed of the batch order and the training's random draws (default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
