@@ -4,7 +4,7 @@ pipeline.
 
 On the tiny golden folder. Tolerances (max abs difference from eager, fp32): the compiled blocks reorder float
 sums (fused norms and activations), so they are close, not bit-equal. Compilation is slow on 2 cores: each
-test compiles a few small graphs, and inductor's cache goes to a folder of this session.
+test compiles a few small graphs, and inductor's cache goes to a folder of this test run.
 """
 from __future__ import annotations
 

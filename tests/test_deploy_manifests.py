@@ -123,7 +123,7 @@ def test_dashboard_metrics_are_exported():
             unknown = names - exported
             assert not unknown, f"panel {panel['title']!r} queries metrics nobody exports: {sorted(unknown)}"
             used |= names
-    # what the brief asks the dashboard to show
+    # what the dashboard must show (deploy/README.md, "dashboard")
     for needed in ("nv_inference_request_success", "cosyvoice_first_chunk_latency_seconds_bucket",
                    "cosyvoice_gateway_first_chunk_seconds_bucket", "cosyvoice_llm_queued",
                    "nv_inference_pending_request_count", "cosyvoice_active_streams", "nv_gpu_utilization"):

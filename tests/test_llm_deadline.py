@@ -1,4 +1,4 @@
-"""Admitted streams are kept ahead (issue 25): a free LLM slot goes to the sentence whose listener has the least
+"""Admitted streams are kept ahead: a free LLM slot goes to the sentence whose listener has the least
 audio left, before new streams, and the lead travels from the pipeline to the `llm` model.
 
 - the scheduler, one slot busy: a later sentence with 0.1 s of lead left is admitted before a new stream

@@ -492,7 +492,7 @@ def test_64_mixed_streams_every_5th_cancelled_complete_as_alone_or_are_refused_a
 
 
 # A soak, off by default: `COSYVOICE_LOAD_RUNS=30 ./run.sh test tests/test_load.py -k soak` runs the 64 mixed
-# streams that many times on one server (issue 25: Triton 2.51's decoupled BLS deadlock, triton/grpc_llm.py).
+# streams that many times on one server (Triton 2.51's decoupled BLS deadlock: triton/grpc_llm.py).
 SOAK_RUNS = int(os.environ.get("COSYVOICE_LOAD_RUNS", "0"))
 
 

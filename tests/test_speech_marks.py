@@ -1,4 +1,4 @@
-"""Speech marks (issue 27 section 2; pipeline/speech_marks.py, docs/api/speech-marks.md): sentence, <mark> and
+"""Speech marks (pipeline/speech_marks.py, docs/api/speech-marks.md): sentence, <mark> and
 <break> times in the output audio and spans in the request text, on every route.
 
 Library: spans of plain text and SSML, marks that tile the audio, before the audio they describe, audio unchanged.

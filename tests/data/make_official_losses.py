@@ -1,9 +1,10 @@
 """Write tests/data/official_losses.npz: training losses of the official CosyVoice2 code on fixed batches.
 
-Run with the official code's virtualenv (never imported by the test suite):
+Run with the official code's virtualenv, OFFICIAL_VENV, and its checkout, OFFICIAL_CHECKOUT (never imported by
+the test suite):
 
-    /work/official/venv/bin/python tests/data/make_official_losses.py \
-        --official /work/official/CosyVoice --model-dir tests/golden/tiny/model --out tests/data/official_losses.npz
+    OFFICIAL_VENV/bin/python tests/data/make_official_losses.py \
+        --official OFFICIAL_CHECKOUT --model-dir tests/golden/tiny/model --out tests/data/official_losses.npz
 
 It builds `llm` and `flow` from the tiny golden `cosyvoice2.yaml` with hyperpyyaml (as the official
 `CosyVoice2` class does), loads `llm.pt` / `flow.pt` strictly, puts both in eval mode (no dropout) and
