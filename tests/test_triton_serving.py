@@ -269,7 +269,7 @@ def test_concurrent_streams_equal_their_solo_runs_and_cancelled_ones_free_their_
 # ---- custom metrics ---------------------------------------------------------------------------------
 
 def test_custom_metrics_move_with_requests(cv_server):
-    """Every custom metric of the models (docs/operations/metrics.md), on the metrics port: a voice registered, two syntheses by its
+    """Every custom metric the models export, on the metrics port: a voice registered, two syntheses by its
     id (the first loads it from the store, the second is an LRU hit) and one by an unknown id (a miss)."""
     voice_id = register(cv_server, prompt_wav(7), PROMPT_TEXT)  # a voice no test has synthesized with
     labels = {"model": "cosyvoice2"}
