@@ -36,6 +36,7 @@ from typing import TextIO
 
 from aiohttp import web
 
+from cosyvoice_triton import __version__
 from cosyvoice_triton.random_folder.marker import NOTE as RANDOM_NOTE, is_random
 from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.targets import Resolver, resolve_ips
@@ -234,7 +235,7 @@ async def readyz(request: web.Request) -> web.Response:
                *([] if voice.settled else ["the default voice"]), *([] if store_error is None else ["the voice store"]),
                *(w for waits, _ in extra for w in waits)]
     body = {"status": "ready" if ready else "starting", "waiting_for": [] if ready else waiting, "ready": ready,
-            "servers": servers, "default_voice": voice.state,
+            "version": __version__, "servers": servers, "default_voice": voice.state,
             "voice_store": "ok" if store_error is None else "unavailable",
             "precision": {b.name: b.precision for b in router.servers if b.precision},
             "capacity": capacity_view(router.servers)}
@@ -271,7 +272,8 @@ async def index(request: web.Request) -> web.StreamResponse:
     if page.is_file():
         return web.FileResponse(page)
     return web.json_response({"service": "cosyvoice-triton gateway", "endpoints": [
-        "POST /v1/tts", "GET /v1/tts/ws (WebSocket)", "POST /v1/audio/speech", "POST /v1/voices", "GET /v1/voices",
+        "POST /v1/tts", "GET /v1/tts/ws (WebSocket)", "POST /v1/audio/speech", "GET /v1/models", "POST /v1/voices",
+        "GET /v1/voices",
         "GET /v1/voices/{id}", "DELETE /v1/voices/{id}", "GET /healthz", "GET /readyz", "GET /metrics",
         "GET|POST /inference_{sft,zero_shot,cross_lingual,instruct,instruct2}",
         "POST /v2/models/{cosyvoice2,cosyvoice2_offline}/infer (KServe v2 JSON)"]})

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from cosyvoice_triton import __version__
+
 from .audio_response import AUDIO_BYTES, AudioEvents, send_audio
 from .auth import limit_key
 from .fields import OPENAI_FIELDS
@@ -43,5 +45,14 @@ async def speech(request: web.Request) -> web.StreamResponse:
                                 speech.format, speech.stream or speech.events, route="openai", body=body)
 
 
+async def models(request: web.Request) -> web.Response:
+    """GET /v1/models: OpenAI's model list. `model` may name anything; listed is the model the gateway
+    synthesizes with, and the version of this service (`version`, also on /readyz)."""
+    model = {"id": request.app[CONFIG].synthesis_model, "object": "model", "created": 0,
+             "owned_by": "cosyvoice-triton", "version": __version__}
+    return web.json_response({"object": "list", "data": [model], "version": __version__})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/audio/speech", speech)
+    app.router.add_get("/v1/models", models)
