@@ -1,4 +1,4 @@
-"""Read the released `cosyvoice2.yaml` without executing it.
+"""Read the released `cosyvoice2.yaml` / `cosyvoice3.yaml` without executing it.
 
 The official yaml is written for hyperpyyaml: `!new:pkg.Class` builds objects, `!ref <key>` points at
 other keys and `!apply:fn` calls functions. We never instantiate anything named in a config file; we
@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from cosyvoice_triton.errors import ModelFolderError
+from cosyvoice_triton.family import FAMILIES, ModelFamily, family_of
 
 TAG_KEY = "__tag__"
 
@@ -98,13 +101,17 @@ def read_qwen_config(model_dir: str | Path) -> dict:
 
 @dataclass(frozen=True)
 class ModelPaths:
-    """The files of a released CosyVoice2 folder."""
+    """The files of a released model folder; the yaml it holds names its family (`family.family_of`)."""
 
     root: Path
 
     @property
+    def family(self) -> ModelFamily:
+        return family_of(self.root)
+
+    @property
     def yaml(self) -> Path:
-        return self.root / "cosyvoice2.yaml"
+        return self.root / self.family.yaml_file
 
     @property
     def llm(self) -> Path:
@@ -124,13 +131,21 @@ class ModelPaths:
 
     @property
     def speech_tokenizer(self) -> Path:
-        return self.root / "speech_tokenizer_v2.onnx"
+        return self.root / self.family.speech_tokenizer_file
 
     @property
     def qwen_dir(self) -> Path:
         return self.root / "CosyVoice-BlankEN"
 
     def missing(self) -> list[str]:
-        wanted = [self.yaml, self.llm, self.flow, self.hift, self.campplus, self.speech_tokenizer,
-                  self.qwen_dir / "config.json"]
+        """The files the folder lacks (relative names); without a family yaml, the yaml names come first."""
+        try:
+            family_files = [self.yaml, self.speech_tokenizer]
+        except ModelFolderError:
+            return [" or ".join(f.yaml_file for f in FAMILIES)] + [
+                str(p.relative_to(self.root)) for p in self._common_files() if not p.exists()]
+        wanted = [family_files[0], *self._common_files(), family_files[1]]
         return [str(p.relative_to(self.root)) for p in wanted if not p.exists()]
+
+    def _common_files(self) -> list[Path]:
+        return [self.llm, self.flow, self.hift, self.campplus, self.qwen_dir / "config.json"]

@@ -25,8 +25,8 @@ def generate(llm: SpeechLM, text_token: Tensor, prompt_text_token: Tensor, promp
 
     Token tensors are (1, N) ids as `SpeechLM.build_prompt` takes them. Decoding stops before a stop
     token (which is not yielded), after max_len tokens, or when the cache is full. While fewer than
-    min_len tokens have been decoded, EOS gets log-prob -inf before sampling (the other stop tokens stay
-    allowed, as in the official code). `sampler` defaults to RAS with `sampling` (the yaml's values
+    min_len tokens have been decoded, `config.min_len_masked_token` gets log-prob -inf before sampling (the
+    other stop tokens stay allowed, as in the official torch code: EOS in CosyVoice2, SOS in CosyVoice3). `sampler` defaults to RAS with `sampling` (the yaml's values
     when None); `generator` defaults to one seeded with `sampling.seed` (on the CPU: see `sampling`).
     Each step attends over the used cache prefix, rounded up to a `kv_bucket`.
     """
@@ -53,7 +53,7 @@ def generate(llm: SpeechLM, text_token: Tensor, prompt_text_token: Tensor, promp
         kv_len = kv_bucket(prompt_len + len(decoded), llm.max_seq_len)  # positions in use after this step
         logp = llm.step_logits(x, input_pos, slots, kv_len)[0].log_softmax(dim=-1)  # (V,)
         if len(decoded) < min_len:
-            logp[config.eos_token] = -float("inf")
+            logp[config.min_len_masked_token] = -float("inf")
         token = sampler(logp, decoded, generator)
         if token in config.stop_tokens:
             return

@@ -1,10 +1,12 @@
-"""CosyVoice2 flow model: speech tokens (25 Hz) -> 80-bin mel (50 Hz) by conditional flow matching.
+"""The flow model: speech tokens (25 Hz) -> 80-bin mel (50 Hz) by conditional flow matching.
 
-`FlowModel` loads `flow.pt` with the released parameter names and reproduces the official
-`CausalMaskedDiffWithXvec.inference`, extended to batches of right-padded rows (the server batches chunks
-of many streams into one call). Per row: prompt tokens ++ new tokens are embedded and encoded to `mu`;
-the prompt mel conditions its own frames; 10 Euler steps from fixed noise with classifier-free guidance
-produce the mel, and the prompt frames are cut off.
+`TokenToMel` is what both families share, extended to batches of right-padded rows (the server batches
+chunks of many streams into one call). Per row: prompt tokens ++ new tokens are embedded and encoded to
+`mu` (the family's part: `encode`); the prompt mel conditions its own frames; 10 Euler steps from fixed
+noise with classifier-free guidance (`FlowMatching`) produce the mel, and the prompt frames are cut off.
+`FlowModel` here is CosyVoice2's (official `CausalMaskedDiffWithXvec`: conformer encoder, UNet estimator);
+CosyVoice3's is `models/dit_flow.py` (pre-lookahead layer, DiT estimator). Both load `flow.pt` with the
+released parameter names.
 
 Precision (`FlowMatching.set_precision`): "fp32", the reference; "bf16": the estimator's matrix products
 and convolutions in bfloat16 under autocast (norms, softmax and the Euler update stay float32), native
@@ -18,13 +20,16 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice_triton.config import ModelPaths, read_yaml
-from cosyvoice_triton.errors import InvalidInput, ModelFolderError
+from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.family import check_yaml_class
+from cosyvoice_triton.models.checkpoint import load_state
 from cosyvoice_triton.models.flow_encoder import FlowEncoder, FlowEncoderConfig
 from cosyvoice_triton.models.flow_estimator import FlowEstimator, FlowEstimatorConfig, TransformerBlock
 from cosyvoice_triton.models.llm_precision import quantize_linears_dynamic
@@ -60,16 +65,21 @@ class FlowConfig:
     def from_yaml(cls, root: dict) -> FlowConfig:
         """Build from the whole cosyvoice2.yaml (as returned by `config.read_yaml`)."""
         flow = root["flow"]
-        cfm = flow["decoder"]["cfm_params"]
-        cfm = cfm.get("content", cfm)  # wrapped in `!new:omegaconf.DictConfig {content: ...}`
-        if cfm["solver"] != "euler" or cfm["t_scheduler"] != "cosine":
-            raise ValueError(f"flow cfm_params solver={cfm['solver']!r} t_scheduler={cfm['t_scheduler']!r}: "
-                             "only euler with the cosine schedule is supported")
         return cls(encoder=FlowEncoderConfig.from_yaml(flow),
                    estimator=FlowEstimatorConfig.from_yaml(flow["decoder"]["estimator"]),
                    vocab_size=flow["vocab_size"], input_size=flow["input_size"], mel_bins=flow["output_size"],
                    spk_embed_dim=flow["spk_embed_dim"], token_mel_ratio=flow["token_mel_ratio"],
-                   pre_lookahead_len=flow["pre_lookahead_len"], inference_cfg_rate=float(cfm["inference_cfg_rate"]))
+                   pre_lookahead_len=flow["pre_lookahead_len"], inference_cfg_rate=guidance_rate(flow))
+
+
+def guidance_rate(flow: dict) -> float:
+    """The inference CFG rate of a yaml `flow` section, after checking its solver (both families share it)."""
+    cfm = flow["decoder"]["cfm_params"]
+    cfm = cfm.get("content", cfm)  # wrapped in `!new:omegaconf.DictConfig {content: ...}`
+    if cfm["solver"] != "euler" or cfm["t_scheduler"] != "cosine":
+        raise ValueError(f"flow cfm_params solver={cfm['solver']!r} t_scheduler={cfm['t_scheduler']!r}: "
+                         "only euler with the cosine schedule is supported")
+    return float(cfm["inference_cfg_rate"])
 
 
 def euler_schedule(n_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,12 +100,14 @@ def euler_schedule(n_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class FlowMatching(nn.Module):
-    """Euler ODE solver around the estimator (official `CausalConditionalCFM`, inference only)."""
+    """Euler ODE solver around the estimator (official `CausalConditionalCFM`, inference only), for both
+    families: the CosyVoice2 UNet (`FlowEstimator`, the default) or the CosyVoice3 DiT (`models/dit.py`),
+    which take the same call."""
 
-    def __init__(self, config: FlowConfig):
+    def __init__(self, config: FlowConfig, estimator: nn.Module | None = None):
         super().__init__()
         self.inference_cfg_rate = config.inference_cfg_rate
-        self.estimator = FlowEstimator(config.estimator)
+        self.estimator = FlowEstimator(config.estimator) if estimator is None else estimator
         generator = torch.Generator().manual_seed(NOISE_SEED)  # local: the global RNG is left alone
         noise = torch.randn(1, config.mel_bins, config.noise_frames, generator=generator)
         self.register_buffer("rand_noise", noise, persistent=False)  # (1, 80, noise_frames)
@@ -170,27 +182,35 @@ class FlowConditions:
     max_out: int  # out_len.max()
 
 
-class FlowModel(nn.Module):
-    """Token-to-mel model (official `CausalMaskedDiffWithXvec`, inference only)."""
+class TokenToMel(nn.Module):
+    """What the flows of both families share (inference only): the lengths, the input checks, the conditions
+    around the family's `encode`, the solver and the prompt cut. A subclass builds `input_embedding`,
+    `spk_embed_affine_layer` and `decoder` (a `FlowMatching`), names the yaml class it reads (`yaml_class`) and
+    turns embedded tokens into `mu` (`encode`)."""
 
-    def __init__(self, config: FlowConfig):
-        super().__init__()
-        self.config = config
-        self.input_embedding = nn.Embedding(config.vocab_size, config.input_size)
-        self.spk_embed_affine_layer = nn.Linear(config.spk_embed_dim, config.mel_bins)
-        self.encoder = FlowEncoder(config.encoder)
-        self.encoder_proj = nn.Linear(config.encoder.output_size, config.mel_bins)
-        self.decoder = FlowMatching(config)
+    yaml_class: str  # the official class the yaml's `flow` section must build
+    config: FlowConfig  # or the CosyVoice3 `DiTFlowConfig`: the fields `conditions` reads have the same names
+    decoder: FlowMatching
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> FlowModel:
-        """Build from `cosyvoice2.yaml` and load `flow.pt` strictly."""
+    def config_from_yaml(cls, root: dict):
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor, enc_len: torch.Tensor, context_len: torch.Tensor,
+               streaming: torch.Tensor) -> torch.Tensor:
+        """Embedded tokens x (B, T_enc + pre_lookahead_len, input_size), zero after each row's tokens -> mu
+        (B, 80, T_mel). Row b makes frames for its first enc_len[b] tokens; the context_len[b] after them are
+        right context only. streaming: (B,) bool, chunk attention per row."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> Self:
+        """Build from the folder's yaml (its `flow` section must build `yaml_class`) and load `flow.pt` strictly."""
         paths = ModelPaths(Path(model_dir))
-        for path in (paths.yaml, paths.flow):
-            if not path.exists():
-                raise ModelFolderError(f"{path} not found")
-        model = cls(FlowConfig.from_yaml(read_yaml(paths.yaml)))
-        model.load_state_dict(torch.load(paths.flow, weights_only=True, map_location="cpu"), strict=True)
+        root = read_yaml(paths.yaml)
+        check_yaml_class(root["flow"], cls.yaml_class, "flow", paths.yaml)
+        model = cls(cls.config_from_yaml(root))
+        load_state(model, paths.flow)
         return model.to(device).eval()
 
     def output_lengths(self, token_len: torch.Tensor, prompt_token_len: torch.Tensor,
@@ -276,10 +296,9 @@ class FlowModel(nn.Module):
         src_index = torch.where(in_prompt, pos, pos - prompt_token_len[:, None] + prompt_token.size(1))
         ids = prompt_then_token.gather(1, src_index.clamp(max=prompt_then_token.size(1) - 1))  # (B, W)
         valid = (pos < total_len[:, None]).to(weight.dtype)
-        x = self.input_embedding(ids.clamp(min=0)) * valid[..., None]  # (B, W, 512)
+        x = self.input_embedding(ids.clamp(min=0)) * valid[..., None]  # (B, W, input_size)
 
-        h = self.encoder(x, enc_len, total_len - enc_len, streaming)  # (B, T_mel, 512)
-        mu = self.encoder_proj(h).transpose(1, 2).contiguous()  # (B, T_mel, 80) -> (B, 80, T_mel)
+        mu = self.encode(x, enc_len, total_len - enc_len, streaming)  # (B, 80, T_mel)
 
         frame = torch.arange(T_mel, device=device)[None, :]  # (1, T_mel)
         mask = (frame < mel_len[:, None]).to(mu.dtype)[:, None, :]  # (B, 1, T_mel)
@@ -290,3 +309,28 @@ class FlowModel(nn.Module):
         cond = cond.transpose(1, 2)  # (B, T_mel, 80) -> (B, 80, T_mel)
         return FlowConditions(mu, mask, spks, cond, streaming, finalize, enc_len, mel_len, prompt_feat_len,
                               out_len, T_out)
+
+
+class FlowModel(TokenToMel):
+    """CosyVoice2's token-to-mel model (official `CausalMaskedDiffWithXvec`): an up-sampling conformer encoder
+    and a causal UNet estimator."""
+
+    yaml_class = "CausalMaskedDiffWithXvec"
+
+    def __init__(self, config: FlowConfig):
+        super().__init__()
+        self.config = config
+        self.input_embedding = nn.Embedding(config.vocab_size, config.input_size)
+        self.spk_embed_affine_layer = nn.Linear(config.spk_embed_dim, config.mel_bins)
+        self.encoder = FlowEncoder(config.encoder)
+        self.encoder_proj = nn.Linear(config.encoder.output_size, config.mel_bins)
+        self.decoder = FlowMatching(config)
+
+    @classmethod
+    def config_from_yaml(cls, root: dict) -> FlowConfig:
+        return FlowConfig.from_yaml(root)
+
+    def encode(self, x: torch.Tensor, enc_len: torch.Tensor, context_len: torch.Tensor,
+               streaming: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(x, enc_len, context_len, streaming)  # (B, T_mel, 512): up-sampled x2
+        return self.encoder_proj(h).transpose(1, 2).contiguous()  # (B, T_mel, 80) -> (B, 80, T_mel)

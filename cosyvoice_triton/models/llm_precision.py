@@ -42,7 +42,7 @@ def describe_backbone(llm) -> str:
     """What a SpeechLM's backbone runs in, read from its modules: precision, compute dtype, int8 layers."""
     int8 = sum(isinstance(module, Int8WeightOnlyLinear) for module in llm.backbone.modules())
     dynamic = sum(isinstance(module, Int8DynamicLinear) for module in llm.backbone.modules())
-    dtype = str(llm.llm_embedding.weight.dtype).removeprefix("torch.")
+    dtype = str(llm.speech_embedding.weight.dtype).removeprefix("torch.")
     layers = f"{dynamic} int8 dynamic Linear layers ({torch.backends.quantized.engine})" if dynamic \
         else f"{int8} int8 weight-only Linear layers"
     return f"{llm.precision} (computes in {dtype}; {layers})"

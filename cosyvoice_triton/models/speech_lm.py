@@ -1,8 +1,11 @@
-"""CosyVoice2's speech-token language model: a Qwen2 backbone that reads text and writes speech tokens.
+"""The speech-token language model of both families: a Qwen2 backbone that reads text and writes speech tokens.
 
-The module tree mirrors the official `Qwen2LM` so that `llm.pt` loads with `strict=True`:
-`llm_embedding` (sos, task id), `llm.model.model.*` (backbone), `llm.model.lm_head` (unused, tied),
-`llm_decoder` (hidden -> speech_token_size + 3 logits) and `speech_embedding` (speech token -> input).
+The module tree mirrors the official `Qwen2LM` (CosyVoice2) and `CosyVoice3LM` so that `llm.pt` loads with
+`strict=True`: `llm.model.model.*` (backbone), `llm.model.lm_head` (unused, tied), `llm_decoder` (hidden ->
+speech logits) and `speech_embedding` (speech token -> input). The family's `LMLayout` (family.py) says the
+rest: CosyVoice2 has `llm_embedding` (sos, task id), a decoder bias and codebook + 3 speech ids; CosyVoice3
+keeps sos and task id as rows of `speech_embedding`, has no decoder bias and codebook + 200 speech ids, any
+of the 200 extra ids ending decoding.
 
 The model builds the prompt and gives logits; it does not sample. Decoding loops live in `llm/`:
 `llm.generate.generate` (one stream, the reference) and `llm.scheduler` (in-flight batching).
@@ -17,15 +20,16 @@ from torch import Tensor, nn
 
 from cosyvoice_triton.config import ModelPaths, read_qwen_config, read_yaml
 from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.family import COSYVOICE2, LMLayout, check_yaml_class
 from cosyvoice_triton.messages import SamplingParams
 from cosyvoice_triton.models.auto_precision import resolve_llm_precision
+from cosyvoice_triton.models.checkpoint import load_state
 from cosyvoice_triton.models.llm_precision import (activation_dtype, check_llm_precision, quantize_linears,
                                                    quantize_linears_dynamic)
 from cosyvoice_triton.models.qwen2 import Qwen2Config, Qwen2Decoder, Qwen2ForCausalLM, rope_tables
 
-SOS_INDEX = 0  # rows of `llm_embedding`
-TASK_ID_INDEX = 1
-NUM_STOP_TOKENS = 3  # speech_token_size + 0 (EOS), + 1, + 2 all end decoding
+SOS_INDEX = COSYVOICE2.lm.sos  # CosyVoice2: rows of `llm_embedding`
+TASK_ID_INDEX = COSYVOICE2.lm.task_id
 
 
 @dataclass
@@ -37,6 +41,7 @@ class SpeechLMConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     min_token_text_ratio: float = 2.0
     max_token_text_ratio: float = 20.0
+    layout: LMLayout = COSYVOICE2.lm
 
     def __post_init__(self) -> None:
         if not self.llm_input_size == self.llm_output_size == self.qwen.hidden_size:
@@ -45,24 +50,33 @@ class SpeechLMConfig:
 
     @property
     def eos_token(self) -> int:
-        return self.speech_token_size
+        return self.speech_token_size + self.layout.eos
+
+    @property
+    def min_len_masked_token(self) -> int:
+        """The id whose log-prob is -inf while fewer than min_len tokens are decoded (`LMLayout.min_len_masked`:
+        EOS in CosyVoice2, SOS in CosyVoice3, as the official torch path)."""
+        return self.speech_token_size + self.layout.min_len_masked
 
     @property
     def stop_tokens(self) -> tuple[int, ...]:
-        return tuple(self.speech_token_size + i for i in range(NUM_STOP_TOKENS))
+        return tuple(self.speech_token_size + i for i in range(self.layout.stop_ids))
 
     @property
     def num_speech_classes(self) -> int:
-        return self.speech_token_size + NUM_STOP_TOKENS
+        return self.speech_token_size + self.layout.head_ids
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> SpeechLMConfig:
-        """Read `cosyvoice2.yaml` (key `llm`) and `CosyVoice-BlankEN/config.json`."""
-        llm = read_yaml(ModelPaths(Path(model_dir)).yaml)["llm"]
+        """Read the folder's yaml (key `llm`; its family gives the layout) and `CosyVoice-BlankEN/config.json`."""
+        paths = ModelPaths(Path(model_dir))
+        family = paths.family
+        llm = read_yaml(paths.yaml)["llm"]
+        check_yaml_class(llm, family.llm_class, "llm", paths.yaml)
         return cls(llm_input_size=llm["llm_input_size"], llm_output_size=llm["llm_output_size"],
                    speech_token_size=llm["speech_token_size"],
                    qwen=Qwen2Config.from_json(read_qwen_config(model_dir)),
-                   sampling=SamplingParams.from_llm_yaml(llm))
+                   sampling=SamplingParams.from_llm_yaml(llm), layout=family.lm)
 
 
 class _Qwen2Encoder(nn.Module):
@@ -77,9 +91,11 @@ class SpeechLM(nn.Module):
     def __init__(self, config: SpeechLMConfig, max_seq_len: int):
         super().__init__()
         self.config = config
-        self.llm_embedding = nn.Embedding(2, config.llm_input_size)
+        layout = config.layout
+        # CosyVoice2's sos and task id rows; CosyVoice3 keeps them in speech_embedding (`LMLayout`).
+        self.llm_embedding = nn.Embedding(2, config.llm_input_size) if layout.own_special_table else None
         self.llm = _Qwen2Encoder(config.qwen, max_seq_len)
-        self.llm_decoder = nn.Linear(config.llm_output_size, config.num_speech_classes)
+        self.llm_decoder = nn.Linear(config.llm_output_size, config.num_speech_classes, bias=layout.decoder_bias)
         self.speech_embedding = nn.Embedding(config.num_speech_classes, config.llm_input_size)
         self.precision = "fp32"
 
@@ -98,8 +114,7 @@ class SpeechLM(nn.Module):
         models/auto_precision.py) and allocate a KV cache of `max_batch` slots x `max_seq_len` positions."""
         paths = ModelPaths(Path(model_dir))
         model = cls(SpeechLMConfig.from_model_dir(model_dir), max_seq_len)
-        state = torch.load(paths.llm, weights_only=True, map_location="cpu")
-        model.load_state_dict(state, strict=True)
+        load_state(model, paths.llm)
         model.to(device).eval()
         model.set_precision(resolve_llm_precision(precision, device))
         model.setup_caches(max_batch)
@@ -126,7 +141,8 @@ class SpeechLM(nn.Module):
         if precision == "int8":
             quantize_linears(backbone.layers, dtype)
         for module in (self.llm_embedding, self.speech_embedding, backbone):
-            module.to(dtype)
+            if module is not None:
+                module.to(dtype)
         cos, sin = rope_tables(self.config.qwen, backbone.max_seq_len)
         backbone.rope_cos, backbone.rope_sin = cos.to(backbone.rope_cos.device), sin.to(backbone.rope_sin.device)
 
@@ -159,12 +175,22 @@ class SpeechLM(nn.Module):
         self._check_range("text_token", text_token, self.config.qwen.vocab_size)
         self._check_range("prompt_text_token", prompt_text_token, self.config.qwen.vocab_size)
         self._check_range("prompt_speech_token", prompt_speech_token, self.config.speech_token_size)
-        weight = self.llm_embedding.weight
-        sos = weight[SOS_INDEX].reshape(1, 1, -1)  # (1, 1, D)
-        task_id = weight[TASK_ID_INDEX].reshape(1, 1, -1)  # (1, 1, D)
-        text = self.backbone.embed_tokens(torch.cat([prompt_text_token, text_token], dim=1).long())  # (1, Nt, D)
+        all_text = torch.cat([prompt_text_token, text_token], dim=1).long()  # (1, Nt)
+        required = self.config.layout.required_text_id
+        if required is not None and not bool((all_text == required).any()):
+            raise InvalidInput("prompt_text_token", f"this model needs text id {required} (<|endofprompt|>) in "
+                                                    "prompt_text ++ text, e.g. after a system prompt")
+        layout = self.config.layout
+        sos, task_id = self.special_embedding(layout.sos), self.special_embedding(layout.task_id)  # (1, 1, D) each
+        text = self.backbone.embed_tokens(all_text)  # (1, Nt, D)
         speech = self.speech_embedding(prompt_speech_token.long())  # (1, Ns, D)
         return torch.cat([sos, text, task_id, speech], dim=1)
+
+    def special_embedding(self, row: int) -> Tensor:
+        """The input embedding (1, 1, D) of a marker (`LMLayout.sos`, `.task_id`), from the table the layout names."""
+        if self.config.layout.own_special_table:
+            return self.llm_embedding.weight[row].reshape(1, 1, -1)
+        return self.speech_embedding.weight[self.config.speech_token_size + row].reshape(1, 1, -1)
 
     @staticmethod
     def _check_range(name: str, tokens: Tensor, limit: int) -> None:
@@ -189,3 +215,4 @@ class SpeechLM(nn.Module):
     def logits_full(self, x: Tensor) -> Tensor:
         """Cache-free causal scoring: x (B, T, D) -> speech logits (B, T, V) at every position."""
         return self.llm_decoder(self.backbone.forward_full(x).float())
+

@@ -1,0 +1,132 @@
+"""Model families: what differs between a CosyVoice2 and a CosyVoice3 folder, described once.
+
+The folder decides: `cosyvoice2.yaml` makes it CosyVoice2, `cosyvoice3.yaml` CosyVoice3 (`family_of`). A
+`ModelFamily` is plain data (no torch): the file names, the classes its yaml must name, the speech LM's ids
+and prompt frame (`LMLayout`), the text tokenizer's special tokens, the prompt-text prefix, the chunk
+schedule. The module classes are chosen in one registry (`models/family.py`: the flow and the vocoder;
+each class checks that the yaml builds the official class it mirrors), so nothing else asks which family
+it runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cosyvoice_triton.errors import ModelFolderError
+from cosyvoice_triton.messages import ChunkPolicy
+
+END_OF_PROMPT = "<|endofprompt|>"  # ends the prompt text; id 151646 with the released Qwen vocabulary
+END_OF_PROMPT_ID = 151646  # the CosyVoice3 LM checks for this id in prompt_text ++ text
+
+# Added to the Qwen tokenizer in this order, so their ids follow the base vocabulary's added tokens.
+COSYVOICE2_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>", "<|im_end|>", END_OF_PROMPT,
+    "[breath]", "<strong>", "</strong>", "[noise]",
+    "[laughter]", "[cough]", "[clucking]", "[accent]",
+    "[quick_breath]",
+    "<laughter>", "</laughter>",
+    "[hissing]", "[sigh]", "[vocalized-noise]",
+    "[lipsmack]", "[mn]",
+)
+# CosyVoice3 adds a system-prompt end and pronunciation tokens: CMU phones (vowels with and without a
+# stress digit) and pinyin initials and finals with tone marks, each in brackets, in code-point order.
+_CMU_VOWELS = "AA AE AH AO AW AY EH ER EY IH IY OW OY UH UW".split()
+_CMU_CONSONANTS = "B CH D DH F G HH JH K L M N NG P R S SH T TH V W Y Z ZH".split()
+_PINYIN = """a ai an ang ao b c ch d e ei en eng f g h i ian in ing iu ià iàn iàng iào iá ián iáng iáo iè ié iòng
+ióng iù iú iā iān iāng iāo iē iě iōng iū iǎ iǎn iǎng iǎo iǒng iǔ j k l m n o ong ou p q r s sh t u uang ue un uo uà
+uài uàn uàng uá uái uán uáng uè ué uì uí uò uó uā uāi uān uāng uē uě uī uō uǎ uǎi uǎn uǎng uǐ uǒ vè w x y z zh à ài
+àn àng ào á ái án áng áo è èi èn èng èr é éi én éng ér ì ìn ìng í ín íng ò òng òu ó óng óu ù ùn ú ún ā āi ān āng āo ē
+ēi ēn ēng ě ěi ěn ěng ěr ī īn īng ō ōng ōu ū ūn ǎ ǎi ǎn ǎng ǎo ǐ ǐn ǐng ǒ ǒng ǒu ǔ ǔn ǘ ǚ ǜ""".split()
+CMU_PHONES = tuple(sorted([v + stress for v in _CMU_VOWELS for stress in ("", "0", "1", "2")] + _CMU_CONSONANTS))
+PRONUNCIATION_TOKENS = tuple(f"[{unit}]" for unit in (*CMU_PHONES, *sorted(_PINYIN)))
+COSYVOICE3_SPECIAL_TOKENS = (*COSYVOICE2_SPECIAL_TOKENS, "<|endofsystem|>", *PRONUNCIATION_TOKENS)
+
+
+@dataclass(frozen=True)
+class LMLayout:
+    """The speech LM's ids and prompt frame.
+
+    Ids are offsets from the codebook size (`speech_token_size` in the yaml, 6561): the speech embedding
+    and the speech head have codebook + `head_ids` rows, and the ids codebook + k, k < `stop_ids`, end
+    decoding. The prefill input is [sos, text(prompt_text ++ text), task_id, speech(prompt speech)].
+    """
+
+    head_ids: int
+    stop_ids: int
+    eos: int
+    sos: int
+    task_id: int
+    # True: sos and task_id are rows `sos` and `task_id` of a table of their own (`llm_embedding`);
+    # False: rows codebook + `sos` / codebook + `task_id` of `speech_embedding`.
+    own_special_table: bool
+    decoder_bias: bool
+    # The id held back while fewer than min_len tokens are decoded, as the official torch loop does: it
+    # masks index `speech_token_size` in both families, which in CosyVoice3 is SOS, not EOS, so min_len does
+    # not hold back CosyVoice3's stop ids (its vLLM path, `min_tokens`, does: the two official paths differ).
+    min_len_masked: int = 0
+    required_text_id: int | None = None  # a text id that must occur in prompt_text ++ text
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str  # what /v1/models, /readyz and the Triton model metadata show
+    yaml_file: str
+    speech_tokenizer_file: str
+    llm_class: str  # the LM class the yaml's `llm` section must build (one module class serves both layouts)
+    lm: LMLayout
+    special_tokens: tuple[str, ...]
+    # What the official frontend expects before a zero-shot prompt transcript (and, in cross-lingual mode,
+    # before the text itself): "" for CosyVoice2.
+    prompt_prefix: str = ""
+    token_rate: int = 25  # speech tokens per second
+    chunk: ChunkPolicy = field(default_factory=ChunkPolicy)  # the official streaming schedule
+    # Speech tokens that are silence or breath: beyond `max_silent_run` in a row they do not reach the flow
+    # (the LLM still feeds them back). Empty: no such rule.
+    silent_tokens: frozenset[int] = frozenset()
+    max_silent_run: int = 0
+
+    def __str__(self) -> str:
+        return self.name
+
+
+COSYVOICE2 = ModelFamily(
+    name="cosyvoice2", yaml_file="cosyvoice2.yaml", speech_tokenizer_file="speech_tokenizer_v2.onnx",
+    llm_class="Qwen2LM",
+    lm=LMLayout(head_ids=3, stop_ids=3, eos=0, sos=0, task_id=1, own_special_table=True, decoder_bias=True),
+    special_tokens=COSYVOICE2_SPECIAL_TOKENS)
+
+COSYVOICE3 = ModelFamily(
+    name="cosyvoice3", yaml_file="cosyvoice3.yaml", speech_tokenizer_file="speech_tokenizer_v3.onnx",
+    llm_class="CosyVoice3LM",
+    lm=LMLayout(head_ids=200, stop_ids=200, eos=1, sos=0, task_id=2, own_special_table=False, decoder_bias=False,
+                required_text_id=END_OF_PROMPT_ID),
+    special_tokens=COSYVOICE3_SPECIAL_TOKENS,
+    prompt_prefix="You are a helpful assistant." + END_OF_PROMPT,
+    silent_tokens=frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323}), max_silent_run=5)
+
+FAMILIES = (COSYVOICE2, COSYVOICE3)
+
+
+def family_of(model_dir: str | Path) -> ModelFamily:
+    """The family of a model folder: the one whose yaml it holds."""
+    root = Path(model_dir)
+    present = [family for family in FAMILIES if (root / family.yaml_file).is_file()]
+    names = " or ".join(family.yaml_file for family in FAMILIES)
+    if not present:
+        raise ModelFolderError(f"{root}: no {names}: not a CosyVoice model folder")
+    if len(present) > 1:
+        raise ModelFolderError(f"{root}: holds both {names}; keep the one that belongs to its weights")
+    return present[0]
+
+
+def yaml_class(section: dict) -> str:
+    """The class name of a yaml section built with `!new:pkg.module.Class` (`config.read_yaml` keeps the tag)."""
+    return str(section.get("__tag__", "")).rsplit(".", 1)[-1]
+
+
+def check_yaml_class(section: dict, expected: str, where: str, yaml_path: Path) -> None:
+    """ModelFolderError naming the yaml when its section `where` builds another class than `expected`."""
+    found = yaml_class(section)
+    if found != expected:
+        raise ModelFolderError(f"{yaml_path}: `{where}` builds {found or 'nothing'}, not {expected}")
