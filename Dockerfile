@@ -2,7 +2,7 @@
 # CosyVoice2 on Triton: one image for every role (all-in-one `up`, `serve`, and the gateway).
 #
 #   docker build -t cosyvoice-triton:0.1.0 .
-#   docker run --gpus all --shm-size=1g -p 8080:8080 -p 8000-8002:8000-8002 \
+#   docker run --gpus all --shm-size=1g -p 8080:8080 -p 8003:8003 -p 50000:50000 \
 #       -v cosyvoice-home:/var/lib/cosyvoice cosyvoice-triton:0.1.0
 #
 # --shm-size=1g (or --ipc=host) is required: every Python-backend model instance keeps a region in
@@ -40,17 +40,19 @@ COPY . .
 # Editable, so the image runs the tree it was built from, as a checkout does. A plain install works too:
 # the model_repository templates, gateway/static and the default voice are package data of the wheel
 # (tests/test_packaging.py).
-# onnxruntime (a base dependency) and onnxruntime-gpu install the same module; keep the GPU one.
-RUN python3 -m pip install -c deploy/docker/constraints.txt -e ".[gpu]" \
+# serve: the server's packages (a plain install is the client SDK alone). onnxruntime (in serve) and
+# onnxruntime-gpu install the same module; keep the GPU one.
+RUN python3 -m pip install -c deploy/docker/constraints.txt -e ".[serve,gpu]" \
  && python3 -m pip uninstall -y onnxruntime \
  && python3 -m pip install --force-reinstall --no-deps -c deploy/docker/constraints.txt onnxruntime-gpu \
  && mkdir -p "${COSYVOICE_HOME}" \
  && cosyvoice-triton --help > /dev/null
 
 VOLUME ["/var/lib/cosyvoice"]
-# 8080 gateway (HTTP, WebSocket, /metrics): the one port to publish. 8000-8002 (Triton HTTP, gRPC,
+# 8080 gateway (HTTP, WebSocket, /metrics): the port to publish, with 8003 and 50000, the gateway's ports for
+# the official Triton clients and the official gRPC client (`up`'s defaults). 8000-8002 (Triton HTTP, gRPC,
 # metrics) are used by `serve --address 0.0.0.0` containers of the split deployment, on a private network.
-EXPOSE 8000 8001 8002 8080
+EXPOSE 8000 8001 8002 8003 8080 50000
 
 ENTRYPOINT ["cosyvoice-triton"]
 # `up` binds tritonserver to 127.0.0.1: Triton has no keys or limits, so clients reach it only through

@@ -29,6 +29,10 @@ MiB = 1024 * 1024
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 API_KEYS_ENV = "COSYVOICE_API_KEYS"  # comma-separated keys, added to --api-key-file's
 ADMIN_KEYS_ENV = "COSYVOICE_ADMIN_KEYS"  # comma-separated admin keys, added to --admin-key-file's
+# `up`'s ports for the official clients (docs/api/official.md): the official gRPC server's own default port,
+# and one beside Triton's 8000-8002 for its Triton clients (whose default, 8001, is tritonserver's own).
+OFFICIAL_TRITON_PORT = 8003
+OFFICIAL_GRPC_PORT = 50000
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,10 @@ class GatewayConfig:
             raise ValueError(f"--official-triton-port {self.official_triton_port}: expected 0 (a free port) to 65535")
 
 
-def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str | None = None) -> None:
+def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str | None = None,
+                          official_ports: bool = False) -> None:
+    """The gateway's flags. `official_ports`: the official clients' ports are on by default (OFFICIAL_TRITON_PORT,
+    OFFICIAL_GRPC_PORT), with --no-official-ports to close both (`up`); else off unless given."""
     g = parser.add_argument_group("gateway")
     g.add_argument("--triton", action="append", default=[], metavar="URL",
                    help=triton_help or "a Triton server, grpc://host:port[?metrics=URL] (metrics default: "
@@ -115,14 +122,20 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str |
                                        "seconds; a Kubernetes headless Service); repeat for several "
                                        "(default grpc://127.0.0.1:8001)")
     g.add_argument("--host", default="0.0.0.0", help="address the gateway listens on")
-    g.add_argument("--port", type=int, default=8080)
-    g.add_argument("--official-grpc-port", type=int, default=None, metavar="PORT",
+    g.add_argument("--port", type=int, default=8080, help="the gateway's port (default %(default)s)")
+    grpc_default, triton_default = (OFFICIAL_GRPC_PORT, OFFICIAL_TRITON_PORT) if official_ports else (None, None)
+    g.add_argument("--official-grpc-port", type=int, default=grpc_default, metavar="PORT",
                    help="also serve the official CosyVoice gRPC API (cosyvoice.CosyVoice/Inference) on PORT, on the "
-                        "gateway's host, with its keys and limits (0: a free port, printed at start; default: off)")
-    g.add_argument("--official-triton-port", type=int, default=None, metavar="PORT",
+                        "gateway's host, with its keys and limits (0: a free port, printed at start; default: "
+                        f"{grpc_default or 'off'})")
+    g.add_argument("--official-triton-port", type=int, default=triton_default, metavar="PORT",
                    help="also speak Triton's gRPC protocol on PORT, for the official Triton clients (client_grpc.py "
                         "--model-name cosyvoice2): their requests go to cosyvoice2_official*, the rest is passed on "
-                        "unchanged (0: a free port, printed at start; default: off). They send no API key")
+                        f"unchanged (0: a free port, printed at start; default: {triton_default or 'off'}). They send "
+                        "no API key")
+    if official_ports:
+        g.add_argument("--no-official-ports", action="store_true",
+                       help="open neither of the two ports above (the official HTTP routes stay on --port)")
     g.add_argument("--redis-url", default=None, help="share voices through Redis (redis://host:port/db)")
     g.add_argument("--voice-store", default=None,
                    help="SQLite file of the voice store (default: $COSYVOICE_HOME/voices.sqlite)")
@@ -133,9 +146,12 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str |
                    help=f"admin keys (also ${ADMIN_KEYS_ENV}): may register and delete shared voices")
     g.add_argument("--api-key", action="append", default=[],
                    help="accept this API key: deprecated, `ps` shows it; use --api-key-file or the environment")
-    g.add_argument("--max-text-chars", type=int, default=Limits.max_text_chars)
-    g.add_argument("--max-upload-mb", type=float, default=Limits.max_upload_bytes / MiB)
-    g.add_argument("--max-streams-per-key", type=int, default=Limits.max_streams_per_key)
+    g.add_argument("--max-text-chars", type=int, default=Limits.max_text_chars,
+                   help="longest text of one request or WebSocket segment, in characters (default %(default)s)")
+    g.add_argument("--max-upload-mb", type=float, default=Limits.max_upload_bytes / MiB,
+                   help="largest uploaded recording or WebSocket message, in MiB (default %(default)g)")
+    g.add_argument("--max-streams-per-key", type=int, default=Limits.max_streams_per_key,
+                   help="concurrent synthesis streams per API key; 429 beyond (default %(default)s)")
     g.add_argument("--max-keyless-streams", type=int, default=Limits.max_keyless_streams,
                    help="without keys: concurrent streams of all callers together")
     g.add_argument("--requests-per-second", type=float, default=Limits.requests_per_second,
@@ -144,9 +160,13 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str |
                    help="voice registrations per key (keyless: together); 0: no limit")
     g.add_argument("--ws-idle-timeout", type=float, default=Limits.ws_idle_timeout_s, metavar="S",
                    help="close a WebSocket with no client message and nothing in flight for S seconds")
-    g.add_argument("--ws-session-timeout", type=float, default=Limits.ws_session_timeout_s, metavar="S")
-    g.add_argument("--health-interval", type=float, default=RoutingConfig.health_interval_s, metavar="S")
-    g.add_argument("--first-chunk-timeout", type=float, default=RoutingConfig.first_chunk_timeout_s, metavar="S")
+    g.add_argument("--ws-session-timeout", type=float, default=Limits.ws_session_timeout_s, metavar="S",
+                   help="close a WebSocket session after S seconds in all (default %(default)g)")
+    g.add_argument("--health-interval", type=float, default=RoutingConfig.health_interval_s, metavar="S",
+                   help="seconds between readiness checks of each Triton server (default %(default)g)")
+    g.add_argument("--first-chunk-timeout", type=float, default=RoutingConfig.first_chunk_timeout_s, metavar="S",
+                   help="a stream with no audio after S seconds fails and is tried on another server "
+                        "(default %(default)g)")
     g.add_argument("--max-queue-wait", type=float, default=RoutingConfig.max_queue_wait_s, metavar="S",
                    help="admission: refuse (503 + Retry-After) a request that no server would start within S "
                         "seconds (cosyvoice_triton/admission.py)")
@@ -158,6 +178,13 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str |
     g.add_argument("--audible-threshold-dbfs", type=float, default=DEFAULT_THRESHOLD_DBFS, metavar="DB",
                    help="first audible audio (metrics, access log, WebSocket end message): the first 10 ms window "
                         "whose RMS is above DB dBFS (default %(default)g)")
+
+
+def official_ports(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """(--official-triton-port, --official-grpc-port); both None (off) with --no-official-ports."""
+    if getattr(args, "no_official_ports", False):
+        return None, None
+    return args.official_triton_port, args.official_grpc_port
 
 
 def voice_store_url(args: argparse.Namespace) -> str | None:
@@ -221,6 +248,7 @@ def config_from_args(args: argparse.Namespace, triton: tuple[TritonTarget, ...] 
                     registrations_per_minute=args.registrations_per_minute,
                     ws_idle_timeout_s=args.ws_idle_timeout, ws_session_timeout_s=args.ws_session_timeout)
     model_dir = model_dir if model_dir is not None else getattr(args, "model_dir", None)
+    triton_port, grpc_port = official_ports(args)
     return GatewayConfig(triton=triton, discovery=discovery, host=args.host, port=args.port,
                          voice_store=voice_store_url(args),
                          model_dir=Path(model_dir) if model_dir else None, api_keys=api_keys(args),
@@ -228,5 +256,4 @@ def config_from_args(args: argparse.Namespace, triton: tuple[TritonTarget, ...] 
                          limits=limits, routing=routing, default_voice=not args.no_default_voice,
                          access_log=getattr(args, "access_log", True),
                          audible_threshold_dbfs=args.audible_threshold_dbfs,
-                         official_grpc_port=args.official_grpc_port,
-                         official_triton_port=args.official_triton_port)
+                         official_grpc_port=grpc_port, official_triton_port=triton_port)

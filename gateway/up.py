@@ -8,7 +8,9 @@ the library's CLI finds it through the `cosyvoice_triton.commands` entry point i
    the Triton models and the gateway use the same ones.
 2. tritonserver starts (on 127.0.0.1 by default: clients talk to the gateway) and is waited for.
 3. The gateway serves on `--host`/`--port` (default 0.0.0.0:8080) in front of it (and of any further
-   `--triton` servers); at first start it registers voice `default`.
+   `--triton` servers); at first start it registers voice `default`. The official clients' ports are open
+   by default: Triton's gRPC protocol on 8003 (`--official-triton-port`) and the official gRPC API on 50000
+   (`--official-grpc-port`); `--no-official-ports` closes both.
 4. A tritonserver that dies (a crash, an OOM kill) is started again on its ports with backoff (1 s,
    doubling up to 30 s; `server.supervisor`); `/readyz` says `processes` (state, restarts) and is 503
    while it is down, `/metrics` has `cosyvoice_gateway_process_up` and `..._process_restarts_total`.
@@ -41,7 +43,8 @@ from pathlib import Path
 from typing import TextIO
 
 from cosyvoice_triton.cli import add_realtime_arguments
-from cosyvoice_triton.gateway.config import add_gateway_arguments, config_from_args, split_triton_specs, voice_store_url
+from cosyvoice_triton.gateway.config import (add_gateway_arguments, config_from_args, official_ports, split_triton_specs,
+                                             voice_store_url)
 from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
 from cosyvoice_triton.targets import TritonTarget
 from cosyvoice_triton.server.launcher import (ENGINES, PRECISIONS, ServeOptions, default_model_dir, prepare,
@@ -73,13 +76,14 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None,
                    help="model folder or hub id (default: a tiny random model made on first use)")
     add_gateway_arguments(p, triton_help="further Triton servers to route to besides the local one, "
-                                         "grpc://host:port[?metrics=URL] (repeatable)")
+                                         "grpc://host:port[?metrics=URL] (repeatable)", official_ports=True)
     t = p.add_argument_group("tritonserver")
     t.add_argument("--run-dir", type=Path, default=None, help="where the rendered repository and log go")
     t.add_argument("--triton-address", default="127.0.0.1", help="address tritonserver listens on")
-    t.add_argument("--triton-http-port", type=int, default=8000, help="0: a free port")
-    t.add_argument("--triton-grpc-port", type=int, default=8001, help="0: a free port")
-    t.add_argument("--triton-metrics-port", type=int, default=8002, help="0: a free port")
+    t.add_argument("--triton-http-port", type=int, default=8000, help="tritonserver's HTTP port (0: a free port)")
+    t.add_argument("--triton-grpc-port", type=int, default=8001, help="tritonserver's gRPC port (0: a free port)")
+    t.add_argument("--triton-metrics-port", type=int, default=8002,
+                   help="tritonserver's metrics port (0: a free port)")
     t.add_argument("--device", default="cpu", help="torch device of llm and token2wav: cpu or cuda")
     t.add_argument("--instances", type=int, default=1, help="instances of the stateless models")
     t.add_argument("--workers", type=int, default=16, help="requests synthesized at once per cosyvoice2 instance")
@@ -235,11 +239,11 @@ def with_fixed_triton_ports(args: argparse.Namespace) -> argparse.Namespace:
 def check_up_ports(args: argparse.Namespace) -> None:
     """Every port this command was told to listen on is free (a second `up` stops here, naming the port
     and its process, before it makes anything)."""
+    triton_port, grpc_port = official_ports(args)
     check_ports_free(args.host or "0.0.0.0", {"the gateway's port (--port)": _port(args.port),
-                                              "the official gRPC port (--official-grpc-port)":
-                                                  _port(args.official_grpc_port),
+                                              "the official gRPC port (--official-grpc-port)": _port(grpc_port),
                                               "the official Triton port (--official-triton-port)":
-                                                  _port(args.official_triton_port)})
+                                                  _port(triton_port)})
     if not (args.frontends or args.backends):  # split mode puts its servers on free ports
         check_ports_free(args.triton_address, {
             "tritonserver's HTTP port (--triton-http-port)": _port(args.triton_http_port),

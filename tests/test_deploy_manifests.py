@@ -329,7 +329,7 @@ def test_dockerfile_structure():
     expose = next(ln for ln in lines if ln.startswith("EXPOSE ")).split()[1:]
     assert {"8000", "8001", "8002", "8080"} <= set(expose)
     assert "--shm-size=1g" in text
-    assert re.search(r'pip install .*-e "\.\[gpu\]"', text)
+    assert re.search(r'pip install .*-e "\.\[serve,gpu\]"', text)  # serve: the server on top of the client SDK
     assert re.search(r"TORCH_VERSION=\d+\.\d+\.\d+", text)
     constraints = (DEPLOY / "docker" / "constraints.txt").read_text().splitlines()
     pins = [ln for ln in constraints if ln and not ln.startswith("#")]
@@ -384,7 +384,7 @@ def test_k8s_commands_parse():
 
 
 # ---- exposure: the gateway is the one public port ------------------------------------------------------
-GATEWAY_PORT = 8080
+GATEWAY_PORTS = [8080, 8003, 50000]  # its HTTP port and its two for the official clients (up's defaults)
 
 
 def _serves_triton(svc: dict) -> bool:
@@ -405,7 +405,7 @@ def test_compose_publishes_only_the_gateway_port(name):
     gateways = [s for s, svc in doc["services"].items()
                 if svc.get("entrypoint") == ["python3", "-m", "cosyvoice_triton.gateway"]
                 or svc.get("command", [])[:1] == ["up"]]
-    assert published == {gateways[0]: [GATEWAY_PORT]}, f"{name}: published ports {published}"
+    assert published == {gateways[0]: GATEWAY_PORTS}, f"{name}: published ports {published}"
 
 
 def test_split_compose_keeps_triton_and_redis_on_an_internal_network():

@@ -203,7 +203,7 @@ def test_openvino_dockerfile_variant():
     assert cmd[cmd.index("--engine") + 1] == "openvino" and cmd[cmd.index("--device") + 1] == "cpu"
     _check_command(cmd, None, "openvino.Dockerfile CMD")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert re.search(r'pip install .*-e "\.\[openvino\]"', text) and any(
+    assert re.search(r'pip install .*-e "\.\[serve,openvino\]"', text) and any(
         dep.startswith("openvino") for dep in extras["openvino"])
     exe = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
     if Path(exe).exists():

@@ -61,6 +61,7 @@ class Service:
 def start_up(model_dir: Path, run_dir: Path, home: Path) -> tuple[str, CliProcess]:
     port = free_port()
     command = [sys.executable, "-m", "cosyvoice_triton.cli", "up", "--frontends", "1", "--backends", "1",
+               "--no-official-ports",  # 8003 and 50000 are tests/test_gateway_up.py's
                "--model-dir", str(model_dir), "--run-dir", str(run_dir), "--host", "127.0.0.1",
                "--port", str(port), "--workers", "4", "--torch-threads", "1", "--max-token-text-ratio", str(RATIO),
                "--restart-delay", str(RESTART_DELAY_S), "--drain-timeout", "240",

@@ -1,4 +1,7 @@
-"""`cosyvoice-triton up` as a user runs it: tritonserver and the gateway from one command, on a fresh home."""
+"""`cosyvoice-triton up` as a user runs it: tritonserver and the gateway from one command, on a fresh home, with
+the official clients' ports open by default (Triton's gRPC protocol on 8003, the official gRPC API on 50000).
+Every other test that starts `up` passes --no-official-ports (or ports of its own), so that only this one
+holds those two."""
 from __future__ import annotations
 
 import io
@@ -17,6 +20,9 @@ import soundfile as sf
 from cosyvoice_triton.server import free_port
 from cli_harness import CliProcess
 from test_gateway import shipped_default_voice
+from test_official_api import grpc_request, official_grpc
+from test_official_facade import infer, stream
+from test_official_triton import official_inputs
 from triton_harness import tritonserver_or_skip
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,7 +40,8 @@ def _request(url: str, body: dict | None = None, timeout_s: float = 60.0) -> tup
         return 0, b""
 
 
-def test_up_starts_triton_and_the_gateway_with_a_default_voice(tiny_model_dir, tmp_path):
+def test_up_starts_triton_and_the_gateway_with_a_default_voice_and_the_official_ports(tiny_model_dir, tmp_path):
+    """Ports of the gateway and of tritonserver chosen free here; the official ones are up's defaults."""
     tritonserver_or_skip()
     home = tmp_path / "home"
     port = free_port()
@@ -62,6 +69,16 @@ def test_up_starts_triton_and_the_gateway_with_a_default_voice(tiny_model_dir, t
         voices = json.loads(body)["voices"]
         assert status == 200 and [v["id"] for v in voices] == ["default"] and shipped_default_voice(voices[0])
         assert (home / "voices.sqlite").exists()
+
+        # The official clients, unchanged, on the documented ports: runtime/python/grpc/client.py (sft: a
+        # registered voice) and runtime/triton_trtllm/client_grpc.py (its spk2info form: voice "default").
+        assert "official Triton gRPC 127.0.0.1:8003" in up.output() and "official gRPC 127.0.0.1:50000" in up.output()
+        chunks = official_grpc(50000, grpc_request("sft_request", spk_id="default", tts_text="Official gRPC."))
+        assert chunks and sum(len(c) for c in chunks) > 0
+        streamed = stream("127.0.0.1:8003", "cosyvoice2", official_inputs("Official Triton, streamed."))
+        assert streamed and all(chunk.size > 0 for chunk in streamed)
+        offline = infer("127.0.0.1:8003", "cosyvoice2", official_inputs("Official Triton, offline."))
+        assert offline.as_numpy("waveform").size > 0
 
         assert up.interrupt(timeout_s=60) == 0
     finally:

@@ -324,6 +324,11 @@ def test_the_port_flag_of_up_and_the_gateway_cli_fills_the_config():
     assert config_from_args(parser.parse_args(["--official-grpc-port", "0"])).official_grpc_port == 0
     with pytest.raises(ValueError, match="official-grpc-port"):
         config_from_args(parser.parse_args(["--official-grpc-port", "70000"]))
+    up = argparse.ArgumentParser()
+    add_gateway_arguments(up, official_ports=True)  # `up`'s: on by default, --no-official-ports closes both
+    assert config_from_args(up.parse_args([])).official_grpc_port == 50000
+    closed = config_from_args(up.parse_args(["--no-official-ports", "--official-grpc-port", "7"]))
+    assert closed.official_grpc_port is None and closed.official_triton_port is None
 
 
 # ---- the proto and its generated modules (no server) -----------------------------------------------------

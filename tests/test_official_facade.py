@@ -130,11 +130,13 @@ def test_official_form_requests_for_cosyvoice2_go_to_the_official_models():
 
 def test_the_port_flag_of_up_and_the_gateway_cli_fills_the_config(capsys):
     from cosyvoice_triton.cli import build_parser
-    from cosyvoice_triton.gateway.__main__ import main
+    from cosyvoice_triton.gateway.__main__ import build_parser as gateway_parser, main
 
     parser = build_parser()
-    assert config_from_args(parser.parse_args(["up"])).official_triton_port is None  # off by default
+    assert config_from_args(parser.parse_args(["up"])).official_triton_port == 8003  # up: on by default
     assert config_from_args(parser.parse_args(["up", "--official-triton-port", "0"])).official_triton_port == 0
+    assert config_from_args(parser.parse_args(["up", "--no-official-ports"])).official_triton_port is None
+    assert config_from_args(gateway_parser().parse_args([])).official_triton_port is None  # the gateway's: off
     with pytest.raises(SystemExit):
         main(["--official-triton-port", "70000"])  # the gateway's own CLI has it too, checked
     assert "--official-triton-port 70000: expected 0" in capsys.readouterr().err

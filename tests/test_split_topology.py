@@ -51,6 +51,7 @@ def split(tiny_model_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("split")
     port = free_port()
     command = [sys.executable, "-m", "cosyvoice_triton.cli", "up", "--frontends", "2", "--backends", "1",
+               "--no-official-ports",  # 8003 and 50000 are tests/test_gateway_up.py's
                "--model-dir", str(tiny_model_dir), "--run-dir", str(run_dir / "run"), "--host", "127.0.0.1",
                "--port", str(port), "--workers", "8", "--torch-threads", "1", "--max-token-text-ratio", str(RATIO),
                "--t2w-idle-timeout", str(IDLE_TIMEOUT_S),

@@ -46,7 +46,7 @@ def _no_tritonserver_started(home) -> bool:
 
 def test_a_second_up_names_the_taken_gateway_port_and_its_process(listener, tiny_model_dir, tmp_path):
     port, pid = listener
-    result = run_cli(["up", "--model-dir", str(tiny_model_dir), "--port", str(port)], tmp_path)
+    result = run_cli(["up", "--model-dir", str(tiny_model_dir), "--port", str(port), "--no-official-ports"], tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"the gateway's port (--port) 0.0.0.0:{port} is in use by python" in result.stderr
     assert f"(pid {pid})" in result.stderr and "Traceback" not in result.stderr
@@ -56,7 +56,7 @@ def test_a_second_up_names_the_taken_gateway_port_and_its_process(listener, tiny
 
 def test_up_names_a_taken_triton_port(listener, tiny_model_dir, tmp_path):
     port, pid = listener
-    result = run_cli(["up", "--model-dir", str(tiny_model_dir), "--port", str(free_port()),
+    result = run_cli(["up", "--model-dir", str(tiny_model_dir), "--port", str(free_port()), "--no-official-ports",
                       "--triton-grpc-port", str(port), "--triton-http-port", "0", "--triton-metrics-port", "0"],
                      tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
@@ -82,7 +82,7 @@ def test_a_folder_that_is_not_a_model_folder_is_refused_at_once(command, tiny_mo
     folder.mkdir()
     (folder / "llm.pt").write_bytes((tiny_model_dir / "llm.pt").read_bytes())
     started = time.monotonic()
-    ports = ["--port", str(free_port())] if command == "up" else []
+    ports = ["--port", str(free_port()), "--no-official-ports"] if command == "up" else []
     result = run_cli([command, "--model-dir", str(folder), *ports], tmp_path / "home")
     assert result.returncode == 2, result.stdout + result.stderr
     message = result.stderr
@@ -113,7 +113,8 @@ def test_the_gateway_answers_while_tritonserver_starts_and_says_the_model_is_ran
     port = free_port()
     command = [sys.executable, "-m", "cosyvoice_triton.cli", "up", "--model-dir", str(tiny_model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--triton-http-port", "0", "--triton-grpc-port", "0",
-               "--triton-metrics-port", "0", "--workers", "2", "--torch-threads", "1", "--max-token-text-ratio", "3"]
+               "--triton-metrics-port", "0", "--workers", "2", "--torch-threads", "1", "--max-token-text-ratio", "3",
+               "--no-official-ports"]  # 8003 and 50000 are tests/test_gateway_up.py's
     up = CliProcess(command, {**os.environ, "COSYVOICE_HOME": str(tmp_path / "home")})
     url = f"http://127.0.0.1:{port}"
     answers = []

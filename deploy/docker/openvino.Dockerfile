@@ -3,7 +3,8 @@
 # OpenVINO runtime (`--engine openvino`), the LLM on torch's CPU build. Build from the repository root:
 #
 #   docker build -f deploy/docker/openvino.Dockerfile -t cosyvoice-triton:0.1.0-openvino .
-#   docker run --shm-size=1g -p 8080:8080 -v cosyvoice-home:/var/lib/cosyvoice cosyvoice-triton:0.1.0-openvino
+#   docker run --shm-size=1g -p 8080:8080 -p 8003:8003 -p 50000:50000 -v cosyvoice-home:/var/lib/cosyvoice \
+#       cosyvoice-triton:0.1.0-openvino
 #
 # The base is the same tritonserver 2.51 image as ./Dockerfile (its server and python_backend run on a
 # machine without a GPU). For ONNX Runtime's OpenVINO execution provider instead, install the
@@ -31,12 +32,14 @@ RUN python3 -m pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERS
         "wetext" "tritonclient[all]" "aiohttp" "websockets" "redis" "prometheus-client"
 
 COPY . .
-RUN python3 -m pip install -c deploy/docker/constraints.txt -e ".[openvino]" \
+# serve: the server's packages (a plain install is the client SDK alone)
+RUN python3 -m pip install -c deploy/docker/constraints.txt -e ".[serve,openvino]" \
  && mkdir -p "${COSYVOICE_HOME}" \
  && cosyvoice-triton --help > /dev/null
 
 VOLUME ["/var/lib/cosyvoice"]
-EXPOSE 8000 8001 8002 8080
+# 8003 and 50000: the gateway's ports for the official Triton and gRPC clients (`up`'s defaults)
+EXPOSE 8000 8001 8002 8003 8080 50000
 
 ENTRYPOINT ["cosyvoice-triton"]
 CMD ["up", "--port", "8080", "--device", "cpu", "--engine", "openvino", "--triton-address", "0.0.0.0"]
