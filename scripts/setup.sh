@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the project needs into a virtualenv (default .venv). Idempotent: a second run
-# only checks. System packages come from Debian; Python packages from PyPI (torch's CPU build is
+# only checks. System packages come from Debian; Python packages from PyPI (`serve`: the server's packages
+# on top of the client SDK's; torch's CPU build is
 # pinned by the `cpu` extra because an unpinned torch pulls a multi-GB CUDA build; `openvino` runs the
 # OpenVINO engine's tests; `bench` draws the benchmark plots and `docs` builds the docs site, both tested).
 set -euo pipefail
@@ -29,7 +30,7 @@ fi
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e ".[cpu,test,server,openvino,train,bench,docs]"
+"$VENV/bin/python" -m pip install -q -e ".[serve,cpu,test,server,openvino,train,bench,docs]"
 # perf_analyzer (tritonclient 2.41.0's binary and libcudart) goes into build/, not into the venv.
 bash perf/install_perf_analyzer.sh --python "$VENV/bin/python" >/dev/null
 echo "$WANT" > "$STAMP"

@@ -1,9 +1,10 @@
 """The wheel is complete: built from the sources pyproject.toml names, installed into a scratch folder, and
 used from outside the checkout, every public module imports from the wheel's copy, every console script
 and `cosyvoice_triton.commands` entry point loads, and the files `serve` and `up` read at run time (the
-model repository templates, the web page, the default voice) are in it. And a plain install of it into a
-fresh virtualenv is a server: `serve`, the gateway and `cosyvoice-client` start, and none of the tool-only
-packages (plots, tests, docs) is there."""
+model repository templates, the web page, the default voice) are in it, with the licence, the version and
+the type-hint markers in its metadata. And its `serve` extra, installed into a fresh virtualenv, is a server:
+`serve`, the gateway and `cosyvoice-client` start, and none of the tool-only packages (plots, tests, docs) is
+there. (The `client` extra alone: tests/test_client_install.py.)"""
 from __future__ import annotations
 
 import json
@@ -53,11 +54,11 @@ print(json.dumps({"root": cosyvoice_triton.__file__, "modules": modules, "failed
 
 
 def copy_sources(out: Path) -> Path:
-    """pyproject.toml, README.md and every folder its package-dir maps, copied to `out` (so the build writes
-    its build/ and egg-info there, not into the checkout)."""
+    """pyproject.toml, README.md, LICENSE and every folder its package-dir maps, copied to `out` (so the build
+    writes its build/ and egg-info there, not into the checkout)."""
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     folders = set(pyproject["tool"]["setuptools"]["package-dir"].values())
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", *pyproject["project"]["license-files"]):
         shutil.copy2(REPO_ROOT / name, out / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "results")
     for folder in folders:
@@ -157,12 +158,30 @@ def test_the_wheel_carries_what_serve_and_up_read(installed):
     assert under(data["recording"], target) and Path(data["recording"]).stat().st_size > 0
 
 
-# ---- a plain install ------------------------------------------------------------------------------------
+def test_the_wheel_carries_its_licence_version_and_type_markers(wheel):
+    import zipfile
+
+    import cosyvoice_triton
+
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        fields = archive.read(metadata).decode()
+        licence = next(n for n in names if n.endswith(".dist-info/licenses/LICENSE"))
+        assert archive.read(licence) == (REPO_ROOT / "LICENSE").read_bytes()
+    assert "Apache License\n                           Version 2.0" in (REPO_ROOT / "LICENSE").read_text()
+    assert "License-Expression: Apache-2.0" in fields.splitlines()
+    assert f"Version: {cosyvoice_triton.__version__}" in fields.splitlines()
+    assert {"cosyvoice_triton/py.typed", "cosyvoice_triton/client/py.typed"} <= names
+    assert {"Provides-Extra: client", "Provides-Extra: serve"} <= set(fields.splitlines())
+
+
+# ---- the serve extra -------------------------------------------------------------------------------------
 
 # Extras of tools, not of serving: no public module may need their packages to import, and none of them
-# (nor the `train` extra's) may be a core dependency.
+# (nor the `train` extra's) may be a base or `serve` dependency.
 TOOL_EXTRAS = ("bench", "test", "docs")
-# Import names of tool-only packages that a plain install must not bring, even through a core dependency
+# Import names of tool-only packages that a server install must not bring, even through one of its dependencies
 # (geventhttpclient: tritonclient's HTTP client, which `tritonclient[all]` would pull in).
 ABSENT = {"matplotlib": "bench", "pytest": "test", "grpc_tools": "test", "geventhttpclient": "test",
           "mkdocs": "docs", "peft": "train"}
@@ -209,14 +228,14 @@ def import_name(requirement: str) -> str:
 
 @pytest.fixture(scope="module")
 def fresh_venv(wheel, tmp_path_factory) -> Path:
-    """A virtualenv without system site packages holding the wheel with only its core dependencies and the
-    `cpu` extra's torch pin. pip resolves them from the package registry and keeps its cache (a second run
-    downloads nothing); torch comes from the machine's local wheel folder, as in scripts/setup.sh."""
+    """A virtualenv without system site packages holding the wheel with its base dependencies, the `serve`
+    extra and the `cpu` extra's torch pin. pip resolves them from the package registry and keeps its cache (a
+    second run downloads nothing); torch comes from the machine's local wheel folder, as in scripts/setup.sh."""
     venv = tmp_path_factory.mktemp("fresh") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
     # --no-compile: byte-compiling torch's thousands of files at install would take longer than the imports below
     run = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "-q", "install",
-                          "--no-compile", f"cosyvoice-triton[cpu] @ {wheel.as_uri()}"],
+                          "--no-compile", f"cosyvoice-triton[serve,cpu] @ {wheel.as_uri()}"],
                          env=fresh_env(), capture_output=True, text=True, timeout=1500, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return venv
@@ -228,8 +247,8 @@ def fresh_env() -> dict:
     return {**env, "PYTHONNOUSERSITE": "1"}
 
 
-@pytest.mark.timeout(1800)  # a first run installs torch and the core dependencies into a new venv (minutes)
-def test_a_plain_install_is_a_server_without_tool_packages(fresh_venv, tmp_path):
+@pytest.mark.timeout(1800)  # a first run installs torch and the server's dependencies into a new venv (minutes)
+def test_the_serve_extra_is_a_server_without_tool_packages(fresh_venv, tmp_path):
     bin_dir = fresh_venv / "bin"
     for command in ([bin_dir / "cosyvoice-triton", "serve", "--help"], [bin_dir / "cosyvoice-triton", "up", "--help"],
                     [bin_dir / "python", "-m", "cosyvoice_triton.gateway", "--help"],
@@ -248,13 +267,15 @@ def test_a_plain_install_is_a_server_without_tool_packages(fresh_venv, tmp_path)
 
     extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     names = {extra: {import_name(req) for req in reqs} for extra, reqs in extras.items()}
-    # A public module may miss a package of a feature's extra (train's peft, ...), never a tool's or a core one.
-    features = set().union(*(found for extra, found in names.items() if extra not in TOOL_EXTRAS))
+    # A public module may miss a package of a feature's extra (train's peft, ...), never a tool's, the base's or
+    # the serve extra's.
+    features = set().union(*(found for extra, found in names.items() if extra not in (*TOOL_EXTRAS, "serve")))
     assert {module: name for module, name in seen["failed"].items() if name not in features} == {}
 
-    core = [Requirement(r) for r in seen["requires"] if "extra ==" not in r]
-    assert "matplotlib" in names["bench"] and "torch" in {r.name for r in core}
+    base = [Requirement(r) for r in seen["requires"] if "extra ==" not in r]
+    server = base + [Requirement(r) for r in extras["serve"]]
+    assert "matplotlib" in names["bench"] and "torch" in names["serve"] and "torch" not in {r.name for r in base}
     # `tritonclient[http]` in `test` moves tritonclient's HTTP extra, not tritonclient.
     moved = {import_name(req) for extra in (*TOOL_EXTRAS, "train") for req in extras[extra] if "[" not in req}
-    assert {import_name(str(r)) for r in core} & moved == set(), "a tool-only package is a core dependency"
-    assert all(r.extras <= {"grpc"} for r in core if r.name == "tritonclient")
+    assert {import_name(str(r)) for r in server} & moved == set(), "a tool-only package is a server dependency"
+    assert all(r.extras <= {"grpc"} for r in server if r.name == "tritonclient")
