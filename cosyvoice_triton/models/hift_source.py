@@ -5,7 +5,8 @@
 noise where it is not, merged into one channel by a linear layer and tanh.
 
 The source is the only random part of the vocoder. It takes its randomness from a `HiFTNoise`, which
-makes three draws per call, in this order (the order of torch's global generator in the reference):
+makes three draws per call, in this order (the order of torch's global generator in the CosyVoice2
+reference; CosyVoice3's vocoder instead slices tensors drawn once: `models/fixed_noise.py`):
 
 1. `initial_phase(B, H)`: uniform [0, 1), a phase offset per harmonic in cycles (column 0 is ignored:
    the fundamental starts at phase 0);
@@ -47,10 +48,10 @@ class HiFTNoise(Protocol):
         """(B, H) uniform in [0, 1)."""
 
     def sine_noise(self, shape: tuple[int, int, int], device: torch.device) -> Tensor:
-        """(B, L, H) standard normal."""
+        """(B, L, H) added to the sines (standard normal; CosyVoice3's fixed noise is uniform in [0, 1))."""
 
     def source_noise(self, shape: tuple[int, int, int], device: torch.device) -> Tensor:
-        """(B, L, 1) standard normal."""
+        """(B, L, 1) for the noise branch (standard normal)."""
 
 
 class ZeroNoise:
@@ -144,13 +145,15 @@ class HarmonicSource(nn.Module):
     """F0 per frame (B, T) -> excitation at the audio rate (B, 1, T * upsample), with L = T * upsample.
 
     The per-sample phase increment of each harmonic is averaged down to one value per frame (linear
-    interpolation by 1/upsample), integrated, and interpolated back up, which keeps the phase smooth
-    across frame boundaries.
+    interpolation by 1/upsample), integrated, and brought back to the sample rate by `phase_upsampling`:
+    "linear" keeps the phase smooth across frame boundaries (CosyVoice2); "nearest" (CosyVoice3's causal
+    source, which must not look at the next frame) holds it constant over each frame, a staircase.
     """
 
     def __init__(self, sampling_rate: int, upsample: int, harmonics: int, sine_amp: float, noise_std: float,
-                 voiced_threshold: float):
+                 voiced_threshold: float, phase_upsampling: str = "linear"):
         super().__init__()
+        self.phase_upsampling = phase_upsampling
         self.sampling_rate = sampling_rate
         self.upsample = upsample
         self.sine_amp = sine_amp
@@ -178,7 +181,7 @@ class HarmonicSource(nn.Module):
         phase = torch.cumsum(cycles_per_frame, dim=1) * 2 * math.pi  # (B, T, H), radians at frame rate
         # (B, T, H) -> (B, H, T) to interpolate along time; x upsample turns per-frame into per-sample phase
         phase = F.interpolate(phase.transpose(1, 2) * self.upsample, scale_factor=float(self.upsample),
-                              mode="linear").transpose(1, 2)  # (B, L, H)
+                              mode=self.phase_upsampling).transpose(1, 2)  # (B, L, H)
         sines = torch.sin(phase) * self.sine_amp
 
         voiced = (f0 > self.voiced_threshold).to(f0.dtype)  # (B, L, 1)
