@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from packaging.requirements import Requirement
 
 import cosyvoice_triton
-from test_packaging import REPO_ROOT, fresh_env, import_name, wheel  # noqa: F401 - wheel: the fixture
+from test_packaging import REPO_ROOT, fresh_env, import_name, new_venv, wheel  # noqa: F401 - wheel: the fixture
 from web.stack import serve_stack
 
 pytestmark = pytest.mark.timeout(900)
@@ -72,15 +71,9 @@ print(json.dumps(seen))
 
 @pytest.fixture(scope="module")
 def client_venv(wheel, tmp_path_factory) -> Path:  # noqa: F811 - the imported fixture
-    """A virtualenv holding the wheel with only its `client` extra (pip resolves it from the package registry
-    and keeps its cache: a second run downloads nothing)."""
-    venv = tmp_path_factory.mktemp("client") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
-    run = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "-q", "install",
-                          "--no-compile", f"cosyvoice-triton[client] @ {wheel.as_uri()}"],
-                         env=fresh_env(), capture_output=True, text=True, timeout=600, check=False)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return venv
+    """The wheel with only its `client` extra."""
+    return new_venv(tmp_path_factory.mktemp("client") / "venv", f"cosyvoice-triton[client] @ {wheel.as_uri()}",
+                    timeout_s=600)
 
 
 def run_in(venv: Path, *command: str, cwd: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:

@@ -228,15 +228,19 @@ def import_name(requirement: str) -> str:
 
 @pytest.fixture(scope="module")
 def fresh_venv(wheel, tmp_path_factory) -> Path:
-    """A virtualenv without system site packages holding the wheel with its base dependencies, the `serve`
-    extra and the `cpu` extra's torch pin. pip resolves them from the package registry and keeps its cache (a
-    second run downloads nothing); torch comes from the machine's local wheel folder, as in scripts/setup.sh."""
-    venv = tmp_path_factory.mktemp("fresh") / "venv"
+    """The wheel with its base dependencies, the `serve` extra and the `cpu` extra's torch pin; torch comes
+    from the machine's local wheel folder, as in scripts/setup.sh."""
+    return new_venv(tmp_path_factory.mktemp("fresh") / "venv", f"cosyvoice-triton[serve,cpu] @ {wheel.as_uri()}")
+
+
+def new_venv(venv: Path, requirement: str, timeout_s: float = 1500) -> Path:
+    """A virtualenv at `venv`, without system site packages, holding `requirement`. pip resolves it from the
+    package registry and keeps its cache (a second run downloads nothing)."""
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
-    # --no-compile: byte-compiling torch's thousands of files at install would take longer than the imports below
+    # --no-compile: byte-compiling torch's thousands of files at install would take longer than the imports after
     run = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "-q", "install",
-                          "--no-compile", f"cosyvoice-triton[serve,cpu] @ {wheel.as_uri()}"],
-                         env=fresh_env(), capture_output=True, text=True, timeout=1500, check=False)
+                          "--no-compile", requirement],
+                         env=fresh_env(), capture_output=True, text=True, timeout=timeout_s, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return venv
 
