@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine.
-#   ./run.sh serve [args]   set up, then start the service: tritonserver + the gateway on http://localhost:8080
+#   ./run.sh serve [args]   set up, then start the service: tritonserver + the gateway on http://localhost:8080,
+#                           with ports 8003 and 50000 for the official clients (--no-official-ports: without)
 #                           (a tiny random model unless --model-dir is given)
 #   ./run.sh test  [args]   set up, then run the test suite (args go to pytest)
 #   ./run.sh setup          only set up: system packages and the virtualenv in .venv
