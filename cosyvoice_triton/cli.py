@@ -22,7 +22,11 @@ SERVE_EXTRA = "pip install 'cosyvoice-triton[serve]'"  # what a client-only inst
 
 
 def _add_export(sub) -> None:
+    from .family import COSYVOICE2, FAMILIES
+
     p = sub.add_parser("export", help="write a model folder with random weights in the released layout")
+    p.add_argument("--family", choices=[family.name for family in FAMILIES], default=COSYVOICE2.name,
+                   help="the model generation whose released layout the folder has (default %(default)s)")
     p.add_argument("--size", choices=["tiny", "full"], default="tiny",
                    help="tiny (seconds to make; the tests' size) or full (the released model's shapes, for benchmarks)")
     p.add_argument("--out", required=True, type=Path, help="the folder to write (new, or empty)")
@@ -35,8 +39,9 @@ def _add_export(sub) -> None:
 def _run_export(args) -> int:
     from .random_folder.write import write_random_model
 
-    write_random_model(args.out, size=args.size, seed=args.seed, backbone_weights=not args.no_backbone_weights)
-    print(f"wrote {args.size} model folder to {args.out}")
+    write_random_model(args.out, size=args.size, seed=args.seed, backbone_weights=not args.no_backbone_weights,
+                       family=args.family)
+    print(f"wrote {args.size} {args.family} model folder to {args.out}")
     return 0
 
 

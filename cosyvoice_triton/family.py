@@ -108,6 +108,14 @@ COSYVOICE3 = ModelFamily(
 FAMILIES = (COSYVOICE2, COSYVOICE3)
 
 
+def family_named(name: str) -> ModelFamily:
+    """The family called `name` ("cosyvoice2", "cosyvoice3")."""
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise ValueError(f"unknown model family {name!r}: one of {', '.join(f.name for f in FAMILIES)}")
+
+
 def family_of(model_dir: str | Path) -> ModelFamily:
     """The family of a model folder: the one whose yaml it holds."""
     root = Path(model_dir)

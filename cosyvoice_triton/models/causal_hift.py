@@ -99,12 +99,17 @@ class CausalHiFTGenerator(HiFTBody):
         self._build_body(causal=True)
 
     @classmethod
+    def config_from_yaml(cls, root: dict) -> CausalHiFTConfig:
+        """The config of the whole cosyvoice3.yaml's `hift` section."""
+        return CausalHiFTConfig.from_yaml(root["hift"])
+
+    @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> CausalHiFTGenerator:
         """Build from cosyvoice3.yaml (`hift`, and `flow` for the noise's draws) and load `hift.pt` strictly."""
         paths = ModelPaths(Path(model_dir))
         root = read_yaml(paths.yaml)
         try:
-            config = CausalHiFTConfig.from_yaml(root["hift"])
+            config = cls.config_from_yaml(root)
         except (KeyError, ValueError) as exc:
             raise ModelFolderError(f"{paths.yaml}: `hift`: {exc}") from exc
         flow = DiTFlowConfig.from_yaml(root)

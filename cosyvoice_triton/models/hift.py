@@ -253,6 +253,11 @@ class HiFTGenerator(HiFTBody):
 
     yaml_class = "HiFTGenerator"
 
+    @classmethod
+    def config_from_yaml(cls, root: dict) -> HiFTConfig:
+        """The config of the whole cosyvoice2.yaml's `hift` section."""
+        return HiFTConfig.from_yaml(root["hift"])
+
     def __init__(self, config: HiFTConfig):
         super().__init__()
         self.config = c = config

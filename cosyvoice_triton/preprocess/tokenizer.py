@@ -3,9 +3,10 @@
 A released `CosyVoice-BlankEN/` folder holds `vocab.json` + `merges.txt` (byte-level BPE) and
 `tokenizer_config.json`, whose `added_tokens_decoder` lists the added tokens with their ids
 (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, ...). A `tokenizer.json`, if present, is used
-instead of the two vocabulary files. On top, CosyVoice2 registers its own special tokens
-(`COSYVOICE2_SPECIAL_TOKENS`); those not yet known get the next free ids in list order, so
-`<|endofprompt|>` is id 151646 with the released vocabulary. Special tokens are matched in the
+instead of the two vocabulary files. On top, the model family registers its own special tokens
+(`ModelFamily.special_tokens`: CosyVoice2's, or CosyVoice3's, which add pronunciation tokens after them);
+those not yet known get the next free ids in list order, so `<|endofprompt|>` is id 151646 with the released
+vocabulary. Special tokens are matched in the
 raw text and always encode to one id (the official `allowed_special='all'`).
 """
 from __future__ import annotations
@@ -17,23 +18,12 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from cosyvoice_triton.errors import ModelFolderError
+from cosyvoice_triton.family import COSYVOICE2_SPECIAL_TOKENS
 
 # How Qwen2 cuts text into words before BPE: contractions, letter runs with one leading non-letter,
 # single digits, punctuation runs, newlines, other whitespace.
 QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                            r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-
-COSYVOICE2_SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>", "<|im_end|>", "<|endofprompt|>",
-    "[breath]", "<strong>", "</strong>", "[noise]",
-    "[laughter]", "[cough]", "[clucking]", "[accent]",
-    "[quick_breath]",
-    "<laughter>", "</laughter>",
-    "[hissing]", "[sigh]", "[vocalized-noise]",
-    "[lipsmack]", "[mn]",
-)
-
 
 def qwen2_pipeline(model: models.BPE) -> Tokenizer:
     """A tokenizer with Qwen2's normalizer, pre-tokenizer, decoder and post-processor around `model`."""
@@ -88,13 +78,14 @@ class TextTokenizer:
         self.tokenizer = tokenizer
 
     @classmethod
-    def from_dir(cls, qwen_dir: str | Path) -> TextTokenizer:
+    def from_dir(cls, qwen_dir: str | Path, special_tokens: Sequence[str] = COSYVOICE2_SPECIAL_TOKENS) -> TextTokenizer:
+        """The tokenizer of a `CosyVoice-BlankEN/` folder with `special_tokens` (the family's) added."""
         folder = Path(qwen_dir)
         tokenizer = _load_base(folder)
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
         _add_config_tokens(tokenizer, config, folder)
-        missing = [t for t in COSYVOICE2_SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
+        missing = [t for t in special_tokens if tokenizer.token_to_id(t) is None]
         tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in missing])
         return cls(tokenizer)
 

@@ -170,7 +170,8 @@ def render_model_yaml(size: ModelSize) -> str:
 
 
 def qwen_config(size: ModelSize, vocab_size: int) -> dict:
-    """`CosyVoice-BlankEN/config.json`: Qwen2.5-0.5B's values with this size's dimensions."""
+    """`CosyVoice-BlankEN/config.json`: Qwen2.5-0.5B's values with this size's dimensions (either family's size:
+    both have the `llm_size` and `qwen_*` fields)."""
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "attention_dropout": 0.0,

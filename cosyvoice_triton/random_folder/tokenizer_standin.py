@@ -3,17 +3,25 @@
 It is a byte-level BPE trained with the Qwen2 pre-tokenizer on a few Chinese and English sentences
 written for this purpose, saved in the released file layout of `CosyVoice-BlankEN/`: `vocab.json`,
 `merges.txt` and `tokenizer_config.json` with the three added tokens of the Qwen2 base tokenizer.
-`TextTokenizer.from_dir` then adds CosyVoice2's special tokens on top, as it does for the real one.
+`TextTokenizer.from_dir` then adds the family's special tokens on top, as it does for the real one.
 Every byte is in the vocabulary, so any text encodes. Training is deterministic.
+
+With `base_vocab` (CosyVoice3, whose LM looks for id 151646 = `<|endofprompt|>`), the vocabulary is padded
+with entries no text can reach (their characters lie outside the byte-level alphabet) to the released
+base size, so the added and special tokens get the released ids.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from cosyvoice_triton.preprocess.tokenizer import COSYVOICE2_SPECIAL_TOKENS, TextTokenizer, qwen2_pipeline
+
+UNREACHABLE = "\u2400"  # outside the byte-level alphabet: an entry made of it never comes out of text
+PADDED_TRAINED_SIZE = 2048  # BPE entries trained before a vocabulary is padded to `base_vocab`
 
 # Added tokens of the Qwen2 base tokenizer, right after the BPE vocabulary.
 QWEN2_ADDED_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -91,10 +99,15 @@ def _tokenizer_config(first_added_id: int) -> dict:
     }
 
 
-def write_tokenizer_standin(qwen_dir: str | Path, vocab_size: int) -> int:
-    """Write the tokenizer files into `qwen_dir`; return the total number of ids (≤ `vocab_size`)."""
-    n_added = len(set(QWEN2_ADDED_TOKENS) | set(COSYVOICE2_SPECIAL_TOKENS))
-    bpe_size = vocab_size - n_added
+def write_tokenizer_standin(qwen_dir: str | Path, vocab_size: int,
+                            special_tokens: Sequence[str] = COSYVOICE2_SPECIAL_TOKENS,
+                            base_vocab: int | None = None) -> int:
+    """Write the tokenizer files into `qwen_dir`; return the total number of ids (≤ `vocab_size`).
+
+    The BPE is trained to `vocab_size` ids in all (added and special tokens included), or, with `base_vocab`,
+    to `PADDED_TRAINED_SIZE` entries and padded to `base_vocab` before the added tokens."""
+    n_added = len(set(QWEN2_ADDED_TOKENS) | set(special_tokens))
+    bpe_size = PADDED_TRAINED_SIZE if base_vocab else vocab_size - n_added
     if bpe_size < 256:
         raise ValueError(f"vocab_size {vocab_size} leaves no room for the 256 byte tokens "
                          f"and {n_added} added tokens")
@@ -102,7 +115,17 @@ def write_tokenizer_standin(qwen_dir: str | Path, vocab_size: int) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     trained = _train(bpe_size)
     trained.model.save(str(folder))  # vocab.json, merges.txt
-    config = _tokenizer_config(first_added_id=trained.get_vocab_size(with_added_tokens=False))
+    base = trained.get_vocab_size(with_added_tokens=False)
+    if base_vocab:
+        vocab_file = folder / "vocab.json"
+        vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
+        vocab.update({f"{UNREACHABLE}{i}": i for i in range(base, base_vocab)})
+        vocab_file.write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+        base = base_vocab
+    config = _tokenizer_config(first_added_id=base)
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
                                                   encoding="utf-8")
-    return TextTokenizer.from_dir(folder).vocab_size
+    total = TextTokenizer.from_dir(folder, special_tokens).vocab_size
+    if total > vocab_size:
+        raise ValueError(f"the tokenizer has {total} ids, more than the model's {vocab_size}")
+    return total
