@@ -8,10 +8,11 @@ Admin keys (`ApiKeys.admin`) are keys too; they may also register and delete sha
 
 Tenants: each request runs as a `Tenant`, set by the middleware (`request[TENANT]`, and for the code
 below the handler, `current_tenant()`): the owner tag of its key (`owner_tag`: a hash, so the store
-never holds a key), whether the key is an admin key, and the bucket its limits count in. Without keys
-there are no tenants: every request is the keyless tenant (owner None), which sees every voice, and
-its limits are global (one bucket for every caller together; a client address says little behind a
-proxy).
+never holds a key), whether the key is an admin key, and the bucket its limits count in. The owner tag
+is the tenant's voice id space (voices/store.py Owners): its own voices and the shared ones, never another
+key's. Without keys there are no tenants: every request is the keyless tenant (owner None), whose
+voices are the shared ones (every voice registered without keys is shared), and its limits are global
+(one bucket for every caller together; a client address says little behind a proxy).
 
 Limits (`StreamLimiter`, `RateLimiter`): 429 with `Retry-After` and a message that says which limit.
 """

@@ -12,7 +12,8 @@ A request in the official form (tensors [1, ...]: reference_wav [1, N] at 16 kHz
 reference_text and target_text [1, 1]) goes to `cosyvoice2_official_offline` (contracts.py `official_model_for`:
 Triton checks ranks, so our cosyvoice2 cannot take it); any other keeps its model (a plain infer of the decoupled
 cosyvoice2 is refused by Triton, as it would be there). It is a non-streamed synthesis like /v1/tts's: keys,
-stream limit, admission, routing and retries, access log and metrics as there (synthesis.call_model).
+stream limit, admission, routing and retries, access log and metrics as there (synthesis.call_model); a key's
+reference_audio_id names its own voice or a shared one (the request goes with the key's `owner`, `with_owner`).
 
 Answer: {"model_name", "id", "outputs": [{"name": "waveform", "datatype": "FP32", "shape": [1, n], "data": [...]}]}
 with `data` flat. Errors: {"error": "..."} as Triton's HTTP port answers, the text being our error JSON
@@ -31,12 +32,12 @@ from dataclasses import dataclass
 import numpy as np
 from aiohttp import web
 
-from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFLINE, REFERENCE_WAV, REFERENCE_WAV_LEN,
-                                               TARGET_TEXT, WAVEFORM, official_model_for)
+from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFLINE, OWNER, REFERENCE_WAV, REFERENCE_WAV_LEN,
+                                               TARGET_TEXT, WAVEFORM, official_model_for, owner_input)
 from cosyvoice_triton.triton.wire import DATATYPES
 
 from .audio_response import observe_whole_answer
-from .auth import limit_key
+from .auth import current_tenant, limit_key
 from .errors import BadRequest, GatewayError, bounded
 from .fields import Fields
 from .protocol import json_body
@@ -144,8 +145,9 @@ async def infer(request: web.Request) -> web.Response:
         model = official_model_for(name, kserve.shapes, streaming=False)
         cost = synthesis_cost(app, kserve.text(), kserve.prompt_samples())
         with app[LIMITER].slot(limit_key(request)):
-            outputs = await call_model(app, model, kserve.inputs, cost, app[CONFIG].routing.offline_timeout_s,
-                                       kserve.id or uuid.uuid4().hex, admit=True)
+            outputs = await call_model(app, model, with_owner(kserve.inputs, model, current_tenant().owner), cost,
+                                       app[CONFIG].routing.offline_timeout_s, kserve.id or uuid.uuid4().hex,
+                                       admit=True)
     except TritonCallError as exc:
         refused_by_server(app, exc)
         # The status as the other routes answer it; the text as Triton sent it (naming the input at fault).
@@ -159,6 +161,14 @@ async def infer(request: web.Request) -> web.Response:
     await observe_whole_answer(request, ROUTE, outputs.get(WAVEFORM, np.zeros(0, np.float32)), accepted)
     return web.json_response({"model_name": name, "id": kserve.id,
                               "outputs": [output_json(o, outputs[o]) for o in asked]})
+
+
+def with_owner(inputs: dict[str, np.ndarray], model: str, owner: str | None) -> dict[str, np.ndarray]:
+    """`inputs` with the caller's owner tag (contracts.owner_input) in place of any `owner` the client sent: a key's
+    reference_audio_id names its own voice or a shared one, never another key's."""
+    tensor = owner_input(model, owner)
+    sent = {name: array for name, array in inputs.items() if name != OWNER}
+    return sent if tensor is None else {**sent, OWNER: tensor}
 
 
 def output_json(name: str, array: np.ndarray) -> dict:

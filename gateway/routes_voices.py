@@ -17,11 +17,12 @@ DELETE /v1/voices/{id}  {"id", "deleted": true}; 404 if unknown or another key's
                     without an admin key
 
 Tenants (see auth.py): a voice registered with a key belongs to that key (the store keeps the key's
-owner tag); one registered with an admin key and `shared` true, or without keys, is shared. Another
-key's voice answers 404 everywhere, as if it did not exist (never 403, which would tell it exists).
-Shared voices (`default` among them) are visible to all and deleted only with an admin key; without
-keys every caller may delete a shared voice except `default`. Ids are one namespace: an explicit `id`
-that another key already uses is refused as taken (400 naming `id`).
+owner tag); one registered with an admin key and `shared` true, or without keys, is shared. Each key has
+its own ids (voices/store.py Owners): an `id` that another key uses is free, and that key's voice is never
+seen, used, listed or deleted by another (404 everywhere, as for an id nobody uses). Shared voices
+(`default` among them) are visible to all and deleted only with an admin key; without keys every caller
+may delete a shared voice except `default`, and sees only the shared voices. An `id` is refused (400
+naming `id`) when the key's own voice of other content, or a shared voice, holds it.
 
 A registration is parsed once into a `VoiceRegistration` (protocol.py); its recording is decoded once here
 (for the idempotency check's hash) and sent to `register_voice` as samples.
@@ -37,7 +38,7 @@ from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.preprocess.voice_features import audio_sha256
 from cosyvoice_triton.admission import ENCODE_COST
 from cosyvoice_triton.messages import SPEECH_TOKENS_PER_SECOND
-from cosyvoice_triton.voices.store import VoiceRecord, check_voice_id, visible_to
+from cosyvoice_triton.voices.store import VoiceRecord, check_voice_id
 from cosyvoice_triton.triton.contracts import PromptAudio, RegisterInputs, registered_voice_id
 
 from .auth import RateLimiter, Tenant, current_tenant
@@ -90,7 +91,7 @@ async def register(app: web.Application, audio: bytes, text: str, voice_id: str 
                                app[CONFIG].routing.register_timeout_s)
     registered = registered_voice_id(outputs)
     created = stored is None
-    return await asyncio.to_thread(store.info, registered), created
+    return await asyncio.to_thread(store.info, registered, owner), created
 
 
 async def _form(request: web.Request) -> dict:
@@ -133,9 +134,8 @@ async def create_voice(request: web.Request) -> web.Response:
 
 
 async def list_voices(request: web.Request) -> web.Response:
-    owner = current_tenant().owner
-    voices = await asyncio.to_thread(request.app[STORE].list)
-    return web.json_response({"voices": [voice_json(v) for v in voices if visible_to(v, owner)]})
+    voices = await asyncio.to_thread(request.app[STORE].list, current_tenant().owner)
+    return web.json_response({"voices": [voice_json(v) for v in voices]})
 
 
 async def get_voice(request: web.Request) -> web.Response:
@@ -145,7 +145,7 @@ async def get_voice(request: web.Request) -> web.Response:
 async def delete_voice(request: web.Request) -> web.Response:
     info = await _info(request)
     check_may_delete(info, current_tenant())
-    if not await asyncio.to_thread(request.app[STORE].delete, info.voice_id):
+    if not await asyncio.to_thread(request.app[STORE].delete, info.voice_id, info.owner):
         raise VoiceNotFound("id", f"no voice {info.voice_id!r} is registered")
     return web.json_response({"id": info.voice_id, "deleted": True})
 
@@ -153,7 +153,7 @@ async def delete_voice(request: web.Request) -> web.Response:
 def check_may_delete(info: VoiceRecord, tenant: Tenant) -> None:
     """A key deletes its own voices; shared ones need an admin key; without keys, any but `default`."""
     if not info.shared:
-        return  # visible and owned: the caller's own (keyless callers own nothing but see everything)
+        return  # found for the caller and owned: its own
     if tenant.admin or (not tenant.keyed and info.voice_id != DEFAULT_VOICE_ID):
         return
     who = "an admin key" if tenant.keyed else "an admin key (the gateway runs without keys)"
@@ -169,15 +169,12 @@ def _voice_id(request: web.Request) -> str:
 
 
 async def _info(request: web.Request) -> VoiceRecord:
-    """The voice named in the path if the caller may see it; else 404, the same as for no voice."""
+    """The voice the path's id names to the caller (its own, else a shared one); else 404."""
     voice_id = _voice_id(request)
     try:
-        info = await asyncio.to_thread(request.app[STORE].info, voice_id)
+        return await asyncio.to_thread(request.app[STORE].info, voice_id, current_tenant().owner)
     except NotFound:
-        info = None
-    if info is None or not visible_to(info, current_tenant().owner):
-        raise VoiceNotFound("id", f"no voice {voice_id!r} is registered")
-    return info
+        raise VoiceNotFound("id", f"no voice {voice_id!r} is registered") from None
 
 
 def registration_rate(limits) -> RateLimiter:

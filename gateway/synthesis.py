@@ -26,7 +26,7 @@ from cosyvoice_triton.preprocess.audio import decode_audio, validate_prompt_audi
 from cosyvoice_triton.triton.contracts import (OFFICIAL_SAMPLE_RATE, ConversionInputs, PromptAudio, SynthesisInputs,
                                                marks_of, waveform_of)
 from cosyvoice_triton.voices.prompt_budget import speech_tokens_of
-from cosyvoice_triton.voices.store import VoiceRecord, check_voice_id, visible_to
+from cosyvoice_triton.voices.store import VoiceRecord, check_voice_id
 
 from . import admission
 from .auth import current_tenant
@@ -91,16 +91,20 @@ async def prepare_conversion(app: web.Application, inputs: ConversionInputs,
 async def conversion_in_voice(base: SynthesisInputs, source: PromptAudio, fields: Fields) -> ConversionInputs:
     """A recording to speak again in a prepared synthesis's voice, seed and speed (a WebSocket vc message)."""
     source = await decode_recording(source, fields.source, validate_source_audio)
-    return ConversionInputs(source=source, voice_id=base.voice_id, audio=base.audio, seed=base.seed, speed=base.speed)
+    return ConversionInputs(source=source, voice_id=base.voice_id, audio=base.audio, owner=base.owner, seed=base.seed,
+                            speed=base.speed)
 
 
 async def settle_voice(app: web.Application, inputs: WireRequest, fields: Fields,
                        stock_voice: bool = False) -> tuple[WireRequest, int, str | None]:
     """(`inputs` with its voice settled, the voice's prompt speech tokens, a registered voice's transcript or
     None for a recording). A request names its voice by an id or by a prompt recording, not both; neither:
-    "default". `stock_voice`: the id is an OpenAI voice name, which speaks as "default" when unregistered."""
+    "default". `stock_voice`: the id is an OpenAI voice name, which speaks as "default" when unregistered.
+    The request goes with its tenant's owner tag, so Triton looks its voice ids (SSML's <voice name> too) up in
+    the tenant's id space, as `voice_info` does here."""
     if inputs.voice_id is not None and inputs.audio is not None:
         raise BadRequest(fields.voice_id, f"give {fields.voice_id} or {fields.audio}, not both")
+    inputs = replace(inputs, owner=current_tenant().owner)
     if inputs.audio is not None:
         audio = await decode_recording(inputs.audio, fields.audio)
         return replace(inputs, audio=audio), speech_tokens(audio), None
@@ -149,22 +153,20 @@ def synthesis_cost(app: web.Application, text: str, prompt_samples: int) -> floa
 
 
 async def voice_info(app: web.Application, voice_id: object, field: str, stock_voice: bool = False) -> VoiceRecord:
-    """The voice if the request's tenant may use it: its own or a shared one (`auth.current_tenant`, set
-    for every request). Another key's voice answers 404 exactly as a missing one. Every synthesis route
-    (HTTP, WebSocket, OpenAI) resolves its voice here before Triton sees the request."""
+    """The voice `voice_id` names to the request's tenant (`auth.current_tenant`, set for every request): its own
+    voice of that id, else a shared one. Each key has its own ids, so another key's voice is not even looked at:
+    404 exactly as for an id nobody uses. Every synthesis route (HTTP, WebSocket, OpenAI, official) resolves its
+    voice here before Triton sees the request."""
     try:
         check_voice_id(voice_id, field)
     except InvalidInput as exc:
         raise BadRequest(field, exc.problem) from None
     try:
-        info = await asyncio.to_thread(app[STORE].info, voice_id)
+        return await asyncio.to_thread(app[STORE].info, voice_id, current_tenant().owner)
     except NotFound:
         if stock_voice:  # an OpenAI voice name that nobody registered
             return await voice_info(app, DEFAULT_VOICE_ID, field)
-        info = None
-    if info is not None and visible_to(info, current_tenant().owner):
-        return info
-    if info is None and voice_id == DEFAULT_VOICE_ID and app[DEFAULT_VOICE].pending:
+    if voice_id == DEFAULT_VOICE_ID and app[DEFAULT_VOICE].pending:
         raise ServiceUnavailable("the default voice is being registered; try again in a moment")
     raise VoiceNotFound(field, f"no voice {voice_id!r} is registered (see GET /v1/voices)")
 

@@ -23,7 +23,10 @@ native cosyvoice2; ask for cosyvoice2_official to see the official form). The re
 
 API keys: when the gateway has keys, every call but ServerLive and ServerReady needs `authorization: Bearer KEY`
 (or `x-api-key`) metadata (UNAUTHENTICATED otherwise), and a key's cosyvoice2 requests count against its stream
-limit (RESOURCE_EXHAUSTED beyond). The official client sends no key: keep keys off, or this port internal.
+limit (RESOURCE_EXHAUSTED beyond). Every request to a model that takes an `owner` (cosyvoice2*, register_voice) goes
+with the key's owner tag in place of any the client sent (none without keys): a key names and registers its own
+voices (and uses the shared ones), never another key's (`forwarded_as`). The official client sends no key: keep
+keys off, or this port internal.
 
 `GatewayConfig.official_triton_port` (`--official-triton-port PORT`; 0: a free one, printed at start) turns it on.
 """
@@ -42,12 +45,13 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from cosyvoice_triton.errors import CosyVoiceError
 from cosyvoice_triton.pipeline.audible import AudibleDetector
 from cosyvoice_triton.server_pool import Server
-from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFLINE, OFFICIAL_MODELS,
+from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFLINE, OFFICIAL_MODELS, OWNER,
                                                REFERENCE_WAV, REFERENCE_WAV_LEN, TARGET_TEXT, TEXT_APPEND,
                                                TEXT_STREAM_ID, WAVEFORM,
-                                               official_model_for)
+                                               official_model_for, owner_input)
 from cosyvoice_triton.triton.grpc_stream import status_error
-from cosyvoice_triton.triton.wire import MAX_MESSAGE_BYTES, STREAM_END_WAIT_S, is_final, response_outputs
+from cosyvoice_triton.triton.wire import (MAX_MESSAGE_BYTES, STREAM_END_WAIT_S, infer_request, is_final,
+                                          response_outputs)
 
 from .auth import ApiKeys, Tenant, header_key
 from .errors import as_gateway_error
@@ -117,7 +121,6 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
                          context: grpc.aio.ServicerContext) -> service_pb2.ModelInferResponse:
         app = self.app
         model = official_model_for(request.model_name, shapes(request), streaming=False)
-        forwarded = renamed(request, model)
         deadline = context.time_remaining()
         timeout_s = app[CONFIG].routing.offline_timeout_s if deadline is None else deadline
 
@@ -130,6 +133,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
         accepted = time.monotonic()
         try:
             tenant = self._tenant(context)
+            forwarded = forwarded_as(request, model, tenant.owner)
             app[DRAIN].refuse_new()
             with self._stream_slot(model, tenant, request):
                 response = await self._routed(model, request_cost(app, request), send)
@@ -174,7 +178,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
         """One streamed request, relayed; its failure is written as Triton writes one (an error response)."""
         app = self.app
         model = official_model_for(request.model_name, shapes(request), streaming=True)
-        forwarded = renamed(request, model)
+        forwarded = forwarded_as(request, model, tenant.owner)
         stream_id = bytes_value(request, TEXT_STREAM_ID)
         appended = TEXT_APPEND in shapes(request)
 
@@ -268,12 +272,30 @@ def shapes(request: service_pb2.ModelInferRequest) -> dict[str, list[int]]:
     return {tensor.name: list(tensor.shape) for tensor in request.inputs}
 
 
-def renamed(request: service_pb2.ModelInferRequest, model: str) -> service_pb2.ModelInferRequest:
-    if model == request.model_name:
+def forwarded_as(request: service_pb2.ModelInferRequest, model: str,
+                 owner: str | None) -> service_pb2.ModelInferRequest:
+    """`request` for `model`, with the caller's `owner` input (contracts.owner_input) in place of any the client
+    sent: the gateway says whose voices a request names and who registers, so a key reaches its own voices and
+    the shared ones only, on every model that takes an owner."""
+    owner_tensor = owner_input(model, owner)
+    sent = [index for index, tensor in enumerate(request.inputs) if tensor.name == OWNER]
+    if model == request.model_name and not sent and owner_tensor is None:
         return request
     forwarded = service_pb2.ModelInferRequest()
     forwarded.CopyFrom(request)
     forwarded.model_name = model
+    contents = len(forwarded.inputs) > 0 and not forwarded.raw_input_contents  # values in `contents`, not raw
+    for index in reversed(sent):
+        del forwarded.inputs[index]
+        if not contents and index < len(forwarded.raw_input_contents):
+            del forwarded.raw_input_contents[index]
+    if owner_tensor is not None:
+        built = infer_request(model, {OWNER: owner_tensor})
+        forwarded.inputs.append(built.inputs[0])
+        if contents:
+            forwarded.inputs[-1].contents.bytes_contents.append(owner.encode())
+        else:
+            forwarded.raw_input_contents.append(built.raw_input_contents[0])
     return forwarded
 
 

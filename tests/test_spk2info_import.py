@@ -125,6 +125,6 @@ def test_owner_key_imports_voices_of_that_key(tmp_path, spk2info, tiny_model_dir
     assert run_import(spk2info[0], tiny_model_dir, store_path, "--owner", "key-1") == 0
     store = open_voice_store(store_path)
     try:
-        assert store.info("saved_a").owner == owner_tag("key-1") != "key-1"
+        assert store.info("saved_a", owner_tag("key-1")).owner == owner_tag("key-1") != "key-1"
     finally:
         store.close()

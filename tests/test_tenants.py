@@ -1,7 +1,10 @@
-"""Tenants: voices belong to the owner (API key) that registered them; shared voices are everyone's.
+"""Tenants: voices belong to the owner (API key) that registered them, each owner with its own ids; shared voices
+are everyone's.
 
-The store keeps an owner tag per voice (SQLite and Redis, old data migrated as shared); the gateway
-scopes listing, use and deletion by key, over HTTP, WebSocket and the OpenAI route (tests further down).
+The store keeps voices by (owner, id) (SQLite and Redis, old data migrated: voices without owners shared, owned
+voices of one-space ids kept under their ids); the gateway scopes registration, listing, use and deletion by key,
+over HTTP, WebSocket, the OpenAI and official-compatible routes and the Triton gRPC facade, and Triton resolves an
+id (SSML's <voice name> too) in the owner's space (tests further down).
 """
 from __future__ import annotations
 
@@ -11,9 +14,10 @@ import sqlite3
 import pytest
 import redis
 
-from cosyvoice_triton.voices.store import content_key, generated_voice_id, register_once, visible_to
+from cosyvoice_triton.errors import InvalidInput, NotFound
+from cosyvoice_triton.voices.store import content_key, generated_voice_id, register_once
 from cosyvoice_triton.voices.stores import open_voice_store
-from cosyvoice_triton.voices.redis_store import CONTENT_KEY, IDS_KEY, voice_key
+from cosyvoice_triton.voices.redis_store import CONTENT_KEY, IDS_KEY, LAYOUT_KEY, voice_key
 from redis_harness import redis_server  # noqa: F401  (a fixture)
 from test_voice_store import make_features
 
@@ -46,10 +50,39 @@ def test_each_owner_gets_its_own_voice_for_one_recording(store_url):
     assert alice.voice_id == generated_voice_id(features.audio_sha256, features.text, ALICE)
     assert store.register(features, owner=ALICE) == alice  # idempotent per owner
     assert store.find(features.audio_sha256, features.text, BOB) == bob
-    assert store.info(alice.voice_id).owner == ALICE
-    assert {v.voice_id for v in store.list() if visible_to(v, BOB)} == {shared.voice_id, bob.voice_id}
-    assert {v.voice_id for v in store.list() if visible_to(v, None)} == {shared.voice_id, alice.voice_id,
-                                                                        bob.voice_id}
+    assert store.info(alice.voice_id, ALICE).owner == ALICE
+    assert {v.voice_id for v in store.list(BOB)} == {shared.voice_id, bob.voice_id}
+    assert {v.voice_id for v in store.list()} == {shared.voice_id}  # keyless use: the shared voices
+    store.close()
+
+
+def test_each_owner_has_its_own_ids(store_url):
+    store = open_voice_store(store_url)
+    mine, theirs, public = make_features(seed=1), make_features(seed=2), make_features(seed=3)
+    alice = store.register(mine, "myvoice", owner=ALICE)
+    bob = store.register(theirs, "myvoice", owner=BOB)  # Alice's id is no business of Bob's: it is free
+    assert (alice.voice_id, alice.owner, bob.voice_id, bob.owner) == ("myvoice", ALICE, "myvoice", BOB)
+    for owner, features in ((ALICE, mine), (BOB, theirs)):
+        assert store.info("myvoice", owner).audio_sha256 == features.audio_sha256
+        assert store.get("myvoice", owner).audio_sha256 == features.audio_sha256
+        assert [v.audio_sha256 for v in store.list(owner) if v.voice_id == "myvoice"] == [features.audio_sha256]
+    with pytest.raises(NotFound):
+        store.get("myvoice")  # nor is it keyless use's, which sees the shared voices
+    assert store.list() == []
+
+    store.register(public, "team")  # shared: seen by every owner, and its id is not free to any of them
+    assert store.get("team", ALICE).audio_sha256 == store.get("team", BOB).audio_sha256 == public.audio_sha256
+    with pytest.raises(InvalidInput, match="shared voice"):
+        store.register(make_features(seed=9), "team", owner=ALICE)
+    with pytest.raises(InvalidInput, match="taken by a different recording"):
+        store.register(make_features(seed=4), "myvoice", owner=ALICE)  # its own id of other content
+
+    assert store.delete("myvoice", BOB) and not store.delete("myvoice", BOB)
+    with pytest.raises(NotFound):
+        store.info("myvoice", BOB)  # Bob's is gone; Alice's is not his to see
+    assert store.get("myvoice", ALICE).audio_sha256 == mine.audio_sha256
+    assert not store.delete("team", ALICE)  # an owner's delete names its own voice, never the shared one
+    assert store.info("team", BOB).shared
     store.close()
 
 
@@ -71,9 +104,32 @@ def test_an_old_sqlite_file_gains_owners_and_its_voices_are_shared(tmp_path):
     assert store.find(features.audio_sha256, features.text) == store.info("old")  # old content key still found
     assert store.get("old").text == features.text
     mine = store.register(features, owner=ALICE)
-    assert mine.voice_id != "old" and store.info(mine.voice_id).owner == ALICE
+    assert mine.voice_id != "old" and store.info(mine.voice_id, ALICE).owner == ALICE
     store.close()
-    assert open_voice_store(f"sqlite://{path}").info(mine.voice_id).owner == ALICE  # reopened: migrated once
+    assert open_voice_store(f"sqlite://{path}").info(mine.voice_id, ALICE).owner == ALICE  # reopened: migrated once
+
+
+def test_owned_voices_of_a_file_with_one_id_space_keep_their_ids(tmp_path):
+    """A file of the version whose ids were one space for every owner (keyed by voice id, with owners): its owned
+    voices keep their ids, in their owner's space, and the same id is then free to another owner."""
+    path, features = tmp_path / "one-space.sqlite", make_features(seed=5)
+    new = open_voice_store(f"sqlite://{tmp_path / 'blob.sqlite'}")  # to borrow a real blob and revision
+    info = new.register(features, voice_id="k1voice")
+    blob, revision = sqlite3.connect(tmp_path / "blob.sqlite").execute("SELECT blob, revision FROM voices").fetchone()
+    new.close()
+    with sqlite3.connect(path) as db:
+        db.execute(OLD_SQLITE_SCHEMA.replace("blob BLOB NOT NULL", "blob BLOB NOT NULL, owner TEXT"))
+        db.execute("INSERT INTO voices VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                   ("k1voice", content_key(features.audio_sha256, features.text, ALICE), revision, info.text,
+                    info.audio_sha256, info.tokens, info.created_at, None, blob, ALICE))
+    store = open_voice_store(f"sqlite://{path}")
+    assert store.info("k1voice", ALICE).owner == ALICE and store.get("k1voice", ALICE).text == features.text
+    assert store.register(features, owner=ALICE).voice_id == "k1voice"  # its content key still found
+    with pytest.raises(NotFound):
+        store.info("k1voice", BOB)
+    assert store.register(make_features(seed=6), "k1voice", owner=BOB).owner == BOB
+    assert [v.owner for v in (store.info("k1voice", ALICE), store.info("k1voice", BOB))] == [ALICE, BOB]
+    store.close()
 
 
 def test_old_redis_entries_read_as_shared(redis_server):  # noqa: F811
@@ -93,6 +149,32 @@ def test_old_redis_entries_read_as_shared(redis_server):  # noqa: F811
     assert [v.voice_id for v in reopened.list()] == ["old"]
     store.close()
     reopened.close()
+
+
+def test_old_redis_owned_voices_move_to_their_owners_space(redis_server):  # noqa: F811
+    """Owned voices written when ids were one space for every owner (kept under their id) move, when a store
+    opens, under their owner's space with their ids, once; the id is then free to another owner."""
+    redis_server.flush()
+    features = make_features(seed=7)
+    store = open_voice_store(redis_server.url)
+    store.register(features, "k1voice", owner=ALICE)
+    with redis.Redis.from_url(redis_server.url) as client:  # as that version kept it
+        client.rename(voice_key(f"{ALICE}/k1voice"), voice_key("k1voice"))
+        client.srem(IDS_KEY, f"{ALICE}/k1voice")
+        client.sadd(IDS_KEY, "k1voice")
+        client.hset(CONTENT_KEY, content_key(features.audio_sha256, features.text, ALICE), "k1voice")
+        client.delete(LAYOUT_KEY)
+    store.close()
+    first, second = open_voice_store(redis_server.url), open_voice_store(redis_server.url)  # moved once
+    assert first.info("k1voice", ALICE).owner == ALICE and second.get("k1voice", ALICE).text == features.text
+    assert first.find(features.audio_sha256, features.text, ALICE).voice_id == "k1voice"
+    with pytest.raises(NotFound):
+        first.info("k1voice")
+    assert second.register(make_features(seed=8), "k1voice", owner=BOB).owner == BOB
+    with redis.Redis.from_url(redis_server.url) as client:
+        assert client.smembers(IDS_KEY) == {f"{ALICE}/k1voice".encode(), f"{BOB}/k1voice".encode()}
+    first.close()
+    second.close()
 
 
 # ---- through the gateway: two keys and an admin, on SQLite and on Redis ---------------------------------
@@ -139,7 +221,7 @@ def stack(request, tiny_model_dir, tmp_path_factory):
     triton.start()
     config = GatewayConfig(triton=(triton.target,), voice_store=store, model_dir=tiny_model_dir,
                            home=tmp_path_factory.mktemp("home"), api_keys=frozenset({KEY_A, KEY_B}),
-                           admin_keys=frozenset({ADMIN}),
+                           admin_keys=frozenset({ADMIN}), official_triton_port=0,
                            routing=RoutingConfig(health_interval_s=1.0, metrics_interval_s=1.0))
     try:
         with GatewayThread(config) as gateway:
@@ -194,7 +276,7 @@ def openai_speech(gateway, key: str, voice: str):
 
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0, timeout=120)
     return client.audio.speech.create(model="cosyvoice2", voice=voice, input="Hello there.",
-                                      response_format="wav")
+                                      response_format="wav", extra_body={"seed": 3})
 
 
 def test_a_keys_voice_is_invisible_and_unusable_to_another_key(stack):
@@ -261,3 +343,111 @@ def test_keys_travel_in_headers_and_only_the_websocket_takes_api_key_in_the_url(
     assert call(stack, "GET", "/v1/voices", "not-a-key").status_code == 401
     assert requests.get(stack.url + "/v1/voices", headers={"X-API-Key": KEY_B}, timeout=30).status_code == 200
     assert asyncio.run(ws_start(stack, KEY_A, "default"))["type"] == "end"
+
+
+# ---- one id, two keys: each key its own id space ---------------------------------------------------------
+SSML = '<speak><voice name="{}">Hello there.</voice></speak>'
+
+
+def sound(response: requests.Response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    return sf.read(io.BytesIO(response.content), dtype="float32")[0]
+
+
+def official_sft(gateway, key: str, voice: str) -> requests.Response:
+    return call(gateway, "POST", "/inference_sft", key, data={"tts_text": "Hello there.", "spk_id": voice, "seed": "3"})
+
+
+def kserve(gateway, key: str, voice: str, owner: str | None = None) -> requests.Response:
+    inputs = [{"name": "target_text", "shape": [1], "datatype": "BYTES", "data": ["Hello there."]},
+              {"name": "reference_audio_id", "shape": [1], "datatype": "BYTES", "data": [voice]},
+              {"name": "seed", "shape": [1], "datatype": "UINT64", "data": [3]}]
+    if owner is not None:  # a client's own owner input: the gateway puts its caller's in its place
+        inputs.append({"name": "owner", "shape": [1], "datatype": "BYTES", "data": [owner]})
+    return call(gateway, "POST", "/v2/models/cosyvoice2_offline/infer", key, json={"inputs": inputs})
+
+
+def facade(gateway, key: str, voice: str, owner: str | None = None) -> np.ndarray:
+    """cosyvoice2_offline through the gateway's Triton gRPC port; raises InferenceServerException."""
+    import tritonclient.grpc as grpcclient
+    from cosyvoice_triton.gateway.triton_facade import OFFICIAL_TRITON_PORT
+    from triton_harness import grpc_inputs
+
+    values = {"target_text": np.array(["Hello there."], object), "reference_audio_id": np.array([voice], object),
+              "seed": np.array([3], np.uint64)}
+    if owner is not None:
+        values["owner"] = np.array([owner], object)
+    port = gateway.call(lambda app: app[OFFICIAL_TRITON_PORT])
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as client:
+        result = client.infer("cosyvoice2_offline", grpc_inputs(values), headers={"authorization": f"Bearer {key}"},
+                              client_timeout=120)
+    return result.as_numpy("waveform")
+
+
+def test_an_id_another_key_uses_is_free_and_each_key_speaks_its_own_voice(stack):
+    """Key A registers "myvoice"; key B registers "myvoice" from another recording: no "taken" answer (that would
+    tell B that A's id exists). Each key's "myvoice" is its own recording on every route (HTTP, SSML <voice name>,
+    WebSocket, OpenAI, official HTTP, KServe, the Triton gRPC facade), as B's copy of A's recording under another
+    id shows; B can neither list, read, delete nor use A's, not even by sending A's owner tag itself."""
+    import openai
+    from tritonclient.utils import InferenceServerException
+
+    from cosyvoice_triton.voices.store import owner_tag
+
+    a = register(stack, KEY_A, seed=21, id="myvoice")
+    b = register(stack, KEY_B, seed=22, id="myvoice")
+    assert a.status_code == 201, a.text
+    assert b.status_code == 201 and "taken" not in b.text, b.text
+    twin = register(stack, KEY_B, seed=21, id="a-twin")  # A's recording, as B's own voice
+    assert twin.status_code == 201 and twin.json()["audio_sha256"] == a.json()["audio_sha256"] != \
+        b.json()["audio_sha256"], twin.text
+    for key, mine in ((KEY_A, a.json()), (KEY_B, b.json())):
+        assert call(stack, "GET", "/v1/voices/myvoice", key).json()["audio_sha256"] == mine["audio_sha256"]
+        listed = call(stack, "GET", "/v1/voices", key).json()["voices"]
+        assert [v["audio_sha256"] for v in listed if v["id"] == "myvoice"] == [mine["audio_sha256"]]
+
+    def same(x: np.ndarray, y: np.ndarray) -> bool:
+        return x.shape == y.shape and float(np.max(np.abs(x - y))) <= 1e-4
+
+    speakers = {
+        "tts": lambda key, voice: sound(tts(stack, key, voice)),
+        "ssml": lambda key, voice: sound(call(stack, "POST", "/v1/tts", key,
+                                              json={"text": SSML.format(voice), "seed": 3})),
+        "openai": lambda key, voice: sf.read(io.BytesIO(openai_speech(stack, key, voice).read()), dtype="float32")[0],
+        "official": lambda key, voice: np.frombuffer(official_sft(stack, key, voice).content, "<i2") / 32768,
+        "kserve": lambda key, voice: np.asarray(kserve(stack, key, voice).json()["outputs"][0]["data"], np.float32),
+        "facade": lambda key, voice: facade(stack, key, voice),
+    }
+    for route, speak in speakers.items():
+        a_mine, b_mine, b_twin = speak(KEY_A, "myvoice"), speak(KEY_B, "myvoice"), speak(KEY_B, "a-twin")
+        assert same(a_mine, b_twin), route  # A's "myvoice" is A's recording
+        assert not same(a_mine, b_mine), route  # B's "myvoice" is B's
+    spoofed = np.asarray(kserve(stack, KEY_B, "myvoice", owner=owner_tag(KEY_A)).json()["outputs"][0]["data"],
+                         np.float32)
+    assert same(spoofed, speakers["kserve"](KEY_B, "myvoice"))
+    assert same(facade(stack, KEY_B, "myvoice", owner=owner_tag(KEY_A)), speakers["facade"](KEY_B, "myvoice"))
+    assert asyncio.run(ws_start(stack, KEY_B, "myvoice"))["audio_bytes"] > 0
+
+    # B deletes its own; A's is neither B's to see, use nor delete
+    assert call(stack, "DELETE", "/v1/voices/myvoice", KEY_B).json() == {"id": "myvoice", "deleted": True}
+    for method in ("GET", "DELETE"):
+        response = call(stack, method, "/v1/voices/myvoice", KEY_B)
+        assert response.status_code == 404 and response.json()["error"]["code"] == "not_found", response.text
+    assert "myvoice" not in ids(stack, KEY_B)
+    for response in (tts(stack, KEY_B, "myvoice"), call(stack, "POST", "/v1/tts", KEY_B,
+                                                        json={"text": SSML.format("myvoice")}),
+                     official_sft(stack, KEY_B, "myvoice"), kserve(stack, KEY_B, "myvoice", owner=owner_tag(KEY_A))):
+        assert response.status_code == 404, response.text
+    assert asyncio.run(ws_start(stack, KEY_B, "myvoice"))["status"] == 404
+    with pytest.raises(openai.NotFoundError):
+        openai_speech(stack, KEY_B, "myvoice")
+    with pytest.raises(InferenceServerException) as error:
+        facade(stack, KEY_B, "myvoice", owner=owner_tag(KEY_A))
+    assert error.value.status() == "StatusCode.NOT_FOUND" or "not_found" in str(error.value), str(error.value)
+    assert call(stack, "GET", "/v1/voices/myvoice", KEY_A).json()["audio_sha256"] == a.json()["audio_sha256"]
+    assert same(speakers["tts"](KEY_A, "myvoice"), speakers["tts"](KEY_B, "a-twin"))
+    for key in (KEY_A, KEY_B):  # the shared default stays everyone's
+        assert tts(stack, key, "default").status_code == 200 and "default" in ids(stack, key)
+    assert register(stack, KEY_A, seed=23, id="default").status_code == 400  # a shared id is nobody's to take
+    for key, voice in ((KEY_A, "myvoice"), (KEY_B, "a-twin")):
+        assert call(stack, "DELETE", f"/v1/voices/{voice}", key).status_code == 200

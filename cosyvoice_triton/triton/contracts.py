@@ -19,6 +19,9 @@ cosyvoice2 (decoupled) and cosyvoice2_offline (its non-decoupled twin, same temp
                                               except in mode vc (voice conversion, below)
        mode                   STRING [1] opt  zero_shot (default) | cross_lingual | instruct2
        reference_audio_id     STRING [1] opt  a registered voice (see register_voice)
+       owner                  STRING [1] opt  whose voices reference_audio_id and SSML's <voice name> name: that
+                                              owner's voice of the id, else the shared one (absent: shared voices
+                                              only); the gateway sends its caller's tag of the API key
        reference_wav          FP32 [-1]  opt  prompt samples, mono, in [-1, 1] ...
        reference_sample_rate  INT32 [1]  opt  ... at this rate (required with reference_wav)
        reference_wav_len      INT32 [1]  opt  ... of which only the first this many count (the rest is padding)
@@ -135,6 +138,7 @@ from cosyvoice_triton.messages import (SEED_LIMIT, TEXT_MODES, VC_MODE, ChunkPol
                                        PromptFeatures, SamplingParams, check_mode, check_seed, check_speed,
                                        check_text_type, is_int)
 from cosyvoice_triton.triton.tensors import TensorReader, string_array
+from cosyvoice_triton.voices.store import check_owner
 
 COSYVOICE2 = "cosyvoice2"
 COSYVOICE2_OFFLINE = "cosyvoice2_offline"
@@ -170,6 +174,7 @@ TEXT_MODE = "text_mode"  # cosyvoice2
 SPEECH_MARKS = "speech_marks"  # cosyvoice2
 REFERENCE_WAV, REFERENCE_TEXT = "reference_wav", "reference_text"  # cosyvoice2, register_voice, prompt_audio
 REFERENCE_WAV_LEN = "reference_wav_len"  # cosyvoice2
+OWNER = "owner"  # cosyvoice2, register_voice: a tenant's tag (voices/store.py Owners), set by the gateway
 TARGET_TEXT, TEXT_STREAM_ID = "target_text", "text_stream_id"  # cosyvoice2
 SOURCE_AUDIO = "source_audio"  # cosyvoice2 mode vc
 SENTENCES, BISTREAM = TEXT_MODES  # the values of text_mode
@@ -193,7 +198,7 @@ INPUT_FIELDS: dict[str, str] = {
     "reference_audio": "audio", "reference_wav_len": "audio", "reference_text": "prompt_text",
     "source_wav": "source", "source_sample_rate": "source", "source_audio": "source",
     "text_append": "text_append", "text_end": "text_end",
-    "voice_id": "voice_id", "name": "name", "owner": "owner",  # register_voice: the id to register under, ...
+    "voice_id": "voice_id", "name": "name", OWNER: "owner",  # register_voice: the id to register under, ...
     **{name: name for name in OPTION_TYPES},
     SPEECH_MARKS: "marks",
 }
@@ -542,6 +547,7 @@ class SynthesisInputs:
     voice_id: str | None = None
     audio: PromptAudio | None = None
     prompt_text: str | None = None
+    owner: str | None = None  # whose voices voice_id and SSML's <voice name> name (None: the shared ones)
     seed: int | None = None
     sampling: SamplingParams | None = None  # None: the server's (the model yaml's)
     chunk_overrides: dict = field(default_factory=dict)  # ChunkPolicy field -> value
@@ -595,6 +601,7 @@ class SynthesisInputs:
         check_optional_text(self.instruct_text, "instruct_text")
         check_mode(self.mode, self.instruct_text)
         check_optional_text(self.prompt_text, REFERENCE_TEXT)
+        check_owner(self.owner)
         if self.seed is not None:
             check_seed(self.seed)
         if not isinstance(self.text_frontend, bool):
@@ -608,7 +615,7 @@ class SynthesisInputs:
     def tensors(self) -> dict[str, np.ndarray]:
         """The request as cosyvoice2 tensors (`synthesis_inputs`); a setting at its default is not sent."""
         sampling = {} if self.sampling is None else sampling_inputs(self.sampling)
-        return synthesis_inputs(self.text, voice_id=self.voice_id, **recording_keywords(self.audio),
+        return synthesis_inputs(self.text, voice_id=self.voice_id, owner=self.owner, **recording_keywords(self.audio),
                                 prompt_text=self.prompt_text, mode=self.mode, instruct_text=self.instruct_text or None,
                                 seed=self.seed, text_frontend=None if self.text_frontend else False,
                                 speed=None if self.speed == 1.0 else self.speed,
@@ -648,7 +655,7 @@ def parse_synthesis_inputs(reader: TensorReader, default_sampling: SamplingParam
     text = reader.string("target_text", default="", required=text_mode != BISTREAM)
     inputs = SynthesisInputs(text=text, mode=reader.string("mode", default="zero_shot"),
                              instruct_text=reader.string("instruct_text", default=""),
-                             prompt_text=reader.string(REFERENCE_TEXT),
+                             prompt_text=reader.string(REFERENCE_TEXT), owner=reader.string(OWNER),
                              seed=reader.integer("seed"), sampling=read_sampling(reader, default_sampling),
                              chunk_overrides=read_chunk_overrides(reader),
                              text_frontend=reader.boolean("text_frontend", default=True),
@@ -697,6 +704,18 @@ def _unbatched(name: str, array: np.ndarray) -> np.ndarray:
     return array[0]
 
 
+OWNER_MODELS = frozenset({COSYVOICE2, COSYVOICE2_OFFLINE, *OFFICIAL_MODELS, REGISTER_VOICE})  # take `owner`
+
+
+def owner_input(model: str, owner: str | None) -> np.ndarray | None:
+    """The `owner` tensor of a request to `model` on behalf of `owner` (a gateway's caller): [1], or [1, 1] for the
+    official models (their tensors have a batch dimension); None when `model` takes none or `owner` is None."""
+    if owner is None or model not in OWNER_MODELS:
+        return None
+    value = string_array(owner)
+    return value.reshape(1, 1) if model in OFFICIAL_MODELS else value
+
+
 def official_model_for(model: str, shapes: Mapping[str, Sequence[int]], streaming: bool) -> str:
     """The model to call for a request that names `model` with inputs of these shapes (name -> shape).
 
@@ -720,6 +739,7 @@ class ConversionInputs:
     source: PromptAudio  # the recording to speak again (source_wav + source_sample_rate, or source_audio)
     voice_id: str | None = None
     audio: PromptAudio | None = None  # or the voice's prompt recording
+    owner: str | None = None  # whose voices voice_id names (None: the shared ones)
     seed: int | None = None
     chunk_overrides: dict = field(default_factory=dict)  # ChunkPolicy field -> value
     speed: float = 1.0  # speaking speed (messages.check_speed)
@@ -735,12 +755,13 @@ class ConversionInputs:
             check_seed(self.seed)
         check_speed(self.speed)
         check_chunk_overrides(self.chunk_overrides)
+        check_owner(self.owner)
         return self
 
     def tensors(self) -> dict[str, np.ndarray]:
         """The request as cosyvoice2 tensors in mode vc (`conversion_inputs`); a setting at its default is not sent."""
         return conversion_inputs(source_samples=self.source.samples, source_rate=self.source.sample_rate,
-                                 source_file=self.source.file_bytes, voice_id=self.voice_id,
+                                 source_file=self.source.file_bytes, voice_id=self.voice_id, owner=self.owner,
                                  **recording_keywords(self.audio), seed=self.seed,
                                  speed=None if self.speed == 1.0 else self.speed, **chunk_options(self.chunk_overrides))
 
@@ -758,8 +779,9 @@ def parse_conversion_inputs(reader: TensorReader) -> ConversionInputs:
         raise InvalidInput("target_text", "is not used in vc mode (the source recording is what is spoken)")
     source = read_source_audio(reader)
     voice_id, audio = read_voice_choice(reader)
-    return ConversionInputs(source=source, voice_id=voice_id, audio=audio, seed=reader.integer("seed"),
-                            chunk_overrides=read_chunk_overrides(reader), speed=reader.real("speed", 1.0)).check()
+    return ConversionInputs(source=source, voice_id=voice_id, audio=audio, owner=reader.string(OWNER),
+                            seed=reader.integer("seed"), chunk_overrides=read_chunk_overrides(reader),
+                            speed=reader.real("speed", 1.0)).check()
 
 
 def conversion_inputs(*, source_samples: np.ndarray | None = None, source_rate: int | None = None,
@@ -846,12 +868,16 @@ def _first_string(array: np.ndarray) -> str:
 
 
 def voice_inputs(*, voice_id: str | None = None, samples: np.ndarray | None = None, sample_rate: int | None = None,
-                 audio_file: bytes | None = None, prompt_text: str | None = None) -> dict[str, np.ndarray]:
+                 audio_file: bytes | None = None, prompt_text: str | None = None,
+                 owner: str | None = None) -> dict[str, np.ndarray]:
     """The voice tensors of cosyvoice2 and register_voice: a registered id, prompt samples (+ their rate), or a
-    prompt file's bytes; and the prompt transcript. Only what is given is sent (the model checks the rest)."""
+    prompt file's bytes; the prompt transcript; the owner whose voices are meant (cosyvoice2) or who registers
+    (register_voice). Only what is given is sent (the model checks the rest)."""
     values: dict[str, np.ndarray] = {}
     if voice_id is not None:
         values["reference_audio_id"] = string_array(voice_id)
+    if owner is not None:
+        values[OWNER] = string_array(owner)
     if samples is not None:
         values[REFERENCE_WAV] = np.asarray(samples, dtype=np.float32).reshape(-1)
         values["reference_sample_rate"] = np.array([sample_rate], dtype=np.int32)
@@ -865,14 +891,14 @@ def voice_inputs(*, voice_id: str | None = None, samples: np.ndarray | None = No
 def synthesis_inputs(text: str, *, voice_id: str | None = None, samples: np.ndarray | None = None,
                      sample_rate: int | None = None, audio_file: bytes | None = None,
                      prompt_text: str | None = None, mode: str | None = None, instruct_text: str | None = None,
-                     seed: int | None = None, **options) -> dict[str, np.ndarray]:
+                     seed: int | None = None, owner: str | None = None, **options) -> dict[str, np.ndarray]:
     """A cosyvoice2 request as tensors: the one builder of the client SDK, the gateway and the tests.
 
     `options`: sampling and chunk-policy overrides by input name (`OPTION_TYPES`; None: not sent), a number
     typed here or an array sent as it is; any other input only as an array (tests send raw tensors)."""
     values = {"target_text": string_array(text)}
     values.update(voice_inputs(voice_id=voice_id, samples=samples, sample_rate=sample_rate, audio_file=audio_file,
-                               prompt_text=prompt_text))
+                               prompt_text=prompt_text, owner=owner))
     for name, value in (("mode", mode), ("instruct_text", instruct_text)):
         if value is not None:
             values[name] = string_array(value)
@@ -893,8 +919,8 @@ def register_inputs(*, voice_id: str | None = None, name: str | None = None, own
                     **voice) -> dict[str, np.ndarray]:
     """A register_voice request as tensors; `voice` as for `voice_inputs` (without voice_id, which here
     is the id to register under); `owner`: the owner tag (None: a shared voice)."""
-    values = voice_inputs(**voice)
-    for key, value in ((VOICE_ID, voice_id), ("name", name), ("owner", owner)):
+    values = voice_inputs(**voice, owner=owner)
+    for key, value in ((VOICE_ID, voice_id), ("name", name)):
         if value is not None:
             values[key] = string_array(value)
     return values
@@ -920,4 +946,4 @@ def parse_register_inputs(reader: TensorReader) -> RegisterInputs:
         raise InvalidInput(REFERENCE_WAV, "is required (or reference_audio)")
     return RegisterInputs(audio=audio, text=reader.string(REFERENCE_TEXT, default=""),
                           voice_id=reader.string(VOICE_ID), name=reader.string("name"),
-                          owner=reader.string("owner"))
+                          owner=reader.string(OWNER))

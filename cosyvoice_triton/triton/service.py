@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +66,7 @@ class Voices:
 
     def resolve(self, inputs: SynthesisInputs) -> PromptFeatures:
         if inputs.voice_id is not None:
-            voice = self.store.get(inputs.voice_id)
+            voice = self.store.get(inputs.voice_id, inputs.owner)  # the owner's voice of that id, else the shared
             if inputs.prompt_text is not None:
                 self.check_transcript(inputs.prompt_text, int(voice.speech_tokens.shape[0]))
                 voice = PromptFeatures(embedding=voice.embedding, speech_tokens=voice.speech_tokens, mel=voice.mel,
@@ -102,7 +103,7 @@ class ServedPipeline:
                                 sampling=inputs.sampling or self.default_sampling,
                                 chunk_policy=policy,
                                 text_frontend=inputs.text_frontend, speed=inputs.speed,
-                                text_type=inputs.text_type, voice_of=self.voices.store.get,
+                                text_type=inputs.text_type, voice_of=partial(self.voices.store.get, owner=inputs.owner),
                                 marks=inputs.marks).validate()
 
     def run(self, inputs: SynthesisInputs, stream: bool, is_cancelled: Callable[[], bool],

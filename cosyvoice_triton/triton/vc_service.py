@@ -50,7 +50,8 @@ class ConversionService:
             samples, rate = decode_audio(source.file_bytes, field=contracts.SOURCE_AUDIO)
         else:
             samples, rate = to_mono(source.samples), int(source.sample_rate)
-        voice = self.voices.resolve(contracts.SynthesisInputs(text="", voice_id=inputs.voice_id, audio=inputs.audio))
+        voice = self.voices.resolve(contracts.SynthesisInputs(text="", voice_id=inputs.voice_id, audio=inputs.audio,
+                                                              owner=inputs.owner))
         policy = self.chunk_policy.with_overrides(**inputs.chunk_overrides)  # errors name chunk_*
         return ConversionRequest(source=samples, sample_rate=rate, voice=voice, seed=inputs.seed,
                                  chunk_policy=policy, speed=inputs.speed).validate()  # errors name speed

@@ -1,11 +1,16 @@
 """Voice store on Redis, for several servers that share voices.
 
-Keys (standalone Redis or a primary with replicas; not Redis Cluster, whose slots would split them):
-  cosyvoice:voice:<id>          hash: revision, blob (`encode_features`), info (VoiceRecord as JSON), content_key
+Keys (standalone Redis or a primary with replicas; not Redis Cluster, whose slots would split them), each voice
+under its store key (`store.store_key`: the id of a shared voice, "owner/id" of an owned one):
+  cosyvoice:voice:<store key>   hash: revision, blob (`encode_features`), info (VoiceRecord as JSON), content_key
                                 (an info written before voices had owners lacks "owner": a shared voice)
-  cosyvoice:voice_ids           set of every voice id, for listing
-  cosyvoice:voice_by_content    hash: content_key (sha256 of audio hash + text) → voice id
-Registration and deletion are Lua scripts, so each is one atomic step for every server at once.
+  cosyvoice:voice_ids           set of every store key, for listing
+  cosyvoice:voice_by_content    hash: content_key (sha256 of audio hash + text [+ owner]) → store key
+  cosyvoice:voice_keys          "owner/id": owned voices are kept under their store key (absent: written before,
+                                when ids were one space for all owners and owned voices were kept under their id)
+Registration, deletion and the move of an old owned voice to its store key are Lua scripts, so each is one
+atomic step for every server at once. Opening a store moves the old owned voices (once: it then sets
+cosyvoice:voice_keys; servers opening it together move each voice once).
 A lost connection or a timeout raises `Unavailable` (UNAVAILABLE / HTTP 503); other Redis errors propagate.
 """
 from __future__ import annotations
@@ -17,25 +22,33 @@ from contextlib import contextmanager
 
 import redis
 
-from cosyvoice_triton.errors import NotFound, Unavailable
+from cosyvoice_triton.errors import Unavailable
 from cosyvoice_triton.messages import PromptFeatures
-from cosyvoice_triton.voices.store import (CachedVoiceStore, VoiceRecord, check_same_voice, check_voice_id,
-                                                  content_key, decode_features, id_taken, prepare_registration)
+from cosyvoice_triton.voices.store import (CachedVoiceStore, VoiceRecord, check_owner, check_same_voice, content_key,
+                                           decode_features, id_taken, lookup_keys, prepare_registration, store_key,
+                                           visible_to)
 
 PREFIX = "cosyvoice:"
 IDS_KEY = PREFIX + "voice_ids"
 CONTENT_KEY = PREFIX + "voice_by_content"
+LAYOUT_KEY = PREFIX + "voice_keys"
+LAYOUT = "owner/id"
 
-# KEYS: voice hash of the id asked for, content map, id set.
-# ARGV: id, content_key, revision, blob, info JSON, prefix of voice hashes.
-# → {"exists", info JSON of the voice with this content} | {"taken", ""} | {"created", ""}
+# KEYS: the voice hash of the new voice's store key, content map, key set, then the voice hashes that must be
+# free (its owner's and, for an owned voice, the shared one of that id).
+# ARGV: store key, content_key, revision, blob, info JSON, prefix of voice hashes.
+# → {"exists", info JSON of the voice with this content} | {"taken", info JSON of the voice holding the id}
+#   | {"created", ""}
 REGISTER_LUA = """
 local existing = redis.call('HGET', KEYS[2], ARGV[2])
 if existing then
     return {'exists', redis.call('HGET', ARGV[6] .. existing, 'info')}
 end
-if redis.call('EXISTS', KEYS[1]) == 1 then
-    return {'taken', ''}
+for i = 4, #KEYS do
+    local taken = redis.call('HGET', KEYS[i], 'info')
+    if taken then
+        return {'taken', taken}
+    end
 end
 redis.call('HSET', KEYS[1], 'revision', ARGV[3], 'blob', ARGV[4], 'info', ARGV[5], 'content_key', ARGV[2])
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[1])
@@ -43,7 +56,7 @@ redis.call('SADD', KEYS[3], ARGV[1])
 return {'created', ''}
 """
 
-# KEYS: voice hash, content map, id set. ARGV: id. → 1 if deleted, 0 if there was no such voice.
+# KEYS: voice hash, content map, key set. ARGV: store key. → 1 if deleted, 0 if there was no such voice.
 DELETE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
     return 0
@@ -57,9 +70,27 @@ redis.call('SREM', KEYS[3], ARGV[1])
 return 1
 """
 
+# An owned voice kept under its id (before per-owner ids) moved to its store key.
+# KEYS: old voice hash, new voice hash, content map, key set. ARGV: old key (the id), new key (owner/id).
+# → 1 if moved, 0 if it was moved already (or deleted)
+MOVE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 1 then
+    return 0
+end
+redis.call('RENAME', KEYS[1], KEYS[2])
+local content = redis.call('HGET', KEYS[2], 'content_key')
+if content and redis.call('HGET', KEYS[3], content) == ARGV[1] then
+    redis.call('HSET', KEYS[3], content, ARGV[2])
+end
+redis.call('SREM', KEYS[4], ARGV[1])
+redis.call('SADD', KEYS[4], ARGV[2])
+return 1
+"""
 
-def voice_key(voice_id: str) -> str:
-    return f"{PREFIX}voice:{voice_id}"
+
+def voice_key(key: str) -> str:
+    """The Redis key of the voice at store key `key`."""
+    return f"{PREFIX}voice:{key}"
 
 
 class RedisVoiceStore(CachedVoiceStore):
@@ -73,60 +104,64 @@ class RedisVoiceStore(CachedVoiceStore):
         self._redis.ping()  # fail when the server starts, not at its first request
         self._register_script = self._redis.register_script(REGISTER_LUA)
         self._delete_script = self._redis.register_script(DELETE_LUA)
+        self._move_script = self._redis.register_script(MOVE_LUA)
+        self._move_old_owned_voices()
+
+    def _move_old_owned_voices(self) -> None:
+        """Owned voices kept under their id (written before per-owner ids) move to their store key, once."""
+        if self._redis.get(LAYOUT_KEY) == LAYOUT.encode():
+            return
+        old = sorted(member.decode() for member in self._redis.smembers(IDS_KEY) if b"/" not in member)
+        pipe = self._redis.pipeline(transaction=False)
+        for key in old:
+            pipe.hget(voice_key(key), "info")
+        for key, raw in zip(old, pipe.execute()):
+            owner = _info_from_json(raw).owner if raw is not None else None
+            if owner is not None:
+                new = store_key(key, owner)
+                self._move_script(keys=[voice_key(key), voice_key(new), CONTENT_KEY, IDS_KEY], args=[key, new])
+        self._redis.set(LAYOUT_KEY, LAYOUT)
 
     def register(self, features: PromptFeatures, voice_id: str | None = None,
                  name: str | None = None, owner: str | None = None) -> VoiceRecord:
         """Store a voice, or return the one `owner` already stored for this recording and prompt text."""
         reg = prepare_registration(features, voice_id, name, owner)
         info = reg.info
+        must_be_free = [voice_key(key) for key in lookup_keys(info.voice_id, owner)]  # its owner's id, the shared
         with _unavailable_when_unreachable():
             status, existing = self._register_script(
-                keys=[voice_key(info.voice_id), CONTENT_KEY, IDS_KEY],
-                args=[info.voice_id, reg.content_key, reg.revision, reg.blob,
+                keys=[voice_key(info.store_key), CONTENT_KEY, IDS_KEY, *must_be_free],
+                args=[info.store_key, reg.content_key, reg.revision, reg.blob,
                       json.dumps(dataclasses.asdict(info)), voice_key("")])
         if status == b"exists":
             found = _info_from_json(existing)
             check_same_voice(voice_id, found.voice_id)
             return found
         if status == b"taken":
-            raise id_taken(info.voice_id)
-        self._remember(info.voice_id, reg.revision, decode_features(reg.blob, info.voice_id))
+            raise id_taken(info.voice_id, owner, _info_from_json(existing))
+        self._remember(info.store_key, reg.revision, decode_features(reg.blob, info.voice_id))
         return info
-
-    def info(self, voice_id: str) -> VoiceRecord:
-        check_voice_id(voice_id)
-        with _unavailable_when_unreachable():
-            raw = self._redis.hget(voice_key(voice_id), "info")
-        if raw is None:
-            raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
-        return _info_from_json(raw)
 
     def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceRecord | None:
         """`owner`'s voice with this recording and transcript, whatever its id; None if there is none."""
         with _unavailable_when_unreachable():
-            voice_id = self._redis.hget(CONTENT_KEY, content_key(audio_sha256, text, owner))
-            raw = self._redis.hget(voice_key(voice_id.decode()), "info") if voice_id is not None else None
+            key = self._redis.hget(CONTENT_KEY, content_key(audio_sha256, text, check_owner(owner)))
+            raw = self._redis.hget(voice_key(key.decode()), "info") if key is not None else None
         return _info_from_json(raw) if raw is not None else None  # None too if deleted in between
 
-    def list(self) -> list[VoiceRecord]:
-        """Every voice, oldest first."""
+    def list(self, owner: str | None = None) -> list[VoiceRecord]:
+        """The voices `owner` sees (its own and the shared ones; None: the shared ones), oldest first."""
+        mine = f"{check_owner(owner)}/"
         with _unavailable_when_unreachable():
-            ids = sorted(member.decode() for member in self._redis.smembers(IDS_KEY))
+            keys = sorted(key for key in (member.decode() for member in self._redis.smembers(IDS_KEY))
+                          if "/" not in key or (owner is not None and key.startswith(mine)))
             pipe = self._redis.pipeline(transaction=False)
-            for voice_id in ids:
-                pipe.hget(voice_key(voice_id), "info")
+            for key in keys:
+                pipe.hget(voice_key(key), "info")
             raws = pipe.execute()
         # A voice deleted between the two calls has no info any more: leave it out.
-        infos = [_info_from_json(raw) for raw in raws if raw is not None]
+        infos = [info for info in map(_info_from_json, filter(None, raws)) if visible_to(info, owner)]
         return sorted(infos, key=lambda info: (info.created_at, info.voice_id))
-
-    def delete(self, voice_id: str) -> bool:
-        """Remove a voice; False if there was none. Other instances see it at their next get."""
-        check_voice_id(voice_id)
-        with _unavailable_when_unreachable():
-            deleted = self._delete_script(keys=[voice_key(voice_id), CONTENT_KEY, IDS_KEY], args=[voice_id])
-        self._forget(voice_id)
-        return deleted == 1
 
     def check(self) -> None:
         with _unavailable_when_unreachable():
@@ -135,17 +170,26 @@ class RedisVoiceStore(CachedVoiceStore):
     def close(self) -> None:
         self._redis.close()
 
-    def _revision(self, voice_id: str) -> str | None:
+    def _info(self, key: str) -> VoiceRecord | None:
         with _unavailable_when_unreachable():
-            raw = self._redis.hget(voice_key(voice_id), "revision")
+            raw = self._redis.hget(voice_key(key), "info")
+        return _info_from_json(raw) if raw is not None else None
+
+    def _revision(self, key: str) -> str | None:
+        with _unavailable_when_unreachable():
+            raw = self._redis.hget(voice_key(key), "revision")
         return raw.decode() if raw is not None else None
 
-    def _read(self, voice_id: str) -> tuple[str, bytes] | None:
+    def _read(self, key: str) -> tuple[str, bytes] | None:
         with _unavailable_when_unreachable():
-            revision, blob = self._redis.hmget(voice_key(voice_id), ["revision", "blob"])
+            revision, blob = self._redis.hmget(voice_key(key), ["revision", "blob"])
         if revision is None:
             return None
         return revision.decode(), blob or b""  # no blob field: `decode_features` calls it corrupt
+
+    def _delete(self, key: str) -> bool:
+        with _unavailable_when_unreachable():
+            return self._delete_script(keys=[voice_key(key), CONTENT_KEY, IDS_KEY], args=[key]) == 1
 
 
 @contextmanager

@@ -5,8 +5,10 @@ writes; a registration checks and inserts inside one `BEGIN IMMEDIATE` transacti
 processes registering the same recording at once end with one voice. Not for network filesystems
 (WAL needs shared memory between the processes): use Redis to share voices between machines.
 
-A file written before voices had owners gains the `owner` column when it is opened (ALTER TABLE, inside
-a write transaction, so concurrent openers agree); its voices have owner NULL: shared.
+Voices are rows keyed by their store key (`store.store_key`: the id of a shared voice, "owner/id" of an owned
+one), so each owner has its own ids. Files of earlier versions are brought up to date when opened, inside one
+write transaction (concurrent openers agree): a file without the `owner` column gains it (its voices are
+shared), and a file keyed by voice id alone is rebuilt keyed by store key (its owned voices keep their ids).
 """
 from __future__ import annotations
 
@@ -16,25 +18,34 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from cosyvoice_triton.errors import NotFound
 from cosyvoice_triton.messages import PromptFeatures
-from cosyvoice_triton.voices.store import (CachedVoiceStore, VoiceRecord, check_same_voice, check_voice_id,
-                                                  content_key, decode_features, id_taken, prepare_registration)
+from cosyvoice_triton.voices.store import (CachedVoiceStore, VoiceRecord, check_owner, check_same_voice, content_key,
+                                           decode_features, id_taken, lookup_keys, prepare_registration)
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS voices (
-    voice_id     TEXT PRIMARY KEY,
-    content_key  TEXT NOT NULL UNIQUE,  -- sha256(audio_sha256 + text): what registration is idempotent by
+COLUMNS = """
+    store_key    TEXT PRIMARY KEY,      -- `store_key`: voice_id (shared) or owner/voice_id
+    voice_id     TEXT NOT NULL,         -- the id on the wire, one owner's (or the shared) id space
+    content_key  TEXT NOT NULL UNIQUE,  -- sha256(audio_sha256 + text [+ owner]): what registration is idempotent by
     revision     TEXT NOT NULL,         -- random per registration: lets every LRU spot a stale copy
     text         TEXT NOT NULL,
     audio_sha256 TEXT NOT NULL,
     tokens       INTEGER NOT NULL,
     created_at   REAL NOT NULL,
     name         TEXT,
-    blob         BLOB NOT NULL,          -- `encode_features`
-    owner        TEXT                    -- tenant tag; NULL: a shared voice
-)"""
+    blob         BLOB NOT NULL,         -- `encode_features`
+    owner        TEXT                   -- tenant tag; NULL: a shared voice
+"""
+SCHEMA = f"CREATE TABLE IF NOT EXISTS voices ({COLUMNS})"
 INFO_COLUMNS = "voice_id, text, audio_sha256, tokens, created_at, name, owner"  # VoiceRecord's field order
+# A file keyed by voice id alone (before per-owner ids) copied into the current table, owned voices under owner/id.
+REKEY = (
+    f"CREATE TABLE voices_keyed ({COLUMNS})",
+    "INSERT INTO voices_keyed (store_key, voice_id, content_key, revision, text, audio_sha256, tokens, created_at, "
+    "name, blob, owner) SELECT CASE WHEN owner IS NULL THEN voice_id ELSE owner || '/' || voice_id END, voice_id, "
+    "content_key, revision, text, audio_sha256, tokens, created_at, name, blob, owner FROM voices",
+    "DROP TABLE voices",
+    "ALTER TABLE voices_keyed RENAME TO voices",
+)
 
 
 class SqliteVoiceStore(CachedVoiceStore):
@@ -56,11 +67,14 @@ class SqliteVoiceStore(CachedVoiceStore):
         self._migrate()
 
     def _migrate(self) -> None:
-        """Add the `owner` column to a file made before it existed (its voices become shared)."""
+        """Bring a file of an earlier version up to date (the module docstring), in one write transaction."""
         with self._transaction() as db:
             columns = {row[1] for row in db.execute("PRAGMA table_info(voices)").fetchall()}
             if "owner" not in columns:
                 db.execute("ALTER TABLE voices ADD COLUMN owner TEXT")
+            if "store_key" not in columns:
+                for statement in REKEY:  # one by one: executescript would commit the transaction first
+                    db.execute(statement)
 
     def register(self, features: PromptFeatures, voice_id: str | None = None,
                  name: str | None = None, owner: str | None = None) -> VoiceRecord:
@@ -74,40 +88,29 @@ class SqliteVoiceStore(CachedVoiceStore):
                 found = VoiceRecord(*existing[0])
                 check_same_voice(voice_id, found.voice_id)
                 return found
-            if db.execute("SELECT 1 FROM voices WHERE voice_id = ?", (info.voice_id,)).fetchall():
-                raise id_taken(info.voice_id)
-            db.execute("INSERT INTO voices (voice_id, content_key, revision, text, audio_sha256, tokens, "
-                       "created_at, name, blob, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                       (info.voice_id, reg.content_key, reg.revision, info.text, info.audio_sha256,
+            for key in lookup_keys(info.voice_id, owner):  # the id in its owner's space, and among the shared
+                taken = db.execute(f"SELECT {INFO_COLUMNS} FROM voices WHERE store_key = ?", (key,)).fetchall()
+                if taken:
+                    raise id_taken(info.voice_id, owner, VoiceRecord(*taken[0]))
+            db.execute("INSERT INTO voices (store_key, voice_id, content_key, revision, text, audio_sha256, tokens, "
+                       "created_at, name, blob, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (info.store_key, info.voice_id, reg.content_key, reg.revision, info.text, info.audio_sha256,
                         info.tokens, info.created_at, info.name, reg.blob, info.owner))
-        self._remember(info.voice_id, reg.revision, decode_features(reg.blob, info.voice_id))
+        self._remember(info.store_key, reg.revision, decode_features(reg.blob, info.voice_id))
         return info
-
-    def info(self, voice_id: str) -> VoiceRecord:
-        check_voice_id(voice_id)
-        rows = self._query(f"SELECT {INFO_COLUMNS} FROM voices WHERE voice_id = ?", (voice_id,))
-        if not rows:
-            raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
-        return VoiceRecord(*rows[0])
 
     def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceRecord | None:
         """`owner`'s voice with this recording and transcript, whatever its id; None if there is none."""
         rows = self._query(f"SELECT {INFO_COLUMNS} FROM voices WHERE content_key = ?",
-                           (content_key(audio_sha256, text, owner),))
+                           (content_key(audio_sha256, text, check_owner(owner)),))
         return VoiceRecord(*rows[0]) if rows else None
 
-    def list(self) -> list[VoiceRecord]:
-        """Every voice, oldest first."""
-        rows = self._query(f"SELECT {INFO_COLUMNS} FROM voices ORDER BY created_at, voice_id")
+    def list(self, owner: str | None = None) -> list[VoiceRecord]:
+        """The voices `owner` sees (its own and the shared ones; None: the shared ones), oldest first."""
+        check_owner(owner)
+        rows = self._query(f"SELECT {INFO_COLUMNS} FROM voices WHERE owner IS NULL OR owner = ? "
+                           "ORDER BY created_at, voice_id", (owner,))
         return [VoiceRecord(*row) for row in rows]
-
-    def delete(self, voice_id: str) -> bool:
-        """Remove a voice; False if there was none. Other instances see it at their next get."""
-        check_voice_id(voice_id)
-        with self._db_lock:
-            deleted = self._db.execute("DELETE FROM voices WHERE voice_id = ?", (voice_id,)).rowcount > 0
-        self._forget(voice_id)
-        return deleted
 
     def check(self) -> None:
         self._query("SELECT 1 FROM voices LIMIT 1")
@@ -116,13 +119,21 @@ class SqliteVoiceStore(CachedVoiceStore):
         with self._db_lock:
             self._db.close()
 
-    def _revision(self, voice_id: str) -> str | None:
-        rows = self._query("SELECT revision FROM voices WHERE voice_id = ?", (voice_id,))
+    def _info(self, key: str) -> VoiceRecord | None:
+        rows = self._query(f"SELECT {INFO_COLUMNS} FROM voices WHERE store_key = ?", (key,))
+        return VoiceRecord(*rows[0]) if rows else None
+
+    def _revision(self, key: str) -> str | None:
+        rows = self._query("SELECT revision FROM voices WHERE store_key = ?", (key,))
         return rows[0][0] if rows else None
 
-    def _read(self, voice_id: str) -> tuple[str, bytes] | None:
-        rows = self._query("SELECT revision, blob FROM voices WHERE voice_id = ?", (voice_id,))
+    def _read(self, key: str) -> tuple[str, bytes] | None:
+        rows = self._query("SELECT revision, blob FROM voices WHERE store_key = ?", (key,))
         return (rows[0][0], rows[0][1]) if rows else None
+
+    def _delete(self, key: str) -> bool:
+        with self._db_lock:
+            return self._db.execute("DELETE FROM voices WHERE store_key = ?", (key,)).rowcount > 0
 
     def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
         # fetchall: a half-read cursor would keep its read snapshot open and later reads would be stale.

@@ -5,7 +5,8 @@ store = open_voice_store(None)                  # embedded SQLite under $COSYVOI
 info = store.register(features, name="Alice")   # idempotent by (audio hash, prompt text)
 features = store.get(info.voice_id)             # NotFound("reference_audio_id", ...) if absent
 info = register_once(store, sha, text, encode)  # encode() runs only if (sha, text) is not stored yet
-store.register(features, owner="key_3f9a")      # a voice of one tenant (see Owners below)
+store.register(features, "alice", owner="key_3f9a")  # voice "alice" of one tenant (see Owners below)
+store.get("alice", owner="key_3f9a")            # that tenant's "alice", else a shared one
 ```
 Registration is idempotent by the *content key*: the recording's `audio_sha256` (its samples and
 sample rate) together with the prompt transcript, exactly as given, and the voice's owner. The same
@@ -15,10 +16,17 @@ voice, whatever name is given.
 
 Owners: every voice has an `owner`, an opaque tenant tag (the gateway uses a hash of the API key, never
 the key), or None for a *shared* voice (`default`, voices an admin registers as shared, and every voice
-stored before owners existed: old SQLite files gain the column on open, old Redis entries read as
-None). The store keeps the tag; who may see or change what is decided by `visible_to` and the gateway.
-Ids are one namespace for all owners (the Triton models look voices up by id alone); the content key,
-and so the generated id, include the owner, so two tenants registering one recording get two voices.
+stored before owners existed: old SQLite files gain the column on open, old Redis entries read as None).
+Each owner has its own id space: tenant A's "myvoice" and tenant B's "myvoice" are two voices, and one
+tenant can neither see nor learn of the other's. Shared voices are one more id space, seen by everyone:
+a voice id is looked up for an owner in its own space first, then among the shared voices (`get`, `info`;
+owner None: the shared ones only), so an owner registering an id that a shared voice uses is refused (that
+id is public), while a shared voice registered later under an id some owner uses is hidden from that
+owner by its own voice. Inside the store a voice is kept under its *store key* (`store_key`: the id for
+a shared voice, "owner/id" for an owned one; neither part holds a "/"); the id on the wire stays the
+voice's own. The Triton models get the owner with the id (the `owner` input), so the same lookup holds
+there, SSML's <voice name> included. The content key, and so the generated id, include the owner, so two
+tenants registering one recording get two voices.
 Backends: `voice_store_sqlite` (default, one file, several processes on one machine) and
 `voice_store_redis` (several servers share voices). Both keep a thread-safe LRU of decoded features
 in front (`CachedVoiceStore`). Every get first asks the backing store for the voice's *revision*
@@ -89,14 +97,30 @@ class VoiceRecord:
         return self.owner is None
 
     @property
+    def store_key(self) -> str:
+        """Where the store keeps it (`store_key`)."""
+        return store_key(self.voice_id, self.owner)
+
+    @property
     def modes(self) -> tuple[str, ...]:
         """The modes this voice can serve (zero_shot only with a transcript): `messages.voice_modes`."""
         return voice_modes(self.text)
 
 
+def store_key(voice_id: str, owner: str | None) -> str:
+    """The key a voice is stored under: its id when shared, "owner/id" when owned (ids and owner tags hold no
+    "/", so no two voices share one)."""
+    return voice_id if owner is None else f"{owner}/{voice_id}"
+
+
+def lookup_keys(voice_id: str, owner: str | None) -> tuple[str, ...]:
+    """The store keys `voice_id` may mean to `owner`, in the order they are tried: its own, then the shared."""
+    return (voice_id,) if owner is None else (store_key(voice_id, owner), voice_id)
+
+
 def visible_to(info: VoiceRecord, owner: str | None) -> bool:
-    """A tenant sees its own voices and the shared ones. `owner` None: keyless use, which sees every voice."""
-    return owner is None or info.owner is None or info.owner == owner
+    """A tenant sees its own voices and the shared ones; `owner` None (keyless use) the shared ones."""
+    return info.owner is None or info.owner == owner
 
 
 @dataclass(frozen=True)
@@ -117,18 +141,21 @@ class VoiceStoreStats:
 
 
 class VoiceStore(Protocol):
+    """Voices by (owner, id). `get` and `info` look an id up for `owner` (its own, then the shared ones; None:
+    the shared ones only); `list` gives what `owner` sees; `delete` removes the voice of exactly that owner."""
+
     def register(self, features: PromptFeatures, voice_id: str | None = None,
                  name: str | None = None, owner: str | None = None) -> VoiceRecord: ...
 
-    def get(self, voice_id: str) -> PromptFeatures: ...
+    def get(self, voice_id: str, owner: str | None = None) -> PromptFeatures: ...
 
-    def info(self, voice_id: str) -> VoiceRecord: ...
+    def info(self, voice_id: str, owner: str | None = None) -> VoiceRecord: ...
 
     def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceRecord | None: ...
 
-    def list(self) -> list[VoiceRecord]: ...
+    def list(self, owner: str | None = None) -> list[VoiceRecord]: ...
 
-    def delete(self, voice_id: str) -> bool: ...
+    def delete(self, voice_id: str, owner: str | None = None) -> bool: ...
 
     def check(self) -> None:
         """Raise (Unavailable for a lost Redis) unless the backing store answers now (readiness)."""
@@ -234,7 +261,11 @@ def check_same_voice(requested_id: str | None, existing_id: str) -> None:
                                        f"voice {existing_id!r}")
 
 
-def id_taken(voice_id: str) -> InvalidInput:
+def id_taken(voice_id: str, owner: str | None, taken_by: VoiceRecord) -> InvalidInput:
+    """An id that `owner` cannot register: its own voice of other content, or a shared voice (whose ids every
+    tenant sees). Never another owner's voice: that id is free."""
+    if taken_by.owner is None and owner is not None:
+        return InvalidInput("voice_id", f"{voice_id!r} is the id of a shared voice")
     return InvalidInput("voice_id", f"{voice_id!r} is taken by a different recording or prompt text")
 
 
@@ -344,8 +375,9 @@ def _shape_problem(embedding: np.ndarray, tokens: np.ndarray, mel: np.ndarray) -
 # ---- the LRU in front of every store kind ---------------------------------------------------------
 
 class CachedVoiceStore(ABC):
-    """`get` through a thread-safe LRU of decoded voices, each kept with the revision it was read at.
-    A store kind supplies the two reads below and the rest of `VoiceStore`."""
+    """`get` through a thread-safe LRU of decoded voices (by store key), each kept with the revision it was read
+    at, and the lookup of an id for an owner (`lookup_keys`). A store kind supplies the reads by store key below
+    and `register`, `find`, `list`, `check` and `close`."""
 
     def __init__(self, lru_size: int):
         if lru_size < 0:
@@ -356,45 +388,55 @@ class CachedVoiceStore(ABC):
         self._hits = self._misses = self._loads = 0
 
     @abstractmethod
-    def _revision(self, voice_id: str) -> str | None:
-        """The stored revision of `voice_id`, None if it does not exist. Must be cheap."""
+    def _revision(self, key: str) -> str | None:
+        """The stored revision of the voice at store key `key`, None if there is none. Must be cheap."""
 
     @abstractmethod
-    def _read(self, voice_id: str) -> tuple[str, bytes] | None:
-        """(revision, blob) of `voice_id` read together, None if it does not exist."""
+    def _read(self, key: str) -> tuple[str, bytes] | None:
+        """(revision, blob) of the voice at `key` read together, None if there is none."""
 
     @abstractmethod
-    def info(self, voice_id: str) -> VoiceRecord:
-        """What `voice_id` is; NotFound("reference_audio_id") if there is no such voice."""
+    def _info(self, key: str) -> VoiceRecord | None:
+        """The record of the voice at `key`, None if there is none."""
+
+    @abstractmethod
+    def _delete(self, key: str) -> bool:
+        """Remove the voice at `key`; False if there was none."""
 
     @abstractmethod
     def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceRecord | None:
         """The voice `owner` registered for this recording and transcript (its content key), whatever its
         id; None if there is none."""
 
-    def get(self, voice_id: str) -> PromptFeatures:
-        """The features of `voice_id`; NotFound("reference_audio_id") if there is no such voice."""
+    def info(self, voice_id: str, owner: str | None = None) -> VoiceRecord:
+        """What `voice_id` is to `owner` (its own, else a shared one); NotFound("reference_audio_id") if neither."""
         check_voice_id(voice_id)
+        for key in lookup_keys(voice_id, check_owner(owner)):
+            info = self._info(key)
+            if info is not None:
+                return info
+        raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
+
+    def get(self, voice_id: str, owner: str | None = None) -> PromptFeatures:
+        """The features of `voice_id` to `owner` (its own, else a shared one); NotFound("reference_audio_id") if
+        neither."""
+        check_voice_id(voice_id)
+        for key in lookup_keys(voice_id, check_owner(owner)):
+            features = self._get(key, voice_id)
+            if features is not None:
+                return features
         with self._lock:
-            cached = self._lru.get(voice_id)
-        if cached is not None and self._revision(voice_id) == cached[0]:
-            with self._lock:
-                self._hits += 1
-                if voice_id in self._lru:
-                    self._lru.move_to_end(voice_id)
-            return cached[1]
-        stored = self._read(voice_id)
-        if stored is None:
-            with self._lock:
-                self._misses += 1
-                self._lru.pop(voice_id, None)  # deleted elsewhere: drop the stale copy
-            raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
-        revision, blob = stored
-        features = decode_features(blob, voice_id)
-        with self._lock:
-            self._loads += 1
-        self._remember(voice_id, revision, features)
-        return features
+            self._misses += 1
+        raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
+
+    def delete(self, voice_id: str, owner: str | None = None) -> bool:
+        """Remove `owner`'s voice `voice_id` (None: the shared one); False if there was none. Other instances
+        see it at their next get."""
+        check_voice_id(voice_id)
+        key = store_key(voice_id, check_owner(owner))
+        deleted = self._delete(key)
+        self._forget(key)
+        return deleted
 
     @property
     def stats(self) -> VoiceStoreStats:
@@ -402,15 +444,36 @@ class CachedVoiceStore(ABC):
             return VoiceStoreStats(hits=self._hits, misses=self._misses, loads=self._loads,
                                    size=len(self._lru))
 
-    def _remember(self, voice_id: str, revision: str, features: PromptFeatures) -> None:
+    def _get(self, key: str, voice_id: str) -> PromptFeatures | None:
+        """The features at store key `key` (from the LRU while its revision holds), None if there are none."""
+        with self._lock:
+            cached = self._lru.get(key)
+        if cached is not None and self._revision(key) == cached[0]:
+            with self._lock:
+                self._hits += 1
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+            return cached[1]
+        stored = self._read(key)
+        if stored is None:
+            self._forget(key)  # deleted elsewhere: drop the stale copy
+            return None
+        revision, blob = stored
+        features = decode_features(blob, voice_id)
+        with self._lock:
+            self._loads += 1
+        self._remember(key, revision, features)
+        return features
+
+    def _remember(self, key: str, revision: str, features: PromptFeatures) -> None:
         if self._lru_size == 0:
             return
         with self._lock:
-            self._lru[voice_id] = (revision, features)
-            self._lru.move_to_end(voice_id)
+            self._lru[key] = (revision, features)
+            self._lru.move_to_end(key)
             while len(self._lru) > self._lru_size:
                 self._lru.popitem(last=False)
 
-    def _forget(self, voice_id: str) -> None:
+    def _forget(self, key: str) -> None:
         with self._lock:
-            self._lru.pop(voice_id, None)
+            self._lru.pop(key, None)
