@@ -200,7 +200,7 @@ class CountingStore:
         self.records = {record.voice_id: record for record in records}
         self.reads: list[str] = []
 
-    def info(self, voice_id: str) -> VoiceRecord:
+    def info(self, voice_id: str, owner: str | None = None) -> VoiceRecord:
         self.reads.append(voice_id)
         if voice_id not in self.records:
             raise NotFound("reference_audio_id", f"no voice {voice_id!r}")
