@@ -26,7 +26,8 @@ from cosyvoice_triton.pipeline.chunk_policy import ChunkSchedule
 from cosyvoice_triton.random_folder.cosyvoice3_yaml import CosyVoice3Size
 from cosyvoice_triton.random_folder.write import write_random_model
 from cosyvoice_triton.token2wav.causal_vocoder_stream import CausalVocoderStream
-from test_golden_cv3 import Prompt, official_policy, run_flow, synthesize
+from golden_checks import flow_prompt, run_flow, stepwise_logits
+from test_golden_cv3 import official_policy, synthesize
 
 GREEDY_CAP = 40  # tokens of the greedy decode at most (the official set's cap)
 FIRST_F0_FRAMES = 8  # `flow_rand_noise_first`
@@ -86,7 +87,7 @@ def _arrays(model_dir: Path, rs: np.random.RandomState, n: Lengths) -> tuple[dic
     a["in_embedding"] = rs.randn(1, 192).astype(np.float32)
     a["llm_forced_speech_token"] = rs.randint(0, 6561, (1, n.forced)).astype(np.int64)
     a["flow_token"] = rs.randint(0, 6561, (1, n.flow)).astype(np.int32)
-    a.update(_llm_arrays(models.load_llm(model_dir, max_batch=1, max_seq_len=256), a))
+    a.update(_llm_arrays(models.load_llm(model_dir, max_batch=2, max_seq_len=256), a))
     flow, hift = models.load_flow(model_dir), models.load_vocoder(model_dir)
     a.update(_flow_and_vocoder_arrays(flow, hift, a))
     a.update(_onnx_arrays(model_dir, rs, n))
@@ -98,11 +99,7 @@ def _llm_arrays(llm, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     lm_input = llm.build_prompt(*prompt)
     forced = torch.from_numpy(a["llm_forced_speech_token"])
     oneshot = llm.logits_full(torch.cat([lm_input, llm.embed_speech(forced)], dim=1))
-    length, slots = lm_input.shape[1], torch.tensor([0])
-    rows = [llm.step_logits(lm_input, torch.arange(length)[None], slots)]
-    rows += [llm.step_logits(llm.embed_speech(forced[:, k:k + 1]), torch.tensor([[length + k]]), slots)
-             for k in range(forced.shape[1])]
-    stepwise = torch.cat(rows)
+    stepwise = stepwise_logits(llm, lm_input, forced)
     sampled: list[int] = []
 
     def greedy(logp: torch.Tensor, decoded, generator) -> int:
@@ -120,7 +117,7 @@ def _llm_arrays(llm, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def _flow_and_vocoder_arrays(flow, hift, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
-    prompt = Prompt(*(torch.from_numpy(a[k]) for k in ("in_prompt_speech_token", "in_prompt_feat", "in_embedding")))
+    prompt = flow_prompt(a)
     tokens = torch.from_numpy(a["flow_token"])
     offline = run_flow(flow, prompt, tokens, streaming=False, finalize=True)
     schedule, ends, offsets = ChunkSchedule(official_policy(flow), prompt.speech_tokens.shape[1]), [], []

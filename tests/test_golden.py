@@ -5,13 +5,12 @@ the inputs, and what the official code computed from them; its README describes 
 tolerances used here. Dimensions come from the checkpoint, lengths and chunk counts from the arrays and
 seeds from golden.json, so the tests run unchanged on any folder with the same keys.
 
-Each test names the arrays it compares with `@checks(...)`; `INPUTS` names the arrays that only feed
-the models. `test_every_golden_array_is_checked` fails when the folder holds an array that neither names.
+Each test names the arrays it compares with `@checks(...)`; `golden_checks.INPUTS` names the arrays that
+only feed the models. `test_every_golden_array_is_checked` fails when the folder holds an array that neither
+names.
 """
 from __future__ import annotations
 
-import re
-from collections import defaultdict
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -21,7 +20,6 @@ import pytest
 import torch
 
 from cosyvoice_triton.config import read_yaml
-from cosyvoice_triton.engines.onnx_session import input_names, open_session
 from cosyvoice_triton.models.flow import FlowConfig, FlowMatching, FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import GeneratorNoise, ZeroNoise
@@ -31,77 +29,28 @@ from cosyvoice_triton.pipeline.chunk_policy import ChunkSchedule
 from cosyvoice_triton.llm.generate import generate
 from cosyvoice_triton.token2wav.stream import FlowPrompt, Token2Wav
 from cosyvoice_triton.token2wav.vocoder_stream import VocoderStream
+from golden_checks import (F0_ATOL_HZ, FLOW_CHUNK, INDEX, LLM_OUTPUTS, MEL_ATOL, ONNX_OUTPUTS, RAND_NOISE_FILE,
+                           WAVE_ATOL, Registry, assert_close, assert_json_describes_every_array,
+                           assert_same_folded_weights, check_flow_keys_and_noise, check_llm_outputs,
+                           check_onnx_standins, indexed, run_flow, tensor)
+from golden_checks import e2e_atol as golden_e2e_atol
+from golden_checks import flow_prompt as golden_flow_prompt
+from golden_checks import llm_prompt as golden_llm_prompt
 from recorded_noise import RecordedNoise
 from test_llm_sampling import greedy_sampler
 
-# The README's tolerances for a faithful fp32 implementation (max abs error).
-LOGIT_ATOL = 1e-4  # LLM logits and log-probs
-MEL_ATOL = 1e-4  # flow mel, offline and streaming chunks
-WAVE_ATOL = 1e-3  # HiFT waveforms computed from the golden mel
-F0_ATOL_HZ = 1e-3
-CAMPPLUS_ATOL = 1e-5  # the speech-tokenizer stand-in must match exactly
-# End to end (our flow feeding our HiFT), HiFT amplifies mel errors ~30x: 1e-3 holds while our mel is
-# within 3e-5 of the golden mel, 5e-3 while it is within MEL_ATOL.
-E2E_ATOL, E2E_ATOL_LOOSE, E2E_MEL_ATOL = 1e-3, 5e-3, 3e-5
-
-INDEX = "{i}"  # in a registered name: the chunk index 0, 1, ... (a family of arrays)
-FLOW_CHUNK, E2E_CHUNK = "flow_mel_stream_chunk", "e2e_stream_chunk"
-RAND_NOISE_FILE = "flow_rand_noise.npy"
-
-INPUTS = frozenset({
-    "in_text_token", "in_prompt_text_token", "in_prompt_speech_token", "in_prompt_feat", "in_embedding",
-    "llm_forced_speech_token", "flow_token", "hift_in_mel", "onnx_campplus_in", "onnx_tokenizer_in",
-})
-CHECKED: dict[str, list[str]] = defaultdict(list)  # golden array (or family) -> the tests comparing it
-
-
-def checks(*names: str):
-    """Register the golden arrays a test compares against; `name{i}` stands for name0, name1, ..."""
-    def register(test):
-        for name in names:
-            CHECKED[name].append(test.__name__)
-        return test
-    return register
-
-
-# ---- helpers --------------------------------------------------------------------------------------
-
-def assert_close(actual: torch.Tensor | np.ndarray, expected: np.ndarray, atol: float, name: str) -> float:
-    """Assert the shapes agree and the max abs error is <= atol; return the error."""
-    if isinstance(actual, torch.Tensor):
-        actual = actual.detach().cpu().numpy()
-    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
-    err = float(np.abs(actual.astype(np.float64) - expected).max(initial=0.0))
-    print(f"{name}: max abs error {err:.2e}")
-    assert err <= atol, f"{name}: max abs error {err:.2e} > {atol:.0e}"
-    return err
-
-
-def indexed(golden: dict[str, np.ndarray], family: str) -> list[np.ndarray]:
-    """The arrays `family0`, `family1`, ... in numeric order (chunk10 after chunk9)."""
-    pattern = re.compile(re.escape(family) + r"(\d+)")
-    found = {int(m.group(1)): golden[key] for key in golden if (m := pattern.fullmatch(key))}
-    assert sorted(found) == list(range(len(found))), f"{family}*: indices {sorted(found)} are not 0..n-1"
-    return [found[i] for i in range(len(found))]
-
-
-def name_pattern(name: str) -> re.Pattern[str]:
-    return re.compile(re.escape(name).replace(re.escape(INDEX), r"\d+"))
-
-
-def tensor(golden: dict[str, np.ndarray], key: str) -> torch.Tensor:
-    return torch.from_numpy(golden[key])
+# End to end (our flow feeding our HiFT), HiFT amplifies mel errors ~30x: E2E_ATOL (1e-3) holds while our mel
+# is within 3e-5 of the golden mel, E2E_ATOL_LOOSE (5e-3) while it is within MEL_ATOL.
+E2E_MEL_ATOL = 3e-5
+E2E_CHUNK = "e2e_stream_chunk"
+registry = Registry()
+checks = registry.checks
 
 
 # ---- the folder -----------------------------------------------------------------------------------
 
 def test_every_golden_array_is_checked(golden: dict[str, np.ndarray], golden_path: Path) -> None:
-    arrays = set(golden) | {path.name for path in golden_path.glob("*.npy")}
-    patterns = {name: name_pattern(name) for name in INPUTS | set(CHECKED)}
-    unclaimed = sorted(key for key in arrays if not any(p.fullmatch(key) for p in patterns.values()))
-    assert not unclaimed, f"golden arrays that no test checks: {unclaimed}"
-    absent = sorted(name for name, p in patterns.items() if not any(p.fullmatch(key) for key in arrays))
-    assert not absent, f"named here but not in {golden_path}: {absent}"
+    registry.assert_every_array_is_checked(golden, golden_path)
 
 
 def test_chunk_families_are_ordered_by_number() -> None:
@@ -110,11 +59,7 @@ def test_chunk_families_are_ordered_by_number() -> None:
 
 
 def test_golden_json_describes_every_array(golden: dict[str, np.ndarray], golden_meta: dict) -> None:
-    described = golden_meta["keys"]
-    assert set(described) == set(golden)
-    for key, array in golden.items():
-        assert list(array.shape) == described[key]["shape"], key
-        assert array.dtype == np.dtype(described[key]["dtype"]), key
+    assert_json_describes_every_array(golden, golden_meta)
 
 
 # ---- speech LM --------------------------------------------------------------------------------------
@@ -128,8 +73,7 @@ def llm(golden_model_dir: Path, golden: dict[str, np.ndarray]) -> SpeechLM:
 
 @pytest.fixture(scope="module")
 def llm_prompt(golden: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(text, prompt text, prompt speech) token ids, each (1, n)."""
-    return tuple(tensor(golden, key) for key in ("in_text_token", "in_prompt_text_token", "in_prompt_speech_token"))
+    return golden_llm_prompt(golden)
 
 
 @pytest.fixture(scope="module")
@@ -137,35 +81,11 @@ def lm_input(llm: SpeechLM, llm_prompt) -> torch.Tensor:
     return llm.build_prompt(*llm_prompt)  # (1, L, D)
 
 
-@checks("llm_lm_input")
-def test_lm_input(lm_input: torch.Tensor, golden: dict[str, np.ndarray]) -> None:
-    assert_close(lm_input, golden["llm_lm_input"], LOGIT_ATOL, "llm_lm_input")
-
-
-@checks("llm_min_len", "llm_max_len")
-def test_length_limits(llm: SpeechLM, golden: dict[str, np.ndarray]) -> None:
-    text_len = golden["in_text_token"].shape[1]
-    assert llm.length_limits(text_len) == (int(golden["llm_min_len"]), int(golden["llm_max_len"]))
-
-
-@checks("llm_logits_oneshot")
-def test_logits_oneshot(llm: SpeechLM, lm_input: torch.Tensor, golden: dict[str, np.ndarray]) -> None:
-    sequence = torch.cat([lm_input, llm.embed_speech(tensor(golden, "llm_forced_speech_token"))], dim=1)  # (1, L + F, D)
-    assert_close(llm.logits_full(sequence), golden["llm_logits_oneshot"], LOGIT_ATOL, "llm_logits_oneshot")
-
-
-@checks("llm_logits_stepwise", "llm_logp_stepwise")
-def test_logits_stepwise(llm: SpeechLM, lm_input: torch.Tensor, golden: dict[str, np.ndarray]) -> None:
-    """Prefill lm_input, then one cached step per forced token, as the official inference loop does."""
-    forced = tensor(golden, "llm_forced_speech_token")  # (1, F)
-    prompt_len = lm_input.shape[1]
-    slots = torch.tensor([1])  # the second cache slot, so that slot 0 is not assumed
-    rows = [llm.step_logits(lm_input, torch.arange(prompt_len)[None], slots)]
-    for k in range(forced.shape[1]):
-        rows.append(llm.step_logits(llm.embed_speech(forced[:, k:k + 1]), torch.tensor([[prompt_len + k]]), slots))
-    logits = torch.cat(rows)  # (F + 1, V)
-    assert_close(logits, golden["llm_logits_stepwise"], LOGIT_ATOL, "llm_logits_stepwise")
-    assert_close(logits.log_softmax(dim=-1), golden["llm_logp_stepwise"], LOGIT_ATOL, "llm_logp_stepwise")
+@checks(*LLM_OUTPUTS)
+def test_llm_outputs(llm: SpeechLM, lm_input: torch.Tensor, golden: dict[str, np.ndarray]) -> None:
+    """The prompt frame, the length limits, one-shot and KV-cached logits (prefill, then one cached step per
+    forced token, as the official inference loop does) and log-probs."""
+    check_llm_outputs(llm, lm_input, golden)
 
 
 @checks("llm_greedy_tokens")
@@ -188,31 +108,13 @@ def flow(golden_model_dir: Path) -> FlowModel:
 
 @pytest.fixture(scope="module")
 def flow_prompt(golden: dict[str, np.ndarray]) -> FlowPrompt:
-    return FlowPrompt(speech_tokens=tensor(golden, "in_prompt_speech_token"), mel=tensor(golden, "in_prompt_feat"),
-                      embedding=tensor(golden, "in_embedding"))
-
-
-def run_flow(flow: FlowModel, prompt: FlowPrompt, tokens: np.ndarray, streaming: bool, finalize: bool) -> torch.Tensor:
-    """The README's flow call on `tokens` (1, N): mel (1, 80, frames) without the prompt frames."""
-    def length(x: torch.Tensor) -> torch.Tensor:
-        return torch.tensor([x.shape[1]], dtype=torch.int32)
-
-    token = torch.from_numpy(tokens)
-    return flow.inference(token, length(token), prompt.speech_tokens, length(prompt.speech_tokens), prompt.mel,
-                          length(prompt.mel), prompt.embedding, streaming=streaming, finalize=finalize)
-
-
-def test_flow_state_dict_matches_checkpoint(flow: FlowModel, golden_model_dir: Path) -> None:
-    released = torch.load(golden_model_dir / "flow.pt", weights_only=True, map_location="cpu")
-    assert set(flow.state_dict()) == set(released)
+    return golden_flow_prompt(golden)
 
 
 @checks(RAND_NOISE_FILE, "flow_rand_noise_first")
-def test_fixed_noise(flow: FlowModel, golden: dict[str, np.ndarray], golden_path: Path) -> None:
-    noise = flow.decoder.rand_noise.numpy()
-    np.testing.assert_array_equal(noise, np.load(golden_path / RAND_NOISE_FILE))
-    first = golden["flow_rand_noise_first"]
-    np.testing.assert_array_equal(noise[..., :first.shape[-1]], first)
+def test_flow_keys_and_fixed_noise(flow: FlowModel, golden: dict[str, np.ndarray], golden_path: Path,
+                                   golden_model_dir: Path) -> None:
+    check_flow_keys_and_noise(flow, golden_model_dir / "flow.pt", golden, golden_path)
 
 
 def test_fixed_noise_does_not_reseed_global_rng(flow_config: FlowConfig) -> None:
@@ -266,11 +168,7 @@ def recorded_noise(golden: dict[str, np.ndarray]) -> RecordedNoise:
 def test_hift_weight_norm_namings_load_identically(hift: HiFTGenerator, golden_model_dir: Path) -> None:
     legacy = HiFTGenerator(hift.config)
     legacy.load_hift_state(golden_model_dir / "extras" / "hift_legacy_weight_norm.pt")
-    current, other = hift.state_dict(), legacy.state_dict()
-    assert current.keys() == other.keys()
-    for key in current:
-        assert torch.equal(current[key], other[key]), key
-    assert "conv_pre.weight" in current and not any("weight_g" in k or "parametrizations" in k for k in current)
+    assert_same_folded_weights(hift, legacy)
 
 
 def test_hift_config_matches_the_arrays(hift: HiFTGenerator, golden: dict[str, np.ndarray], golden_meta: dict) -> None:
@@ -384,12 +282,7 @@ def offline_run(flow: FlowModel, hift: HiFTGenerator, flow_prompt: FlowPrompt, g
 
 
 def e2e_atol(run: Run, golden: dict[str, np.ndarray], ratio: int) -> float:
-    """The waveform tolerance the README allows for the run's mel error (call i against streaming chunk i,
-    the final call against the offline mel)."""
-    references = indexed(golden, FLOW_CHUNK)[:len(run.calls) - 1] + [golden["flow_mel_nonstream"]]
-    err = max(assert_close(call.mel, reference[:, :, ratio * call.offset:], MEL_ATOL, f"flow call {i}")
-              for i, (call, reference) in enumerate(zip(run.calls, references, strict=True)))
-    return E2E_ATOL if err <= E2E_MEL_ATOL else E2E_ATOL_LOOSE
+    return golden_e2e_atol(run.calls, golden, ratio, E2E_MEL_ATOL)
 
 
 @checks("flow_stream_chunk_token_ends", "flow_stream_chunk_token_offsets", f"{FLOW_CHUNK}{INDEX}")
@@ -465,19 +358,6 @@ def test_vocoder_stream_on_the_golden_mel(hift: HiFTGenerator, golden: dict[str,
 
 # ---- ONNX stand-ins (how our code calls campplus.onnx and speech_tokenizer_v2.onnx) ------------------
 
-@checks("onnx_campplus_out")
-def test_onnx_campplus(golden: dict[str, np.ndarray], golden_model_dir: Path) -> None:
-    session = open_session(golden_model_dir / "campplus.onnx", device="cpu")
-    (name,) = input_names(session)
-    out = session.run(None, {name: golden["onnx_campplus_in"]})[0]
-    assert_close(out, golden["onnx_campplus_out"], CAMPPLUS_ATOL, "onnx_campplus_out")
-
-
-@checks("onnx_tokenizer_out")
-def test_onnx_speech_tokenizer(golden: dict[str, np.ndarray], golden_model_dir: Path) -> None:
-    session = open_session(golden_model_dir / "speech_tokenizer_v2.onnx", device="cpu")
-    feats_name, length_name = input_names(session)
-    feats = golden["onnx_tokenizer_in"]  # (1, 128, T), all T frames valid
-    out = session.run(None, {feats_name: feats, length_name: np.array([feats.shape[2]], np.int32)})[0]
-    assert out.dtype == golden["onnx_tokenizer_out"].dtype
-    np.testing.assert_array_equal(out, golden["onnx_tokenizer_out"])
+@checks(*ONNX_OUTPUTS)
+def test_onnx_standins(golden: dict[str, np.ndarray], golden_model_dir: Path) -> None:
+    check_onnx_standins(golden, golden_model_dir / "campplus.onnx", golden_model_dir / "speech_tokenizer_v2.onnx")

@@ -73,10 +73,7 @@ class DiTFlowModel(TokenToMel):
     yaml_class = "CausalMaskedDiffWithDiT"
 
     def __init__(self, config: DiTFlowConfig):
-        super().__init__()
-        self.config = config
-        self.input_embedding = nn.Embedding(config.vocab_size, config.input_size)
-        self.spk_embed_affine_layer = nn.Linear(config.spk_embed_dim, config.mel_bins)
+        super().__init__(config)
         self.pre_lookahead_layer = PreLookaheadLayer(config.input_size, config.pre_lookahead_channels,
                                                      config.pre_lookahead_len)
         self.decoder = FlowMatching(config, estimator=DiT(config.estimator))

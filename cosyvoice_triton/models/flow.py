@@ -184,13 +184,19 @@ class FlowConditions:
 
 class TokenToMel(nn.Module):
     """What the flows of both families share (inference only): the lengths, the input checks, the conditions
-    around the family's `encode`, the solver and the prompt cut. A subclass builds `input_embedding`,
-    `spk_embed_affine_layer` and `decoder` (a `FlowMatching`), names the yaml class it reads (`yaml_class`) and
-    turns embedded tokens into `mu` (`encode`)."""
+    around the family's `encode`, the solver and the prompt cut, the token embedding and the speaker
+    projection. A subclass builds the rest and `decoder` (a `FlowMatching`), names the yaml class it reads
+    (`yaml_class`) and turns embedded tokens into `mu` (`encode`)."""
 
     yaml_class: str  # the official class the yaml's `flow` section must build
-    config: FlowConfig  # or the CosyVoice3 `DiTFlowConfig`: the fields `conditions` reads have the same names
     decoder: FlowMatching
+
+    def __init__(self, config: FlowConfig):
+        """`config`: a FlowConfig, or CosyVoice3's `DiTFlowConfig` (the fields read here have the same names)."""
+        super().__init__()
+        self.config = config
+        self.input_embedding = nn.Embedding(config.vocab_size, config.input_size)
+        self.spk_embed_affine_layer = nn.Linear(config.spk_embed_dim, config.mel_bins)
 
     @classmethod
     def config_from_yaml(cls, root: dict):
@@ -318,10 +324,7 @@ class FlowModel(TokenToMel):
     yaml_class = "CausalMaskedDiffWithXvec"
 
     def __init__(self, config: FlowConfig):
-        super().__init__()
-        self.config = config
-        self.input_embedding = nn.Embedding(config.vocab_size, config.input_size)
-        self.spk_embed_affine_layer = nn.Linear(config.spk_embed_dim, config.mel_bins)
+        super().__init__(config)
         self.encoder = FlowEncoder(config.encoder)
         self.encoder_proj = nn.Linear(config.encoder.output_size, config.mel_bins)
         self.decoder = FlowMatching(config)
