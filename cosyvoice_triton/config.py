@@ -138,14 +138,13 @@ class ModelPaths:
         return self.root / "CosyVoice-BlankEN"
 
     def missing(self) -> list[str]:
-        """The files the folder lacks (relative names); without a family yaml, the yaml names come first."""
+        """The files the folder lacks (relative names). Without a family yaml, a family's own file is named as
+        the alternatives ("cosyvoice2.yaml or cosyvoice3.yaml")."""
         try:
-            family_files = [self.yaml, self.speech_tokenizer]
+            family = [self.family]
         except ModelFolderError:
-            return [" or ".join(f.yaml_file for f in FAMILIES)] + [
-                str(p.relative_to(self.root)) for p in self._common_files() if not p.exists()]
-        wanted = [family_files[0], *self._common_files(), family_files[1]]
-        return [str(p.relative_to(self.root)) for p in wanted if not p.exists()]
-
-    def _common_files(self) -> list[Path]:
-        return [self.llm, self.flow, self.hift, self.campplus, self.qwen_dir / "config.json"]
+            family = list(FAMILIES)
+        names = [[f.yaml_file for f in family], ["llm.pt"], ["flow.pt"], ["hift.pt"], ["campplus.onnx"],
+                 [f.speech_tokenizer_file for f in family], ["CosyVoice-BlankEN/config.json"]]
+        return [" or ".join(alternatives) for alternatives in names
+                if not any((self.root / name).exists() for name in alternatives)]
