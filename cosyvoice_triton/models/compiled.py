@@ -201,7 +201,13 @@ def compile_flow(flow: nn.Module) -> int:
 
 
 def compile_llm(llm: nn.Module) -> int:
+    from .llm_precision import multiply_rows_together
     from .qwen2 import DecoderLayer
+    for layer in (module for module in llm.modules() if type(module) is DecoderLayer):
+        # A compiled layer batches its rows: the rows-apart decode's host reads and loops over rows would
+        # recompile it for each row count. Its rows are then equal to their solo runs only up to rounding.
+        multiply_rows_together(layer)
+        layer.self_attn.rows_apart = False
     return _wrap_all(llm.modules(), DecoderLayer, _llm_forward())
 
 

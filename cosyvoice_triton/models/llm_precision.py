@@ -12,12 +12,29 @@
   else, and the Linear outputs, in float32. CPU only. The fastest on CPUs without bf16 instructions
   (perf/RESULTS.md, "int8 on every CPU"); `int8` stays for CPUs with bf16 and for GPUs.
 Quality against fp32 is measured by perf/llm_quality.py (mean per-step KL, top-1 agreement).
+
+Batch-invariant decode (on a CPU, every precision): a stream's logits at a decode step are the same bits
+whatever else decodes beside it, and at any torch thread count, so a seed's tokens never depend on the load.
+Batched, they were not (up to 2e-7 apart, enough to flip a sampled token now and then: one stream of a
+64-stream burst did): the float kernels add a row's products in another order for one row than for several
+(MKL's sgemm, oneDNN's bf16 gemm), the batched attention's products block the attended length differently
+for another length, and SDPA's CPU kernel sums a head's float32 products in an order that depends on the
+thread that runs it. So `SpeechLM.multiply_rows_apart` (from_model_dir on a CPU) makes a decode step
+- multiply a batch's rows one at a time in the float Linears of the backbone (fp32, bf16) and in the speech
+  head (`RowByRowLinear`); the int8 ones stay batched: ATen's int8 weight-only kernel and the per-row
+  dynamic one reduce each row alone already;
+- attend row by row, each row over its own written prefix, in float32 as plain products
+  (`qwen2.row_attention`).
+A prefill (one stream) is unchanged. tests/test_batch_invariance.py checks the bits for every precision on this
+CPU's kernels and on its AVX2 kernels. GPUs (CUDA graphs, batched) and a compiled LLM (`--compile on`) keep
+their batched decode: equal to a stream's solo run up to rounding only.
 """
 from __future__ import annotations
 
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 LLM_PRECISIONS = ("fp32", "bf16", "int8", "int8-dynamic")
@@ -114,6 +131,50 @@ class Int8DynamicLinear(nn.Module):
         if x.dim() < 3 or x.shape[0] == 1:
             return torch.ops.quantized.linear_dynamic(x, self.packed, True)
         return torch.stack([torch.ops.quantized.linear_dynamic(row, self.packed, True) for row in x])
+
+
+class RowByRowLinear(nn.Linear):
+    """nn.Linear that multiplies a decode step's rows (x (B, in) or (B, 1, in), B > 1) one at a time; other
+    inputs (a prefill, a training batch (B, T, in)) in one call.
+
+    The float kernels (MKL's sgemm, oneDNN's bf16 gemm) add a row's products in another order for one row
+    than for several (measured on AVX512 with and without BF16: up to 1e-5 apart in float32, one bf16 step
+    in bf16), so a stream's logits would depend on how many streams decode beside it. Row by row, each row
+    is multiplied exactly as it is alone. The weights are the wrapped Linear's."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        decode_rows = x.shape[0] > 1 and (x.dim() == 2 or (x.dim() == 3 and x.shape[1] == 1))
+        if not decode_rows:
+            return F.linear(x, self.weight, self.bias)
+        return torch.cat([F.linear(row, self.weight, self.bias) for row in x.split(1)])
+
+
+def row_by_row(linear: nn.Linear) -> RowByRowLinear:
+    """`linear` as a RowByRowLinear sharing its parameters."""
+    rows = RowByRowLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    rows.weight, rows.bias = linear.weight, linear.bias
+    return rows
+
+
+def multiply_rows_apart(module: nn.Module) -> None:
+    """Replace every plain nn.Linear below `module` by its RowByRowLinear (the int8 ones stay: each reduces
+    a row alone already)."""
+    for name, child in module.named_children():
+        if type(child) is nn.Linear:
+            setattr(module, name, row_by_row(child))
+        else:
+            multiply_rows_apart(child)
+
+
+def multiply_rows_together(module: nn.Module) -> None:
+    """Undo `multiply_rows_apart` below `module`: plain nn.Linears sharing the parameters again."""
+    for name, child in module.named_children():
+        if isinstance(child, RowByRowLinear):
+            linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+            linear.weight, linear.bias = child.weight, child.bias
+            setattr(module, name, linear)
+        else:
+            multiply_rows_together(child)
 
 
 def quantize_linears_dynamic(module: nn.Module) -> None:

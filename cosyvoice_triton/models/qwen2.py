@@ -8,7 +8,9 @@ The parameter names equal those of the Hugging Face checkpoint (`embed_tokens`, 
   among the first `kv_len` (the used prefix, rounded up to a bucket by `kv_bucket`, so a step costs
   what its context needs, not the whole static cache). The same call does prefill (T > 1) and decode
   (T = 1), and it never reads a value back to the host, so a fixed-shape decode step (one per bucket)
-  can be captured in a CUDA graph.
+  can be captured in a CUDA graph. With `rows_apart` (set on a CPU: models/llm_precision.py, "Batch-invariant
+  decode") a decode step attends row by row instead, each row over exactly its own prefix (`row_attention`),
+  reading the rows' slots and positions on the host.
 - `forward_full(x)`: no cache, causal attention over the whole sequence (one-shot scoring).
 """
 from __future__ import annotations
@@ -104,17 +106,43 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, slots: Tensor, input_pos: Tensor, k: Tensor, v: Tensor,
-               kv_len: int) -> tuple[Tensor, Tensor]:
-        """Write k, v (B, Hkv, T, hd) at (slots (B,), input_pos (B, T)); return the rows' first `kv_len`
-        cache positions (B, Hkv, kv_len, hd)."""
+    def write(self, slots: Tensor, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k, v (B, Hkv, T, hd) at (slots (B,), input_pos (B, T))."""
         # Index pairs (slot, position) broadcast to (B, T); the head axis left as `:` then comes after
         # them, so the destination is laid out (B, T, Hkv, hd).
         rows = slots[:, None]
         self.k[rows, :, input_pos] = k.transpose(1, 2)  # (B, T, Hkv, hd): time before heads
         self.v[rows, :, input_pos] = v.transpose(1, 2)  # (B, T, Hkv, hd): time before heads
+
+    def update(self, slots: Tensor, input_pos: Tensor, k: Tensor, v: Tensor,
+               kv_len: int) -> tuple[Tensor, Tensor]:
+        """`write`, then return the rows' first `kv_len` cache positions (B, Hkv, kv_len, hd)."""
+        self.write(slots, input_pos, k, v)
         return (self.k[:, :, :kv_len].index_select(0, slots),
                 self.v[:, :, :kv_len].index_select(0, slots))
+
+    def prefix(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
+        """Slot `slot`'s first `length` positions: k, v (1, Hkv, length, hd), views of the cache."""
+        return self.k[slot:slot + 1, :, :length], self.v[slot:slot + 1, :, :length]
+
+
+def row_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(hd)) v of one row's query over all the keys given, in float32 as plain products.
+
+    q (1, H, 1, hd), k and v (1, Hkv, n, hd) -> (1, H, 1, hd) in q's dtype. Called with a row's own written
+    prefix, every product has the shapes of that row's step alone, whatever else the batch holds: its sums
+    run in the same order (the batched products' kernels block the attended length differently for another
+    length, and SDPA's CPU kernel sums a head's float32 products in an order that depends on the thread
+    that runs it; models/llm_precision.py, "Batch-invariant decode").
+    """
+    _, heads, _, head_dim = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    group = heads // kv_heads  # query heads per key/value head (GQA: head h reads kv head h // group)
+    queries = q.float().reshape(kv_heads, group, head_dim)  # (Hkv, G, hd)
+    keys = k.float().reshape(kv_heads, length, head_dim)  # (Hkv, n, hd)
+    scores = torch.bmm(queries, keys.transpose(1, 2)) * head_dim ** -0.5  # (Hkv, G, n): keys' time last
+    y = torch.bmm(scores.softmax(dim=-1), v.float().reshape(kv_heads, length, head_dim))  # (Hkv, G, hd)
+    return y.reshape(1, heads, 1, head_dim).to(q.dtype)
 
 
 class Attention(nn.Module):
@@ -128,6 +156,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.kv_cache: KVCache | None = None
+        # Decode steps attend row by row (`row_attention`), each row over its own prefix: batch-invariant,
+        # with host reads of the rows' slots and positions (free on a CPU; a CUDA graph keeps the batched SDPA).
+        self.rows_apart = False
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 slots: Tensor | None, input_pos: Tensor | None) -> Tensor:
@@ -142,11 +173,23 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if slots is not None:
             assert self.kv_cache is not None, "call setup_caches() before a cached forward"
-            k, v = self.kv_cache.update(slots, input_pos, k, v, mask.shape[-1])  # (B, Hkv, S', hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        if slots is not None and length == 1 and self.rows_apart:  # a decode step, each row over its own prefix
+            y = self._attend_rows(q, k, v, slots, input_pos)
+        else:
+            if slots is not None:
+                k, v = self.kv_cache.update(slots, input_pos, k, v, mask.shape[-1])  # (B, Hkv, S', hd)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=self.num_heads != self.num_kv_heads)
         y = y.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)  # (B, T, H*hd): time first again
         return self.o_proj(y)
+
+    def _attend_rows(self, q: Tensor, k: Tensor, v: Tensor, slots: Tensor, input_pos: Tensor) -> Tensor:
+        """Write the step's k, v (B, Hkv, 1, hd); each row's q (B, H, 1, hd) over its slot's positions up to its
+        own -> (B, H, 1, hd)."""
+        self.kv_cache.write(slots, input_pos, k, v)
+        rows = zip(slots.tolist(), input_pos[:, 0].tolist())
+        return torch.cat([row_attention(q[b:b + 1], *self.kv_cache.prefix(slot, position + 1))
+                          for b, (slot, position) in enumerate(rows)])
 
 
 class MLP(nn.Module):

@@ -24,8 +24,8 @@ from cosyvoice_triton.family import COSYVOICE2, LMLayout, check_yaml_class
 from cosyvoice_triton.messages import SamplingParams
 from cosyvoice_triton.models.auto_precision import resolve_llm_precision
 from cosyvoice_triton.models.checkpoint import load_state
-from cosyvoice_triton.models.llm_precision import (activation_dtype, check_llm_precision, quantize_linears,
-                                                   quantize_linears_dynamic)
+from cosyvoice_triton.models.llm_precision import (activation_dtype, check_llm_precision, multiply_rows_apart,
+                                                   quantize_linears, quantize_linears_dynamic, row_by_row)
 from cosyvoice_triton.models.qwen2 import Qwen2Config, Qwen2Decoder, Qwen2ForCausalLM, rope_tables
 
 SOS_INDEX = COSYVOICE2.lm.sos  # CosyVoice2: rows of `llm_embedding`
@@ -117,6 +117,8 @@ class SpeechLM(nn.Module):
         load_state(model, paths.llm)
         model.to(device).eval()
         model.set_precision(resolve_llm_precision(precision, device))
+        if torch.device(device).type == "cpu":
+            model.multiply_rows_apart()
         model.setup_caches(max_batch)
         return model
 
@@ -145,6 +147,17 @@ class SpeechLM(nn.Module):
                 module.to(dtype)
         cos, sin = rope_tables(self.config.qwen, backbone.max_seq_len)
         backbone.rope_cos, backbone.rope_sin = cos.to(backbone.rope_cos.device), sin.to(backbone.rope_sin.device)
+
+    def multiply_rows_apart(self) -> None:
+        """Decode steps row by row where the kernels' sums depend on the batch: the backbone's float Linears and
+        the speech head multiply one row at a time (`llm_precision.RowByRowLinear`), the attention runs each row
+        over its own prefix (`qwen2.row_attention`). A stream's logits are then the same bits whatever else
+        decodes beside it (models/llm_precision.py, "Batch-invariant decode"). For the CPU: the per-row host
+        reads would break a CUDA graph."""
+        multiply_rows_apart(self.backbone.layers)
+        self.llm_decoder = row_by_row(self.llm_decoder)
+        for layer in self.backbone.layers:
+            layer.self_attn.rows_apart = True
 
     def setup_caches(self, max_batch: int) -> None:
         self.backbone.setup_caches(max_batch)
