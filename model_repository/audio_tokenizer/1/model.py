@@ -1,6 +1,11 @@
 """`audio_tokenizer` (prompt_encoder step 2b): S3 speech tokens (25 Hz) of 16 kHz audio."""
 from __future__ import annotations
 
+# First: what this model computes runs below the stub's health thread (cosyvoice_triton/triton/stub_priority.py).
+from cosyvoice_triton.triton.stub_priority import yield_to_stub_health
+
+yield_to_stub_health()
+
 import json
 from pathlib import Path
 

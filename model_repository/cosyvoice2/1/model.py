@@ -11,6 +11,11 @@ Mode "vc" (voice conversion: a source recording, no text) runs `ConversionServic
 """
 from __future__ import annotations
 
+# First: what this model computes runs below the stub's health thread (cosyvoice_triton/triton/stub_priority.py).
+from cosyvoice_triton.triton.stub_priority import yield_to_stub_health
+
+yield_to_stub_health()
+
 import json
 import time
 import uuid

@@ -6,6 +6,11 @@ is the adaptor: tensors in, a pb_utils response sender as a `TokenSender`, metri
 """
 from __future__ import annotations
 
+# First: what this model computes runs below the stub's health thread (cosyvoice_triton/triton/stub_priority.py).
+from cosyvoice_triton.triton.stub_priority import yield_to_stub_health
+
+yield_to_stub_health()
+
 import json
 from contextlib import nullcontext
 

@@ -4,6 +4,11 @@ The same functions as `PromptEncoder.encode`, so the ensemble's features equal t
 """
 from __future__ import annotations
 
+# First: what this model computes runs below the stub's health thread (cosyvoice_triton/triton/stub_priority.py).
+from cosyvoice_triton.triton.stub_priority import yield_to_stub_health
+
+yield_to_stub_health()
+
 import json
 from pathlib import Path
 

@@ -7,6 +7,11 @@ refused first (`prompt_budget`, with the llm's `max_seq_len`).
 """
 from __future__ import annotations
 
+# First: what this model computes runs below the stub's health thread (cosyvoice_triton/triton/stub_priority.py).
+from cosyvoice_triton.triton.stub_priority import yield_to_stub_health
+
+yield_to_stub_health()
+
 import json
 
 import numpy as np

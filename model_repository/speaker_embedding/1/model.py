@@ -2,6 +2,11 @@
 `engine` and `device` of its parameters (`open_campplus`; a fallback is one warning line in Triton's log)."""
 from __future__ import annotations
 
+# First: what this model computes runs below the stub's health thread (cosyvoice_triton/triton/stub_priority.py).
+from cosyvoice_triton.triton.stub_priority import yield_to_stub_health
+
+yield_to_stub_health()
+
 import json
 from pathlib import Path
 

@@ -5,8 +5,9 @@ scheduler's quiet clock from the latest chunk's answer (its idle rule; checked o
 `IdleSweeper` timer while no chunks come).
 
 Metrics are updated only inside `execute`, on the stub's main thread: metric IPC from a background
-thread of this model is the suspect of a rare tritonserver crash (boost::interprocess::lock_exception in
-the Python backend). So when the idle sweeper frees streams it only changes the scheduler, then sends this
+thread of this model was once suspected of a rare tritonserver crash (boost::interprocess::lock_exception in
+the Python backend; its cause turned out to be the backend's stub health check, docs/operations/faults.md).
+So when the idle sweeper frees streams it only changes the scheduler, then sends this
 model a no-op request (a cancel of a stream id that no client uses, over BLS, the path that decoupled
 models use from their worker threads all the time) so that an execute publishes the frees at once,
 even on a server that gets no other traffic.
@@ -15,6 +16,11 @@ Flow and HiFT come from `build_token2wav` with the `engine`, `precision` and `on
 (ONNX graphs exported on first use; a fallback is one warning line in Triton's log).
 """
 from __future__ import annotations
+
+# First: what this model computes runs below the stub's health thread (cosyvoice_triton/triton/stub_priority.py).
+from cosyvoice_triton.triton.stub_priority import yield_to_stub_health
+
+yield_to_stub_health()
 
 import json
 import secrets
