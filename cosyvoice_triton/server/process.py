@@ -13,6 +13,10 @@ python_backend's stub launcher):
 * **Region names.** Regions are named `<shm-region-prefix-name><n>`; two servers on one host with
   the same prefix clash, so every `TritonProcess` uses a fresh prefix, and removes its leftover
   `/dev/shm/<prefix>*` files after the server has gone.
+* **Stub health.** The backend gives a stub up when the stub's health thread has not run for about a
+  second while the server waits on that stub, and the server then dies (docs/operations/faults.md); the
+  models therefore run below that thread (triton/stub_priority.py). Its `stub-timeout-seconds` is read and
+  never used (2.51 up to the newest python_backend), so it is not offered here.
 * **Auto-complete.** With auto-complete on, Triton starts one extra stub per Python model only to
   call `auto_complete_config` (importing torch once more). Our configs are complete, so it is off by
   default (`--disable-auto-complete-config`).
@@ -132,7 +136,7 @@ class TritonProcess:
                  env: Mapping[str, str] | None = None,
                  shm_default_byte_size: int = DEFAULT_SHM_DEFAULT_BYTES,
                  shm_growth_byte_size: int = DEFAULT_SHM_GROWTH_BYTES,
-                 stub_timeout_s: int | None = None, auto_complete_config: bool = False,
+                 auto_complete_config: bool = False,
                  log_verbose: int = 0, exit_timeout_s: int = EXIT_TIMEOUT_S, startup_timeout_s: float = 180.0,
                  die_with_parent: bool = False, extra_args: Sequence[str] = ()):
         if model_control_mode not in CONTROL_MODES:
@@ -159,7 +163,6 @@ class TritonProcess:
         self.extra_env = dict(env or {})
         self.shm_default_byte_size = shm_default_byte_size
         self.shm_growth_byte_size = shm_growth_byte_size
-        self.stub_timeout_s = stub_timeout_s
         self.auto_complete_config = auto_complete_config
         self.log_verbose = log_verbose
         self.exit_timeout_s = exit_timeout_s
@@ -224,8 +227,6 @@ class TritonProcess:
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
         ]
-        if self.stub_timeout_s is not None:
-            args.append(f"--backend-config=python,stub-timeout-seconds={self.stub_timeout_s}")
         if not self.auto_complete_config:
             args.append("--disable-auto-complete-config")
         if self.binary.cache_dir is not None:
@@ -266,8 +267,11 @@ class TritonProcess:
                 _LIVE.add(self)
                 return self
             except TritonStartError as exc:
-                # Killed by a signal before it was ready: python_backend 2.51 now and then aborts while its
-                # stubs start on a busy machine (`boost::interprocess::lock_exception`); worth one more try.
+                # Killed by a signal before it was ready: python_backend gives up a stub that did not run for
+                # a second while the server waited on its `initialize`, and the server dies of it
+                # (`boost::interprocess::lock_exception`, SIGSEGV, SIGBUS: docs/operations/faults.md). The
+                # models run below the stubs' health threads (triton/stub_priority.py), but a stall of the
+                # whole machine can still do it; worth one more try.
                 crashed = (self._proc.poll() or 0) < 0
                 self._keep_workdir = True
                 self.stop()
