@@ -9,6 +9,7 @@ bls        BLS clients: the pipeline's LLM and token2wav backends, the prompt en
 service    voice resolution (store or prompt_encoder) and the synthesis service of `cosyvoice2`
 streaming  decoupled requests in a bounded worker pool; chunks out with one final flag
 metrics    custom metric families
+stub_priority  called first in each model.py: the model's threads below the stub's health thread
 """
 from __future__ import annotations
 
