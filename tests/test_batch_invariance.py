@@ -1,8 +1,11 @@
-"""Batch-invariant decode on the CPU (models/llm_precision.py, "Batch-invariant decode"): a stream's logits at a
+"""Batch invariance on the CPU: a stream's tokens and audio do not depend on what runs beside it.
+
+The LLM (models/llm_precision.py, "Batch-invariant decode"): a stream's logits at a
 decode step are the same bits whatever else decodes beside it (how many rows, which, in which order, at which
 attended cache length) and at any torch thread count, for every LLM precision; so a seed gives the same tokens
 under any load. Checked on this CPU's kernels and, in a child process, on its AVX2 kernels (ATen, MKL and
-oneDNN capped at AVX2, as an AVX2-only CPU runs them; `auto` then picks int8-dynamic)."""
+oneDNN capped at AVX2, as an AVX2-only CPU runs them; `auto` then picks int8-dynamic). token2wav: a stream's
+audio is the same bits in any flow batch (token2wav/scheduler.py)."""
 from __future__ import annotations
 
 import os
@@ -10,16 +13,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from cosyvoice_triton.llm.scheduler import LLMScheduler
+from cosyvoice_triton.messages import ChunkPolicy
+from cosyvoice_triton.models.flow_cache import FlowCacheSettings
 from cosyvoice_triton.models.auto_precision import resolve_llm_precision
 from cosyvoice_triton.models.llm_precision import LLM_PRECISIONS
 from cosyvoice_triton.models.qwen2 import Qwen2Config, kv_bucket
 from cosyvoice_triton.models.speech_lm import SpeechLM, SpeechLMConfig
+from cosyvoice_triton.pipeline.threads import CoreShare, RowWorkers, ThreadPlan
+from cosyvoice_triton.pipeline.chunk_policy import ChunkSchedule
+from cosyvoice_triton.token2wav.scheduler import ChunkRequest, Token2WavScheduler
 
 from test_llm_scheduler import make_request, read_all
+from test_token2wav_scheduler import Voice, golden_prompt, random_prompt
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -174,3 +184,52 @@ def test_on_an_avx2_cpus_kernels_too(tiny_model_dir):
     done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(tiny_model_dir)],
                           env={**os.environ, **AVX2_ENV}, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def chunked(voice: Voice) -> list[ChunkRequest]:
+    """The voice's tokens cut into chunks where its chunk policy says."""
+    schedule = ChunkSchedule(voice.policy, voice.prompt.speech_tokens.shape[1])
+    ends = [0]
+    while schedule.needed <= len(voice.tokens):
+        ends.append(schedule.advance()[1])
+    spans = list(zip(ends, ends[1:] + [len(voice.tokens)]))
+    return [ChunkRequest(voice.stream_id, voice.tokens[start:end], finalize=j == len(spans) - 1,
+                         prompt=voice.prompt if j == 0 else None, seed=voice.seed)
+            for j, (start, end) in enumerate(spans)]
+
+
+def test_a_streams_audio_in_any_flow_batch_is_its_solo_runs_bits(flow, hift, golden):
+    """token2wav as served on a CPU (the flow cache, each stream's estimator rows and encoder alone, spread by
+    RowWorkers): streams with other voices, lengths and start times give the same audio bits batched together
+    as each alone. (Served, a call's thread count follows the chunk kinds in it, which moves HiFT's sums by
+    ~1e-7; here every call runs on the same count.)"""
+    rng = np.random.RandomState(5)
+    tokens = golden["flow_token"][0].tolist()
+    hops = ChunkPolicy(first_hop=8, hop_scale=1.0, align_to_chunk=False)  # a chunk every 8 tokens
+    voices = [Voice("a", golden_prompt(golden, 0, 20, 1.0), tokens[:32], hops, seed=11),
+              Voice("b", random_prompt(golden, rng, 12), rng.randint(0, 6561, 24).tolist(), hops, seed=13)]
+    chunks = {voice.stream_id: chunked(voice) for voice in voices}
+    workers = RowWorkers(CoreShare(ThreadPlan(cores=2, llm=1, token2wav=1)))
+
+    def scheduler() -> Token2WavScheduler:
+        return Token2WavScheduler(flow, hift, flow_cache=FlowCacheSettings(), map_rows=workers.map)
+
+    try:
+        alone = {}
+        for stream_id, stream_chunks in chunks.items():
+            single = scheduler()
+            alone[stream_id] = np.concatenate([single.run([chunk])[0] for chunk in stream_chunks])
+        together, batched = scheduler(), {stream_id: [] for stream_id in chunks}
+        waiting = {stream_id: list(stream_chunks) for stream_id, stream_chunks in chunks.items()}
+        starts = {"a": 0, "b": 1}  # b's first chunk beside a's second, then equal-length middle chunks
+        for call in range(100):
+            batch = [waiting[s].pop(0) for s in waiting if waiting[s] and call >= starts[s]]
+            if not batch:
+                break
+            for chunk, audio in zip(batch, together.run(batch)):
+                batched[chunk.stream_id].append(audio)
+        assert together.stats.max_flow_batch == 2
+    finally:
+        workers.close()
+    for stream_id, audio in alone.items():
+        assert np.array_equal(np.concatenate(batched[stream_id]), audio), stream_id

@@ -173,7 +173,7 @@ def test_mixed_streams_equal_solo_runs(flow, hift, voices, references, monkeypat
     print(f"max abs difference to the solo references: {worst:.2e}")
     stats = scheduler.stats
     assert stats.max_flow_batch > 1 and stats.mean_flow_batch > 1
-    assert max(vocoder_batches) > 1  # rows of equal length shared a HiFT call
+    assert vocoder_batches and max(vocoder_batches) == 1  # one row a HiFT call: a batch would round otherwise
     assert stats.flow_calls < sum(len(r.chunks) for r in refs.values())
     assert stats.active_streams == 0
     assert stats.freed == {"finalize": 5, "cancel": 1, "idle": 0}

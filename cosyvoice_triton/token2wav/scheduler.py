@@ -19,8 +19,13 @@ All chunks of one `run` go through one flow call (rows padded; the flow masks pe
 `max_batch` rows, earliest deadline first: a stream's deadline is the moment its listener would run dry
 (the clock time of its first audio + the seconds of audio made since), a new stream's is now; so first
 chunks and streams that are running low go before streams that are well ahead. A stream's `speed` (its
-first chunk's) stretches its mel before HiFT (token2wav/speed.py). HiFT is non-causal, so
-only rows with the same number of mel frames share a vocoder call. A chunk that fails its checks changes
+first chunk's) stretches its mel before HiFT (token2wav/speed.py).
+
+Batch invariance (the torch flow with its cache, on a CPU): a stream's audio does not depend on the streams
+beside it. Each stream's encoder pass and its estimator rows run alone, over its own frames, on the rows'
+fixed thread count (`map_rows`, pipeline/threads.py `RowWorkers`; `_conditions_by_row`, models/flow_cache.py
+`_solve_by_row`), and HiFT takes one row a call. What still follows the batch is the call's thread count
+(a first chunk in it gives every core to HiFT and the chunk bookkeeping): ~1e-7 at most, measured. A chunk that fails its checks changes
 nothing, and a stream's tokens, offset and caches change only once the audio of its whole batch is made
 (an unexpected failure of the batch leaves them as they were; only a vocoder noise generator may have
 moved on).
@@ -43,20 +48,21 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Collection
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from ..errors import CosyVoiceError, InvalidInput, NotFound, Unavailable
-from ..models.flow import FlowModel
+from ..models.flow import FlowConditions, FlowModel
 from ..models.flow_cache import FlowCacheSettings, MapRows, StreamFlowCache, cached_mel, supports_cache
 from ..models.hift import HiFTGenerator
 from ..models.prompt_cache import PromptCache, frames_to_store, new_stream_cache, stage_prompt_cache
-from ..models.hift_source import GeneratorNoise, StackedNoise
+from ..models.hift_source import GeneratorNoise
 from ..messages import MIN_HOP_TOKENS, ChunkRequest, FlowPrompt, check_seed
 from .stream import prompt_tensors
 from .vocoder_stream import VocoderStream
@@ -356,7 +362,8 @@ class Token2WavScheduler:
     def _cached_flow(self, batch: list[_Row], inputs: dict) -> tuple[Tensor, list[int]]:
         """The flow call with the streams' caches; sets each row's cache to keep -> (mel (B, 80, N), first
         frame after the prompt per row)."""
-        conditions = self.flow.conditions(**inputs)
+        conditions = self.flow.conditions(**inputs) if self.map_rows is None else \
+            _conditions_by_row(self.flow, inputs, self.map_rows)
         prompt_frames = [row.stream.prompt.mel.shape[1] for row in batch]
         until = [p + self.ratio * row.new_offset for p, row in zip(prompt_frames, batch)]
         caches = [row.stream.flow_cache for row in batch]
@@ -373,22 +380,15 @@ class Token2WavScheduler:
 
     def _vocode(self, rows: list[_Row], prepared: list[tuple[Tensor, Tensor | None]]
                 ) -> list[tuple[Tensor | None, Tensor | None]]:
-        """HiFT over each row's prepared mel -> (audio (1, L), source (1, 1, L)) per row.
+        """HiFT over each row's prepared mel, one row at a time -> (audio (1, L), source (1, 1, L)) per row.
 
-        HiFT is non-causal, so padding would change a row's tail: a vocoder call takes only rows of equal
-        length, all with or all without a cached source."""
-        groups: dict[tuple[int, bool], list[int]] = defaultdict(list)
-        for b, (mel, cache_source) in enumerate(prepared):
-            if mel.shape[2] > 0:
-                groups[(mel.shape[2], cache_source is None)].append(b)
-        out: list[tuple[Tensor | None, Tensor | None]] = [(None, None)] * len(rows)
-        for (_, no_cache), members in groups.items():
-            mel = torch.cat([prepared[b][0] for b in members])  # (G, 80, T)
-            cache = None if no_cache else torch.cat([prepared[b][1] for b in members])  # (G, 1, S)
-            noise = StackedNoise([rows[b].stream.vocoder.noise for b in members])
-            audio, source = self.hift.inference(mel, cache, noise)  # (G, L), (G, 1, L)
-            for g, b in enumerate(members):  # copies, so that each stream's caches own their memory
-                out[b] = (audio[g:g + 1].clone(), source[g:g + 1].clone())
+        A row alone, as its stream's vocoder would run it: HiFT is non-causal, so padding would change a row's
+        tail, and rows of equal length batched together run other convolution kernels than one row (a
+        stream's audio moved by ~1e-6 with the streams that shared its call)."""
+        out: list[tuple[Tensor | None, Tensor | None]] = []
+        for row, (mel, cache_source) in zip(rows, prepared):
+            out.append(self.hift.inference(mel, cache_source, row.stream.vocoder.noise) if mel.shape[2] > 0
+                       else (None, None))
         return out
 
     def _commit(self, row: _Row, samples: int) -> None:
@@ -417,6 +417,31 @@ class Token2WavScheduler:
         self._flow_rows += rows
         self._last_batch = rows
         self._max_batch_seen = max(self._max_batch_seen, rows)
+
+
+def _conditions_by_row(flow: FlowModel, inputs: dict, map_rows: MapRows) -> FlowConditions:
+    """`flow.conditions(**inputs)` with each row's encoder run alone, over its own tokens (no padding), by
+    `map_rows` (on the rows' fixed thread count): the batched encoder's sums depend on the batch's rows and
+    padded length (a stream's audio moved by up to 5e-5 with the streams beside it), a row's alone do not."""
+    def row(b: int) -> FlowConditions:
+        token, prompt, feat = (int(inputs[name][b]) for name in ("token_len", "prompt_token_len", "prompt_feat_len"))
+        with torch.inference_mode():  # per thread: map_rows may run this in another
+            return flow.conditions(
+                token=inputs["token"][b:b + 1, :token], token_len=inputs["token_len"][b:b + 1],
+                prompt_token=inputs["prompt_token"][b:b + 1, :prompt], prompt_token_len=inputs["prompt_token_len"][b:b + 1],
+                prompt_feat=inputs["prompt_feat"][b:b + 1, :feat], prompt_feat_len=inputs["prompt_feat_len"][b:b + 1],
+                embedding=inputs["embedding"][b:b + 1], streaming=inputs["streaming"][b:b + 1],
+                finalize=inputs["finalize"][b:b + 1])
+
+    rows = map_rows(row, range(inputs["token"].size(0)))
+    frames = max(r.mu.size(2) for r in rows)
+
+    def stacked(name: str) -> Tensor:  # (B, ...): frame axes padded with zeros to the longest row's
+        parts = [getattr(r, name) for r in rows]
+        return torch.cat([F.pad(x, (0, frames - x.size(2))) if x.dim() == 3 else x for x in parts])
+
+    return FlowConditions(*(stacked(f.name) for f in fields(FlowConditions) if f.name != "max_out"),
+                          max_out=max(r.max_out for r in rows))
 
 
 def _lengths(tensors: list[Tensor]) -> Tensor:
