@@ -15,6 +15,10 @@ Two facts of the released weights, kept as they are:
 Streaming uses the chunk mask of `static_chunk_size` frames counted from the first frame (prompt included):
 a frame sees its own chunk and every chunk before it. The convolutions are causal, so right padding never
 reaches a valid frame.
+
+`DiT.run` is the estimator over frames at any absolute positions after earlier frames whose state is given
+(`past`: the position convolutions' left context and every layer's keys and values); `forward` runs it from
+the first frame. A stream's cache of that state per Euler step is models/dit_cache.py.
 """
 from __future__ import annotations
 
@@ -31,6 +35,11 @@ TIME_FREQ_DIM = 256  # sinusoidal time features, fixed by the official code
 POS_CONV_KERNEL, POS_CONV_GROUPS = 31, 16  # the causal conv position embedding, fixed likewise
 NORM_EPS = 1e-6
 ROPE_BASE = 10000.0
+
+# The estimator's state over earlier frames, in this order (`DiT.run`): the left context of the two position
+# convolutions (B, dim, POS_CONV_KERNEL - 1) each, then keys and values (B, heads, M, dim_head) of every layer.
+Past = list[Tensor]
+KeyValues = tuple[Tensor, Tensor]
 
 
 @dataclass(frozen=True)
@@ -91,11 +100,16 @@ class CausalConvPositionEmbedding(nn.Module):
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, POS_CONV_KERNEL, groups=POS_CONV_GROUPS), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, POS_CONV_KERNEL, groups=POS_CONV_GROUPS), nn.Mish())
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, left: list[Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
+        """x (B, T, D) -> (B, T, D). left: each convolution's last 30 input frames before x's first (B, D, 30);
+        None: zeros (the first frame). Also returns each convolution's input with its left context
+        (B, D, 30 + T): the context of any later frame is a slice of it."""
+        inputs = []
         h = x.transpose(1, 2)  # (B, T, D) -> (B, D, T) for the convolutions
-        h = self.conv1(F.pad(h, (POS_CONV_KERNEL - 1, 0)))
-        h = self.conv2(F.pad(h, (POS_CONV_KERNEL - 1, 0)))
-        return h.transpose(1, 2)  # (B, D, T) -> (B, T, D)
+        for i, conv in enumerate((self.conv1, self.conv2)):
+            inputs.append(F.pad(h, (POS_CONV_KERNEL - 1, 0)) if left is None else torch.cat([left[i], h], dim=2))
+            h = conv(inputs[-1])
+        return h.transpose(1, 2), inputs  # (B, D, T) -> (B, T, D)
 
 
 class InputEmbedding(nn.Module):
@@ -106,11 +120,14 @@ class InputEmbedding(nn.Module):
         self.proj = nn.Linear(config.in_channels, config.dim)
         self.conv_pos_embed = CausalConvPositionEmbedding(config.dim)
 
-    def forward(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor) -> Tensor:
-        """x, cond, mu: (B, T, 80); spks: (B, 80)."""
+    def forward(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor,
+                left: list[Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
+        """x, cond, mu: (B, T, 80); spks: (B, 80); left: the position convolutions' left context
+        (`CausalConvPositionEmbedding`). Returns (B, T, dim) and the convolutions' inputs."""
         spks = spks[:, None, :].expand(-1, x.shape[1], -1)  # (B, T, 80)
         h = self.proj(torch.cat([x, cond, mu, spks], dim=-1))
-        return self.conv_pos_embed(h) + h
+        position, inputs = self.conv_pos_embed(h, left)
+        return position + h, inputs
 
 
 class RotaryEmbedding(nn.Module):
@@ -121,10 +138,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (ROPE_BASE ** (torch.arange(0, dim, 2).float() / dim))
         self.register_buffer("inv_freq", inv_freq)  # (dim/2,): persistent, as in flow.pt
 
-    def forward(self, length: int) -> tuple[Tensor, Tensor]:
-        """cos and sin (T, dim) of positions 0..T-1, each frequency repeated for its channel pair."""
-        positions = torch.arange(length, device=self.inv_freq.device).to(self.inv_freq.dtype)
-        angles = (positions[:, None] * self.inv_freq[None, :]).repeat_interleave(2, dim=-1)  # (T, dim)
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin (..., T, dim) at integer positions (..., T), each frequency repeated for its channel pair."""
+        angles = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq  # (..., T, dim/2)
+        angles = angles.repeat_interleave(2, dim=-1)  # (..., T, dim)
         return angles.cos(), angles.sin()
 
 
@@ -175,16 +192,21 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # `to_out.1` was dropout
 
-    def forward(self, x: Tensor, allowed: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x (B, T, D); allowed (B, 1, T, T) bool, which keys each query sees; cos, sin (T, dim_head)."""
+    def forward(self, x: Tensor, allowed: Tensor, cos: Tensor, sin: Tensor,
+                past: KeyValues | None = None) -> tuple[Tensor, KeyValues]:
+        """x (B, T, D) new frames; past: keys and values (B, H, M, dh) of M earlier frames, None: none;
+        allowed (B, 1, T, M + T) bool, which keys each query sees (earlier frames' first); cos, sin
+        ((B,) T, dim_head) at the new frames' positions. Returns (B, T, D) and the new frames' keys and
+        values (B, H, T, dh)."""
         B, T, _ = x.shape
         q = rotate_first_channels(self.to_q(x), cos, sin)  # (B, T, H*dh), positions in head 0 only
         k = rotate_first_channels(self.to_k(x), cos, sin)
         v = self.to_v(x)
         q, k, v = (y.view(B, T, self.heads, self.dim_head).transpose(1, 2) for y in (q, k, v))  # (B, H, T, dh)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2))
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
         out = self.to_out[0](out.transpose(1, 2).reshape(B, T, self.heads * self.dim_head))  # (B, H, T, dh) -> (B, T, H*dh)
-        return out.masked_fill(~allowed[:, 0, -1, :, None], 0.0)  # the mask's last row: zero on padded frames
+        return out.masked_fill(~allowed[:, 0, -1, -T:, None], 0.0), (k, v)  # the mask's last row: zero on padding
 
 
 class FeedForward(nn.Module):
@@ -205,12 +227,14 @@ class DiTBlock(nn.Module):
         self.attn = Attention(config.dim, config.heads, config.dim_head)
         self.ff = FeedForward(config.dim, config.ff_mult)
 
-    def forward(self, x: Tensor, t_emb: Tensor, allowed: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x (B, T, D), t_emb (B, D) -> (B, T, D)."""
+    def forward(self, x: Tensor, t_emb: Tensor, allowed: Tensor, cos: Tensor, sin: Tensor,
+                past: KeyValues | None = None) -> tuple[Tensor, KeyValues]:
+        """x (B, T, D), t_emb (B, D) -> (B, T, D) and the new frames' keys and values (`Attention`)."""
         normed, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, t_emb)
-        x = x + gate_msa[:, None] * self.attn(normed, allowed, cos, sin)
+        attended, new = self.attn(normed, allowed, cos, sin, past)
+        x = x + gate_msa[:, None] * attended
         normed = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
-        return x + gate_mlp[:, None] * self.ff(normed)
+        return x + gate_mlp[:, None] * self.ff(normed), new
 
 
 class DiT(nn.Module):
@@ -230,13 +254,27 @@ class DiT(nn.Module):
                 streaming: Tensor) -> Tensor:
         """x, mu, cond: (B, 80, T); mask: (B, 1, T) float, 1 on valid frames; t: (B,); spks: (B, 80);
         streaming: (B,) bool, chunk attention per row. Returns the velocity (B, 80, T)."""
-        T = x.shape[2]
-        t_emb = self.time_embed(t)  # (B, D)
-        # (B, 80, T) -> (B, T, 80): the transformer works time-major
-        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)  # (B, T, D)
         allowed = chunked_attention_mask(mask[:, 0] > 0, self.config.static_chunk_size, streaming)[:, None]  # (B, 1, T, T)
-        cos, sin = self.rotary_embed(T)  # (T, dim_head)
-        for block in self.transformer_blocks:
-            h = block(h, t_emb, allowed, cos, sin)
+        velocity, _ = self.run(x, mu, t, spks, cond, allowed, torch.arange(x.shape[2], device=x.device))
+        return velocity
+
+    def run(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, allowed: Tensor,
+            positions: Tensor, past: Past | None = None, record: bool = False) -> tuple[Tensor, Past]:
+        """The velocity at N new frames that follow M earlier ones. x, mu, cond: (B, 80, N); t: (B,);
+        spks: (B, 80); allowed: (B, 1, N, M + N) bool, the keys each new frame sees (earlier frames' first);
+        positions: (N,) or (B, N) the frames' absolute indices (rotary angles); past: the state over the M
+        earlier frames (`Past`), None: none (zero left context). Returns the velocity (B, 80, N) and, if
+        `record`, the new frames' state in `Past` order: the convolutions' inputs with their left context
+        (B, dim, 30 + N) and every layer's keys and values (B, heads, N, dim_head); else []."""
+        t_emb = self.time_embed(t)  # (B, D)
+        # (B, 80, N) -> (B, N, 80): the transformer works time-major
+        h, conv_inputs = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks,
+                                          None if past is None else past[:2])  # (B, N, D)
+        cos, sin = self.rotary_embed(positions)  # ((B,) N, dim_head)
+        new: Past = list(conv_inputs) if record else []
+        for i, block in enumerate(self.transformer_blocks):
+            h, keys_values = block(h, t_emb, allowed, cos, sin, None if past is None else past[2 + 2 * i:4 + 2 * i])
+            if record:
+                new.extend(keys_values)
         h = self.norm_out(h, t_emb)
-        return self.proj_out(h).transpose(1, 2)  # (B, T, 80) -> (B, 80, T)
+        return self.proj_out(h).transpose(1, 2), new  # (B, N, 80) -> (B, 80, N)
