@@ -13,6 +13,12 @@ call makes again with its right context: (T - 8) * 480 samples. `finalize=True` 
 F0 runs in float64, as the official code does on every call (the causal predictor needs the precision).
 The source noise is the official fixed noise (`models/fixed_noise.py`), drawn once when the folder is
 loaded: inference draws nothing, so a chunk's audio does not depend on anything but its mel.
+
+A stream need not run the vocoder on all its mel again at every chunk (the official way): every layer is
+causal with a finite reach to the left, so `inference_window` runs a window of the mel from `context_frames`
+before the first new sample on. Two things are not local and come in as state: the source's phase, a sum
+over every frame so far (`HarmonicSource.accumulated_cycles`), and the fixed noise, read by absolute sample
+position (`ShiftedNoise`).
 """
 from __future__ import annotations
 
@@ -29,8 +35,9 @@ from cosyvoice_triton.models.causal_conv import CausalDownsample, CausalUpsample
 from cosyvoice_triton.models.checkpoint import read_state
 from cosyvoice_triton.models.dit_flow import DiTFlowConfig
 from cosyvoice_triton.models.fixed_noise import NOISE_HARMONICS, FixedNoise, cosyvoice3_draws
-from cosyvoice_triton.models.hift import HiFTBody, HiFTConfig, check_vocoder_classes, load_weight_normed, yaml_fields
-from cosyvoice_triton.models.hift_source import HarmonicSource, HiFTNoise
+from cosyvoice_triton.models.hift import (HiFTBody, HiFTConfig, ResBlock, check_vocoder_classes, load_weight_normed,
+                                          yaml_fields)
+from cosyvoice_triton.models.hift_source import HarmonicSource, HiFTNoise, ShiftedNoise
 
 F0_LOOKAHEAD = 3  # frames the F0 predictor's first convolution (kernel 4) reads ahead
 
@@ -144,13 +151,72 @@ class CausalHiFTGenerator(HiFTBody):
     def inference(self, mel: Tensor, finalize: bool = True, noise: HiFTNoise | None = None) -> tuple[Tensor, Tensor]:
         """Mel (B, n_mels, T) -> (audio (B, L), source (B, 1, L')): finalize L = T * 480, else (T - 8) * 480
         (module docstring); `noise` replaces the vocoder's own (e.g. `ZeroNoise`)."""
+        f0 = self._f0(mel, finalize)  # (B, T) or (B, T - 3)
+        source = self.m_source(f0, self._noise(noise))  # (B, 1, 480 * f0 frames)
+        body = mel if finalize else mel[:, :, :-F0_LOOKAHEAD]
+        return self.decode(body, source, finalize), source
+
+    @property
+    def f0_context(self) -> int:
+        """Frames before a frame that its F0 depends on (the predictor's causal convolutions)."""
+        return sum(layer.left for layer in self.f0_predictor.condnet if isinstance(layer, LeftPaddedConv1d))
+
+    @property
+    def context_frames(self) -> int:
+        """Mel frames before the first sample wanted that a window must start with: a window's first frames
+        lack what came before them (their F0, then `decode`'s reach), and differ from a run on the whole mel."""
+        return self.f0_context + math.ceil(self._decode_warmup_samples() / self.config.samples_per_frame)
+
+    def _decode_warmup_samples(self) -> int:
+        """`decode`'s leading samples that depend on frames before its first (zero padding in their place):
+        how many frames go wrong at each layer, from the start, along both paths of every stage."""
+        c, kernels = self.config, len(self.config.resblock_kernel_sizes)
+        wrong_x = 0  # conv_pre reads only ahead
+        wrong_spec = math.ceil(c.n_fft // 2 / c.hop_len)  # centred STFT frames that read the reflected edge
+        for i, (up, down) in enumerate(zip(self.ups, self.source_downs)):
+            wrong_x = wrong_x * up.rate + up.kernel_size[0] - 1 + (i == len(self.ups) - 1)  # + the reflected frame
+            stride = down.stride[0]
+            wrong_source = wrong_spec if stride == 1 else (wrong_spec + stride - 2) // stride + 1
+            wrong_source += _reach(self.source_resblocks[i])
+            wrong_x = max(wrong_x, wrong_source) + max(_reach(self.resblocks[i * kernels + j]) for j in range(kernels))
+        wrong_x += self.conv_post.left
+        return c.hop_len * (wrong_x + 1)  # the iSTFT's frames overlap n_fft / hop samples
+
+    @torch.inference_mode()
+    def inference_window(self, mel: Tensor, first: int, cycles_before: Tensor, finalize: bool = True,
+                         noise: HiFTNoise | None = None) -> tuple[Tensor, Tensor]:
+        """`inference` on the frames of a longer mel from frame `first` on, what came before given as state.
+
+        mel (B, n_mels, T): frames first .. first + T - 1. If first > 0, the F0 of its first `f0_context`
+        frames lacks their left context, so the source and the audio start at frame s = first + f0_context
+        (else s = 0). cycles_before (B, H) float64: the source's phase accumulated over the frames before s
+        (zeros at s = 0). The audio's samples before frame s + context_frames - f0_context lack their left
+        context too, unless s = 0.
+        Returns (audio (B, L) from sample 480 s on, to the same end as `inference` on the whole mel; the
+        phase accumulated before frame s + k, k = 0 .. F (B, F + 1, H) float64, F the frames with an F0)."""
+        noise = self._noise(noise)
+        skip = self.f0_context if first > 0 else 0
+        f0 = self._f0(mel, finalize)[:, skip:]  # (B, F)
+        start = first + skip
+        cycles = self.m_source.accumulated_cycles(f0, noise, cycles_before)  # (B, F + 1, H)
+        source = self.m_source(f0, ShiftedNoise(noise, start * self.config.samples_per_frame), cycles[:, 1:])
+        body = mel[:, :, skip:] if finalize else mel[:, :, skip:-F0_LOOKAHEAD]
+        return self.decode(body, source, finalize), cycles
+
+    def _noise(self, noise: HiFTNoise | None) -> HiFTNoise:
         noise = self.noise if noise is None else noise
         if noise is None:
             raise ValueError("the vocoder has no noise source: load it with from_model_dir or pass one")
+        return noise
+
+    def _f0(self, mel: Tensor, finalize: bool) -> Tensor:
+        """F0 (B, T) or (B, T - 3), computed in float64 and returned in the mel's dtype."""
         if self.f0_predictor.classifier.weight.dtype != torch.float64:  # a cast of the whole model reached it
             self.f0_predictor.double()
-        f0 = self.f0_predictor(mel.double(), finalize).to(mel.dtype)  # (B, T) or (B, T - 3)
-        source = self.m_source(f0, noise)  # (B, 1, 480 * f0 frames)
-        body = mel if finalize else mel[:, :, :-F0_LOOKAHEAD]
-        return self.decode(body, source, finalize), source
+        return self.f0_predictor(mel.double(), finalize).to(mel.dtype)
+
+
+def _reach(block: ResBlock) -> int:
+    """Frames before a frame that a causal resblock's output depends on."""
+    return sum(conv.left for conv in (*block.convs1, *block.convs2))
 

@@ -98,6 +98,27 @@ class GeneratorNoise:
         return draw.to(device)
 
 
+class ShiftedNoise:
+    """A noise that is fixed per sample position (CosyVoice3's `FixedNoise`, `ZeroNoise`), read from sample
+    `offset` on: the noise of a vocoder call on a later part of a signal. The phase offset belongs to the
+    signal's sample 0, so a later part gets none. Not for noise drawn at each call (`GeneratorNoise`)."""
+
+    def __init__(self, noise: HiFTNoise, offset: int):
+        self.noise, self.offset = noise, offset
+
+    def initial_phase(self, batch: int, harmonics: int, device: torch.device) -> Tensor:
+        phase = self.noise.initial_phase(batch, harmonics, device)
+        return phase if self.offset == 0 else torch.zeros_like(phase)
+
+    def sine_noise(self, shape: tuple[int, int, int], device: torch.device) -> Tensor:
+        batch, length, harmonics = shape
+        return self.noise.sine_noise((batch, self.offset + length, harmonics), device)[:, self.offset:]
+
+    def source_noise(self, shape: tuple[int, int, int], device: torch.device) -> Tensor:
+        batch, length, channels = shape
+        return self.noise.source_noise((batch, self.offset + length, channels), device)[:, self.offset:]
+
+
 class StackedNoise:
     """One noise source per batch row, so batched streams keep their own (seeded) randomness."""
 
@@ -163,22 +184,40 @@ class HarmonicSource(nn.Module):
         self.register_buffer("harmonic_numbers", torch.arange(1, harmonics + 2, dtype=torch.float32)[None, None],
                              persistent=False)  # (1, 1, H): 1 for the fundamental, 2.. for the overtones
 
-    def forward(self, f0: Tensor, noise: HiFTNoise) -> Tensor:
-        batch, frames = f0.shape
-        length = frames * self.upsample
+    def frame_cycles(self, f0: Tensor, noise: HiFTNoise) -> Tensor:
+        """F0 (B, T) -> each harmonic's phase increment per frame, in cycles (B, T, H)."""
         dims = self.harmonic_numbers.shape[-1]
         f0 = f0.repeat_interleave(self.upsample, dim=1).unsqueeze(-1)  # (B, L, 1), held constant per frame
         cycles_per_sample = (f0 * self.harmonic_numbers / self.sampling_rate) % 1  # (B, L, H)
 
-        phase_offset = noise.initial_phase(batch, dims, f0.device).to(f0.dtype)  # (B, H)
+        phase_offset = noise.initial_phase(f0.shape[0], dims, f0.device).to(f0.dtype)  # (B, H)
         phase_offset = torch.cat([torch.zeros_like(phase_offset[:, :1]), phase_offset[:, 1:]], dim=1)
         cycles_per_sample = torch.cat([cycles_per_sample[:, :1] + phase_offset[:, None], cycles_per_sample[:, 1:]],
                                       dim=1)
-
         # (B, L, H) -> (B, H, L) to interpolate along time, and back
-        cycles_per_frame = F.interpolate(cycles_per_sample.transpose(1, 2), scale_factor=1 / self.upsample,
-                                         mode="linear").transpose(1, 2)  # (B, T, H)
-        phase = torch.cumsum(cycles_per_frame, dim=1) * 2 * math.pi  # (B, T, H), radians at frame rate
+        return F.interpolate(cycles_per_sample.transpose(1, 2), scale_factor=1 / self.upsample,
+                             mode="linear").transpose(1, 2)  # (B, T, H)
+
+    def accumulated_cycles(self, f0: Tensor, noise: HiFTNoise, before: Tensor) -> Tensor:
+        """The phase in cycles accumulated before each frame and after the last (B, T + 1, H), float64, from
+        `before` (B, H) float64, the sum over earlier frames (zeros at the first frame of a signal).
+
+        `forward` accumulates a whole signal's increments in one cumsum, which on the CPU sums float32 in a
+        float64 accumulator; continuing that sum in float64 gives a later part of the signal the same
+        float32 phase (`forward(..., cycles=...)`), so a stream may carry it instead of the whole F0."""
+        increments = self.frame_cycles(f0, noise).double()  # (B, T, H)
+        return torch.cumsum(torch.cat([before[:, None], increments], dim=1), dim=1)
+
+    def forward(self, f0: Tensor, noise: HiFTNoise, cycles: Tensor | None = None) -> Tensor:
+        """cycles: the phase accumulated through each frame (B, T, H) (`accumulated_cycles(...)[:, 1:]`);
+        None: from the first frame."""
+        batch, frames = f0.shape
+        length = frames * self.upsample
+        dims = self.harmonic_numbers.shape[-1]
+        if cycles is None:
+            cycles = torch.cumsum(self.frame_cycles(f0, noise), dim=1)  # (B, T, H)
+        phase = cycles.to(f0.dtype) * 2 * math.pi  # (B, T, H), radians at frame rate
+        f0 = f0.repeat_interleave(self.upsample, dim=1).unsqueeze(-1)  # (B, L, 1), held constant per frame
         # (B, T, H) -> (B, H, T) to interpolate along time; x upsample turns per-frame into per-sample phase
         phase = F.interpolate(phase.transpose(1, 2) * self.upsample, scale_factor=float(self.upsample),
                               mode=self.phase_upsampling).transpose(1, 2)  # (B, L, H)

@@ -1,11 +1,16 @@
-"""CosyVoice3's causal HiFT vocoding of one stream, chunk by chunk, as the official `token2wav` does it.
+"""CosyVoice3's causal HiFT vocoding of one stream, chunk by chunk.
 
-The stream keeps every mel frame so far and runs the vocoder on all of them at each chunk (non-final:
-the last 8 frames make no samples yet; final: all of them), then emits the samples after those already
-sent (`emitted`). The vocoder is causal, so the samples already sent come out the same again: the chunks
-join without a cross-fade (unlike CosyVoice2's `VocoderStream`), and together they equal one offline call.
-Re-running the whole mel costs O(frames) per chunk, as the official code does; nothing is kept but the mel
-and a count, and `close()` frees them.
+The official `token2wav` keeps every mel frame so far, runs the vocoder on all of them at each chunk
+(non-final: the last 8 frames make no samples yet; final: all of them) and emits the samples after those
+already sent: O(frames so far) per chunk. The vocoder is causal with a finite reach to the left, so this
+stream runs it on a window instead (`CausalHiFTGenerator.inference_window`): from `context_frames` (37 on the
+released config) before the first sample to emit, to the end. Carried between chunks:
+- the mel of the window's frames (the context and the frames held back), nothing older;
+- the source's phase accumulated over every frame before the window (float64, (B, 9)), which the official
+  sums over the whole mel at every call;
+- the count of samples sent, which is also where the window reads the fixed noise.
+The chunks join without a cross-fade (unlike CosyVoice2's `VocoderStream`); together they equal the
+official re-runs within float rounding (~1e-7). `close()` frees the state.
 """
 from __future__ import annotations
 
@@ -23,14 +28,17 @@ class CausalVocoderStream:
     def __init__(self, hift: CausalHiFTGenerator, noise: HiFTNoise | None = None):
         self.hift = hift
         self.noise = noise  # None: the vocoder's own fixed noise
-        self.mel: Tensor | None = None  # (B, n_mels, frames so far)
+        self.mel: Tensor | None = None  # (B, n_mels, frames): frames first .. so far, the next window
+        self.first = 0  # absolute index of self.mel's first frame
+        self.cycles: Tensor | None = None  # (B, H) float64: the phase over the frames before the window's source
+        self.frames = 0  # mel frames so far
         self.emitted = 0  # samples sent
         self.closed = False
 
     def check_chunk(self, new_frames: int, finalize: bool) -> None:
         """InvalidInput naming `chunk_first_hop` if a non-final chunk would leave the mel so far too short to make
         any sample (the vocoder holds back `held_back_frames` frames)."""
-        frames = new_frames + (0 if self.mel is None else self.mel.shape[2])
+        frames = self.frames + new_frames
         held = self.hift.config.held_back_frames
         if not finalize and frames <= held:
             raise InvalidInput("chunk_first_hop", f"a non-final chunk needs more than {held} mel frames so far, "
@@ -44,14 +52,32 @@ class CausalVocoderStream:
             raise RuntimeError("vocoder stream is closed")
         self.check_chunk(new_mel.shape[2], finalize)
         mel = new_mel if self.mel is None else torch.cat([self.mel, new_mel], dim=2)  # along time
-        speech, _ = self.hift.inference(mel, finalize=finalize, noise=self.noise)
-        audio = speech[:, self.emitted:]
+        if self.cycles is None:  # the window starts at the first frame
+            self.cycles = torch.zeros(mel.shape[0], self.hift.m_source.l_linear.in_features, dtype=torch.float64,
+                                      device=mel.device)
+        speech, cycles = self.hift.inference_window(mel, self.first, self.cycles, finalize, self.noise)
+        spf = self.hift.config.samples_per_frame
+        source_start = self.first + (self.hift.f0_context if self.first > 0 else 0)  # speech's first frame
+        audio = speech[:, self.emitted - spf * source_start:]
+        self.frames += new_mel.shape[2]
         if finalize:
             self.close()
         else:
-            self.mel, self.emitted = mel, self.emitted + audio.shape[1]
+            self.emitted += audio.shape[1]
+            self._keep(mel, cycles, source_start)
         return audio
+
+    def _keep(self, mel: Tensor, cycles: Tensor, source_start: int) -> None:
+        """Move the window to start `context_frames` before the next sample to emit."""
+        self.mel = mel
+        first = self.emitted // self.hift.config.samples_per_frame - self.hift.context_frames
+        if first <= self.first:
+            return  # still within this window (the stream's start, or a chunk smaller than the context)
+        self.mel = mel[:, :, first - self.first:]
+        # The phase over the frames before the next window's source (its first frame + the F0 context).
+        self.cycles = cycles[:, first + self.hift.f0_context - source_start]
+        self.first = first
 
     def close(self) -> None:
         """Drop the state; the stream cannot be used afterwards. Safe to call more than once."""
-        self.mel, self.emitted, self.closed = None, 0, True
+        self.mel, self.cycles, self.frames, self.emitted, self.closed = None, None, 0, 0, True
