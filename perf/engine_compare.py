@@ -37,14 +37,6 @@ SHAPES = {"flow_encoder": (1, 200), "flow_estimator": (2, 200), "hift_decode": (
 CAMPPLUS_FRAMES = 300
 
 
-def snr_db(actual, expected) -> float:
-    import numpy as np
-
-    noise = float(np.sum((np.asarray(actual, np.float64) - np.asarray(expected, np.float64)) ** 2))
-    signal = float(np.sum(np.asarray(expected, np.float64) ** 2))
-    return float("inf") if noise == 0 else 10 * np.log10(signal / noise)
-
-
 def ep_worker() -> int:
     """Serve JSON lines on stdin: open a graph on the OpenVINO provider, time calls (ONNX Runtime only)."""
     import numpy as np
@@ -164,6 +156,8 @@ def time_modules(graphs: dict, rounds: int) -> list[str]:
     import numpy as np
     import torch
 
+    from cosyvoice_triton.perf.quality import snr_db
+
     outputs, times = {}, {}
     with torch.inference_mode():
         for name, (inputs, engines) in graphs.items():  # warm-up, and outputs to compare
@@ -186,7 +180,7 @@ def time_modules(graphs: dict, rounds: int) -> list[str]:
             median = float(np.median(times[name, label]))
             out, ref = outputs[name, label], outputs[name, reference]
             error = "—" if label == reference else f"{np.abs(out - ref).max():.1e}"
-            snr = "—" if label == reference else f"{snr_db(out, ref):.0f}"
+            snr = "—" if label == reference else f"{snr_db(ref, out):.0f}"
             rows.append(f"| {name} ({shape}) | {label} | {median * 1e3:.1f} | {base / median:.2f}x | {error} | {snr} |")
     return rows
 

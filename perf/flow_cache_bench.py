@@ -4,8 +4,9 @@ One stream on a model folder (FULL_MODEL: e.g. one written by `cosyvoice-triton 
 speech tokens cut into 28 / 50 / 100 / rest chunks (the 3 look-ahead tokens inside each), HiFT noise zeroed.
 Three modes run one after the other, `--rounds` times (interleaved): the flow cache off, on (the final chunk
 one full-attention pass, the default) and on with the cached streaming final chunk. Prints a markdown table
-of flow seconds per chunk, the cache size, the load average, and the audio SNR of each mode against the
-uncached run (the official algorithm).
+of flow seconds per chunk, the cache size, the load average, and each mode's audio against the uncached run
+(the official algorithm) by the quality judge (perf/quality.py): the log-mel distance of the flow's mel, the
+waveform's MCD, and the sample-wise SNR beside (not a judge).
 
 With `--prompt-cache`: the first flow call of a new stream of a voice seen before, started from the voice's
 kept frames (models/prompt_cache.py) against the same call with the prompt cache off, interleaved, median of
@@ -29,6 +30,7 @@ from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.flow_cache import FlowCacheSettings
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import ZeroNoise
+from cosyvoice_triton.perf.quality import judge
 from cosyvoice_triton.token2wav.stream import Token2Wav
 
 MODES = {"uncached": FlowCacheSettings(enabled=False), "cached": FlowCacheSettings(max_frames=10 ** 6),
@@ -50,11 +52,6 @@ class TimedToken2Wav(Token2Wav):
         self.seconds.append(time.perf_counter() - start)
         self.mels.append(mel)
         return mel
-
-
-def snr_db(reference: np.ndarray, other: np.ndarray) -> float:
-    noise = float(np.sum((reference - other) ** 2))
-    return float("inf") if noise == 0 else 10 * np.log10(float(np.sum(reference ** 2)) / noise)
 
 
 def run_stream(token2wav: TimedToken2Wav, prompt: FlowPrompt, tokens: list[int]) -> tuple[np.ndarray, int]:
@@ -102,25 +99,29 @@ def main() -> None:
             audio, cache_bytes = run_stream(token2wav, prompt, tokens)
             results[mode]["seconds"].append(token2wav.seconds)
             results[mode]["load"].append((load_before, os.getloadavg()[0]))
-            results[mode].update(audio=audio, cache_bytes=cache_bytes)
+            mel = torch.cat(token2wav.mels, dim=2)[0].numpy()  # (80, T) the emitted frames
+            results[mode].update(audio=audio, mel=mel, cache_bytes=cache_bytes)
 
     reference = results["uncached"]["audio"]
     print(f"flow seconds per chunk ({P}-token prompt, chunks {CHUNKS} + rest of {args.speech_tokens}, "
           f"{args.threads} threads; best of {args.rounds})\n")
     print("| mode | " + " | ".join(f"chunk {i + 1}" for i in range(len(CHUNKS) + 1))
-          + " | total | total / uncached | cache before final | SNR vs uncached | load avg |")
-    print("|---|" + "---:|" * (len(CHUNKS) + 6))
+          + " | total | total / uncached | cache before final | vs uncached: flow mel distance | waveform MCD "
+          "| waveform SNR | load avg |")
+    print("|---|" + "---:|" * (len(CHUNKS) + 8))
     best_total = {mode: min(map(sum, r["seconds"])) for mode, r in results.items()}
     for mode, r in results.items():
         best = min(r["seconds"], key=sum)
         loads = ", ".join(f"{a:.1f}-{b:.1f}" for a, b in r["load"])
-        snr = snr_db(reference, r["audio"])
+        scores = judge(hift.config.sampling_rate, reference, r["audio"], results["uncached"]["mel"], r["mel"])
         print(f"| {mode} | " + " | ".join(f"{s:.2f}" for s in best)
               + f" | {sum(best):.2f} | {best_total[mode] / best_total['uncached']:.2f} "
-              f"| {r['cache_bytes'] / 2 ** 20:.0f} MiB | {snr:.1f} dB | {loads} |")
+              f"| {r['cache_bytes'] / 2 ** 20:.0f} MiB | {scores.flow_mel_distance_db:.3f} dB | {scores.mcd_db:.3f} dB "
+              f"| {scores.wave_snr_db:.1f} dB | {loads} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({mode: {k: v for k, v in r.items() if k != "audio"} for mode, r in results.items()}, f)
+            json.dump({mode: {k: v for k, v in r.items() if k not in ("audio", "mel")} for mode, r in results.items()},
+                      f)
 
 
 def prompt_cache_bench(flow: FlowModel, hift: HiFTGenerator, prompt: FlowPrompt, tokens: list[int], args) -> None:
