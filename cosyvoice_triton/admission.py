@@ -14,7 +14,9 @@ work queued ahead of it:
     wait_s = (queued_cost + mean_cost) / capacity * seconds_per_cost  otherwise
 
 where streams counts the requests running there and those already waiting (so a burst that arrives before
-any worker took a request is not all admitted as "a slot is free"),
+any worker took a request is not all admitted as "a slot is free"; a request stops counting when its audio
+ends, before its final response, and a waiting one whose client left does not count: a client that sends its
+next request as soon as the last ended finds a slot free),
 and the queued work (requests waiting for a worker; seen from a gateway also requests beyond the LLM's free
 KV-cache slots and TOKEN2WAV_CHUNK_COST per chunk waiting in token2wav's queue) plus one request's worth (a running request must end to free a slot), shared by the
 `capacity` slots, at the speed measured on finished requests (`SpeedMeter`: seconds of running time per

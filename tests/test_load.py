@@ -37,9 +37,9 @@ from web.stack import triton_server, wait_ready
 
 MAX_WAIT_S = 0.5
 SLOTS = 8  # streams the server runs at once (cosyvoice2 workers; the LLM has 8 KV-cache slots)
-# Batched rows are not bit-identical to B = 1: the flow's and the LLM's kernels round differently for another
-# batch shape (rows, padded length), never from the neighbours' values (README, "Operations: overload";
-# tests/test_flow_batch.py's ROW_ATOL). Measured here: 1.3e-5 at most; a leak between streams is far more.
+# On a CPU a stream's LLM logits and flow rows are the same bits in any batch (docs/operations/overload.md,
+# tests/test_batch_invariance.py); what may still differ is HiFT's thread count (~1e-7). A leak between streams
+# or another token path is far more.
 ROUNDING_ATOL = 1e-4
 TEXTS = ("Hi there.", "Good morning to you.", "One, two, three, four, five.", "Yes.")
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=300)

@@ -43,6 +43,10 @@ class RequestPool:
     that run at once are also at most its real-time slots, and none starts while a running stream's
     listener waits for audio: the head of the queue starts when a stream ends or the streams catch up.
 
+    A request leaves `running` when it ends (`finish`, which the job calls before its final response: a
+    client that has its answer and sends the next request at once finds the slot free), and a waiting
+    request whose client has cancelled counts for nothing (it ends as soon as a worker takes it).
+
     `waiting` / `running` / `refused` are the counts that the model's metrics follow."""
 
     def __init__(self, max_workers: int, max_pending: int, name: str,
@@ -61,8 +65,8 @@ class RequestPool:
         self.running = 0
         self.refused = 0  # requests refused (at once or after waiting), since the start
         self._queue: deque[_Waiting] = deque()
-        self._queued_cost = 0.0
         self._changed = threading.Condition()
+        self._current = threading.local()  # .item: the request this worker thread runs, until it finishes
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
                          for i in range(max_workers)]
         self._threads.append(threading.Thread(target=self._expire, name=f"{name}-expiry", daemon=True))
@@ -74,7 +78,10 @@ class RequestPool:
         return len(self._queue)
 
     def load(self) -> Load:
-        return Load(capacity=self.slots(), streams=self.running + len(self._queue), queued_cost=self._queued_cost,
+        """What admission reads: the running requests and the waiting ones whose client is still there."""
+        live = [item for item in self._queue if not item.cancelled()]
+        return Load(capacity=self.slots(), streams=self.running + len(live),
+                    queued_cost=sum(item.cost for item in live),
                     seconds_per_cost=self.speed.seconds_per_cost, mean_cost=self.speed.mean_cost)
 
     def slots(self) -> int:
@@ -93,21 +100,23 @@ class RequestPool:
             self._changed.notify_all()
 
     def admit(self, job: Callable[[], None], cost: float = MEAN_COST,
-              on_expired: Callable[[Unavailable], None] | None = None) -> Decision:
+              on_expired: Callable[[Unavailable], None] | None = None,
+              cancelled: Callable[[], bool] = lambda: False) -> Decision:
         """Queue `job` (run by a worker) or refuse it: the decision says which, and the wait estimated.
-        `on_expired(error)` answers a job refused after waiting `max_wait_s` (it never runs then)."""
+        `on_expired(error)` answers a job refused after waiting `max_wait_s` (it never runs then);
+        `cancelled()` says whether its client has gone (it then counts for nothing while it waits)."""
         with self._changed:
             if self.stopping.is_set():
                 self.refused += 1
                 return Decision(False, math.inf, 1)
-            decision = self.policy.decide(self.load())
-            if decision.admit and len(self._queue) + self.running >= self.max_workers + self.max_pending:
+            load = self.load()
+            decision = self.policy.decide(load)
+            if decision.admit and load.streams >= self.max_workers + self.max_pending:
                 decision = Decision(False, max(decision.wait_s, self.policy.max_wait_s), 1)  # max_pending
             if not decision.admit:
                 self.refused += 1
                 return decision
-            self._queue.append(_Waiting(job, cost, time.monotonic(), on_expired))
-            self._queued_cost += cost
+            self._queue.append(_Waiting(job, cost, time.monotonic(), on_expired, cancelled))
             self._changed.notify_all()
             return decision
 
@@ -121,23 +130,29 @@ class RequestPool:
                     self._changed.wait()
                 if not self._queue:
                     return
-                item = self._take()
+                item = self._queue.popleft()
                 self.running += 1
-            started = time.monotonic()
+            item.started = time.monotonic()
+            self._current.item = item
             try:
                 item.job()
             except BaseException:  # noqa: BLE001 - a job answers its own errors; the worker lives on
                 traceback.print_exc()
             finally:
-                self.speed.add(item.cost, time.monotonic() - started)
-                with self._changed:
-                    self.running -= 1
-                    self._changed.notify_all()
+                self.finish()
 
-    def _take(self) -> _Waiting:
-        item = self._queue.popleft()
-        self._queued_cost = max(0.0, self._queued_cost - item.cost) if self._queue else 0.0
-        return item
+    def finish(self) -> None:
+        """The calling worker's request has ended: its slot is free now and its running time measured. A job
+        calls it before its final response (`send_chunks(on_end=...)`); else the worker does when the job
+        returns. Once per request; a call from another thread does nothing."""
+        item = getattr(self._current, "item", None)
+        if item is None:
+            return
+        self._current.item = None
+        self.speed.add(item.cost, time.monotonic() - item.started)
+        with self._changed:
+            self.running -= 1
+            self._changed.notify_all()
 
     def _expire(self) -> None:
         """Refuse waiting jobs older than `max_wait_s` (a timed wait on the queue's condition, no polling)."""
@@ -149,7 +164,7 @@ class RequestPool:
                     return
                 now = time.monotonic()
                 while self._queue and now - self._queue[0].queued_at > limit:
-                    expired.append((self._take(), now))
+                    expired.append((self._queue.popleft(), now))
                     self.refused += 1
                 timeout = limit - (now - self._queue[0].queued_at) if self._queue else None
                 if not expired:
@@ -165,7 +180,6 @@ class RequestPool:
             self.stopping.set()
             dropped = list(self._queue)
             self._queue.clear()
-            self._queued_cost = 0.0
             self._changed.notify_all()
         for item in dropped:
             if item.on_expired is not None:
@@ -180,13 +194,17 @@ class _Waiting:
     cost: float
     queued_at: float
     on_expired: Callable[[Unavailable], None] | None
+    cancelled: Callable[[], bool] = lambda: False
+    started: float = 0.0  # when a worker took it
 
 
 def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model: str, received_at: float,
                 metrics=None, is_cancelled: Callable[[], bool] | None = None, batched: bool = False,
-                audible_threshold_dbfs: float = DEFAULT_THRESHOLD_DBFS) -> str:
+                audible_threshold_dbfs: float = DEFAULT_THRESHOLD_DBFS,
+                on_end: Callable[[], None] = lambda: None) -> str:
     """Send every non-empty chunk as a `waveform` response ([1, n] when `batched`: a model with
-    max_batch_size > 0), then the final flag (with the error, if one ended the request). Returns the outcome:
+    max_batch_size > 0), then the final flag (with the error, if one ended the request); `on_end()` runs just
+    before the final flag (the request pool's `finish`: the slot is free when the client hears the end). Returns the outcome:
     "ok", "error" or "cancelled". Speech mark events among the chunks (pipeline/speech_marks.py) go in `marks`
     with the next chunk's response, those after the last chunk in a response of their own."""
     final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -226,6 +244,7 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
         error = exc
     outcome = "ok" if error is None else ("cancelled" if classify(error).code_name == "CANCELLED" else "error")
     _count_outcome(metrics, outcome)  # before the final flag: a client that has its answer sees it counted
+    on_end()
     try:
         if error is None:
             sender.send(flags=final)
@@ -238,9 +257,10 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
 
 def send_whole(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model: str, received_at: float,
                metrics=None, is_cancelled: Callable[[], bool] | None = None, batched: bool = False,
-               audible_threshold_dbfs: float = DEFAULT_THRESHOLD_DBFS) -> str:
+               audible_threshold_dbfs: float = DEFAULT_THRESHOLD_DBFS,
+               on_end: Callable[[], None] = lambda: None) -> str:
     """Collect every chunk, then send the whole `waveform` ([1, n] when `batched`) or the error in one final
-    response. Returns the outcome: "ok", "error" or "cancelled". Its first chunk and first audible audio
+    response (`on_end()` just before it, as in `send_chunks`). Returns the outcome: "ok", "error" or "cancelled". Its first chunk and first audible audio
     are timed when they are made, as the streamed model's (the client has them only with the whole). Speech mark
     events among the chunks go with it in `marks`, as the complete marks (pipeline/speech_marks.py)."""
     final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -273,6 +293,7 @@ def send_whole(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model:
         outcome = "cancelled" if classify(exc).code_name == "CANCELLED" else "error"
         response = error_response(pb, exc, model)
     _count_outcome(metrics, outcome)
+    on_end()
     try:
         sender.send(response, flags=final)
     except Exception:  # noqa: BLE001 - e.g. the client has gone

@@ -107,7 +107,8 @@ class TritonPythonModel:
             send = send_chunks if self.decoupled else send_whole
             send(pb_utils, sender, lambda: self._chunks(inputs, cancelled, stream_id),
                  model=self.name, received_at=received, metrics=self.metrics, is_cancelled=cancelled,
-                 batched=self.official, audible_threshold_dbfs=self.params.audible_threshold_dbfs)
+                 batched=self.official, audible_threshold_dbfs=self.params.audible_threshold_dbfs,
+                 on_end=self.pool.finish)  # the slot is free before the client hears the end
             self._follow_pool()
             self._follow_backends()
 
@@ -115,7 +116,7 @@ class TritonPythonModel:
             self._refuse(sender, error)
 
         cost = request_cost(text_tokens_estimate(inputs.text), 0, inputs.audio is not None)
-        decision = self.pool.admit(job, cost, expired)
+        decision = self.pool.admit(job, cost, expired, cancelled)
         if not decision.admit:
             self._refuse(sender, refusal(self.name, decision, self.params.max_queue_wait_s))
         self._follow_pool()
