@@ -28,6 +28,16 @@ def _torch_threads_at_module_start():
     torch.set_num_threads(TORCH_THREADS)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`): as the CosyVoice3
+    golden outputs were made, and because two threads on cores that other processes keep busy can stall
+    (measured: a tiny DiT stream 0.6 s at one thread, 37 s at two)."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(TORCH_THREADS)
+
+
 # Strict mode (`./run.sh test` and CI turn it on): a test that skips because a real component is missing
 # (tritonserver, redis-server, chromium, perf_analyzer, the golden folder, a test dependency) fails
 # instead, so a green run means every feature was exercised. Skips a user asks for by name
