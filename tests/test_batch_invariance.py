@@ -22,8 +22,9 @@ from cosyvoice_triton.messages import ChunkPolicy
 from cosyvoice_triton.models.flow_cache import FlowCacheSettings
 from cosyvoice_triton.models.auto_precision import resolve_llm_precision
 from cosyvoice_triton.models.llm_precision import LLM_PRECISIONS
-from cosyvoice_triton.models.qwen2 import Qwen2Config, kv_bucket
-from cosyvoice_triton.models.speech_lm import SpeechLM, SpeechLMConfig
+from cosyvoice_triton.models.qwen2 import kv_bucket
+from cosyvoice_triton.models.speech_lm import SpeechLM
+from cosyvoice_triton.perf.decode_rows import released_width_lm
 from cosyvoice_triton.pipeline.threads import CoreShare, RowWorkers, ThreadPlan
 from cosyvoice_triton.pipeline.chunk_policy import ChunkSchedule
 from cosyvoice_triton.token2wav.scheduler import ChunkRequest, Token2WavScheduler
@@ -96,20 +97,10 @@ def tiny_llm(model_dir: Path, precision: str) -> SpeechLM:
     return SpeechLM.from_model_dir(model_dir, max_batch=len(PROMPTS), max_seq_len=MAX_SEQ_LEN, precision=precision)
 
 
-def full_size_layers(precision: str, layers: int = 1) -> SpeechLM:
-    """The released model's widths (hidden 896, 14 heads over 2 key/value heads, MLP 4864, 6564 speech classes)
-    with `layers` random layers, decoding as from_model_dir sets it up on a CPU: the kernels the full model runs."""
-    torch.manual_seed(0)
-    qwen = Qwen2Config(vocab_size=1000, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
-                       num_attention_heads=14, num_key_value_heads=2)
-    llm = SpeechLM(SpeechLMConfig(896, 896, 6561, qwen), max_seq_len=MAX_SEQ_LEN).eval()
-    with torch.no_grad():
-        for parameter in llm.parameters():
-            parameter.normal_(0, 0.05)
-    llm.set_precision(precision)
-    llm.multiply_rows_apart()
-    llm.setup_caches(len(PROMPTS))
-    return llm
+def full_size_layers(precision: str) -> SpeechLM:
+    """The released model's widths with one random layer, decoding as from_model_dir sets it up on a CPU: the
+    kernels the full model runs."""
+    return released_width_lm(precision, len(PROMPTS), MAX_SEQ_LEN, layers=1)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
