@@ -108,18 +108,23 @@ def test_the_waveform_is_gated_only_with_a_trained_vocoder() -> None:
 
 
 @pytest.fixture(scope="module")
-def levers(tmp_path_factory) -> dict:
+def tiny(tmp_path_factory) -> str:
+    from cosyvoice_triton.random_folder.write import write_random_model
+
+    return str(write_random_model(tmp_path_factory.mktemp("quality") / "tiny", size="tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def levers(tiny) -> dict:
     """perf/flow_quality.py's every variant on the tiny random folder: 60 tokens, one seed, 2 threads."""
     import torch
 
     from cosyvoice_triton.perf.flow_quality import VARIANTS, measure
-    from cosyvoice_triton.random_folder.write import write_random_model
 
-    tiny = write_random_model(tmp_path_factory.mktemp("quality") / "tiny", size="tiny", seed=0)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        return measure(str(tiny), speech_tokens=60, prompt_tokens=20, variants=list(VARIANTS), seeds=[0])
+        return measure(tiny, speech_tokens=60, prompt_tokens=20, variants=list(VARIANTS), seeds=[0])
     finally:
         torch.set_num_threads(threads)
 
@@ -152,3 +157,24 @@ def test_the_calibration_variants_sit_where_no_one_hears_them(levers) -> None:
     assert variants["threads-1"]["worst"].mel_snr_db > 100 and variants["threads-1"]["failures"] == []
     fp16 = variants["fp16-emulated"]
     assert fp16["failures"] == [] and fp16["worst"].mel_snr_db < variants["fp64"]["worst"].mel_snr_db
+
+
+def test_an_llm_precision_is_judged_by_its_token_agreement_with_fp32(tiny) -> None:
+    """perf/llm_quality.py's free-running decodes: fp32 agrees with itself on every token; int8's greedy decode
+    follows fp32's for most of them (a top-1 swap ends the prefix)."""
+    from cosyvoice_triton.models.speech_lm import SpeechLM
+    from cosyvoice_triton.perf.llm_quality import Quality, decoded, with_agreement
+
+    model_dir = tiny
+
+    def decodes(llm: SpeechLM) -> dict[str, list[list[int]]]:
+        return {"sampled": [decoded(llm, 40, 10, 10, seed=0)], "greedy": [decoded(llm, 40, 10, 10, 0, greedy=True)]}
+
+    fp32 = decodes(SpeechLM.from_model_dir(model_dir, max_seq_len=128))
+    assert len(fp32["sampled"][0]) == len(fp32["greedy"][0]) == 40
+    again = with_agreement(Quality("fp32", 0.0, 1.0, 0.0), fp32, decodes(SpeechLM.from_model_dir(model_dir,
+                                                                                                  max_seq_len=128)))
+    assert (again.token_prefix, again.token_overall, again.greedy_prefix) == (1.0, 1.0, 1.0)
+    int8 = with_agreement(Quality("int8", 0.0, 1.0, 0.0), fp32,
+                          decodes(SpeechLM.from_model_dir(model_dir, max_seq_len=128, precision="int8")))
+    assert int8.greedy_prefix >= 0.5, int8
