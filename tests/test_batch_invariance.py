@@ -197,8 +197,8 @@ def test_a_streams_audio_in_any_flow_batch_is_its_solo_runs_bits(flow, hift, gol
     rng = np.random.RandomState(5)
     tokens = golden["flow_token"][0].tolist()
     hops = ChunkPolicy(first_hop=8, hop_scale=1.0, align_to_chunk=False)  # a chunk every 8 tokens
-    voices = [Voice("a", golden_prompt(golden, 0, 20, 1.0), tokens[:32], hops, seed=11),
-              Voice("b", random_prompt(golden, rng, 12), rng.randint(0, 6561, 24).tolist(), hops, seed=13)]
+    voices = [Voice("a", golden_prompt(golden, 0, 20, 1.0), tokens[:24], hops, seed=11),
+              Voice("b", random_prompt(golden, rng, 12), rng.randint(0, 6561, 16).tolist(), hops, seed=13)]
     chunks = {voice.stream_id: chunked(voice) for voice in voices}
     workers = RowWorkers(CoreShare(ThreadPlan(cores=2, llm=1, token2wav=1)))
 
