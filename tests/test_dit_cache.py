@@ -22,6 +22,7 @@ from cosyvoice_triton.models.dit_flow import DiTFlowModel
 from cosyvoice_triton.models.family import family_models
 from cosyvoice_triton.models.flow import FlowConditions
 from cosyvoice_triton.models.flow_cache import StreamFlowCache
+from cosyvoice_triton.models.prompt_cache import PromptCache, voice_final_frames
 from cosyvoice_triton.pipeline.chunk_policy import ChunkSchedule
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "cv3" / "tiny"
@@ -234,3 +235,25 @@ def test_cache_size(flow: DiTFlowModel, golden: dict) -> None:
     per_frame = steps * 2 * c.depth * 2 * c.heads * c.dim_head * 4
     contexts = steps * 2 * 2 * c.dim * 30 * 4
     assert stream.cache.frames == 100 and stream.cache.nbytes == 100 * per_frame + contexts
+
+
+def test_a_voices_frames_seed_a_new_stream(flow: DiTFlowModel, golden: dict) -> None:
+    """The prompt cache (models/prompt_cache.py) with the DiT: a 40-token prompt's first 37 tokens have their
+    final mu, so its first 50-frame chunk is the voice's; a new stream of that voice starts after it."""
+    rng = np.random.RandomState(9)
+    prompt = FlowPrompt(speech_tokens=random_tokens(40, 8), mel=torch.from_numpy(rng.randn(1, 80, 80).astype(np.float32)),
+                        embedding=torch.from_numpy(golden["in_embedding"]))
+    assert voice_final_frames(flow, prompt, MAX_FRAMES) == 50
+    voices = PromptCache.of_size_mb(64)
+    first = CachedStream(flow, prompt, random_tokens(80, 10))
+    first.cache = voices.open_stream(flow, prompt, MAX_FRAMES)
+    c = conditions(flow, prompt, first.tokens[:, :35], final=False)
+    _, _, _, (voice,) = cached_mel(flow, c, [first.cache], [int(c.mel_len[0])], MAX_FRAMES, [50])
+    voices.store(first.cache.voice_key, voice)
+
+    tokens, ends = random_tokens(90, 11), [35, 85]
+    seeded = CachedStream(flow, prompt, tokens)
+    seeded.cache = voices.open_stream(flow, prompt, MAX_FRAMES)
+    assert seeded.cache.frames == 50 and voices.hits == 1
+    assert max_error(seeded.run(ends), official_stream(flow, prompt, tokens, ends)) <= CACHED_ATOL
+    assert seeded.computed[0] == 80 + 2 * (35 - 3) - 50

@@ -209,6 +209,12 @@ class TokenToMel(nn.Module):
         right context only. streaming: (B,) bool, chunk attention per row."""
         raise NotImplementedError
 
+    def final_mu_tokens(self, tokens: int) -> int:
+        """Of `tokens` tokens that more may follow, how many have an encoder output (`mu`) that no later token
+        changes: those with all their look-ahead tokens present (and, with a chunk-attending encoder, in
+        whole chunks)."""
+        return max(tokens - self.config.pre_lookahead_len, 0)
+
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> Self:
         """Build from the folder's yaml (its `flow` section must build `yaml_class`) and load `flow.pt` strictly."""
@@ -332,6 +338,10 @@ class FlowModel(TokenToMel):
     @classmethod
     def config_from_yaml(cls, root: dict) -> FlowConfig:
         return FlowConfig.from_yaml(root)
+
+    def final_mu_tokens(self, tokens: int) -> int:
+        chunk = self.encoder.config.static_chunk_size  # the encoder attends in chunks of tokens
+        return super().final_mu_tokens(tokens) // chunk * chunk
 
     def encode(self, x: torch.Tensor, enc_len: torch.Tensor, context_len: torch.Tensor,
                streaming: torch.Tensor) -> torch.Tensor:

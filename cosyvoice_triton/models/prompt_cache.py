@@ -7,6 +7,8 @@ encoder output of a 25-token chunk depends on its tokens and `pre_lookahead_len`
 chunks whose tokens and look-ahead all lie in the prompt depend only on the voice:
 `voice_final_frames` = ratio * 25 * floor((P - 3) / 25) frames of a P-token prompt (75 tokens: 100 of
 its 150 frames; the third chunk's look-ahead is new speech). A prompt of less than 28 tokens has none.
+CosyVoice3's flow has no chunked encoder (models/dit_cache.py): a token's `mu` is final with its 3 look-ahead
+tokens, so P - 3 tokens count, and the estimator's whole 50-frame chunks among their frames are the voice's.
 
 The first streaming call of a stream computes those frames anyway; `cached_mel(..., voice_frames=...)` also
 returns the stream's cache cut at them, which `PromptCache.store` keeps, and a later stream with the same
@@ -29,18 +31,17 @@ from collections import OrderedDict
 import torch
 
 from ..messages import FlowPrompt
-from .flow import FlowModel
+from .flow import TokenToMel
 from .flow_cache import FlowCacheSettings, StreamFlowCache
 
 MB = 1 << 20
 
 
-def voice_final_frames(flow: FlowModel, prompt: FlowPrompt, max_frames: int) -> int:
+def voice_final_frames(flow: TokenToMel, prompt: FlowPrompt, max_frames: int) -> int:
     """The prompt's frames that depend only on the voice, in whole estimator chunks, within the prompt mel
-    and at most the per-stream cache's `max_frames`."""
-    enc_chunk = flow.encoder.config.static_chunk_size
+    and at most the per-stream cache's `max_frames` (either family's flow: `TokenToMel.final_mu_tokens`)."""
     chunk = flow.decoder.estimator.config.static_chunk_size
-    whole = max(prompt.speech_tokens.shape[-1] - flow.config.pre_lookahead_len, 0) // enc_chunk * enc_chunk
+    whole = flow.final_mu_tokens(prompt.speech_tokens.shape[-1])
     return min(flow.config.token_mel_ratio * whole, prompt.mel.shape[-2], max_frames) // chunk * chunk
 
 
@@ -101,7 +102,7 @@ class PromptCache:
                 _, evicted = self._entries.popitem(last=False)
                 self.nbytes -= evicted.nbytes
 
-    def open_stream(self, flow: FlowModel, prompt: FlowPrompt, max_frames: int) -> StreamFlowCache:
+    def open_stream(self, flow: TokenToMel, prompt: FlowPrompt, max_frames: int) -> StreamFlowCache:
         """A new stream's flow cache: seeded with the voice's frames when kept, else empty with the
         `voice_key` to store them under after its first streaming call (None: the prompt has no voice-final
         frames)."""
@@ -123,7 +124,7 @@ def stage_prompt_cache(flow_cache: FlowCacheSettings | None, shared: PromptCache
     return shared if shared is not None else PromptCache.of_size_mb(flow_cache.prompt_cache_mb)
 
 
-def new_stream_cache(flow: FlowModel, flow_cache: FlowCacheSettings | None, prompt_cache: PromptCache | None,
+def new_stream_cache(flow: TokenToMel, flow_cache: FlowCacheSettings | None, prompt_cache: PromptCache | None,
                      prompt: FlowPrompt) -> StreamFlowCache | None:
     """A new stream's flow cache (None: off), seeded with the voice's frames when the prompt cache has them."""
     if prompt_cache is not None:
@@ -131,7 +132,7 @@ def new_stream_cache(flow: FlowModel, flow_cache: FlowCacheSettings | None, prom
     return StreamFlowCache() if flow_cache is not None else None
 
 
-def frames_to_store(flow: FlowModel, flow_cache: FlowCacheSettings, prompt_cache: PromptCache | None,
+def frames_to_store(flow: TokenToMel, flow_cache: FlowCacheSettings, prompt_cache: PromptCache | None,
                     prompt: FlowPrompt, cache: StreamFlowCache | None) -> int:
     """The voice-final frames a stream's call should also return for the prompt cache (`cached_mel`'s
     voice_frames): those of an empty cache marked with a voice_key; 0 for any other."""
