@@ -257,3 +257,20 @@ def test_a_voices_frames_seed_a_new_stream(flow: DiTFlowModel, golden: dict) -> 
     assert seeded.cache.frames == 50 and voices.hits == 1
     assert max_error(seeded.run(ends), official_stream(flow, prompt, tokens, ends)) <= CACHED_ATOL
     assert seeded.computed[0] == 80 + 2 * (35 - 3) - 50
+
+
+def test_cached_streaming_final_call(flow: DiTFlowModel, golden: dict) -> None:
+    """With the final call streaming too (`FlowCacheSettings.cached_final`), it computes only the frames after
+    the cache, and equals the uncached streaming final call."""
+    prompt, tokens = voice(golden), random_tokens(100, 12)
+    length = lambda n: torch.tensor([n], dtype=torch.int32)  # noqa: E731
+    want = flow.inference(tokens, length(100), prompt.speech_tokens, length(prompt.speech_tokens.shape[1]), prompt.mel,
+                          length(prompt.mel.shape[1]), prompt.embedding, streaming=True, finalize=True)
+    stream = CachedStream(flow, prompt, tokens)
+    stream.call(83)
+    c = flow.conditions(tokens, length(100), prompt.speech_tokens, length(prompt.speech_tokens.shape[1]), prompt.mel,
+                        length(prompt.mel.shape[1]), prompt.embedding, streaming=True, finalize=True)
+    mel, (start,), (kept,), _ = cached_mel(flow, c, [stream.cache], [int(c.mel_len[0])], MAX_FRAMES)
+    assert start == stream.cache.frames == 200 and kept is stream.cache  # the final call adds nothing
+    got = mel[:, :, prompt.mel.shape[1] + 2 * 80 - start:int(c.mel_len[0]) - start]
+    assert float((got - want[:, :, 2 * 80:]).abs().max()) <= CACHED_ATOL
