@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
@@ -95,6 +95,18 @@ def check(policy: AdmissionPolicy, server: Server, mean_cost: float, streamed: b
     on_queued = ON_QUEUED.get()
     if place.position > 0 and on_queued is not None:
         on_queued(place)
+
+
+async def check_fresh(policy: AdmissionPolicy, router, server: Server, mean_cost: float, streamed: bool = True) -> None:
+    """`check`, with a refusal decided on a fresh view: when the last scrape says no, `router.refresh(server)`
+    scrapes it again first. The others' streams counted there (`Server.external`) are as old as the scrape, up
+    to a scrape interval: a client that sends its next request through the gateway as soon as its stream
+    straight to Triton ended would otherwise be refused by a quiet server. Only a refusal that rests on those
+    streams waits for a scrape: one this gateway's own requests there decide is given at once."""
+    refused = not decide(policy, server, mean_cost, streamed).admit
+    if refused and decide(policy, replace(server, external=0.0), mean_cost, streamed).admit:
+        await router.refresh(server)
+    check(policy, server, mean_cost, streamed)
 
 
 @web.middleware

@@ -186,14 +186,15 @@ def gateway_error(exc: TritonCallError, fields: Fields, unnamed: str = "request"
     return UpstreamError(exc.message)
 
 
-def pick_admitted(app: web.Application, tried: list, streamed: bool = True) -> object:
+async def pick_admitted(app: web.Application, tried: list, streamed: bool = True) -> object:
     """The least-loaded healthy server not tried yet, if admission (gateway/admission.py) expects it to start
     a new request within the queue-wait limit (`streamed`: in real-time units too); else Overloaded (503 +
     Retry-After), counted."""
     router = app[ROUTER]
     server = router.pick(exclude=tried)
     try:
-        admission.check(AdmissionPolicy(app[CONFIG].routing.max_queue_wait_s), server, router.mean_cost, streamed)
+        await admission.check_fresh(AdmissionPolicy(app[CONFIG].routing.max_queue_wait_s), router, server,
+                                    router.mean_cost, streamed)
     except Overloaded:
         app[METRICS].refused.labels("gateway").inc()
         raise
@@ -214,7 +215,7 @@ async def stream_audio(app: web.Application, inputs: WireRequest, cost: float, f
     router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
     tried = []
     while True:
-        server = pick_admitted(app, tried)
+        server = await pick_admitted(app, tried)
         tried.append(server)
         metrics.routed.labels(server.name).inc()
         produced = False
@@ -277,7 +278,7 @@ async def routed(app: web.Application, cost: float, send: Callable[[object], Awa
     router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
     tried = []
     while True:
-        chosen = server or (pick_admitted(app, tried, streamed=False) if admit else router.pick(exclude=tried))
+        chosen = server or (await pick_admitted(app, tried, streamed=False) if admit else router.pick(exclude=tried))
         tried.append(chosen)
         metrics.routed.labels(chosen.name).inc()
         with router.lease(chosen, cost):

@@ -103,6 +103,36 @@ def test_a_waiting_request_whose_client_left_counts_for_nothing():
         pool.close()
 
 
+def test_the_gateway_decides_a_refusal_on_a_fresh_view_of_the_server():
+    """The gateway's count of the streams others sent a server is as old as its last scrape: a stream that
+    ended since still counts there. Before refusing, it scrapes the server again."""
+    from cosyvoice_triton.gateway import admission
+    from cosyvoice_triton.gateway.errors import Overloaded
+    from cosyvoice_triton.server_pool import Server
+    from cosyvoice_triton.targets import TritonTarget
+
+    server = Server(TritonTarget.parse("grpc://127.0.0.1:1"), client=None, healthy=True)
+    server.slots, server.realtime_slots, server.seconds_per_cost = 4, 1, 0.05
+    policy = AdmissionPolicy(max_wait_s=2.0)
+
+    class Router:  # its scrape finds the server idle: the stream another client had there has ended
+        scrapes = 0
+
+        async def refresh(self, refreshed: Server) -> None:
+            self.scrapes += 1
+            refreshed.external = 0.0
+
+    router = Router()
+    server.external = 1.0  # the last scrape saw one stream (100 units at 0.05 s each: a 5 s wait)
+    asyncio.run(admission.check_fresh(policy, router, server, 100.0))
+    assert router.scrapes == 1 and server.external == 0.0
+    asyncio.run(admission.check_fresh(policy, router, server, 100.0))  # a free slot: no scrape needed
+    assert router.scrapes == 1
+    server.inflight = 1  # this gateway's own stream is there: fresh or not, the wait is 5 s
+    with pytest.raises(Overloaded):
+        asyncio.run(admission.check_fresh(policy, router, server, 100.0))
+
+
 # ---- a burst through `up` -----------------------------------------------------------------------------------
 
 @dataclass
@@ -270,6 +300,16 @@ def test_a_bursts_streams_equal_their_solo_reruns_which_are_never_refused(up):
     result = burst_then_alone(up, 0)
     print(f"burst: {result['counts']}; the largest difference to a solo rerun {result['worst']:.2e}")
     check(result)
+
+
+def test_streams_sent_one_after_another_straight_and_through_the_gateway_are_never_refused(up):
+    """Each stream sent as soon as the one before ended, by turns straight to Triton's gRPC and through the
+    gateway: the server is quiet every time, and neither it nor the gateway refuses. (Streams of a few seconds:
+    the gateway's scrape, every 2 s, sees each gRPC stream running.)"""
+    for i in range(3):
+        for way in ("grpc", "http"):
+            [outcome] = asyncio.run(send(up, [Stream(way, f"river {i}, stone 12 and the morning light.", 500 + i)]))
+            assert outcome.kind == "ok", (way, i, outcome.detail)
 
 
 def repeated_bursts(up):
