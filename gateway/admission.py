@@ -13,6 +13,8 @@ A server's load, as this gateway sees it (`server_load`):
   queued_cost   the streams beyond the capacity, at the mean request cost, plus TOKEN2WAV_CHUNK_COST for
                 each chunk waiting in token2wav's queue (`nv_inference_pending_request_count{model=token2wav}`)
   speed         the server's measured `cosyvoice_seconds_per_cost`
+A refusal that rests on the others' streams waits for a fresh scrape first (`check_fresh`): they are as old as the
+last scrape, and streams that ended since must not turn a quiet server's request away.
 Until a server's metrics were scraped once (slots 0) the gateway admits and lets the server decide: the
 cosyvoice2 model applies the same policy to everything it receives, and its refusal (an Unavailable error
 whose `retry_after_s` crosses Triton as data) comes back as the same 503 with the same Retry-After.
