@@ -8,9 +8,9 @@ the shared memory of the message the stub is still working on, the stub writes i
 and the server dies soon after (`boost::interprocess::lock_exception`, SIGSEGV or SIGBUS;
 docs/operations/faults.md). So that thread must get a core at least once a second, however busy the server.
 
-What keeps it from one is CPU-bound work in its own scheduling group (the server's session, or the
+What keeps it from one is CPU-bound work in its own scheduling group (the server's process session, or the
 container's cgroup): a thread that wakes up there may wait its turn behind the group's busy threads; on 2
-cores, behind 12 of them (and the other sessions busy too), up to 1.26 s. With those 12 at nice 5 it waited
+cores, behind 12 of them (and the other process groups busy too), up to 1.26 s. With those 12 at nice 5 it waited
 at most 0.05 s.
 
 On Linux the nice value belongs to a thread and a new thread takes its creator's. `yield_to_stub_health()`,
