@@ -287,9 +287,12 @@ class AsyncGatewayTTS:
         stream = AsyncWsAudioStream(ws, started)
         stream.stats.speech_marks.wanted = bool(options.get("marks"))
         try:
-            await ws.send_json(start)
-            if isinstance(text, str):
-                await ws.send_json({"type": "end"})
+            try:
+                await ws.send_json(start)
+                if isinstance(text, str):
+                    await ws.send_json({"type": "end"})
+            except ConnectionResetError:
+                pass  # refused at once (the start was enough): its error message waits to be read next
             await stream._begin(None if isinstance(text, str) else text)
         except BaseException:
             await ws.close()

@@ -253,10 +253,15 @@ class GatewayTTS:
             except (TypeError, ValueError):
                 body = str(exc)
             raise TTSError.from_body(body, response.status_code, response.headers.get("Retry-After")) from None
+        from websockets.exceptions import ConnectionClosed
+
         started = time.monotonic()
-        ws.send(json.dumps(start))
-        if isinstance(text, str):
-            ws.send(json.dumps({"type": "end"}))
+        try:
+            ws.send(json.dumps(start))
+            if isinstance(text, str):
+                ws.send(json.dumps({"type": "end"}))
+        except ConnectionClosed:
+            pass  # refused at once (the start was enough): its error message waits to be read below
         try:
             stream = WsAudioStream(ws, started, None if isinstance(text, str) else text)
             stream.stats.speech_marks.wanted = bool(options.get("marks"))

@@ -11,6 +11,7 @@ and deleted; errors carry the gateway's field and status. The CLI writes wav fil
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -423,3 +424,51 @@ def test_cli_stream_prints_the_chunks_the_service_sends(triton, gateway_url, voi
         assert [float(seconds) for _, _, seconds, _ in lines] == pytest.approx(want, abs=1e-3), route
         arrivals = [int(ms) for _, ms, _, _ in lines]
         assert arrivals == sorted(arrivals)
+
+
+@pytest.fixture
+def refusing_ws_server():
+    """A WebSocket endpoint that answers a session with an error message and closes at once, before the
+    client has sent all it meant to (the gateway does so for an unknown voice as soon as it reads the start)."""
+    from aiohttp import web
+
+    async def session(request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_json({"type": "error", "status": 404, "code": "not_found", "param": "voice_id",
+                            "message": "voice_id: no voice 'gone'"})
+        await ws.close(code=1008)
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/v1/tts/ws", session)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}"
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+def test_a_websocket_refused_at_once_raises_the_gateways_error(refusing_ws_server):
+    """However early the gateway closes, both SDKs raise its error (status and field), never a closed-socket
+    error from sending the rest of the start."""
+    for _ in range(10):
+        with GatewayTTS(refusing_ws_server) as tts, pytest.raises(TTSError) as caught:
+            list(tts.stream_ws("Hello.", voice_id="gone"))
+        assert (caught.value.status, caught.value.field) == (404, "voice_id")
+
+    async def refused():
+        async with AsyncGatewayTTS(refusing_ws_server) as tts:
+            with pytest.raises(TTSError) as caught:
+                await tts.stream_ws("Hello.", voice_id="gone")
+            return caught.value
+
+    for _ in range(10):
+        error = asyncio.run(refused())
+        assert (error.status, error.field) == (404, "voice_id")
