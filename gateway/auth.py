@@ -156,15 +156,41 @@ class StreamLimiter:
             scope = "for keyless use (all callers together)" if key == KEYLESS else "per API key"
             raise TooManyStreams(f"at most {limit} concurrent streams {scope}; wait for one to end")
         self._counts[key] += 1
+        token = HELD_SLOT.set((self, key))
         try:
             yield
         finally:
-            self._counts[key] -= 1
-            if self._counts[key] <= 0:
-                del self._counts[key]
+            HELD_SLOT.reset(token)
+            self._release(key)
+
+    def _release(self, key: str) -> None:
+        self._counts[key] -= 1
+        if self._counts[key] <= 0:
+            del self._counts[key]
 
     def active(self, key: str) -> int:
         return self._counts.get(key, 0)
+
+
+# The stream slot the current request holds (set by `StreamLimiter.slot`), for `slot_set_aside`.
+HELD_SLOT: contextvars.ContextVar[tuple[StreamLimiter, str] | None] = contextvars.ContextVar("held_slot", default=None)
+
+
+@contextmanager
+def slot_set_aside() -> Iterator[None]:
+    """While the current request waits to be admitted (admission's fresh scrape), it is not a stream yet: its
+    slot is free for others meanwhile and taken back after without the limit (it was within it). Otherwise a
+    burst of requests that are about to be refused would hold every slot and turn the rest away with 429."""
+    held = HELD_SLOT.get()
+    if held is None:
+        yield
+        return
+    limiter, key = held
+    limiter._release(key)
+    try:
+        yield
+    finally:
+        limiter._counts[key] += 1
 
 
 class TokenBucket:

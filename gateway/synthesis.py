@@ -29,7 +29,7 @@ from cosyvoice_triton.voices.prompt_budget import speech_tokens_of
 from cosyvoice_triton.voices.store import VoiceRecord, check_voice_id
 
 from . import admission
-from .auth import current_tenant
+from .auth import current_tenant, slot_set_aside
 from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
 from .errors import (
     BadRequest,
@@ -193,8 +193,9 @@ async def pick_admitted(app: web.Application, tried: list, streamed: bool = True
     router = app[ROUTER]
     server = router.pick(exclude=tried)
     try:
-        await admission.check_fresh(AdmissionPolicy(app[CONFIG].routing.max_queue_wait_s), router, server,
-                                    router.mean_cost, streamed)
+        with slot_set_aside():
+            await admission.check_fresh(AdmissionPolicy(app[CONFIG].routing.max_queue_wait_s), router, server,
+                                        router.mean_cost, streamed)
     except Overloaded:
         app[METRICS].refused.labels("gateway").inc()
         raise

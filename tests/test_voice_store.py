@@ -372,3 +372,25 @@ def test_register_once_encodes_only_new_content(open_store):
         register_once(store, sha, "a prompt", must_not_encode, voice_id="not an id!")
     assert store.find(sha, "a third transcript") is None
     assert store.delete("bob") and store.find(sha, "another transcript") is None
+
+
+def _open_store_at(path: str, barrier) -> str:
+    from cosyvoice_triton.voices.sqlite_store import SqliteVoiceStore
+
+    barrier.wait()
+    store = SqliteVoiceStore(path)
+    store.close()
+    return "ok"
+
+
+def test_processes_opening_a_new_sqlite_file_at_once_all_open_it(tmp_path):
+    """A server's models open the voice store together at start; the first open of a new file switches it
+    to WAL, which SQLite refuses at once (no busy wait) while another process has the file open."""
+    context = multiprocessing.get_context("spawn")
+    for attempt in range(3):
+        path = str(tmp_path / f"voices{attempt}.db")
+        with context.Manager() as manager:
+            barrier = manager.Barrier(6)
+            with context.Pool(6) as pool:
+                results = pool.starmap(_open_store_at, [(path, barrier)] * 6)
+        assert results == ["ok"] * 6

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,11 +61,24 @@ class SqliteVoiceStore(CachedVoiceStore):
         self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None,
                                    check_same_thread=False)
         self._db_lock = threading.Lock()
-        mode = self._query("PRAGMA journal_mode=WAL")[0][0]
-        if mode != "wal":
-            raise RuntimeError(f"{self.path}: SQLite could not switch to WAL mode (got {mode!r})")
+        self._switch_to_wal(busy_timeout_s)
         self._query(SCHEMA)
         self._migrate()
+
+    def _switch_to_wal(self, timeout_s: float) -> None:
+        """WAL mode, retried while another process holds the file: a server's models open a new file together,
+        and SQLite answers the first switch 'database is locked' at once, without its busy wait."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                mode = self._query("PRAGMA journal_mode=WAL")[0][0]
+                break
+            except sqlite3.OperationalError as exc:
+                if exc.sqlite_errorcode != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+        if mode != "wal":
+            raise RuntimeError(f"{self.path}: SQLite could not switch to WAL mode (got {mode!r})")
 
     def _migrate(self) -> None:
         """Bring a file of an earlier version up to date (the module docstring), in one write transaction."""
