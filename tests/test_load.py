@@ -54,7 +54,7 @@ class LoadStack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model_dir):
-    from cosyvoice_triton.gateway.config import GatewayConfig, RoutingConfig
+    from cosyvoice_triton.gateway.config import GatewayConfig, Limits, RoutingConfig
     from cosyvoice_triton.gateway.testing import GatewayThread
 
     root = tmp_path_factory.mktemp("load")
@@ -62,7 +62,9 @@ def stack(tmp_path_factory, tiny_model_dir):
                                                                                           voice_store):
         config = GatewayConfig(triton=(server.target,), voice_store=voice_store, model_dir=model_dir,
                                home=root / "gateway", shutdown_timeout_s=5.0,
-                               routing=RoutingConfig(max_queue_wait_s=MAX_WAIT_S, metrics_interval_s=0.5))
+                               routing=RoutingConfig(max_queue_wait_s=MAX_WAIT_S, metrics_interval_s=0.5),
+                               # every stream of a burst reaches admission (the subject here), not the keyless cap
+                               limits=Limits(max_keyless_streams=64))
         with GatewayThread(config) as thread:
             wait_ready(thread.url)
             yield LoadStack(server, thread, thread.url)
