@@ -66,6 +66,10 @@ class LMLayout:
     # not hold back CosyVoice3's stop ids (its vLLM path, `min_tokens`, does: the two official paths differ).
     min_len_masked: int = 0
     required_text_id: int | None = None  # a text id that must occur in prompt_text ++ text
+    # Bistream input (llm/bistream.py): the fill token that closes each group of speech tokens is id
+    # codebook + `fill`. A `required_text_id` ends the prompt's head: the prompt text up to it is fed right
+    # after sos, before any text and speech are interleaved (the official CosyVoice3 bistream).
+    fill: int = 2
 
 
 @dataclass(frozen=True)
@@ -77,17 +81,51 @@ class ModelFamily:
     lm: LMLayout
     special_tokens: tuple[str, ...]
     # What the official frontend expects before a zero-shot prompt transcript (and, in cross-lingual mode,
-    # before the text itself): "" for CosyVoice2.
+    # before the text itself): "" for CosyVoice2. See `zero_shot_prompt`, `text_prefix`, `instruction`.
     prompt_prefix: str = ""
+    # Tokens that text normalization passes through untouched (CosyVoice3's pronunciation hints: wetext
+    # would turn the digit of `[AA1]` into a word, or fail on it).
+    verbatim_tokens: tuple[str, ...] = ()
     token_rate: int = 25  # speech tokens per second
     chunk: ChunkPolicy = field(default_factory=ChunkPolicy)  # the official streaming schedule
     # Speech tokens that are silence or breath: beyond `max_silent_run` in a row they do not reach the flow
     # (the LLM still feeds them back). Empty: no such rule.
     silent_tokens: frozenset[int] = frozenset()
     max_silent_run: int = 0
+    # Mel frames a stream's flow cache keeps by default (`FlowCacheSettings.max_frames`): about 1.1 GB per
+    # stream at the released size in fp32 for both (CosyVoice2 1.15 MB a frame, CosyVoice3's DiT 3.6 MB).
+    flow_cache_frames: int = 1000
 
     def __str__(self) -> str:
         return self.name
+
+    # ---- the frontend's text forms -----------------------------------------------------------------
+
+    @property
+    def system_prompt(self) -> str:
+        """The system prompt before `<|endofprompt|>` ("" for CosyVoice2)."""
+        return self.prompt_prefix.removesuffix(END_OF_PROMPT)
+
+    def zero_shot_prompt(self, transcript: str) -> str:
+        """A zero-shot prompt transcript in the form the LM was trained on: as given if it holds
+        `<|endofprompt|>` (the official API's form), else behind `prompt_prefix`."""
+        return transcript if END_OF_PROMPT in transcript else self.prompt_prefix + transcript
+
+    def text_prefix(self, text: str) -> str:
+        """What goes before a sentence that has no prompt text in front of it (cross_lingual): `prompt_prefix`
+        unless the text itself holds `<|endofprompt|>` (the official API's form)."""
+        return "" if END_OF_PROMPT in text else self.prompt_prefix
+
+    def instruction(self, instruct_text: str) -> str:
+        """An instruct2 instruction in the trained form: `<|endofprompt|>` at its end and, where the family has
+        a system prompt, that prompt and a space in front ("You are a helpful assistant. Speak slowly.").
+        An instruction that holds `<|endofprompt|>` already is taken as it is."""
+        text = instruct_text.strip()
+        if END_OF_PROMPT in text:
+            return text
+        if self.system_prompt and not text.startswith(self.system_prompt):
+            text = f"{self.system_prompt} {text}"
+        return text + END_OF_PROMPT
 
 
 COSYVOICE2 = ModelFamily(
@@ -100,10 +138,14 @@ COSYVOICE3 = ModelFamily(
     name="cosyvoice3", yaml_file="cosyvoice3.yaml", speech_tokenizer_file="speech_tokenizer_v3.onnx",
     llm_class="CosyVoice3LM",
     lm=LMLayout(head_ids=200, stop_ids=200, eos=1, sos=0, task_id=2, own_special_table=False, decoder_bias=False,
-                required_text_id=END_OF_PROMPT_ID),
+                required_text_id=END_OF_PROMPT_ID, fill=3),
     special_tokens=COSYVOICE3_SPECIAL_TOKENS,
     prompt_prefix="You are a helpful assistant." + END_OF_PROMPT,
-    silent_tokens=frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323}), max_silent_run=5)
+    verbatim_tokens=PRONUNCIATION_TOKENS,
+    silent_tokens=frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323}), max_silent_run=5,
+    # 300 frames (6 s, the prompt's included) x 3.6 MB = 1.08 GB at the released size in fp32 (half with
+    # the bf16 estimator); the frames after them are computed again at each chunk.
+    flow_cache_frames=300)
 
 FAMILIES = (COSYVOICE2, COSYVOICE3)
 

@@ -16,8 +16,9 @@ at a time (B = 1), the text (and prompt) segments that are due; a stream that is
 the batched decode step; one waiting for text sits out the round, holding its slot.
 
 A request that arrives while others decode joins them at the next round. Sampling mirrors
-`llm_generate.generate` with `torch.Generator().manual_seed(request.seed)` (same length limits, EOS masked
-before min_len, stop tokens not yielded), so a stream's tokens do not depend on what runs beside it.
+`llm_generate.generate` with `torch.Generator().manual_seed(request.seed)` (same length limits, the family's
+masked id before min_len: `SpeechLMConfig.min_len_masked_token`; stop tokens not yielded), so a stream's
+tokens do not depend on what runs beside it. Either family: the layout (`family.LMLayout`) gives the ids.
 The step's log-probs (B, V) are read to the host once per round, the round's only device -> host read:
 the repetition-aware sampler needs the tokens decoded so far and a CPU generator per request, and the
 tokens have to reach the host to be streamed anyway. (On a GPU, `generate` runs the sampler's softmax
@@ -133,7 +134,9 @@ class LLMScheduler:
         self.max_seq_len = min(max_seq_len, llm.max_seq_len)
         self.max_queue = max_queue
         self.step_unit = step_unit
-        self._eos = llm.config.eos_token
+        # Masked while a sentence has fewer than min_len tokens out, and in a bistream's text phase: what the
+        # official torch loop masks (EOS in CosyVoice2, SOS in CosyVoice3; `SpeechLMConfig.min_len_masked_token`).
+        self._masked = llm.config.min_len_masked_token
         self._stop_tokens = frozenset(llm.config.stop_tokens)
         self._cond = threading.Condition()  # guards everything below; the scheduler waits on it when idle
         self._waiting: deque[LLMStream] = deque()
@@ -201,6 +204,9 @@ class LLMScheduler:
         _check_ids("prompt_speech_tokens", request.prompt_speech_tokens, config.speech_token_size)
         if not request.text_tokens and not request.bistream:
             raise InvalidInput("text_tokens", "is empty")
+        # The official CosyVoice3 LM asserts <|endofprompt|> in prompt text ++ text (bistream: in the prompt text).
+        given = request.prompt_text_tokens if request.bistream else [*request.prompt_text_tokens, *request.text_tokens]
+        self.llm.check_required_text(list(given), "prompt_text_tokens")
         if not isinstance(request.sampling, SamplingParams):
             raise InvalidInput("sampling", f"must be SamplingParams, got {type(request.sampling).__name__}")
         request.sampling.validate()
@@ -415,17 +421,17 @@ class LLMScheduler:
         for b, live in enumerate(batch):
             if live.plan is not None:
                 try:
-                    tokens[b] = _draw_bistream(live, logp[b], self._eos)
+                    tokens[b] = _draw_bistream(live, logp[b], self._masked)
                 except Exception as exc:
                     tokens[b] = exc
         return tokens
 
     def _draw_sentences(self, batch: Sequence[_Live], logp: Tensor) -> list[int | Exception]:
-        """logp (B, V): EOS is banned in the rows with fewer than min_len tokens out (the other stop tokens
-        stay allowed). A fault of the whole batch's draw fails every row."""
+        """logp (B, V): the masked id is banned in the rows with fewer than min_len tokens out (the other stop
+        tokens stay allowed). A fault of the whole batch's draw fails every row."""
         short = [b for b, live in enumerate(batch) if len(live.decoded) < live.min_len]
         if short:
-            logp[short, self._eos] = -math.inf
+            logp[short, self._masked] = -math.inf
         try:
             return ras_sample_table(logp, [live.sampler.params for live in batch], self._generators,
                                     [live.slot for live in batch])
@@ -464,13 +470,13 @@ class LLMScheduler:
             self._recent.popleft()
 
 
-def _draw_bistream(live: _Live, logp: Tensor, eos: int) -> int:
-    """logp (V,): the plan's forced fill token, or a draw with EOS banned until the text has ended."""
+def _draw_bistream(live: _Live, logp: Tensor, masked: int) -> int:
+    """logp (V,): the plan's forced fill token, or a draw with `masked` banned until the text has ended."""
     forced = live.plan.forced_token()
     if forced is not None:
         return forced
     if live.plan.ban_eos:
-        logp[eos] = -math.inf
+        logp[masked] = -math.inf
     return live.sampler(logp, live.plan.history, live.generator)
 
 

@@ -59,6 +59,11 @@ class SpeechLMConfig:
         return self.speech_token_size + self.layout.min_len_masked
 
     @property
+    def fill_token(self) -> int:
+        """The bistream fill token (`LMLayout.fill`): it closes each group of speech tokens."""
+        return self.speech_token_size + self.layout.fill
+
+    @property
     def stop_tokens(self) -> tuple[int, ...]:
         return tuple(self.speech_token_size + i for i in range(self.layout.stop_ids))
 
@@ -189,15 +194,20 @@ class SpeechLM(nn.Module):
         self._check_range("prompt_text_token", prompt_text_token, self.config.qwen.vocab_size)
         self._check_range("prompt_speech_token", prompt_speech_token, self.config.speech_token_size)
         all_text = torch.cat([prompt_text_token, text_token], dim=1).long()  # (1, Nt)
-        required = self.config.layout.required_text_id
-        if required is not None and not bool((all_text == required).any()):
-            raise InvalidInput("prompt_text_token", f"this model needs text id {required} (<|endofprompt|>) in "
-                                                    "prompt_text ++ text, e.g. after a system prompt")
+        self.check_required_text(all_text[0].tolist(), "prompt_text_token")
         layout = self.config.layout
         sos, task_id = self.special_embedding(layout.sos), self.special_embedding(layout.task_id)  # (1, 1, D) each
         text = self.backbone.embed_tokens(all_text)  # (1, Nt, D)
         speech = self.speech_embedding(prompt_speech_token.long())  # (1, Ns, D)
         return torch.cat([sos, text, task_id, speech], dim=1)
+
+    def check_required_text(self, text_ids: list[int], field: str) -> None:
+        """InvalidInput naming `field` unless `text_ids` hold the layout's `required_text_id` (CosyVoice3's
+        `<|endofprompt|>`, which the official LM asserts in prompt_text ++ text)."""
+        required = self.config.layout.required_text_id
+        if required is not None and required not in text_ids:
+            raise InvalidInput(field, f"this model needs text id {required} (<|endofprompt|>) in the prompt text "
+                                      "or the text, e.g. after a system prompt")
 
     def special_embedding(self, row: int) -> Tensor:
         """The input embedding (1, 1, D) of a marker (`LMLayout.sos`, `.task_id`), from the table the layout names."""
