@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cosyvoice_triton.errors import InvalidInput, ModelFolderError
+from cosyvoice_triton.family import COSYVOICE2
 from cosyvoice_triton.random_folder.tokenizer_standin import write_tokenizer_standin
 from cosyvoice_triton.preprocess.text import (TextPreprocessor, TextNormalizer, clean_chinese, cut_at_punctuation,
                                             is_only_punctuation, merge_pieces, spell_out_integer,
@@ -19,9 +20,11 @@ VOCAB_SIZE = 1000
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`CosyVoice-BlankEN/` with the stand-in tokenizer, inside an otherwise empty model folder."""
+    """`CosyVoice-BlankEN/` with the stand-in tokenizer, inside a model folder that holds only it and the yaml that
+    names its family (the text preprocessor reads the family's special tokens)."""
     folder = tmp_path_factory.mktemp("model") / "CosyVoice-BlankEN"
     write_tokenizer_standin(folder, VOCAB_SIZE)
+    (folder.parent / COSYVOICE2.yaml_file).touch()
     return folder
 
 

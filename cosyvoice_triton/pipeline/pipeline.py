@@ -3,7 +3,9 @@
 The same code runs in-process (local stages) and inside the Triton `cosyvoice2` model (BLS stages
 that call the `llm` and `token2wav` models), so both give the same audio for the same seed. For each
 sentence it opens an LLM token stream, follows the chunk schedule (small first chunk, growing hops,
-`lookahead` tokens of right context) and sends each due chunk's new tokens to token2wav. The
+`lookahead` tokens of right context) and sends each due chunk's new tokens to token2wav (long runs of
+silence tokens dropped, where the family names them: pipeline/silent_runs.py). The family's text forms
+(`TextPreprocessor.family`: CosyVoice3's system prompt and `<|endofprompt|>`) shape each mode's LLM prompt. The
 request's `Playback` follows its listener across sentences; an adaptive chunk policy reads its lead.
 
 `run_bistream` takes the text as it is written instead (text_mode "bistream"): one LLM stream reads it
@@ -39,8 +41,9 @@ from ..preprocess.text import TextPreprocessor, is_only_punctuation, validate_te
 from .chunk_policy import ChunkSchedule
 from .chunk_sender import ChunkSender
 from .playback import Playback
+from .silent_runs import SilentRuns
 from .stages import LLMStage, Token2WavStage, TokenStream
-from .seeds import END_OF_PROMPT, random_seed, sentence_seeds
+from .seeds import random_seed, sentence_seeds
 from .speech_marks import MarkClock, MarkEvent, source_value
 from .text_feed import TextFeed, WordPieces
 
@@ -90,10 +93,16 @@ class Pipeline:
         encode = self.preprocessor.tokenizer.encode
         pieces = self.pieces(request) if pieces is None else pieces
         prompt_text_tokens, prompt_speech = self.prompt_tokens(request)
-        return [LLMRequest(stream_id=f"{stream_id}/{i}", text_tokens=encode(piece),
+        return [LLMRequest(stream_id=f"{stream_id}/{i}", text_tokens=encode(self.text_prefix(request, piece) + piece),
                            prompt_text_tokens=prompt_text_tokens, prompt_speech_tokens=prompt_speech,
                            sampling=request.sampling, seed=sentence_seeds(seed, i).llm)
                 for i, piece in enumerate(pieces, start=first)]
+
+    def text_prefix(self, request: SynthesisRequest, piece: str) -> str:
+        """What the family reads before a sentence that has no prompt text in front (cross_lingual in
+        CosyVoice3: the system prompt and <|endofprompt|>, in the text as the official API takes it, so the
+        length limits count it as the official's do); "" otherwise."""
+        return self.preprocessor.family.text_prefix(piece) if request.mode == "cross_lingual" else ""
 
     def ssml_plan(self, request: SynthesisRequest, stream_id: str, seed: int) -> list[SpokenSentence | Pause | Mark]:
         """The SSML document's sentences, pauses and marks in order, every voice resolved: all its errors
@@ -149,18 +158,21 @@ class Pipeline:
                                                   "which zero_shot mode needs")
         return voices[voice_id]
 
-    def prompt_tokens(self, request: SynthesisRequest) -> tuple[list[int], list[int]]:
-        """(prompt text tokens, prompt speech tokens) of the request's mode."""
-        encode = self.preprocessor.tokenizer.encode
+    def prompt_tokens(self, request: SynthesisRequest, bistream: bool = False) -> tuple[list[int], list[int]]:
+        """(prompt text tokens, prompt speech tokens) of the request's mode, in the family's text forms
+        (family.py: the zero-shot transcript behind CosyVoice3's system prompt, the instruction's form). A
+        bistream cross_lingual request takes the family's text prefix as its prompt text (its text comes later)."""
+        family = self.preprocessor.family
         prompt_text, prompt_speech = "", []
         if request.mode == "zero_shot":
-            prompt_text = self.preprocessor.normalize(request.voice.text) if request.text_frontend else request.voice.text
+            prompt_text = family.zero_shot_prompt(request.voice.text)
+            prompt_text = self.preprocessor.normalize(prompt_text) if request.text_frontend else prompt_text
             prompt_speech = [int(t) for t in request.voice.speech_tokens]
         elif request.mode == "instruct2":
-            prompt_text = request.instruct_text.strip()
-            if not prompt_text.endswith(END_OF_PROMPT):
-                prompt_text += END_OF_PROMPT
-        return (encode(prompt_text) if prompt_text else []), prompt_speech
+            prompt_text = family.instruction(request.instruct_text)
+        elif bistream:
+            prompt_text = family.text_prefix(request.text)
+        return self._encode(prompt_text), prompt_speech
 
     def run(self, request: SynthesisRequest, stream: bool, is_cancelled: Callable[[], bool] = lambda: False,
             stream_id: str | None = None) -> Iterator[np.ndarray | MarkEvent]:
@@ -216,7 +228,7 @@ class Pipeline:
             raise InvalidInput("speech_marks", "need text_mode sentences (bistream text has no sentences to mark)")
         stream_id = stream_id or uuid.uuid4().hex
         seeds = sentence_seeds(request.seed if request.seed is not None else random_seed(), 0)
-        prompt_text_tokens, prompt_speech = self.prompt_tokens(request)
+        prompt_text_tokens, prompt_speech = self.prompt_tokens(request, bistream=True)
         words = WordPieces()
         llm_request = LLMRequest(stream_id=f"{stream_id}/0", text_tokens=self._encode(words.feed(request.text)),
                                  prompt_text_tokens=prompt_text_tokens, prompt_speech_tokens=prompt_speech,
@@ -247,12 +259,13 @@ class Pipeline:
         speed = request.speed if speed is None else speed
         sender = ChunkSender(self.token2wav, llm_request.stream_id, prompt, vocoder_seed, speed, playback)
         tokens: list[int] = []
+        silent_runs = SilentRuns(self.preprocessor.family)
         token_stream = token_stream if token_stream is not None else self.llm.stream(with_lead(llm_request, playback))
         try:
             for new_tokens in token_stream:
                 if is_cancelled():
                     raise Cancelled("the client cancelled the request")
-                tokens.extend(new_tokens)
+                tokens.extend(silent_runs.keep(new_tokens))
                 if stream:
                     yield from sender.due(tokens, schedule, is_cancelled)
             yield sender.finish(tokens)

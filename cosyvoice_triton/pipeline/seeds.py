@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 from ..messages import SEED_LIMIT
 
-END_OF_PROMPT = "<|endofprompt|>"
-
 
 @dataclass(frozen=True)
 class SentenceSeeds:

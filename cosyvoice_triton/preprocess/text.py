@@ -1,4 +1,4 @@
-"""Text normalization and sentence splitting, with the semantics of the official CosyVoice2 frontend.
+"""Text normalization and sentence splitting, with the semantics of the official CosyVoice2/3 frontend.
 
 Pipeline for one request text (`TextPreprocessor.split`, after `validate_text`):
   1. Text containing `<|` and `|>` (SSML-like markup) is passed through untouched, as one piece.
@@ -13,8 +13,14 @@ Pipeline for one request text (`TextPreprocessor.split`, after `validate_text`):
      shorter than `MERGE_LEN` to the previous one.
   5. Pieces made only of punctuation and symbols are dropped.
 
-One deliberate difference: the official code runs wetext with `lang="auto"`, which treats an
-all-digit string such as "2024" as Chinese even in English text. We pass the language we detected.
+Two deliberate differences: the official code runs wetext with `lang="auto"`, which treats an
+all-digit string such as "2024" as Chinese even in English text; we pass the language we detected. And the
+family's verbatim tokens (CosyVoice3's pronunciation hints, `[j][ǐ]`, `[HH][AH0]`) pass through untouched,
+the text between them normalized piece by piece: the official wetext path turns the digit of `[AA1]` into
+`一` in Chinese text and fails on it in English text.
+
+`TextPreprocessor` also holds the family (`family.ModelFamily`), whose text forms the pipeline lays out
+(the prompt prefix, the instruction form) and whose special tokens the tokenizer knows.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from typing import Protocol
 
 from cosyvoice_triton.config import ModelPaths
 from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.family import COSYVOICE2, ModelFamily
 from cosyvoice_triton.preprocess.tokenizer import TextTokenizer
 
 DEFAULT_MAX_CHARS = 2000
@@ -228,18 +235,32 @@ def split_paragraph(text: str, count_tokens: Callable[[str], int], chinese: bool
     return merge_pieces(cut_at_punctuation(text, marks), length)
 
 
+def _normalize_piece(piece: str, normalize: Callable[[str], str]) -> str:
+    """`normalize` on the words of `piece`, its leading and trailing white space kept (none: wetext fails on
+    empty text)."""
+    words = piece.strip()
+    if not words:
+        return piece
+    lead, trail = piece[:len(piece) - len(piece.lstrip())], piece[len(piece.rstrip()):]
+    return lead + normalize(words) + trail
+
+
 def is_markup(text: str) -> bool:
     """SSML-like `<|...|>` text skips normalization."""
     return "<|" in text and "|>" in text
 
 
 class TextNormalizer:
-    """Normalizes and splits request text. `count_tokens` measures English sentence lengths."""
+    """Normalizes and splits request text. `count_tokens` measures English sentence lengths; `verbatim` are
+    tokens passed through untouched (the family's `verbatim_tokens`)."""
 
     def __init__(self, count_tokens: Callable[[str], int],
-                 normalizers: tuple[Normalizer, Normalizer] | None = None):
+                 normalizers: tuple[Normalizer, Normalizer] | None = None, verbatim: tuple[str, ...] = ()):
         self.count_tokens = count_tokens
         self.zh, self.en = normalizers or wetext_normalizers()  # (Chinese, English)
+        # Longest first, so that `[AA0]` is not read as `[AA]` then `0]`.
+        self._verbatim = re.compile("|".join(map(re.escape, sorted(verbatim, key=len, reverse=True)))) \
+            if verbatim else None
 
     def _normalize(self, text: str, lang: str | None = None) -> tuple[str, bool]:
         """(normalized text, whether it is Chinese): in `lang` ("zh" or "en", an SSML language hint), else in
@@ -247,8 +268,19 @@ class TextNormalizer:
         text = text.strip()
         chinese = lang == "zh" if lang else contains_chinese(text)
         if chinese:
-            return clean_chinese(self.zh.normalize(text)), True
-        return spell_out_numbers(self.en.normalize(text)), False
+            return clean_chinese(self._around_verbatim(text, self.zh.normalize)), True
+        return self._around_verbatim(text, lambda piece: spell_out_numbers(self.en.normalize(piece))), False
+
+    def _around_verbatim(self, text: str, normalize: Callable[[str], str]) -> str:
+        """`normalize` on the text between verbatim tokens, which stay as they are (as does the white space
+        around each piece, which wetext would trim)."""
+        if self._verbatim is None or not self._verbatim.search(text):
+            return normalize(text)
+        out, start = [], 0
+        for match in self._verbatim.finditer(text):
+            out += [_normalize_piece(text[start:match.start()], normalize), match.group()]
+            start = match.end()
+        return "".join(out + [_normalize_piece(text[start:], normalize)])
 
     def normalize(self, text: str) -> str:
         """The whole text normalized, unsplit (the official `split=False`; used for prompt text)."""
@@ -267,19 +299,25 @@ class TextNormalizer:
 
 
 class TextPreprocessor:
-    """Request text in, sentences out: validation, normalization, splitting, and the tokenizer."""
+    """Request text in, sentences out: validation, normalization, splitting, the tokenizer, and the family whose
+    text forms the pipeline lays out."""
 
     def __init__(self, tokenizer: TextTokenizer, max_chars: int = DEFAULT_MAX_CHARS,
-                 normalizers: tuple[Normalizer, Normalizer] | None = None):
+                 normalizers: tuple[Normalizer, Normalizer] | None = None, family: ModelFamily = COSYVOICE2):
         self.tokenizer = tokenizer
         self.max_chars = max_chars
-        self.normalizer = TextNormalizer(tokenizer.count, normalizers)  # normalizers: wetext's by default
+        self.family = family
+        # normalizers: wetext's by default
+        self.normalizer = TextNormalizer(tokenizer.count, normalizers, family.verbatim_tokens)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, max_chars: int = DEFAULT_MAX_CHARS,
                        normalizers: tuple[Normalizer, Normalizer] | None = None) -> TextPreprocessor:
-        return cls(TextTokenizer.from_dir(ModelPaths(Path(model_dir)).qwen_dir), max_chars=max_chars,
-                   normalizers=normalizers)
+        """The folder's tokenizer with its family's special tokens, and that family."""
+        paths = ModelPaths(Path(model_dir))
+        family = paths.family
+        return cls(TextTokenizer.from_dir(paths.qwen_dir, family.special_tokens), max_chars=max_chars,
+                   normalizers=normalizers, family=family)
 
     def split(self, text: object, field: str = "text", lang: str | None = None) -> list[str]:
         """Check `text` (errors name `field`) and return its normalized sentences (in `lang`: "zh" or "en";

@@ -8,7 +8,8 @@ the transcript's field. The room kept for the sentence is one full merged senten
 (`TOKEN_MAX_N` tokens, where the text preprocessor stops merging) and the fewest speech tokens the LLM makes
 for it (`min_token_text_ratio` per text token, the official 2).
 
-The transcript is counted as synthesis counts it: normalized by the text preprocessor, then tokenized.
+The transcript is counted as synthesis counts it: in the family's form (CosyVoice3: behind its system prompt),
+normalized by the text preprocessor, then tokenized.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ class PromptBudget:
         if len(transcript) > MAX_TRANSCRIPT_CHARS:
             raise InvalidInput(field, f"is {len(transcript)} characters long; a transcript takes at most "
                                       f"{MAX_TRANSCRIPT_CHARS}")
-        tokens = len(self.preprocessor.tokenizer.encode(self.preprocessor.normalize(transcript)))
+        prompt_text = self.preprocessor.family.zero_shot_prompt(transcript)
+        tokens = len(self.preprocessor.tokenizer.encode(self.preprocessor.normalize(prompt_text)))
         limit = self.transcript_limit(prompt_speech_tokens)
         if tokens > limit:
             raise InvalidInput(field, f"the transcript takes {tokens} tokens; with the recording's "

@@ -9,7 +9,9 @@ dimension 1 on every tensor):
   llm_embedding               float (1, 192)     CAM++ embedding (flow_embedding: the same)
   ... and their *_len companions. A released model's own spk2info.pt (SFT speakers) holds only `embedding`:
   such entries carry no prompt and are skipped.
-A voice stores the transcript as text, so the token ids are decoded with the model folder's tokenizer.
+A voice stores the transcript as text, so the token ids are decoded with the model folder's tokenizer, special
+tokens kept (`[breath]`; a CosyVoice3 transcript's system prompt and `<|endofprompt|>`, which synthesis then
+takes as they are: `ModelFamily.zero_shot_prompt`).
 """
 from __future__ import annotations
 
@@ -72,13 +74,13 @@ def speaker_sha256(speaker: SavedSpeaker) -> str:
 
 
 def prompt_features(speaker: SavedSpeaker, decode) -> PromptFeatures:
-    """`decode(ids) -> str`: the model folder's tokenizer (`TextTokenizer.decode`)."""
+    """`decode(ids, skip_special_tokens) -> str`: the model folder's tokenizer (`TextTokenizer.decode`)."""
     if speaker.mel.shape[0] != 2 * speaker.speech_tokens.shape[0]:
         raise InvalidInput("prompt_speech_feat", f"speaker {speaker.speaker_id!r}: {speaker.mel.shape[0]} mel "
                                                  f"frames for {speaker.speech_tokens.shape[0]} speech tokens "
                                                  "(expected 2 per token)")
     return PromptFeatures(embedding=speaker.embedding, speech_tokens=speaker.speech_tokens, mel=speaker.mel,
-                          text=decode([int(t) for t in speaker.prompt_text_tokens]),
+                          text=decode([int(t) for t in speaker.prompt_text_tokens], skip_special_tokens=False),
                           audio_sha256=speaker_sha256(speaker))
 
 
