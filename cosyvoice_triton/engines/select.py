@@ -17,6 +17,8 @@ torch: embeddings, masks, the fixed noise, the 10-step loop and the guidance mix
 predictor and harmonic source in torch (the source draws each request's noise), `decode` on the engine.
 The ONNX graphs come from `engines.onnx_export.token2wav_onnx` (exported on first use into
 `<model_dir>/onnx` unless `onnx_dir` is given); TensorRT plans are cached under `<onnx_dir>/trt`.
+The graphs are CosyVoice2's: a CosyVoice3 folder (DiT flow, causal HiFT) runs token2wav on torch whatever
+the engine asked (one warning line), CAM++ on the engine asked.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from torch import Tensor
 
 from ..config import ModelPaths
 from ..models.auto_precision import resolve_flow_precision
-from ..models.flow import FlowModel
+from ..models.family import Vocoder, family_models
+from ..models.flow import TokenToMel
 from ..models.hift import HiFTGenerator
 from .base import ENGINES, PRECISIONS, GraphSpec, Runner, RunnerModule
 from .onnx_session import CUDA_PROVIDER
@@ -116,7 +119,7 @@ def build_token2wav(model_dir: str | Path, engine: str = "torch", device: str | 
                     precision: str = "fp32", onnx_dir: str | Path | None = None,
                     cache_dir: str | Path | None = None, max_streams: int = 16,
                     max_seconds: float = 60.0, ort_providers: str | None = None,
-                    flow_precision: str = "fp32") -> tuple[FlowModel, HiFTGenerator]:
+                    flow_precision: str = "fp32") -> tuple[TokenToMel, Vocoder]:
     """(flow, hift) for `model_dir` with their heavy parts on `engine` (see the module docstring).
 
     precision: TensorRT and OpenVINO ("fp32", "fp16", "bf16"); torch and ONNX Runtime run fp32.
@@ -129,11 +132,16 @@ def build_token2wav(model_dir: str | Path, engine: str = "torch", device: str | 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     chosen = resolve_engine(engine, device)
-    flow = FlowModel.from_model_dir(model_dir, device=device)
+    models = family_models(model_dir)
+    if chosen != "torch" and not models.graphs:
+        log.warning("engine %r runs CosyVoice2's token2wav graphs; this %s folder's token2wav runs on torch",
+                    chosen, models.family)
+        chosen = "torch"
+    flow = models.load_flow(model_dir, device=device)
     if chosen == "torch":
         flow.decoder.set_precision(resolve_flow_precision(flow_precision, device))  # checks the name
         log.info("token2wav on torch (%s): flow estimator in %s", device, flow.decoder.precision)
-        return flow, HiFTGenerator.from_model_dir(model_dir, device=device)
+        return flow, models.load_vocoder(model_dir, device=device)
     hift = RunnerHiFT.from_model_dir(model_dir, device=device)
     paths = token2wav_onnx(model_dir, onnx_dir)
     ranges = token2wav_dim_ranges(flow.config, max_streams, max_seconds,

@@ -212,7 +212,11 @@ def compile_llm(llm: nn.Module) -> int:
 
 
 def compile_hift(hift: nn.Module) -> int:
-    from .hift import ResBlock
+    """Route HiFT's resblocks through their compiled forward; returns how many (0 for CosyVoice3's causal HiFT,
+    which runs eager, as its DiT flow does: `compile_flow` finds no UNet block in it)."""
+    from .hift import HiFTGenerator, ResBlock
+    if not isinstance(hift, HiFTGenerator):
+        return 0
     return _wrap_all(hift.modules(), ResBlock, _hift_forward())
 
 

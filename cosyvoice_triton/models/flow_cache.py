@@ -53,7 +53,9 @@ class FlowCacheSettings:
     """Per-stream flow caches (see the module docstring)."""
 
     enabled: bool = True
-    max_frames: int = 1000  # frames cached per stream (prompt included; 1.15 MB each on the full-size config)
+    # Frames cached per stream, prompt included (1.15 MB each on the full-size config; CosyVoice3's DiT 3.6 MB);
+    # None: the family's default (`ModelFamily.flow_cache_frames`, models/family.py `cache_settings`).
+    max_frames: int | None = None
     cached_final: bool = False  # final chunk: False = one full-attention pass (official); True = cached, streaming
     # The voices' share (models/prompt_cache.py): MB of voice-final prompt frames kept per flow model; 0: off.
     prompt_cache_mb: float = 512.0

@@ -30,7 +30,6 @@ from ..llm.bistream import generate_bistream
 from ..llm.generate import generate
 from ..llm.scheduler import LLMScheduler, LLMStream
 from ..messages import ChunkRequest, LLMRequest
-from ..models.hift_source import GeneratorNoise
 from ..token2wav.scheduler import Token2WavScheduler
 from .seeds import random_seed
 from .stages import TokenStream
@@ -281,8 +280,7 @@ class ReferenceToken2Wav:
         state = self.streams.get(chunk.stream_id)
         if state is None:
             seed = chunk.seed if chunk.seed is not None else random_seed()
-            state = self.token2wav.stream(chunk.prompt, GeneratorNoise(torch.Generator().manual_seed(seed)),
-                                          speed=chunk.speed)
+            state = self.token2wav.stream(chunk.prompt, self.token2wav.noise(seed), speed=chunk.speed)
             self.streams[chunk.stream_id] = state
         audio = state.chunk(chunk.tokens, chunk.finalize)
         if chunk.finalize:

@@ -15,6 +15,10 @@ estimator's state of its frames that are final, and a call computes only the fra
 prompt seen before starts with its voice-final frames from the `PromptCache` (models/prompt_cache.py), filled
 by the first streaming call of the first stream of that prompt.
 
+Either family: the flow cache is the family's (models/family.py: CosyVoice2's UNet cache, CosyVoice3's DiT
+cache, the same contract) and each stream's vocoder stream too (token2wav/vocoders.py: HiFT with its
+cross-fade and the stream's seeded noise, or the causal HiFT on a window with its fixed noise).
+
 All chunks of one `run` go through one flow call (rows padded; the flow masks per row), at most
 `max_batch` rows, earliest deadline first: a stream's deadline is the moment its listener would run dry
 (the clock time of its first audio + the seconds of audio made since), a new stream's is now; so first
@@ -58,14 +62,13 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from ..errors import CosyVoiceError, InvalidInput, NotFound, Unavailable
-from ..models.flow import FlowConditions, FlowModel
-from ..models.flow_cache import FlowCacheSettings, MapRows, StreamFlowCache, cached_mel, supports_cache
-from ..models.hift import HiFTGenerator
+from ..models.family import Vocoder, models_of_flow
+from ..models.flow import FlowConditions, TokenToMel
+from ..models.flow_cache import FlowCacheSettings, MapRows, StreamFlowCache
 from ..models.prompt_cache import PromptCache, frames_to_store, new_stream_cache, stage_prompt_cache
-from ..models.hift_source import GeneratorNoise
 from ..messages import MIN_HOP_TOKENS, ChunkRequest, FlowPrompt, check_seed
 from .stream import prompt_tensors
-from .vocoder_stream import VocoderStream
+from .vocoders import AnyVocoderStream, vocoder_stream_class
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ class Token2WavStats:
 @dataclass
 class _Stream:
     prompt: FlowPrompt  # on the flow's device
-    vocoder: VocoderStream
+    vocoder: AnyVocoderStream
     tokens: list[int]
     offset: int  # tokens already turned into audio
     first_audio_at: float | None = None  # clock() when its first audio was made; None: none yet
@@ -117,19 +120,22 @@ class _Row:
 
 
 class Token2WavScheduler:
-    def __init__(self, flow: FlowModel, hift: HiFTGenerator, *, max_streams: int = 64, max_batch: int = 16,
+    def __init__(self, flow: TokenToMel, hift: Vocoder, *, max_streams: int = 64, max_batch: int = 16,
                  idle_timeout_s: float = 120.0, lookahead: int | None = None,
                  clock: Callable[[], float] = time.monotonic, flow_cache: FlowCacheSettings = FlowCacheSettings(),
                  prompt_cache: PromptCache | None = None, map_rows: MapRows | None = None):
         self.flow = flow
+        models = models_of_flow(flow)  # the family's cache (models/family.py); its vocoder stream below
+        self._cached_solver = models.cached_mel
         # Graph engines (ONNX, TensorRT, OpenVINO) re-run the flow over every frame.
-        self.flow_cache = flow_cache if flow_cache.enabled and supports_cache(flow) else None
+        self.flow_cache = models.cache_settings(flow, flow_cache)
         # With the flow cache: the estimator's rows one by one, spread over the cores (pipeline/threads.py
         # RowWorkers); None: one pass over the padded batch per Euler step.
         self.map_rows = map_rows if self.flow_cache is not None else None
         # The voices' share of the flow (models/prompt_cache.py); pass one to share it with another stage.
         self.prompt_cache = stage_prompt_cache(self.flow_cache, prompt_cache)
         self.hift = hift
+        self.vocoder_stream = vocoder_stream_class(hift)
         self.max_streams = max_streams
         self.max_batch = max_batch
         self.idle_timeout_s = idle_timeout_s
@@ -241,7 +247,7 @@ class Token2WavScheduler:
         tokens = stream.tokens + list(chunk.tokens)
         new_offset = len(tokens) if chunk.finalize else len(tokens) - self.lookahead
         if not chunk.finalize and new_offset - stream.offset < MIN_HOP_TOKENS:
-            # The vocoder holds back 8 mel frames (4 tokens) of every non-final chunk for its cross-fade.
+            # The vocoder holds back 8 mel frames (4 tokens) of every non-final chunk (cross-fade or look-ahead).
             raise InvalidInput("tokens", f"a non-final chunk must advance the stream by >= {MIN_HOP_TOKENS} "
                                f"tokens after {self.lookahead} lookahead tokens; {len(tokens)} tokens in all, "
                                f"{stream.offset} already spoken")
@@ -264,12 +270,8 @@ class Token2WavScheduler:
         prompt = self._check_prompt(chunk.prompt)
         if chunk.seed is not None:
             check_seed(chunk.seed)
-        generator = torch.Generator()
-        if chunk.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(chunk.seed)
-        vocoder = VocoderStream(self.hift, noise=GeneratorNoise(generator), speed=chunk.speed)  # errors name speed
+        vocoder = self.vocoder_stream(self.hift, noise=self.vocoder_stream.seeded_noise(chunk.seed),
+                                      speed=chunk.speed)  # errors name speed
         flow_cache = new_stream_cache(self.flow, self.flow_cache, self.prompt_cache, prompt)
         return _Stream(prompt, vocoder, [], 0, flow_cache=flow_cache)
 
@@ -312,17 +314,17 @@ class Token2WavScheduler:
 
     @torch.inference_mode()
     def _synthesize(self, rows: list[_Row]) -> list[np.ndarray]:
-        """Flow, then HiFT, then the state updates -> audio (N,) float32 per row."""
+        """Flow, then the vocoder, then the state updates -> audio (N,) float32 per row."""
         new_mels = self._flow_mels(rows)
         prepared = [row.stream.vocoder.prepare(mel, row.finalize) for row, mel in zip(rows, new_mels)]
         vocoded = self._vocode(rows, prepared)
         # Only now, with every row's audio made, do the streams change.
         audio = []
-        for row, (mel, _), (wave, source) in zip(rows, prepared, vocoded):
-            if mel.shape[2] == 0:  # nothing to speak and nothing cached: a stream with no tokens at all
+        for row, given, made in zip(rows, prepared, vocoded):
+            if made is None:  # nothing to speak and nothing cached: a stream with no tokens at all
                 audio.append(np.zeros(0, dtype=np.float32))
             else:
-                audio.append(row.stream.vocoder.commit(mel, wave, source, row.finalize)[0].float().cpu().numpy())
+                audio.append(row.stream.vocoder.commit(given, made, row.finalize)[0].float().cpu().numpy())
             self._commit(row, audio[-1].size)
         return audio
 
@@ -369,7 +371,7 @@ class Token2WavScheduler:
         caches = [row.stream.flow_cache for row in batch]
         voice = [frames_to_store(self.flow, self.flow_cache, self.prompt_cache, row.stream.prompt, cache)
                  for row, cache in zip(batch, caches)]
-        mel, starts, kept, voice_caches = cached_mel(self.flow, conditions, caches, until,
+        mel, starts, kept, voice_caches = self._cached_solver(self.flow, conditions, caches, until,
                                                      self.flow_cache.max_frames, voice, self.map_rows)
         for row, old, cache, voice_cache in zip(batch, caches, kept, voice_caches):
             row.flow_cache = cache
@@ -378,18 +380,15 @@ class Token2WavScheduler:
         # >= 0: the cached frames are ones already spoken (until stops at the next call's first frame).
         return mel, [start - p for start, p in zip(starts, prompt_frames)]
 
-    def _vocode(self, rows: list[_Row], prepared: list[tuple[Tensor, Tensor | None]]
-                ) -> list[tuple[Tensor | None, Tensor | None]]:
-        """HiFT over each row's prepared mel, one row at a time -> (audio (1, L), source (1, 1, L)) per row.
+    def _vocode(self, rows: list[_Row], prepared: list) -> list:
+        """The vocoder over each row's prepared mel, one row at a time (its stream's `vocode`; None for a row
+        with no mel at all).
 
         A row alone, as its stream's vocoder would run it: HiFT is non-causal, so padding would change a row's
         tail, and rows of equal length batched together run other convolution kernels than one row (a
         stream's audio moved by ~1e-6 with the streams that shared its call)."""
-        out: list[tuple[Tensor | None, Tensor | None]] = []
-        for row, (mel, cache_source) in zip(rows, prepared):
-            out.append(self.hift.inference(mel, cache_source, row.stream.vocoder.noise) if mel.shape[2] > 0
-                       else (None, None))
-        return out
+        return [row.stream.vocoder.vocode(given, row.finalize) if given.mel.shape[2] > 0 else None
+                for row, given in zip(rows, prepared)]
 
     def _commit(self, row: _Row, samples: int) -> None:
         row.stream.tokens = row.tokens
@@ -419,7 +418,7 @@ class Token2WavScheduler:
         self._max_batch_seen = max(self._max_batch_seen, rows)
 
 
-def _conditions_by_row(flow: FlowModel, inputs: dict, map_rows: MapRows) -> FlowConditions:
+def _conditions_by_row(flow: TokenToMel, inputs: dict, map_rows: MapRows) -> FlowConditions:
     """`flow.conditions(**inputs)` with each row's encoder run alone, over its own tokens (no padding), by
     `map_rows` (on the rows' fixed thread count): the batched encoder's sums depend on the batch's rows and
     padded length (a stream's audio moved by up to 5e-5 with the streams beside it), a row's alone do not."""

@@ -1,8 +1,12 @@
-"""Speech tokens -> waveform for one synthesis stream: the flow model, then the HiFT vocoder.
+"""Speech tokens -> waveform for one synthesis stream: the flow model, then the vocoder.
 
 A `Token2WavStream` holds everything one stream needs between chunks: the prompt (tokens, mel,
 speaker embedding), the tokens generated so far, the chunk schedule and the vocoder caches. Nothing is
 shared between streams, so many can run side by side; `close()` frees the state.
+
+Either family: the flow's per-stream cache and the vocoder stream come from the family seams
+(models/family.py `models_of_flow`, token2wav/vocoders.py), so CosyVoice2's UNet cache and HiFT cross-fade
+and CosyVoice3's DiT cache and windowed causal HiFT run through the same code.
 """
 from __future__ import annotations
 
@@ -10,11 +14,12 @@ import numpy as np
 import torch
 
 from ..messages import FlowPrompt
-from ..models.flow import FlowModel
-from ..models.flow_cache import FlowCacheSettings, MapRows, StreamFlowCache, cached_mel, supports_cache
-from ..models.hift import HiFTGenerator
+from ..models.family import Vocoder, models_of_flow
+from ..models.flow import TokenToMel
+from ..models.flow_cache import FlowCacheSettings, MapRows, StreamFlowCache
+from ..models.hift_source import HiFTNoise
 from ..models.prompt_cache import PromptCache, frames_to_store, new_stream_cache, stage_prompt_cache
-from .vocoder_stream import VocoderStream
+from .vocoders import vocoder_stream_class
 
 
 def prompt_tensors(prompt: FlowPrompt) -> FlowPrompt:
@@ -28,16 +33,19 @@ def prompt_tensors(prompt: FlowPrompt) -> FlowPrompt:
 
 
 class Token2Wav:
-    """The flow + HiFT pair shared by all streams of one model instance."""
+    """The flow + vocoder pair shared by all streams of one model instance."""
 
-    def __init__(self, flow: FlowModel, hift: HiFTGenerator, flow_cache: FlowCacheSettings = FlowCacheSettings(),
+    def __init__(self, flow: TokenToMel, hift: Vocoder, flow_cache: FlowCacheSettings = FlowCacheSettings(),
                  prompt_cache: PromptCache | None = None, map_rows: MapRows | None = None):
         self.flow = flow
+        models = models_of_flow(flow)
+        self._cached_solver = models.cached_mel
         # Graph engines (ONNX, TensorRT, OpenVINO) re-run the flow over every frame.
-        self.flow_cache = flow_cache if flow_cache.enabled and supports_cache(flow) else None
+        self.flow_cache = models.cache_settings(flow, flow_cache)
         # The voices' share of the flow (models/prompt_cache.py); pass one to share it with another stage.
         self.prompt_cache = stage_prompt_cache(self.flow_cache, prompt_cache)
         self.hift = hift
+        self.vocoder_stream = vocoder_stream_class(hift)
         self.token_mel_ratio = flow.config.token_mel_ratio
         self.samples_per_frame = hift.config.samples_per_frame
         self.device = next(flow.parameters()).device
@@ -66,7 +74,7 @@ class Token2Wav:
         conditions = self._flow_inputs(tokens, prompt, self.flow.conditions, streaming, finalize)
         prompt_frames = prompt.mel.shape[1]
         voice = frames_to_store(self.flow, self.flow_cache, self.prompt_cache, prompt, cache)
-        mel, (start,), (kept,), (voice_cache,) = cached_mel(
+        mel, (start,), (kept,), (voice_cache,) = self._cached_solver(
             self.flow, conditions, [cache], [prompt_frames + self.token_mel_ratio * next_offset],
             self.flow_cache.max_frames, [voice], self.map_rows)
         if voice_cache is not None:
@@ -96,7 +104,13 @@ class Token2Wav:
         """A new stream's flow cache (None: off), seeded with the voice's frames when the prompt cache has them."""
         return new_stream_cache(self.flow, self.flow_cache, self.prompt_cache, prompt)
 
-    def stream(self, prompt: FlowPrompt, noise, lookahead: int | None = None, speed: float = 1.0) -> "Token2WavStream":
+    def noise(self, seed: int | None) -> HiFTNoise | None:
+        """A stream's vocoder noise for its seed: CosyVoice2's drawn from the seed, CosyVoice3's fixed (None)."""
+        return self.vocoder_stream.seeded_noise(seed)
+
+    def stream(self, prompt: FlowPrompt, noise: HiFTNoise | None, lookahead: int | None = None,
+               speed: float = 1.0) -> "Token2WavStream":
+        """A new stream; `noise`: the vocoder's (`noise(seed)`; None: the vocoder's own fixed noise, CosyVoice3)."""
         lookahead = self.flow.config.pre_lookahead_len if lookahead is None else lookahead
         return Token2WavStream(self, prompt_tensors(prompt), noise, lookahead, speed)
 
@@ -116,13 +130,17 @@ class Token2WavStream:
         self.token2wav = token2wav
         self.prompt = prompt
         self.lookahead = lookahead
-        self.vocoder = VocoderStream(token2wav.hift, noise=noise, speed=speed)
+        self.vocoder = token2wav.vocoder_stream(token2wav.hift, noise=noise, speed=speed)
         self.tokens: list[int] = []
         self.offset = 0  # tokens already turned into audio
         self.flow_cache = token2wav.new_flow_cache(self.prompt)
 
     def chunk(self, new_tokens: list[int], finalize: bool) -> np.ndarray:
         self.tokens.extend(new_tokens)
+        if not self.tokens:  # no speech tokens at all (an LLM that stopped at once): no audio, as the scheduler
+            if finalize:
+                self.close()
+            return np.zeros(0, dtype=np.float32)
         tokens = torch.tensor([self.tokens], dtype=torch.int32)
         if self.flow_cache is None:
             mel = self.token2wav.mel(tokens, self.prompt, self.offset, finalize=finalize, streaming=not finalize)

@@ -9,13 +9,14 @@ window of twice that length, rising half and falling half). The final chunk emit
 `speed` != 1.0 interpolates each chunk's new mel frames along time by 1 / speed first (token2wav/speed.py,
 as the official CosyVoice2), so the caches and the cross-fade work on the stretched frames alike.
 
-`push` runs the three steps; `prepare` / `commit` split them around the vocoder call for a caller that
-batches several streams into one `HiFTGenerator.inference`.
+`push` runs the three steps; `prepare` / `vocode` / `commit` split them for a caller that must make the audio
+of several streams before any of them changes (token2wav/scheduler.py), as `CausalVocoderStream`'s do.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,8 +24,15 @@ from torch import Tensor
 
 from ..errors import InvalidInput
 from ..models.hift import HiFTGenerator
-from ..models.hift_source import HiFTNoise
+from ..models.hift_source import GeneratorNoise, HiFTNoise
 from .speed import MelSpeed, SpeedState
+
+
+class HiFTInput(NamedTuple):
+    """`prepare`'s result: the vocoder's mel (B, n_mels, T') and the cached source (B, 1, S), None at first."""
+
+    mel: Tensor
+    cache_source: Tensor | None
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,16 @@ class VocoderStream:
         self._next_speed_state = self.speed_state  # prepare's, kept by commit
         self.closed = False
 
+    @staticmethod
+    def seeded_noise(seed: int | None) -> GeneratorNoise:
+        """The noise of a stream with this vocoder seed: a generator of its own (None: a random seed)."""
+        generator = torch.Generator()
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        return GeneratorNoise(generator)
+
     def check_chunk(self, new_frames: int, finalize: bool) -> None:
         """InvalidInput naming `speed` if a chunk of `new_frames` mel frames would leave this stream's first
         non-final vocoder call too short for its cross-fade once stretched (a chunk that would fail `commit`)."""
@@ -75,21 +93,27 @@ class VocoderStream:
                                "back: a larger first chunk (chunk_first_hop) or a lower speed")
 
     @torch.inference_mode()
-    def prepare(self, new_mel: Tensor, finalize: bool = False) -> tuple[Tensor, Tensor | None]:
+    def prepare(self, new_mel: Tensor, finalize: bool = False) -> HiFTInput:
         """New mel frames (B, n_mels, T) -> the vocoder's input: mel (B, n_mels, T') stretched by the speed,
         with the cached frames in front, and the cached source (B, 1, S) or None on the first chunk."""
         if self.closed:
             raise RuntimeError("vocoder stream is closed")
         new_mel, self._next_speed_state = self.speed.stretch(self.speed_state, new_mel, finalize)
         if self.cached_mel is None:
-            return new_mel, None
-        return torch.cat([self.cached_mel, new_mel], dim=2), self.cached_source  # along time
+            return HiFTInput(new_mel, None)
+        return HiFTInput(torch.cat([self.cached_mel, new_mel], dim=2), self.cached_source)  # along time
 
     @torch.inference_mode()
-    def commit(self, mel: Tensor, audio: Tensor, source: Tensor, finalize: bool) -> Tensor:
-        """Vocoder output for `prepare`'s mel -> the audio to emit (B, N); updates or releases the state."""
+    def vocode(self, prepared: HiFTInput, finalize: bool) -> tuple[Tensor, Tensor]:
+        """HiFT on `prepare`'s input -> (audio (B, L), source (B, 1, L)). Moves only the noise generator on."""
+        return self.hift.inference(prepared.mel, prepared.cache_source, self.noise)
+
+    @torch.inference_mode()
+    def commit(self, prepared: HiFTInput, vocoded: tuple[Tensor, Tensor], finalize: bool) -> Tensor:
+        """`vocode`'s output -> the audio to emit (B, N); updates or releases the state."""
         if self.closed:
             raise RuntimeError("vocoder stream is closed")
+        mel, (audio, source) = prepared.mel, vocoded
         self.speed_state = self._next_speed_state
         held = self.config.source_cache_samples
         if self.cached_audio is not None:
@@ -112,9 +136,8 @@ class VocoderStream:
         Non-final: N = (T' + cached frames) * samples_per_frame - source_cache_samples; final: all of it
         (T' = T at speed 1.0, about T / speed otherwise).
         """
-        mel, cache_source = self.prepare(new_mel, finalize)
-        audio, source = self.hift.inference(mel, cache_source, self.noise)
-        return self.commit(mel, audio, source, finalize)
+        prepared = self.prepare(new_mel, finalize)
+        return self.commit(prepared, self.vocode(prepared, finalize), finalize)
 
     def close(self) -> None:
         """Drop the caches; the stream cannot be used afterwards. Safe to call more than once."""
