@@ -47,7 +47,8 @@ def _run_export(args) -> int:
 
 def _add_synth(sub) -> None:
     p = sub.add_parser("synth", help="synthesize one text to a 24 kHz wav file")
-    p.add_argument("--model-dir", required=True, help="model folder, or a hub model id")
+    p.add_argument("--model-dir", required=True,
+                   help="model folder (CosyVoice2 or CosyVoice3: its yaml decides), or a hub model id")
     p.add_argument("--prompt-audio", "--prompt-wav", dest="prompt_audio", required=True, type=Path,
                    help="the prompt recording (wav, flac, ogg); --prompt-wav is its older name")
     p.add_argument("--prompt-text", default="", help="transcript of the prompt audio (zero_shot mode)")
@@ -70,10 +71,10 @@ def _run_synth(args) -> int:
 
     from .preprocess.audio import decode_audio
     from .model_hub import resolve_model_dir
-    from .pipeline.cosyvoice2 import CosyVoice2, SynthesisRequest
+    from .pipeline.cosyvoice2 import CosyVoice, SynthesisRequest
 
     t0 = time.perf_counter()
-    tts = CosyVoice2.from_model_dir(resolve_model_dir(args.model_dir), device=args.device)
+    tts = CosyVoice.from_model_dir(resolve_model_dir(args.model_dir), device=args.device)  # the folder decides
     samples, rate = decode_audio(args.prompt_audio.read_bytes(), field="prompt_audio")
     voice = tts.encode_voice(samples, rate, args.prompt_text)
     print(f"loaded model and voice in {time.perf_counter() - t0:.2f} s", file=sys.stderr)

@@ -1,4 +1,9 @@
-"""In-process CosyVoice2 synthesis: text + voice -> 24 kHz audio, offline or streaming.
+"""In-process synthesis with a model folder of either family: text + voice -> 24 kHz audio, offline or streaming.
+
+`CosyVoice.from_model_dir(folder)` loads whatever the folder holds (`cosyvoice2.yaml` or `cosyvoice3.yaml`:
+family.py `family_of`), as the official `AutoModel`; `CosyVoice2` and `CosyVoice3` load only their own family's
+folders (a folder of the other one is a ModelFolderError naming its yaml). The families differ only below the
+seams (`family.ModelFamily`, models/family.py, token2wav/vocoders.py); the pipeline is one.
 
 This is the reference pipeline. The Triton models run the same steps, split across processes:
 1. text: normalize, split into sentences, tokenize;
@@ -31,10 +36,12 @@ from ..config import ModelPaths
 from ..engines.providers import check_torch_device
 from ..engines.select import build_token2wav, open_campplus
 from ..errors import ModelFolderError
+from ..family import COSYVOICE2, COSYVOICE3, ModelFamily
 from ..messages import PromptFeatures, SynthesisRequest
 from ..preprocess.prompt import PromptEncoder
 from ..preprocess.text import TextPreprocessor
 from ..models.compiled import apply_compile
+from ..models.family import family_models
 from ..models.flow_cache import FlowCacheSettings
 from ..models.speech_lm import SpeechLM
 from .local_stages import CoreSharingToken2Wav, DecodeAheadLLM, ReferenceLLM, ReferenceToken2Wav
@@ -43,15 +50,18 @@ from .threads import CoreShare, RowWorkers, thread_plan
 from ..token2wav.stream import Token2Wav
 
 
-class CosyVoice2:
+class CosyVoice:
     """All modules of one model folder, loaded once. Not thread-safe: one request at a time (its LLM's
     decode-ahead thread is part of that request)."""
+
+    accepts: ModelFamily | None = None  # set by a subclass: `from_model_dir` takes only that family's folders
 
     def __init__(self, model_dir: Path, preprocessor: TextPreprocessor, prompt_encoder: PromptEncoder, llm: SpeechLM,
                  token2wav: Token2Wav, decode_ahead: bool = True):
         import torch
 
         self.model_dir = model_dir
+        self.family = preprocessor.family  # the folder's
         self.preprocessor = preprocessor
         self.prompt_encoder = prompt_encoder
         self.llm = llm
@@ -77,18 +87,24 @@ class CosyVoice2:
                        precision: str = "fp32", ort_providers: str | None = None,
                        onnx_dir: str | Path | None = None, llm_precision: str = "fp32", flow_precision: str = "fp32",
                        decode_ahead: bool = True, flow_cache: FlowCacheSettings = FlowCacheSettings(),
-                       compile: str = "off") -> "CosyVoice2":
+                       compile: str = "off") -> "CosyVoice":
+        """Load `model_dir`; its yaml decides the family. `flow_cache.max_frames` None: the family's default
+        (CosyVoice2 1000 frames, CosyVoice3 300: `ModelFamily.flow_cache_frames`). CosyVoice3's token2wav runs
+        on torch whatever `engine` asks (engines/select.py)."""
         paths = ModelPaths(Path(model_dir))
         missing = paths.missing()
         if missing:
-            raise ModelFolderError(f"{model_dir} is not a CosyVoice2 model folder: missing {', '.join(missing)}")
+            raise ModelFolderError(f"{model_dir} is not a CosyVoice model folder: missing {', '.join(missing)}")
+        if cls.accepts is not None and paths.family is not cls.accepts:
+            raise ModelFolderError(f"{model_dir} holds a {paths.family} model ({paths.family.yaml_file}), not "
+                                   f"{cls.accepts}: load it with CosyVoice.from_model_dir (the folder decides)")
         check_torch_device(device)
         preprocessor = TextPreprocessor.from_model_dir(paths.root)
         prompt_encoder = PromptEncoder.from_model_dir(paths.root)
         if engine != "torch":  # CAM++ on the same engine, on the CPU as the official CosyVoice (or TensorRT's GPU)
             prompt_encoder.campplus = open_campplus(paths.root, engine, device if engine == "tensorrt" else "cpu",
                                                     precision=precision, ort_providers=ort_providers)
-        llm = SpeechLM.from_model_dir(paths.root, device=device, max_seq_len=4096, precision=llm_precision)
+        llm = family_models(paths.root).load_llm(paths.root, device=device, max_seq_len=4096, precision=llm_precision)
         flow, hift = build_token2wav(paths.root, engine, device, precision=precision, onnx_dir=onnx_dir,
                                      ort_providers=ort_providers, flow_precision=flow_precision)
         apply_compile(compile, device, llm=llm, flow=flow, hift=hift)  # off | auto | on: models/compiled.py
@@ -102,4 +118,16 @@ class CosyVoice2:
                    is_cancelled: Callable[[], bool] = lambda: False) -> Iterator[np.ndarray]:
         """Yield float32 audio chunks at `sample_rate`. Offline mode yields one chunk per sentence."""
         return self.pipeline.run(request, stream=stream, is_cancelled=is_cancelled)
+
+
+class CosyVoice2(CosyVoice):
+    """`CosyVoice` for CosyVoice2 folders only."""
+
+    accepts = COSYVOICE2
+
+
+class CosyVoice3(CosyVoice):
+    """`CosyVoice` for CosyVoice3 folders only."""
+
+    accepts = COSYVOICE3
 

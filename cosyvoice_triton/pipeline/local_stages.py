@@ -5,7 +5,7 @@ chunks that wait into one scheduler call as Triton's dynamic batcher does for th
 same `Pipeline` that the `cosyvoice2` model drives over BLS run without Triton: the GPU benchmark
 (`perf/gpu_bench.py`) measures the serving path this way where no tritonserver is at hand.
 
-`DecodeAheadLLM` and `CoreSharingToken2Wav` overlap the two in one pipeline (the in-process `CosyVoice2`):
+`DecodeAheadLLM` and `CoreSharingToken2Wav` overlap the two in one pipeline (the in-process `CosyVoice`):
 each LLM stream decodes in a thread of its own, ahead of its consumer, so the next tokens come while
 token2wav turns a chunk into audio; both take their torch threads from one `CoreShare` (pipeline/threads.py),
 so that together they use the cores and no more. A stream's first chunk, which first audio waits for,

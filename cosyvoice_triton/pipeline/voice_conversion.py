@@ -1,7 +1,7 @@
 """Voice conversion (the official `inference_vc`): a source recording spoken again in a target voice.
 
-source (any rate) -> 16 kHz -> pieces of at most 30 s -> each piece's speech tokens (speech_tokenizer_v2.onnx,
-as a prompt's are made) -> token2wav with the target voice's flow prompt (prompt tokens, prompt mel,
+source (any rate) -> 16 kHz -> pieces of at most 30 s -> each piece's speech tokens (the family's speech
+tokenizer, v2 or v3, as a prompt's are made) -> token2wav with the target voice's flow prompt (prompt tokens, prompt mel,
 embedding) -> 24 kHz audio. No text and no LLM: the source's tokens take the place of generated ones.
 
 Split rule (the S3 tokenizer takes at most 30 s): a source of d > 30 s is cut into n = ceil(d / 28 s) pieces;
@@ -123,6 +123,6 @@ class VoiceConverter:
 
 
 def local_converter(tts) -> VoiceConverter:
-    """The in-process converter of a `synthesizer.CosyVoice2`: its prompt encoder's tokenizer and its
-    reference token2wav (the same flow + HiFT as its synthesis)."""
+    """The in-process converter of a `cosyvoice2.CosyVoice` (either family): its prompt encoder's tokenizer and
+    its reference token2wav (the same flow and vocoder as its synthesis)."""
     return VoiceConverter(tts.prompt_encoder.speech_tokens, tts.pipeline.token2wav)
