@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cosyvoice_triton.errors import CosyVoiceError
+from cosyvoice_triton.errors import CosyVoiceError, InvalidInput
 from cosyvoice_triton.messages import SAMPLE_RATE, SPEECH_TOKENS_PER_SECOND
 
 # A prompt recording: a file (path or its bytes: WAV, FLAC, OGG, ...) or samples in [-1, 1].
@@ -42,26 +42,30 @@ def with_marks(audio: np.ndarray, marks: list[dict]) -> MarkedAudio:
     return marked
 
 
-class TTSError(Exception):
-    """The server refused or failed a request.
+class TTSError(CosyVoiceError):
+    """The server refused or failed a request: one of the library's errors (cosyvoice_triton/errors.py), as the
+    server said it.
 
     `message` is the server's text ("text: must not be empty"), `field` the request field at fault when
     the server named one ("text", "voice_id", "target_text", ...), `status` an HTTP status or a gRPC code
-    name ("INVALID_ARGUMENT", "UNAVAILABLE", ...), `code` the gateway's short reason ("invalid_input",
-    "not_found", "too_many_streams", ...; Triton's: the library error's `code`), `retry_after_s` the seconds
-    the server asked the client to wait before trying again when it refused under overload or a limit (the
-    gateway's `Retry-After` header or WebSocket `retry_after`, the `retry_after_s` of Triton's error), else
-    None.
+    name ("INVALID_ARGUMENT", "UNAVAILABLE", ...), `code` the error's code ("invalid_input", "not_found",
+    "too_many_streams", ...: errors.py lists them), `retry_after_s` the seconds the server asked the client to
+    wait before trying again when it refused under overload or a limit (the gateway's `Retry-After` header or
+    WebSocket `retry_after`, the `retry_after_s` of Triton's error), else None.
     """
 
     def __init__(self, message: str, *, field: str | None = None, status: int | str | None = None,
                  code: str | None = None, retry_after_s: float | None = None):
-        self.message = message
-        self.field = field
+        super().__init__(message if not field or message.startswith(f"{field}:") else f"{field}: {message}",
+                         field=field)
+        self._message = message
         self.status = status
         self.code = code
-        self.retry_after_s = retry_after_s
-        super().__init__(message if not field or message.startswith(f"{field}:") else f"{field}: {message}")
+        self.retry_after_s = retry_after_s  # as the server said it (seconds, maybe a fraction)
+
+    @property
+    def message(self) -> str:
+        return self._message
 
     @classmethod
     def from_error(cls, error: CosyVoiceError, status: int | str | None = None) -> TTSError:
@@ -139,7 +143,7 @@ def as_samples(audio: np.ndarray) -> np.ndarray:
     if array.ndim == 2:
         array = array.mean(axis=1 if array.shape[1] <= 8 else 0)
     if array.ndim != 1:
-        raise ValueError(f"prompt audio must be (N,) or (N, channels) samples, got shape {array.shape}")
+        raise InvalidInput("prompt_audio", f"must be (N,) or (N, channels) samples, got shape {array.shape}")
     return np.ascontiguousarray(array)
 
 
@@ -174,7 +178,7 @@ def read_wav(data: bytes | str | os.PathLike) -> tuple[np.ndarray, int]:
     """(float32 mono samples, rate) of a PCM-16/24/32 or IEEE-float WAV file."""
     raw = prompt_bytes(data)
     if raw[:4] != b"RIFF" or raw[8:12] != b"WAVE":
-        raise ValueError("not a WAV file")
+        raise InvalidInput("audio", "is not a WAV file")
     pos, fmt, payload = 12, None, None
     while pos + 8 <= len(raw):
         tag, size = raw[pos:pos + 4], struct.unpack("<I", raw[pos + 4:pos + 8])[0]
@@ -185,7 +189,7 @@ def read_wav(data: bytes | str | os.PathLike) -> tuple[np.ndarray, int]:
             payload = chunk
         pos += 8 + size + (size & 1)
     if fmt is None or payload is None:
-        raise ValueError("WAV file without fmt or data chunk")
+        raise InvalidInput("audio", "is a WAV file without fmt or data chunk")
     kind, channels, rate, _, _, bits = fmt
     if kind == 0xFFFE:  # WAVE_FORMAT_EXTENSIBLE: the subformat's first two bytes hold the kind
         kind = 3 if bits == 32 and _is_float_extensible(raw) else 1
@@ -200,7 +204,7 @@ def read_wav(data: bytes | str | os.PathLike) -> tuple[np.ndarray, int]:
         value = (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8
         samples = value.astype(np.float32) / 8388608.0
     else:
-        raise ValueError(f"unsupported WAV encoding (format {kind}, {bits} bits)")
+        raise InvalidInput("audio", f"has an unsupported WAV encoding (format {kind}, {bits} bits)")
     if channels > 1:
         samples = samples[: len(samples) // channels * channels].reshape(-1, channels).mean(axis=1)
     return np.ascontiguousarray(samples, dtype=np.float32), rate

@@ -40,6 +40,9 @@ from urllib.parse import quote, urlsplit
 
 import numpy as np
 
+from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.wire.checks import check_one_voice
+
 from .common import PromptAudio, TTSError, VoiceInfo, prompt_bytes, wav_bytes, with_marks
 from .gateway_streams import HttpAudioStream, HttpEventStream, WsAudioStream, error_from_body
 
@@ -50,7 +53,7 @@ def _prompt_file(audio: PromptAudio, sample_rate: int | None) -> bytes:
     """A prompt as the bytes of an audio file (samples become a float WAV)."""
     if isinstance(audio, np.ndarray):
         if not sample_rate:
-            raise ValueError("prompt_sample_rate is required with prompt samples")
+            raise InvalidInput("prompt_sample_rate", "is required with prompt samples")
         return wav_bytes(audio, sample_rate, float32=True)
     return prompt_bytes(audio)
 
@@ -67,8 +70,7 @@ def tts_body(text: str | None, *, voice_id: str | None = None, prompt_audio: Pro
     "ssml" (docs/api/ssml.md; default: ssml when the text starts with <speak). `marks`: speech marks
     (docs/api/speech-marks.md)."""
     body: dict = {} if text is None else {"text": text}
-    if voice_id is not None and prompt_audio is not None:
-        raise ValueError("give voice_id or prompt_audio, not both")
+    check_one_voice(voice_id, prompt_audio, "voice_id", "prompt_audio", required=False)
     if voice_id is not None:
         body["voice_id"] = voice_id
     if prompt_audio is not None:
@@ -127,8 +129,7 @@ def vc_form(audio: PromptAudio, *, voice_id: str | None = None, prompt_audio: Pr
             speed: float | None = None) -> tuple[dict[str, str], dict[str, tuple[str, bytes]]]:
     """The multipart fields and files of a POST /v1/vc request: `audio` the source recording (a file path, the
     file's bytes, or samples at `sample_rate`), the voice as `voice_id` or a target recording `prompt_audio`."""
-    if voice_id is not None and prompt_audio is not None:
-        raise ValueError("give voice_id or prompt_audio, not both")
+    check_one_voice(voice_id, prompt_audio, "voice_id", "prompt_audio", required=False)
     fields = {"format": format, "stream": "true" if stream else "false"}
     if voice_id is not None:
         fields["voice_id"] = voice_id
@@ -150,7 +151,7 @@ class GatewayTTS:
     def __init__(self, url: str = DEFAULT_URL, *, api_key: str | None = None, timeout_s: float = 600.0):
         parts = urlsplit(url if "://" in url else f"http://{url}")
         if parts.scheme not in ("http", "https"):
-            raise ValueError(f"gateway url must be http:// or https://, got {url!r}")
+            raise InvalidInput("url", f"must be http:// or https://, got {url!r}")
         self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
         self._parts = parts
         self._prefix = parts.path.rstrip("/")

@@ -17,7 +17,7 @@ with TritonTTS("localhost:8001") as tts:
 ```
 
 A stream is one gRPC `ModelStreamInfer` call carrying one request to the decoupled `cosyvoice2` model
-(tensor contract: `cosyvoice_triton.triton.contracts`). Responses carry `waveform` chunks and end with
+(its request: `cosyvoice_triton.wire.requests`). Responses carry `waveform` chunks and end with
 the empty final response (`triton_enable_empty_final_response`). Closing a stream before that cancels
 the call, which Triton passes on to the model as a cancellation (its LLM slot and vocoder state are
 freed). Errors (a bad field, an unknown voice, a busy server) raise `TTSError` with the field named; a
@@ -25,7 +25,7 @@ refusal under overload sets its `retry_after_s` (the error's data, read with `er
 
 Requests are built straight from Triton's protobuf messages, so the blocking and asyncio clients share
 them, and the blocking client needs no callback thread of its own. The responses are read by
-`cosyvoice_triton.triton.grpc_stream` (final flag, end of the call, cancellation), the one reader the
+`cosyvoice_triton.wire.call_reader` (final flag, end of the call, cancellation), the one reader the
 gateway uses too.
 """
 from __future__ import annotations
@@ -41,37 +41,41 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from cosyvoice_triton.messages import MODES
+from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.pipeline.speech_marks import MarkList
-from cosyvoice_triton.triton import contracts
-from cosyvoice_triton.triton.grpc_stream import AsyncStreamReader, StreamReader, status_error, status_name
-from cosyvoice_triton.triton.wire import CHANNEL_OPTIONS, infer_request, response_outputs
+from cosyvoice_triton.wire.call_reader import AsyncCallReader, CallReader, status_error, status_name
+from cosyvoice_triton.wire.checks import check_one_voice
+from cosyvoice_triton.wire.grpc_messages import CHANNEL_OPTIONS, infer_request, response_outputs
+from cosyvoice_triton.wire.names import (BISTREAM, CHUNK_FIELDS, COSYVOICE2, COSYVOICE2_OFFLINE, MARKS, OPTION_TYPES,
+                                         REGISTER_VOICE, SAMPLING_NAMES, SPEECH_MARKS, SPEED, TEXT_FRONTEND,
+                                         TEXT_MODE, TEXT_STREAM_ID, TEXT_TYPE)
+from cosyvoice_triton.wire.outputs import chunk_of, marks_of, parse_register_outputs, waveform_of
+from cosyvoice_triton.wire.requests import (ConversionInputs, RegisterInputs, SynthesisInputs, TextAppend,
+                                            chunk_overrides)
+from cosyvoice_triton.wire.requests import PromptAudio as Recording
 
 from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo, as_samples, prompt_bytes, with_marks
 
-STREAMING_MODEL = contracts.COSYVOICE2
-OFFLINE_MODEL = contracts.COSYVOICE2_OFFLINE
-REGISTER_MODEL = contracts.REGISTER_VOICE
+STREAMING_MODEL = COSYVOICE2
+OFFLINE_MODEL = COSYVOICE2_OFFLINE
+REGISTER_MODEL = REGISTER_VOICE
 
 
-# ---- request tensors (built by `cosyvoice_triton.triton.contracts`) --------------------------------------
+# ---- requests (the wire package's types, from the SDK's argument names) -------------------------------------
 
-def _prompt(prompt_audio: PromptAudio | None, prompt_sample_rate: int | None) -> dict:
-    """A prompt as `contracts.voice_inputs` takes it: samples (+ rate), or an audio file's bytes."""
-    if prompt_audio is None:
-        return {}
-    if isinstance(prompt_audio, np.ndarray):
-        if not prompt_sample_rate:
-            raise ValueError("prompt_sample_rate is required with prompt samples")
-        return {"samples": as_samples(prompt_audio), "sample_rate": prompt_sample_rate}
-    return {"audio_file": prompt_bytes(prompt_audio)}
+def _recording(audio: PromptAudio | None, sample_rate: int | None, rate_name: str) -> Recording | None:
+    """A recording as the wire takes it: samples (+ rate), or an audio file's bytes."""
+    if audio is None:
+        return None
+    if isinstance(audio, np.ndarray):
+        if not sample_rate:
+            raise InvalidInput(rate_name, "is required with samples")
+        return Recording(samples=as_samples(audio), sample_rate=sample_rate)
+    return Recording(file_bytes=prompt_bytes(audio))
 
 
 def _check_voice(voice_id: str | None, prompt_audio: PromptAudio | None) -> None:
-    if voice_id is None and prompt_audio is None:
-        raise ValueError("a voice is required: voice_id or prompt_audio")
-    if voice_id is not None and prompt_audio is not None:
-        raise ValueError("give voice_id or prompt_audio, not both")
+    check_one_voice(voice_id, prompt_audio, "voice_id", "prompt_audio")
 
 
 def _check_options(overrides: dict, known) -> None:
@@ -80,47 +84,44 @@ def _check_options(overrides: dict, known) -> None:
         raise TypeError(f"unknown option {unknown[0]!r}; known: {', '.join(known)}")
 
 
-def synthesis_inputs(text: str, *, voice_id: str | None = None, prompt_audio: PromptAudio | None = None,
-                     prompt_sample_rate: int | None = None, prompt_text: str | None = None,
-                     mode: str | None = None, instruct: str | None = None, seed: int | None = None,
-                     marks: bool = False, **overrides: float) -> dict[str, np.ndarray]:
-    """The tensors of one `cosyvoice2` request, from the SDK's argument names (`marks`: speech marks)."""
+def synthesis_request(text: str, *, voice_id: str | None = None, prompt_audio: PromptAudio | None = None,
+                      prompt_sample_rate: int | None = None, prompt_text: str | None = None,
+                      mode: str | None = None, instruct: str | None = None, seed: int | None = None,
+                      marks: bool = False, **options) -> SynthesisInputs:
+    """One `cosyvoice2` request from the SDK's argument names: `options` are option inputs by name
+    (`OPTION_TYPES`: sampling, chunk policy, speed, ...; None: not sent), `marks` asks for speech marks."""
     _check_voice(voice_id, prompt_audio)
-    if marks:
-        overrides[contracts.SPEECH_MARKS] = True
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    _check_options(overrides, contracts.OPTION_TYPES)
-    return contracts.synthesis_inputs(text, voice_id=voice_id, **_prompt(prompt_audio, prompt_sample_rate),
-                                      prompt_text=prompt_text, mode=mode, instruct_text=instruct, seed=seed,
-                                      **overrides)
+    _check_options(options, OPTION_TYPES)
+    options = {name: value for name, value in options.items() if value is not None}
+    return SynthesisInputs(
+        text=text, mode=mode or "zero_shot", instruct_text=instruct or "", voice_id=voice_id,
+        audio=_recording(prompt_audio, prompt_sample_rate, "prompt_sample_rate"), prompt_text=prompt_text, seed=seed,
+        sampling={name: options[name] for name in SAMPLING_NAMES if name in options},
+        chunk_overrides=chunk_overrides(options), text_frontend=options.get(TEXT_FRONTEND, True),
+        speed=options.get(SPEED, 1.0), text_mode=options.get(TEXT_MODE, "sentences"),
+        text_stream_id=options.get(TEXT_STREAM_ID), text_type=options.get(TEXT_TYPE),
+        marks=marks or options.get(SPEECH_MARKS, False))
 
 
-CONVERSION_OPTIONS = tuple(contracts.CHUNK_FIELDS)  # chunk_first_hop, ...: the chunk policy's overrides
+CONVERSION_OPTIONS = tuple(CHUNK_FIELDS)  # chunk_first_hop, ...: the chunk policy's overrides
 
 
-def conversion_inputs(audio: PromptAudio, *, sample_rate: int | None = None, voice_id: str | None = None,
-                      prompt_audio: PromptAudio | None = None, prompt_sample_rate: int | None = None,
-                      seed: int | None = None, speed: float | None = None,
-                      **overrides: float | str) -> dict[str, np.ndarray]:
-    """The tensors of one voice conversion (`cosyvoice2` mode vc): the source recording `audio` (a file path,
-    its bytes, or samples at `sample_rate`) and the voice (`voice_id`, or a target recording `prompt_audio`)."""
+def conversion_request(audio: PromptAudio, *, sample_rate: int | None = None, voice_id: str | None = None,
+                       prompt_audio: PromptAudio | None = None, prompt_sample_rate: int | None = None,
+                       seed: int | None = None, speed: float | None = None, **options) -> ConversionInputs:
+    """One voice conversion (`cosyvoice2` mode vc): the source recording `audio` (a file path, its bytes, or
+    samples at `sample_rate`) and the voice (`voice_id`, or a target recording `prompt_audio`)."""
     _check_voice(voice_id, prompt_audio)
-    _check_options(overrides, CONVERSION_OPTIONS)
-    if isinstance(audio, np.ndarray):
-        if not sample_rate:
-            raise ValueError("sample_rate is required with source samples")
-        source = {"source_samples": as_samples(audio), "source_rate": sample_rate}
-    else:
-        source = {"source_file": prompt_bytes(audio)}
-    return contracts.conversion_inputs(**source, voice_id=voice_id, **_prompt(prompt_audio, prompt_sample_rate),
-                                       seed=seed, speed=speed, **overrides)
+    _check_options(options, CONVERSION_OPTIONS)
+    return ConversionInputs(source=_recording(audio, sample_rate, "sample_rate"), voice_id=voice_id,
+                            audio=_recording(prompt_audio, prompt_sample_rate, "prompt_sample_rate"), seed=seed,
+                            chunk_overrides=chunk_overrides(options), speed=1.0 if speed is None else speed)
 
 
 def stream_request(model: str, text: str, request_id: str | None, **options) -> service_pb2.ModelInferRequest:
-    """The `ModelStreamInfer` request of one synthesis (`options` as for `synthesis_inputs`); a fresh id
+    """The `ModelStreamInfer` request of one synthesis (`options` as for `synthesis_request`); a fresh id
     when none is given."""
-    return _stream_request(model, synthesis_inputs(text, **options), request_id)
+    return _stream_request(model, synthesis_request(text, **options).tensors(), request_id)
 
 
 def _stream_request(model: str, values: dict[str, np.ndarray], request_id: str | None) -> service_pb2.ModelInferRequest:
@@ -129,16 +130,16 @@ def _stream_request(model: str, values: dict[str, np.ndarray], request_id: str |
 
 def bistream_request(model: str, request_id: str | None, **options) -> service_pb2.ModelInferRequest:
     """The opening request of a bistream synthesis (text_mode bistream, no text yet; `options` as for
-    `synthesis_inputs`): its id names the synthesis in the text_append requests that follow."""
+    `synthesis_request`): its id names the synthesis in the text_append requests that follow."""
     request_id = request_id or uuid.uuid4().hex
-    return stream_request(model, "", request_id, text_mode=contracts.BISTREAM, text_stream_id=request_id, **options)
+    return stream_request(model, "", request_id, text_mode=BISTREAM, text_stream_id=request_id, **options)
 
 
 def _waveform(response: service_pb2.ModelInferResponse) -> np.ndarray:
     """The whole waveform of an offline model's answer (with its complete `marks` when it carries marks)."""
     outputs = response_outputs(response)
-    audio = contracts.waveform_of(outputs)
-    return with_marks(audio, contracts.marks_of(outputs)) if contracts.MARKS in outputs else audio
+    audio = waveform_of(outputs)
+    return with_marks(audio, marks_of(outputs)) if MARKS in outputs else audio
 
 
 def _rpc_error(exc: grpc.RpcError) -> TTSError:
@@ -147,15 +148,15 @@ def _rpc_error(exc: grpc.RpcError) -> TTSError:
 
 def _register_result(response: service_pb2.ModelInferResponse, prompt_text: str | None,
                      name: str | None) -> VoiceInfo:
-    registered = contracts.parse_register_outputs(response_outputs(response))
+    registered = parse_register_outputs(response_outputs(response))
     return VoiceInfo(voice_id=registered.voice_id, audio_sha256=registered.audio_sha256,
                      prompt_tokens=registered.prompt_tokens, prompt_text=prompt_text, name=name)
 
 
 def _register_values(audio: PromptAudio, sample_rate: int | None, prompt_text: str | None, voice_id: str | None,
                      name: str | None) -> dict[str, np.ndarray]:
-    return contracts.register_inputs(voice_id=voice_id, name=name, **_prompt(audio, sample_rate),
-                                     prompt_text=prompt_text)
+    return RegisterInputs(audio=_recording(audio, sample_rate, "sample_rate"), text=prompt_text or "",
+                          voice_id=voice_id, name=name).tensors()
 
 
 @dataclass
@@ -181,13 +182,13 @@ class StreamStats:
 # ---- blocking client ---------------------------------------------------------------------------------
 
 class _StreamResponses:
-    """What the blocking and asyncio streams share around their `grpc_stream` reader: the request's id, its
+    """What the blocking and asyncio streams share around their `call_reader`: the request's id, its
     stats, the event that closes our side of the call when the reading ends, a response's chunk."""
 
     def _begin(self, request: service_pb2.ModelInferRequest, done) -> None:
         self.request_id = request.id
         self.stats = StreamStats()
-        self._marked = any(tensor.name == contracts.SPEECH_MARKS for tensor in request.inputs)
+        self._marked = any(tensor.name == SPEECH_MARKS for tensor in request.inputs)
         self._marks = MarkList()
         self._events: list[dict] = []  # mark events waiting for the next chunk
         self._done = done  # a threading or asyncio Event: set when our side of the call may close
@@ -203,10 +204,10 @@ class _StreamResponses:
     def _chunk(self, outputs: dict[str, np.ndarray]) -> np.ndarray | None:
         """A response's audio, None when it has none; with marks asked for, the events that came since the
         previous chunk in its `marks`."""
-        events = contracts.marks_of(outputs)
+        events = marks_of(outputs)
         self._marks.extend(events)
         self._events.extend(events)
-        chunk = contracts.chunk_of(outputs)
+        chunk = chunk_of(outputs)
         if chunk is not None:
             self.stats.add(chunk, self._started)
             if self._marked:
@@ -238,7 +239,7 @@ class AudioStream(_StreamResponses, Iterator[np.ndarray]):
                  timeout_s: float | None):
         self._begin(request, threading.Event())
         self._call = stub.ModelStreamInfer(self._requests(request), timeout=timeout_s)
-        self._responses = StreamReader(self._call, **self._reader_options())
+        self._responses = CallReader(self._call, **self._reader_options())
 
     def _requests(self, request: service_pb2.ModelInferRequest) -> Iterator[service_pb2.ModelInferRequest]:
         yield request
@@ -282,7 +283,7 @@ def _append_prefix(request_id: str) -> str:
 def _text_append(request: service_pb2.ModelInferRequest, index: int, piece: str,
                  end: bool = False) -> service_pb2.ModelInferRequest:
     """The text_append request carrying bistream `request`'s piece `index` (1, 2, ...; `end` after the last)."""
-    values = contracts.text_append_inputs(request.id, piece, end)
+    values = TextAppend(request.id, piece, end).tensors()
     return infer_request(request.model_name, values, f"{_append_prefix(request.id)}{index}")
 
 
@@ -333,7 +334,7 @@ class TritonTTS(_Settings):
                instruct: str | None = None, seed: int | None = None, request_id: str | None = None,
                **overrides: float) -> AudioStream:
         """Start synthesizing `text`; iterate the result for its chunks as they are made. `overrides`: any option
-        input (`contracts.OPTION_TYPES`): speed, chunk_*, sampling, text_type ("ssml": docs/api/ssml.md); and
+        input (`wire.names.OPTION_TYPES`): speed, chunk_*, sampling, text_type ("ssml": docs/api/ssml.md); and
         `marks=True`: speech marks, each chunk's in `chunk.marks`, all of them in the stream's `marks`."""
         request = stream_request(self.model, text, request_id, voice_id=voice_id, prompt_audio=prompt_audio,
                                  prompt_sample_rate=prompt_sample_rate, prompt_text=prompt_text, mode=mode,
@@ -360,7 +361,7 @@ class TritonTTS(_Settings):
                 audio = _join(list(chunks))
             return with_marks(audio, chunks.marks) if chunks.marked else audio
         request_id = kwargs.pop("request_id", None)
-        return _waveform(self._infer(self.offline_model, synthesis_inputs(text, **kwargs), request_id))
+        return _waveform(self._infer(self.offline_model, synthesis_request(text, **kwargs).tensors(), request_id))
 
     def convert(self, audio: PromptAudio, *, request_id: str | None = None, **options) -> np.ndarray:
         """Voice conversion (mode vc, the official inference_vc): the source recording `audio` (a file path, its
@@ -368,12 +369,12 @@ class TritonTTS(_Settings):
         call to the offline twin (each piece of the source in one full-attention flow pass, as /v1/vc's
         stream false). Options as `GatewayTTS.convert`: voice_id | prompt_audio (a target recording;
         + prompt_sample_rate for samples), seed, speed, sample_rate; and the chunk policy (`chunk_first_hop`, ...)."""
-        return _waveform(self._infer(self.offline_model, conversion_inputs(audio, **options), request_id))
+        return _waveform(self._infer(self.offline_model, conversion_request(audio, **options).tensors(), request_id))
 
     def convert_stream(self, audio: PromptAudio, *, request_id: str | None = None, **options) -> AudioStream:
         """Voice conversion streamed (the chunk schedule of a sentence per piece, as /v1/vc's stream true);
         options as `convert`."""
-        request = _stream_request(self.model, conversion_inputs(audio, **options), request_id)
+        request = _stream_request(self.model, conversion_request(audio, **options).tensors(), request_id)
         return AudioStream(self._stub, request, self.timeout_s)
 
     def register_voice(self, audio: PromptAudio, *, sample_rate: int | None = None, prompt_text: str | None = None,
@@ -416,7 +417,7 @@ class AsyncAudioStream(_StreamResponses, AsyncIterator[np.ndarray]):
     def __init__(self, stub, request: service_pb2.ModelInferRequest, timeout_s: float | None):
         self._begin(request, asyncio.Event())
         self._call = stub.ModelStreamInfer(self._requests(request), timeout=timeout_s)
-        self._responses = AsyncStreamReader(self._call, **self._reader_options())
+        self._responses = AsyncCallReader(self._call, **self._reader_options())
 
     async def _requests(self, request: service_pb2.ModelInferRequest) -> AsyncIterator[service_pb2.ModelInferRequest]:
         yield request
@@ -506,15 +507,15 @@ class AsyncTritonTTS(_Settings):
                 audio = _join([chunk async for chunk in chunks])
             return with_marks(audio, chunks.marks) if chunks.marked else audio
         request_id = kwargs.pop("request_id", None)
-        return _waveform(await self._infer(self.offline_model, synthesis_inputs(text, **kwargs), request_id))
+        return _waveform(await self._infer(self.offline_model, synthesis_request(text, **kwargs).tensors(), request_id))
 
     async def convert(self, audio: PromptAudio, *, request_id: str | None = None, **options) -> np.ndarray:
         """Voice conversion, the whole waveform, as `TritonTTS.convert`."""
-        return _waveform(await self._infer(self.offline_model, conversion_inputs(audio, **options), request_id))
+        return _waveform(await self._infer(self.offline_model, conversion_request(audio, **options).tensors(), request_id))
 
     def convert_stream(self, audio: PromptAudio, *, request_id: str | None = None, **options) -> AsyncAudioStream:
         """Voice conversion streamed, as `TritonTTS.convert_stream`."""
-        request = _stream_request(self.model, conversion_inputs(audio, **options), request_id)
+        request = _stream_request(self.model, conversion_request(audio, **options).tensors(), request_id)
         return AsyncAudioStream(self.stub, request, self.timeout_s)
 
     async def register_voice(self, audio: PromptAudio, *, sample_rate: int | None = None,

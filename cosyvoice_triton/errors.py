@@ -1,6 +1,6 @@
-"""Errors that a caller can act on, as data: one type per kind, each with a machine `code`, the request
-`field` at fault (or None) and a retry hint `retry_after_s` (seconds, or None); the message stays prose
-for people and is never parsed.
+"""Every error the library, the gateway and the SDKs raise, as data: one type per kind, each with a machine
+`code`, the request `field` at fault (or None) and a retry hint `retry_after_s` (seconds, or None); the message
+stays prose for people and is never parsed. Define a new kind here, never elsewhere.
 
 Across Triton an error travels as `to_wire()`, a small JSON object that a model puts into
 `TritonError(message, code)`:
@@ -10,17 +10,22 @@ Across Triton an error travels as `to_wire()`, a small JSON object that a model 
 and `from_wire(message, status)` is the one reader of it (gateway, client SDKs, remote token2wav). A
 message that is not ours (Triton's own "Request for unknown model ...", a gRPC status text) becomes the
 kind its `status` names: a gRPC status name ("INVALID_ARGUMENT", "UNAVAILABLE", ...) or a Triton error
-code name ("INVALID_ARG", ...); anything else is internal.
+code name ("INVALID_ARG", ...); anything else is internal. The gateway answers each code with one HTTP
+status (gateway/errors.py `HTTP_STATUS`).
 
-    code           class              Triton code   gRPC status (non-JSON)
-    invalid_input  InvalidInput       INVALID_ARG   INVALID_ARGUMENT, INVALID_ARG
-    not_found      NotFound           NOT_FOUND     NOT_FOUND
-    cancelled      Cancelled          CANCELLED     CANCELLED
-    unavailable    Unavailable        UNAVAILABLE   RESOURCE_EXHAUSTED  (busy: a retry hint may say when)
-    unreachable    Unreachable        UNAVAILABLE   UNAVAILABLE         (the server did not answer)
-    timeout        DeadlineExceeded   UNAVAILABLE   DEADLINE_EXCEEDED
-    model_folder   ModelFolderError   INTERNAL      -
-    internal       CosyVoiceError     INTERNAL      anything else
+    code                class               Triton code   gRPC status (non-JSON)
+    invalid_input       InvalidInput        INVALID_ARG   INVALID_ARGUMENT, INVALID_ARG
+    not_found           NotFound            NOT_FOUND     NOT_FOUND
+    cancelled           Cancelled           CANCELLED     CANCELLED
+    unavailable         Unavailable         UNAVAILABLE   RESOURCE_EXHAUSTED  (busy: a retry hint may say when)
+    unreachable         Unreachable         UNAVAILABLE   UNAVAILABLE         (the server did not answer)
+    timeout             DeadlineExceeded    UNAVAILABLE   DEADLINE_EXCEEDED
+    model_folder        ModelFolderError    INTERNAL      -
+    internal            CosyVoiceError      INTERNAL      anything else
+    (the callee's)      RemoteError         (the callee's): a server or model we called answered with an error
+  startup: engine_unavailable (EngineUnavailable), device_unavailable (DeviceUnavailable), parameter
+  (ParameterError); the gateway's own answers: unauthorized, forbidden, too_large, too_many_streams,
+  rate_limited, idle_timeout / session_timeout (SessionTimeout), overloaded, already_registered, upstream_error.
 """
 from __future__ import annotations
 
@@ -120,9 +125,127 @@ class DeadlineExceeded(CosyVoiceError):
     code, triton_code = "timeout", "UNAVAILABLE"
 
 
+class RemoteError(CosyVoiceError):
+    """An error a server or model we called answered with (BLS, gRPC, the gateway's Triton calls), as the
+    callee's kind: `error` is the callee's error (what `from_wire` read); its code, field, retry hint and Triton
+    code are this error's. `model`: whom we called; `status`: the answer as it came (a Triton error code, a gRPC
+    error), for a caller that passes it on unchanged."""
+
+    def __init__(self, error: CosyVoiceError, model: str = "", status: object = None):
+        super().__init__(error.message, field=error.field, retry_after_s=error.retry_after_s)
+        self.error, self.model, self.status = error, model, status
+        self.code, self.triton_code = error.code, error.triton_code
+
+    @property
+    def problem(self) -> str:
+        """The message without its "field: " (an InvalidInput's or NotFound's problem)."""
+        return getattr(self.error, "problem", self.error.message)
+
+    @property
+    def retryable(self) -> bool:
+        """Another server may succeed: the callee was busy, did not answer, or not in time."""
+        return isinstance(self.error, (Unavailable, DeadlineExceeded))
+
+
+# ---- what a process finds wrong with its own setup, at start ---------------------------------------------
+
+class EngineUnavailable(CosyVoiceError, RuntimeError):
+    """An engine cannot run here (package or device missing); the message says what is missing."""
+
+    code = "engine_unavailable"
+
+
+class DeviceUnavailable(CosyVoiceError, RuntimeError):
+    """A torch device that cannot be used here; the message says what is missing."""
+
+    code = "device_unavailable"
+
+
+class ParameterError(CosyVoiceError, ValueError):
+    """A model's config.pbtxt parameters do not match its dataclass."""
+
+    code = "parameter"
+
+
+# ---- the gateway's own answers ---------------------------------------------------------------------------
+
+class Unauthorized(CosyVoiceError):
+    """No valid API key. Maps to HTTP 401."""
+
+    code = "unauthorized"
+
+    def __init__(self, message: str = "a valid API key is required (Authorization: Bearer KEY or X-API-Key)"):
+        super().__init__(message)
+
+
+class Forbidden(_FieldError):
+    """The caller may see the object but not change it (a shared voice without an admin key). Never used for
+    another tenant's voices: those are NotFound, as if they did not exist. Maps to HTTP 403."""
+
+    code = "forbidden"
+
+
+class AlreadyRegistered(_FieldError):
+    """The recording and transcript are stored already (`existing`), and another id was asked for. HTTP 409."""
+
+    code = "already_registered"
+
+    def __init__(self, field: str, problem: str, existing: object = None):
+        super().__init__(field, problem)
+        self.existing = existing
+
+
+class TooLarge(CosyVoiceError):
+    """A body, an upload or a session's text is over its limit. Maps to HTTP 413."""
+
+    code = "too_large"
+
+
+class TooManyStreams(CosyVoiceError):
+    """The caller holds as many streams as it may. Maps to HTTP 429 (retry in 1 s)."""
+
+    code = "too_many_streams"
+
+    def __init__(self, message: str):
+        super().__init__(message, retry_after_s=1)
+
+
+class RateLimited(CosyVoiceError):
+    """The caller's key sent more requests than its rate allows. Maps to HTTP 429 with the seconds to wait."""
+
+    code = "rate_limited"
+
+
+class SessionTimeout(CosyVoiceError):
+    """A WebSocket session closed for a time limit: `idle_timeout` (no client message and nothing in flight) or
+    `session_timeout` (its whole length). Maps to HTTP 408."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Overloaded(Unavailable):
+    """Admission refused the request: it would not start within the queue-wait limit, here or on the server
+    (cosyvoice_triton/admission.py). Its retry hint says when the queue should have room."""
+
+    code = "overloaded"
+
+
+class Draining(Unavailable):
+    """A new request (or a new synthesis in an open session) while the service drains before it stops."""
+
+
+class UpstreamError(CosyVoiceError):
+    """A server we called failed in a way no request field explains. Maps to HTTP 502."""
+
+    code = "upstream_error"
+
+
 KINDS: dict[str, type[CosyVoiceError]] = {kind.code: kind for kind in (
     CosyVoiceError, InvalidInput, NotFound, ModelFolderError, Cancelled, Unavailable, Unreachable,
-    DeadlineExceeded)}
+    DeadlineExceeded, EngineUnavailable, DeviceUnavailable, ParameterError, Unauthorized, Forbidden,
+    AlreadyRegistered, TooLarge, TooManyStreams, RateLimited, Overloaded, UpstreamError)}
 
 # The kind of a message that is not ours, by the status it came with: gRPC status names and
 # Triton error code names (pb_utils.TritonError / TRITONSERVER_Error_Code).

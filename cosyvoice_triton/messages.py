@@ -11,7 +11,7 @@ Constants every route checks against: `MODES`, the seed range [0, SEED_LIMIT) an
 gateway, the Triton models and the in-process path all accept the same range.
 
 numpy and the library's errors only (torch only in annotations): the gateway and the voice stores
-import this without loading torch. Triton tensor names are mapped in `triton/contracts.py`.
+import this without loading torch. Triton tensor names are mapped in `wire/names.py`.
 """
 from __future__ import annotations
 

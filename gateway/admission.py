@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 from aiohttp import web
 
+from cosyvoice_triton.errors import Overloaded
 from cosyvoice_triton.admission import (
     DEFAULT_SECONDS_PER_COST,
     TOKEN2WAV_CHUNK_COST,
@@ -44,7 +45,6 @@ from cosyvoice_triton.admission import (
 )
 from cosyvoice_triton.server_pool import Server
 
-from .errors import Overloaded
 
 QUEUE_POSITION_HEADER, EXPECTED_START_HEADER = "X-Queue-Position", "X-Expected-Start-S"
 
@@ -91,7 +91,7 @@ def check(policy: AdmissionPolicy, server: Server, mean_cost: float, streamed: b
     if not decision.admit:
         raise Overloaded(f"every server is busy: a new request would wait about {decision.wait_s:.1f} s to "
                          f"start (the limit is {policy.max_wait_s:g} s); retry after {decision.retry_after_s} s",
-                         decision.retry_after_s)
+                         retry_after_s=decision.retry_after_s)
     place = queue_place(server_load(server, mean_cost, streamed))
     QUEUE_PLACE.set(place)
     on_queued = ON_QUEUED.get()

@@ -1,6 +1,7 @@
 """The gateway application: `create_app(config)`, and `run(config)` to serve it.
 
 ```
+from cosyvoice_triton.errors import NotFound
 from cosyvoice_triton.gateway.app import create_app, run
 from cosyvoice_triton.gateway.config import GatewayConfig
 from cosyvoice_triton.targets import TritonTarget

@@ -27,12 +27,12 @@ from contextlib import aclosing
 import numpy as np
 from aiohttp import web
 
+from cosyvoice_triton.errors import CosyVoiceError
 from cosyvoice_triton.audio_out import AudioEncoder, AudioFormat, encode
 from cosyvoice_triton.pipeline.audible import AudibleDetector, first_audible
 from cosyvoice_triton.pipeline.speech_marks import MarkList, mark_message
 
 from . import access_log
-from .errors import GatewayError
 from .fields import Fields
 from .request_keys import ABORTED, client_left
 from .state import CONFIG, METRICS
@@ -61,7 +61,7 @@ class AudioBytes:
         """What follows the last audio bytes: nothing."""
 
     async def fail(self, request: web.Request, response: web.StreamResponse,
-                   error: GatewayError) -> web.StreamResponse:
+                   error: CosyVoiceError) -> web.StreamResponse:
         return abort(request, response)
 
 
@@ -100,7 +100,7 @@ class AudioEvents(AudioBytes):
         await response.write(_event(done))
 
     async def fail(self, request: web.Request, response: web.StreamResponse,
-                   error: GatewayError) -> web.StreamResponse:
+                   error: CosyVoiceError) -> web.StreamResponse:
         await response.write(_event({"type": "error", "error": {"message": error.message, "code": error.code}}))
         await response.write_eof()
         return response
@@ -180,7 +180,7 @@ async def _write_stream(request: web.Request, response: web.StreamResponse, firs
         await body.write(response, encoder.finish())
         await body.finish(response)
         await response.write_eof()
-    except GatewayError as exc:
+    except CosyVoiceError as exc:
         metrics.errors.labels(exc.code).inc()
         log.warning("request %s: stream failed after %.2f s of audio: %s", request_id, samples / rate, exc)
         return await body.fail(request, response, exc)

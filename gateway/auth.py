@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from cosyvoice_triton.errors import RateLimited, TooManyStreams, Unauthorized
 from cosyvoice_triton.voices.store import owner_tag
 
-from .errors import RateLimited, TooManyStreams, Unauthorized
 from .request_keys import API_KEY, TENANT
 
 PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics", "/favicon.ico"})
@@ -239,4 +239,4 @@ class RateLimiter:
             wait_s = bucket.take()
         if wait_s > 0:
             raise RateLimited(f"at most {self.count:g} {self.what} per {self.period} {tenant.describe()} "
-                              f"(bursts of {self.burst:g}); retry in {wait_s:.1f} s", math.ceil(wait_s))
+                              f"(bursts of {self.burst:g}); retry in {wait_s:.1f} s", retry_after_s=math.ceil(wait_s))

@@ -12,9 +12,14 @@ import asyncio
 import logging
 from pathlib import Path
 
+from cosyvoice_triton.errors import CosyVoiceError, RemoteError
+from cosyvoice_triton.wire.names import DEFAULT_VOICE_ID
+
+from .errors import http_status
+
 log = logging.getLogger(__name__)
 
-VOICE_ID = "default"
+VOICE_ID = DEFAULT_VOICE_ID
 TRANSCRIPT = "Hello, this is the default voice of the CosyVoice two service."
 RECORDING = Path(__file__).parent / "assets" / "default_voice.wav"
 RETRY_S = 1.0
@@ -44,9 +49,6 @@ class DefaultVoice:
     async def ensure(self, exists, register, healthy) -> None:
         """Loop until the voice exists. `exists()` and `register(audio, text, voice_id)` are coroutines;
         `healthy()` says whether any server can take the registration."""
-        from .errors import GatewayError
-        from .triton_channel import TritonCallError
-
         audio: bytes | None = None
         while True:
             try:
@@ -60,16 +62,15 @@ class DefaultVoice:
                     log.info("registered voice %r", VOICE_ID)
                     self.state = "ready"
                     return
-            except TritonCallError as exc:
+            except RemoteError as exc:
                 if not exc.retryable:
                     self._fail(exc.message)
                     return
                 log.info("default voice: %s; retrying", exc.message)
-            except GatewayError as exc:
-                if exc.status < 500:
+            except Exception as exc:  # noqa: BLE001 - e.g. the store is unreachable for now
+                if isinstance(exc, CosyVoiceError) and http_status(exc) < 500:
                     self._fail(exc.message)
                     return
-            except Exception as exc:  # noqa: BLE001 - e.g. the store is unreachable for now
                 log.warning("default voice: %s: %s; retrying", type(exc).__name__, exc)
             await asyncio.sleep(RETRY_S)
 

@@ -24,16 +24,12 @@ import time
 
 from aiohttp import web
 
-from .errors import ServiceUnavailable
+from cosyvoice_triton.errors import Draining
 
 ALWAYS_SERVED = frozenset({"/healthz", "/readyz", "/metrics"})
 IDLE_CHECK_S = 0.1
 DRAIN_TIMEOUT_S = 20.0  # how long the requests in flight at SIGTERM may take to finish
 CUT_AFTER_DRAIN_S = 2.0  # aiohttp's shutdown timeout once the grace period is over
-
-
-class Draining(ServiceUnavailable):
-    """A new request (or a new synthesis on an open WebSocket) while the gateway drains."""
 
 
 class Drain:

@@ -4,7 +4,7 @@ Aliases (`FIELD_ALIASES`): an older name maps to the name the README documents (
 is named by `voice_id`). /v1/tts and the WebSocket start message both resolve aliases here. The OpenAI route
 is not aliased: `voice` is the OpenAI API's own field.
 
-`Fields`: what an API calls each field of the wire request (`contracts.INPUT_FIELDS`: `text`, `voice_id`,
+`Fields`: what an API calls each field of the wire request (`wire.names.INPUT_FIELDS`: `text`, `voice_id`,
 `audio`, ...), so that an error the library raises, naming a Triton input, names the field of the API that
 was called (`text` on /v1/tts, `input` on the OpenAI route, ...). A field no API renames keeps its name
 (seed, speed, chunk_*).
@@ -16,9 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.triton.contracts import INPUT_FIELDS
+from cosyvoice_triton.wire.names import INPUT_FIELDS
 
-from .errors import BadRequest
 
 FIELD_ALIASES = {"voice": "voice_id"}  # alias -> documented field
 
@@ -29,7 +28,7 @@ def resolve_aliases(body: dict) -> dict:
     for alias, name in FIELD_ALIASES.items():
         if alias in resolved:
             if name in resolved:
-                raise BadRequest(alias, f"give {name} (or its alias {alias}), not both")
+                raise InvalidInput(alias, f"give {name} (or its alias {alias}), not both")
             resolved[name] = resolved.pop(alias)
     return resolved
 
@@ -59,7 +58,7 @@ class Fields:
         try:
             yield
         except InvalidInput as exc:
-            raise BadRequest(self.of_input(exc.field) or "request", exc.problem) from None
+            raise InvalidInput(self.of_input(exc.field) or "request", exc.problem) from None
 
 
 TTS_FIELDS = Fields()

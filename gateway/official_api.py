@@ -35,14 +35,15 @@ from dataclasses import dataclass, replace
 
 from aiohttp import web
 
+from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.audio_out import audio_format
-from cosyvoice_triton.triton.contracts import PromptAudio, SynthesisInputs
+from cosyvoice_triton.wire.requests import PromptAudio, SynthesisInputs
 
 from .config import Limits
-from .errors import BadRequest, PayloadTooLarge
+from .errors import too_large_upload
 from .fields import Fields
 from .protocol import check_known, form_number, seed_or_new
-from .synthesis import prepare, settle_voice
+from .synthesis import prepare, settle_voice, ssml_voice_ids
 
 PCM = audio_format("pcm")  # the answer of every official request
 PROMPT_PCM_RATE = 16000  # gRPC prompt_audio: raw 16-bit PCM at this rate
@@ -75,6 +76,7 @@ KINDS = {kind.name: kind for kind in (
 class OfficialRequest:
     kind: Kind
     inputs: SynthesisInputs  # checked; the voice not yet resolved (sft: nor its mode)
+    ssml_voices: frozenset[str] = frozenset()  # the voices its SSML names (synthesis.ssml_voice_ids)
 
 
 def official_request(kind: Kind, values: Mapping[str, object], fields: Fields, limits: Limits) -> OfficialRequest:
@@ -84,14 +86,14 @@ def official_request(kind: Kind, values: Mapping[str, object], fields: Fields, l
     check_known(values, frozenset({*names.values(), "seed"}), f"inference_{kind.name}")
     for name, field in names.items():
         if not values.get(field):
-            raise BadRequest(field, f"is required by inference_{kind.name}")
+            raise InvalidInput(field, f"is required by inference_{kind.name}")
     given = {name: values[field] for name, field in names.items()}
     audio = given.get("audio")
     if audio is not None:
         if not isinstance(audio, bytes):
-            raise BadRequest(fields.audio, "must be an audio file (a file part of a multipart/form-data body)")
+            raise InvalidInput(fields.audio, "must be an audio file (a file part of a multipart/form-data body)")
         if len(audio) > limits.max_upload_bytes:
-            raise PayloadTooLarge.upload(fields.audio, len(audio), limits.max_upload_bytes, fields.audio)
+            raise too_large_upload(fields.audio, len(audio), limits.max_upload_bytes, fields.audio)
         audio = PromptAudio(file_bytes=audio)
     inputs = SynthesisInputs(text=given["text"], mode=kind.mode or "zero_shot",
                              instruct_text=given.get("instruct_text", ""), voice_id=given.get("voice_id"),
@@ -99,7 +101,7 @@ def official_request(kind: Kind, values: Mapping[str, object], fields: Fields, l
                              seed=seed_or_new(form_number(values.get("seed"), int, "seed", "must be an integer")))
     with fields.named():
         inputs.check(limits.max_text_chars)
-    return OfficialRequest(kind, inputs)
+    return OfficialRequest(kind, inputs, ssml_voice_ids(inputs, fields))
 
 
 async def prepare_official(app: web.Application, official: OfficialRequest,
@@ -107,7 +109,7 @@ async def prepare_official(app: web.Application, official: OfficialRequest,
     """The synthesis with its voice settled (`synthesis.prepare`), and the voice's prompt speech tokens. sft
     speaks zero_shot with the voice's stored transcript, or cross_lingual when it was registered without one."""
     if official.kind.mode is not None:
-        return await prepare(app, official.inputs, fields)
+        return await prepare(app, official.inputs, fields, ssml_voices=official.ssml_voices)
     inputs, prompt_tokens, transcript = await settle_voice(app, official.inputs, fields)
     return replace(inputs, mode="zero_shot" if (transcript or "").strip() else "cross_lingual"), prompt_tokens
 
@@ -117,7 +119,7 @@ def pcm16_wav(pcm: bytes, field: str, rate: int = PROMPT_PCM_RATE) -> bytes:
     if not pcm:
         return b""
     if len(pcm) % 2:
-        raise BadRequest(field, f"must be 16-bit PCM (an even number of bytes), got {len(pcm)} bytes")
+        raise InvalidInput(field, f"must be 16-bit PCM (an even number of bytes), got {len(pcm)} bytes")
     out = io.BytesIO()
     with wave.open(out, "wb") as wav:
         wav.setnchannels(1)

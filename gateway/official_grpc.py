@@ -36,13 +36,13 @@ from types import MappingProxyType, SimpleNamespace
 import grpc
 from aiohttp import web
 
+from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.audio_out import AudioEncoder
 from cosyvoice_triton.pipeline.audible import AudibleDetector
 
 from . import access_log, cosyvoice_pb2, cosyvoice_pb2_grpc
 from .audio_response import observe_first_audible
 from .auth import limit_key
-from .errors import BadRequest
 from .grpc_server import MESSAGE_OVERHEAD_BYTES, grpc_status, metadata_headers, running_server
 from .official_api import GRPC_FIELDS, KINDS, PCM, Kind, official_request, pcm16_wav, prepare_official
 from .state import CONFIG, LIMITER, METRICS
@@ -104,7 +104,7 @@ def payload_fields(request: cosyvoice_pb2.Request) -> tuple[Kind, dict[str, obje
     """(official_api.Kind, its fields by the proto's names), prompt_audio as a WAV file's bytes."""
     payload = request.WhichOneof("RequestPayload")
     if payload is None:
-        raise BadRequest("RequestPayload", f"set one of {', '.join(PAYLOADS)}")
+        raise InvalidInput("RequestPayload", f"set one of {', '.join(PAYLOADS)}")
     message = getattr(request, payload)
     values = {field.name: getattr(message, field.name) for field in message.DESCRIPTOR.fields}
     if "prompt_audio" in values:

@@ -6,15 +6,15 @@
   POST /v1/vc             VcRequest           parse_vc             (routes_vc.py)
   POST /v1/voices         VoiceRegistration   parse_registration   (routes_voices.py)
 
-What goes to Triton is contracts.py's wire request (`SynthesisInputs`, `ConversionInputs`), checked here by the
+What goes to Triton is the wire package's request (`SynthesisInputs`, `ConversionInputs`), checked here by the
 library's own checks, the ones the model runs on its tensors (text, mode, seed, speed, chunk policy, ...);
 their errors name Triton inputs, and `Fields` turns them into the API's field names. A JSON value of the wrong
 type meets the same checks (a string `seed` is refused by the seed check); what belongs to JSON and forms
 (base64, "true"/"false" strings, unknown keys, output formats) is checked here. A request without a seed gets
 one here, so a retry on another server gives the same audio. The voice is resolved, and a prompt recording
 decoded, afterwards and once (`synthesis.prepare`). SSML (`text_type` "ssml", or text / OpenAI `input` that
-starts with <speak; docs/api/ssml.md) is parsed by the same check, so bad SSML is a 400 naming the text field;
-`prepare` then checks each <voice name> as it checks voice_id.
+starts with <speak; docs/api/ssml.md) is read once here (`synthesis.ssml_voice_ids`), so bad SSML is a 400 naming
+the text field; `prepare` then checks each <voice name> as it checks voice_id.
 """
 from __future__ import annotations
 
@@ -29,12 +29,13 @@ from aiohttp import web
 from cosyvoice_triton.audio_out import ALIASES, FORMATS, AudioFormat, audio_format
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import MAX_SPEED, MIN_SPEED, SEED_LIMIT
-from cosyvoice_triton.triton.contracts import (ConversionInputs, PromptAudio, SynthesisInputs, check_optional_text,
-                                              chunk_overrides)
+from cosyvoice_triton.wire.requests import ConversionInputs, PromptAudio, SynthesisInputs, chunk_overrides
+from cosyvoice_triton.wire.checks import check_optional_text
 
 from .config import Limits
-from .errors import BadRequest, PayloadTooLarge
+from .errors import too_large_upload
 from .fields import OPENAI_FIELDS, TTS_FIELDS, resolve_aliases
+from .synthesis import ssml_voice_ids
 
 TTS_FORMATS = (*FORMATS, *ALIASES)  # the formats of /v1/tts, /v1/vc and the WebSocket
 TTS_KEYS = frozenset({"text", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
@@ -52,6 +53,7 @@ class TtsRequest:
     inputs: SynthesisInputs  # checked; the voice not yet resolved
     format: AudioFormat
     stream: bool
+    ssml_voices: frozenset[str] = frozenset()  # the voices its SSML names (synthesis.ssml_voice_ids)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class SpeechRequest:
     stream: bool
     events: bool  # stream_format "sse": server-sent events (always streamed)
     stock_voice: bool  # `voice` is one of OpenAI's names: "default" speaks when no voice has that name
+    ssml_voices: frozenset[str] = frozenset()  # the voices its SSML names (synthesis.ssml_voice_ids)
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ def parse_tts(body: dict, limits: Limits) -> TtsRequest:
     inputs = synthesis_fields(body, body.get("text"), limits)
     with TTS_FIELDS.named():
         inputs.check(limits.max_text_chars)
-    return TtsRequest(inputs, fmt, stream)
+    return TtsRequest(inputs, fmt, stream, ssml_voice_ids(inputs, TTS_FIELDS))
 
 
 def parse_start(message: dict, limits: Limits) -> StartMessage:
@@ -120,15 +123,15 @@ def parse_vc_message(message: dict, limits: Limits) -> PromptAudio:
 def parse_speech(body: dict, limits: Limits) -> SpeechRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
-        raise BadRequest("model", "is required (any model name is accepted, e.g. \"cosyvoice2\")")
+        raise InvalidInput("model", "is required (any model name is accepted, e.g. \"cosyvoice2\")")
     fmt = check_format(body.get("response_format", "mp3"), "response_format", OPENAI_FORMATS)
     stream = check_bool(body.get("stream", True), "stream")
     stream_format = body.get("stream_format", "audio")
     if stream_format not in ("audio", "sse"):
-        raise BadRequest("stream_format", f"must be audio or sse, got {stream_format!r}")
+        raise InvalidInput("stream_format", f"must be audio or sse, got {stream_format!r}")
     marks = given(body.get("marks"), False)
     if marks is not False and stream_format != "sse":
-        raise BadRequest("marks", "speech marks need stream_format sse (they come as events among the audio)")
+        raise InvalidInput("marks", "speech marks need stream_format sse (they come as events among the audio)")
     voice = openai_voice(body.get("voice"))
     instructions = body.get("instructions") or None
     inputs = SynthesisInputs(text=body.get("input"), mode="instruct2" if instructions else "zero_shot",
@@ -136,7 +139,8 @@ def parse_speech(body: dict, limits: Limits) -> SpeechRequest:
                              seed=seed_or_new(body.get("seed")), speed=given(body.get("speed"), 1.0), marks=marks)
     with OPENAI_FIELDS.named():
         inputs.check(limits.max_text_chars)
-    return SpeechRequest(inputs, fmt, stream, stream_format == "sse", voice.lower() in OPENAI_VOICES)
+    return SpeechRequest(inputs, fmt, stream, stream_format == "sse", voice.lower() in OPENAI_VOICES,
+                         ssml_voice_ids(inputs, OPENAI_FIELDS))
 
 
 def parse_vc(form: dict, limits: Limits) -> VcRequest:
@@ -148,10 +152,10 @@ def parse_vc(form: dict, limits: Limits) -> VcRequest:
     speed = form_number(form.get("speed"), float, "speed", f"must be a number from {MIN_SPEED} to {MAX_SPEED}")
     source, prompt_audio = form.get("audio"), form.get("prompt_audio")
     if not source:
-        raise BadRequest("audio", "is required: the recording to convert (a WAV, FLAC or OGG file)")
+        raise InvalidInput("audio", "is required: the recording to convert (a WAV, FLAC or OGG file)")
     for field, data in (("audio", source), ("prompt_audio", prompt_audio)):
         if data is not None and len(data) > limits.max_upload_bytes:
-            raise PayloadTooLarge.upload(field, len(data), limits.max_upload_bytes, field)
+            raise too_large_upload(field, len(data), limits.max_upload_bytes, field)
     inputs = ConversionInputs(source=PromptAudio(file_bytes=source), voice_id=form.get("voice_id") or None,
                               audio=None if prompt_audio is None else PromptAudio(file_bytes=prompt_audio),
                               seed=seed_or_new(seed), speed=given(speed, 1.0))
@@ -167,9 +171,9 @@ def parse_registration(values: dict, limits: Limits) -> VoiceRegistration:
         audio = decode_base64(audio, "audio", limits.max_upload_bytes)
     shared = form_bool(values.get("shared"), "shared")
     if not audio:
-        raise BadRequest("audio", "is required: the prompt recording (WAV, FLAC or OGG)")
+        raise InvalidInput("audio", "is required: the prompt recording (WAV, FLAC or OGG)")
     if len(audio) > limits.max_upload_bytes:
-        raise PayloadTooLarge.upload("audio", len(audio), limits.max_upload_bytes, "audio")
+        raise too_large_upload("audio", len(audio), limits.max_upload_bytes, "audio")
     text_field = "text" if "text" in values else "prompt_text"  # either name; errors use the one sent
     text = optional_text(values.get(text_field), text_field) or ""
     voice_id = optional_text(values.get("id"), "id") or None
@@ -183,9 +187,9 @@ async def json_body(request: web.Request) -> dict:
     try:
         body = await request.json()
     except ValueError:
-        raise BadRequest("body", "is not valid JSON") from None
+        raise InvalidInput("body", "is not valid JSON") from None
     if not isinstance(body, dict):
-        raise BadRequest("body", "must be a JSON object")
+        raise InvalidInput("body", "must be a JSON object")
     return body
 
 
@@ -216,19 +220,19 @@ def seed_or_new(seed: object) -> object:
 def check_known(body: Mapping, known: frozenset[str], where: str) -> None:
     unknown = sorted(set(body) - known)
     if unknown:
-        raise BadRequest(unknown[0], f"is not a field of {where} (fields: {', '.join(sorted(known))})")
+        raise InvalidInput(unknown[0], f"is not a field of {where} (fields: {', '.join(sorted(known))})")
 
 
 def check_format(value: object, field: str, names: tuple[str, ...] = TTS_FORMATS) -> AudioFormat:
     """The audio format a request names in `field`, one of `names`."""
     if not isinstance(value, str) or value not in names:
-        raise BadRequest(field, f"must be one of {', '.join(names)}, got {value!r}")
+        raise InvalidInput(field, f"must be one of {', '.join(names)}, got {value!r}")
     return audio_format(value)
 
 
 def check_bool(value: object, field: str) -> bool:
     if not isinstance(value, bool):
-        raise BadRequest(field, "must be true or false")
+        raise InvalidInput(field, "must be true or false")
     return value
 
 
@@ -238,7 +242,7 @@ def form_bool(value: object, field: str) -> bool:
         return False
     if value in (True, "true", "1"):
         return True
-    raise BadRequest(field, f"must be true or false, got {value!r}")
+    raise InvalidInput(field, f"must be true or false, got {value!r}")
 
 
 def form_number(value: str | None, kind: type, field: str, problem: str) -> int | float | None:
@@ -248,7 +252,7 @@ def form_number(value: str | None, kind: type, field: str, problem: str) -> int 
     try:
         return kind(value)
     except ValueError:
-        raise BadRequest(field, f"{problem}, got {value!r}") from None
+        raise InvalidInput(field, f"{problem}, got {value!r}") from None
 
 
 def optional_text(value: object, field: str) -> str | None:
@@ -256,19 +260,19 @@ def optional_text(value: object, field: str) -> str | None:
     try:
         check_optional_text(value, field)
     except InvalidInput as exc:
-        raise BadRequest(field, exc.problem) from None
+        raise InvalidInput(field, exc.problem) from None
     return value
 
 
 def decode_base64(value: object, field: str, max_bytes: int) -> bytes:
     if not isinstance(value, str):
-        raise BadRequest(field, "must be a base64 string of an audio file (WAV, FLAC or OGG)")
+        raise InvalidInput(field, "must be a base64 string of an audio file (WAV, FLAC or OGG)")
     try:
         data = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
-        raise BadRequest(field, "is not valid base64") from None
+        raise InvalidInput(field, "is not valid base64") from None
     if len(data) > max_bytes:
-        raise PayloadTooLarge.upload(field, len(data), max_bytes, field)
+        raise too_large_upload(field, len(data), max_bytes, field)
     return data
 
 
@@ -277,5 +281,5 @@ def openai_voice(value: object) -> str:
     if isinstance(value, dict):
         value = value.get("id")
     if not isinstance(value, str) or not value:
-        raise BadRequest("voice", "is required: a registered voice id, or {\"id\": ...}")
+        raise InvalidInput("voice", "is required: a registered voice id, or {\"id\": ...}")
     return value

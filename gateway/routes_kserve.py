@@ -9,7 +9,7 @@ Body (JSON; query parameters such as `request_id` are ignored):
   outputs     optional [{name}]: the outputs to answer with (default: all, i.e. `waveform`)
   id          optional: echoed; parameters are ignored (the answer is always JSON)
 A request in the official form (tensors [1, ...]: reference_wav [1, N] at 16 kHz, reference_wav_len [1, 1],
-reference_text and target_text [1, 1]) goes to `cosyvoice2_official_offline` (contracts.py `official_model_for`:
+reference_text and target_text [1, 1]) goes to `cosyvoice2_official_offline` (wire/official.py `official_model_for`:
 Triton checks ranks, so our cosyvoice2 cannot take it); any other keeps its model (a plain infer of the decoupled
 cosyvoice2 is refused by Triton, as it would be there). It is a non-streamed synthesis like /v1/tts's: keys,
 stream limit, admission, routing and retries, access log and metrics as there (synthesis.call_model); a key's
@@ -32,31 +32,25 @@ from dataclasses import dataclass
 import numpy as np
 from aiohttp import web
 
-from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFLINE, OWNER, REFERENCE_WAV, REFERENCE_WAV_LEN,
-                                               TARGET_TEXT, WAVEFORM, official_model_for, owner_input)
-from cosyvoice_triton.triton.wire import DATATYPES
+from cosyvoice_triton.errors import CosyVoiceError, InvalidInput, NotFound, RemoteError
+from cosyvoice_triton.wire.names import (COSYVOICE2, COSYVOICE2_OFFLINE, OWNER, REFERENCE_WAV, REFERENCE_WAV_LEN, SEED,
+                                         TARGET_TEXT, WAVEFORM)
+from cosyvoice_triton.wire.official import official_model_for, owner_input
+from cosyvoice_triton.wire.grpc_messages import DATATYPES
 
 from .audio_response import observe_whole_answer
 from .auth import current_tenant, limit_key
-from .errors import BadRequest, GatewayError, bounded
+from .errors import answer_headers, bounded, http_status, upstream
 from .fields import Fields
 from .protocol import json_body
 from .request_keys import ERROR_CODE
 from .state import CONFIG, LIMITER
-from .synthesis import call_model, gateway_error, refused_by_server, synthesis_cost
-from .triton_channel import TritonCallError
+from .synthesis import call_model, refused_by_server, synthesis_cost
 
 ROUTE = "kserve"  # the route label of its audio metrics
 MODELS = (COSYVOICE2, COSYVOICE2_OFFLINE)  # the names this route answers for
 DTYPES = {"FP32": np.float32, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64, "BOOL": np.bool_,
           "BYTES": object}
-
-
-class ModelNotFound(GatewayError):
-    status, code, kind = 404, "not_found", "invalid_request_error"
-
-    def __init__(self, field: str, problem: str):
-        super().__init__(f"{field}: {problem}", field)
 
 
 @dataclass(frozen=True)
@@ -87,49 +81,49 @@ class KServeRequest:
 def parse_kserve(body: Mapping) -> KServeRequest:
     items = body.get("inputs")
     if not isinstance(items, list) or not items:
-        raise BadRequest("inputs", "is required: a list of {name, shape, datatype, data}")
+        raise InvalidInput("inputs", "is required: a list of {name, shape, datatype, data}")
     inputs: dict[str, np.ndarray] = {}
     for index, item in enumerate(items):
         name, array = parse_input(item, index)
         if name in inputs:
-            raise BadRequest(name, "is given twice")
+            raise InvalidInput(name, "is given twice")
         inputs[name] = array
     outputs = body.get("outputs")
     if outputs is not None:
         if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
                                                     for o in outputs):
-            raise BadRequest("outputs", "must be a list of {name}")
+            raise InvalidInput("outputs", "must be a list of {name}")
         outputs = tuple(o["name"] for o in outputs)
     request_id = body.get("id", "")
     if not isinstance(request_id, str):
-        raise BadRequest("id", "must be a string")
+        raise InvalidInput("id", "must be a string")
     return KServeRequest(inputs, outputs, request_id)
 
 
 def parse_input(item: object, index: int) -> tuple[str, np.ndarray]:
     """One input tensor; errors name it (`inputs[i]` until its name is known)."""
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        raise BadRequest(f"inputs[{index}]", "must be an object with name, shape, datatype and data")
+        raise InvalidInput(f"inputs[{index}]", "must be an object with name, shape, datatype and data")
     name, datatype, shape, data = item["name"], item.get("datatype"), item.get("shape"), item.get("data")
     if datatype not in DTYPES:
-        raise BadRequest(name, f"datatype must be one of {', '.join(DTYPES)}, got {bounded(repr(datatype), 40)}")
+        raise InvalidInput(name, f"datatype must be one of {', '.join(DTYPES)}, got {bounded(repr(datatype), 40)}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise BadRequest(name, "shape must be a list of sizes")
+        raise InvalidInput(name, "shape must be a list of sizes")
     if not isinstance(data, list):
-        raise BadRequest(name, "data must be a list of values (flat or nested)")
+        raise InvalidInput(name, "data must be a list of values (flat or nested)")
     try:
         flat = np.asarray(data, dtype=DTYPES[datatype]).reshape(-1)
     except (TypeError, ValueError, OverflowError):
-        raise BadRequest(name, f"data must be {datatype} values") from None
+        raise InvalidInput(name, f"data must be {datatype} values") from None
     if flat.size != math.prod(shape):
-        raise BadRequest(name, f"shape {shape} holds {math.prod(shape)} values, data has {flat.size}")
+        raise InvalidInput(name, f"shape {shape} holds {math.prod(shape)} values, data has {flat.size}")
     if datatype == "BYTES":
         if not all(isinstance(v, str) for v in flat):
-            raise BadRequest(name, "data must be strings")
+            raise InvalidInput(name, "data must be strings")
         flat = np.array([v.encode("utf-8") for v in flat], dtype=object)
-    if name == "seed" and datatype == "INT64":
+    if name == SEED and datatype == "INT64":
         if (flat < 0).any():
-            raise BadRequest(name, "must not be negative")
+            raise InvalidInput(name, "must not be negative")
         flat = flat.astype(np.uint64)
     return name, flat.reshape(shape)
 
@@ -139,8 +133,8 @@ async def infer(request: web.Request) -> web.Response:
     accepted = time.monotonic()
     try:
         if name not in MODELS:
-            raise ModelNotFound("model_name", f"this gateway answers KServe inference for {', '.join(MODELS)} only, "
-                                              f"not {bounded(repr(name), 60)}")
+            raise NotFound("model_name", f"this gateway answers KServe inference for {', '.join(MODELS)} only, "
+                                         f"not {bounded(repr(name), 60)}")
         kserve = parse_kserve(await json_body(request))
         model = official_model_for(name, kserve.shapes, streaming=False)
         cost = synthesis_cost(app, kserve.text(), kserve.prompt_samples())
@@ -148,23 +142,23 @@ async def infer(request: web.Request) -> web.Response:
             outputs = await call_model(app, model, with_owner(kserve.inputs, model, current_tenant().owner), cost,
                                        app[CONFIG].routing.offline_timeout_s, kserve.id or uuid.uuid4().hex,
                                        admit=True)
-    except TritonCallError as exc:
+    except RemoteError as exc:
         refused_by_server(app, exc)
         # The status as the other routes answer it; the text as Triton sent it (naming the input at fault).
-        return kserve_error(request, gateway_error(exc, Fields()), exc.error.to_wire())
-    except GatewayError as exc:
+        return kserve_error(request, upstream(exc, Fields()), exc.error.to_wire())
+    except CosyVoiceError as exc:
         return kserve_error(request, exc)
     asked = kserve.outputs if kserve.outputs is not None else tuple(outputs)
     unknown = [o for o in asked if o not in outputs]
     if unknown:
-        return kserve_error(request, BadRequest("outputs", f"{model} has no output {bounded(repr(unknown[0]), 60)}"))
+        return kserve_error(request, InvalidInput("outputs", f"{model} has no output {bounded(repr(unknown[0]), 60)}"))
     await observe_whole_answer(request, ROUTE, outputs.get(WAVEFORM, np.zeros(0, np.float32)), accepted)
     return web.json_response({"model_name": name, "id": kserve.id,
                               "outputs": [output_json(o, outputs[o]) for o in asked]})
 
 
 def with_owner(inputs: dict[str, np.ndarray], model: str, owner: str | None) -> dict[str, np.ndarray]:
-    """`inputs` with the caller's owner tag (contracts.owner_input) in place of any `owner` the client sent: a key's
+    """`inputs` with the caller's owner tag (official.owner_input) in place of any `owner` the client sent: a key's
     reference_audio_id names its own voice or a shared one, never another key's."""
     tensor = owner_input(model, owner)
     sent = {name: array for name, array in inputs.items() if name != OWNER}
@@ -179,11 +173,12 @@ def output_json(name: str, array: np.ndarray) -> dict:
             "data": array.reshape(-1).tolist()}
 
 
-def kserve_error(request: web.Request, error: GatewayError, wire: str | None = None) -> web.Response:
+def kserve_error(request: web.Request, error: CosyVoiceError, wire: str | None = None) -> web.Response:
     """{"error": wire (default: the error's own JSON)} with the error's status and headers (Retry-After);
     counted by the metrics middleware."""
     request[ERROR_CODE] = error.code
-    return web.json_response({"error": wire or error.to_wire()}, status=error.status, headers=error.headers)
+    return web.json_response({"error": wire or error.to_wire()}, status=http_status(error),
+                             headers=answer_headers(error))
 
 
 def add_routes(app: web.Application) -> None:

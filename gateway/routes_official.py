@@ -23,7 +23,8 @@ from aiohttp import web
 
 from .audio_response import send_audio
 from .auth import limit_key
-from .errors import BadRequest
+from cosyvoice_triton.errors import InvalidInput
+
 from .official_api import HTTP_FIELDS, KINDS, PCM, Kind, official_request, prepare_official
 from .state import CONFIG, LIMITER
 from .synthesis import routing_cost
@@ -50,8 +51,8 @@ async def form_fields(request: web.Request) -> dict[str, object]:
     (and the like), so a GET's body is read through its POST clone."""
     if request.content_type not in FORM_TYPES:
         if request.body_exists:
-            raise BadRequest("body", "send the fields as a form: multipart/form-data (needed for prompt_wav) or "
-                                     "application/x-www-form-urlencoded")
+            raise InvalidInput("body", "send the fields as a form: multipart/form-data (needed for prompt_wav) or "
+                                       "application/x-www-form-urlencoded")
         return {}
     form = await (request if request.method == "POST" else request.clone(method="POST")).post()  # client_max_size
     return {key: value.file.read() if isinstance(value, web.FileField) else value for key, value in form.items()}

@@ -38,7 +38,7 @@ from .synthesis import prepare, routing_cost
 async def speech(request: web.Request) -> web.StreamResponse:
     app = request.app
     speech = parse_speech(await json_body(request), app[CONFIG].limits)
-    inputs, prompt_tokens = await prepare(app, speech.inputs, OPENAI_FIELDS, stock_voice=speech.stock_voice)
+    inputs, prompt_tokens = await prepare(app, speech.inputs, OPENAI_FIELDS, speech.stock_voice, speech.ssml_voices)
     body = AudioEvents(app[COSTS].text_tokens(inputs.text), inputs.marks) if speech.events else AUDIO_BYTES
     with app[LIMITER].slot(limit_key(request)):
         return await send_audio(request, inputs, routing_cost(app, inputs, prompt_tokens), OPENAI_FIELDS,

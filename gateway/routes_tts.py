@@ -51,7 +51,7 @@ from .synthesis import prepare, routing_cost
 async def tts(request: web.Request) -> web.StreamResponse:
     app = request.app
     tts = parse_tts(await json_body(request), app[CONFIG].limits)
-    inputs, prompt_tokens = await prepare(app, tts.inputs, TTS_FIELDS)
+    inputs, prompt_tokens = await prepare(app, tts.inputs, TTS_FIELDS, ssml_voices=tts.ssml_voices)
     marked = tts.stream and inputs.marks  # speech marks streamed: server-sent events among the audio
     body = AudioEvents(app[COSTS].text_tokens(inputs.text), marks=True) if marked else AUDIO_BYTES
     with app[LIMITER].slot(limit_key(request)):

@@ -25,7 +25,8 @@ from aiohttp import web
 
 from .audio_response import send_audio
 from .auth import limit_key
-from .errors import BadRequest
+from cosyvoice_triton.errors import InvalidInput
+
 from .fields import TTS_FIELDS
 from .protocol import parse_vc
 from .state import CONFIG, LIMITER
@@ -44,8 +45,8 @@ async def vc(request: web.Request) -> web.StreamResponse:
 async def _form(request: web.Request) -> dict:
     """The multipart fields: bytes for the two recordings, strings for the rest."""
     if request.content_type != "multipart/form-data":
-        raise BadRequest("body", "send multipart/form-data: audio (the source recording), voice_id or prompt_audio, "
-                                 "seed, format, stream")
+        raise InvalidInput("body", "send multipart/form-data: audio (the source recording), voice_id or prompt_audio, "
+                                   "seed, format, stream")
     form = await request.post()  # bounded by client_max_size: 413 beyond
     values: dict = {}
     for key, value in form.items():

@@ -34,32 +34,21 @@ from dataclasses import replace
 
 from aiohttp import web
 
-from cosyvoice_triton.errors import InvalidInput, NotFound
+from cosyvoice_triton.errors import AlreadyRegistered, Forbidden, InvalidInput, NotFound, RemoteError
 from cosyvoice_triton.preprocess.voice_features import audio_sha256
 from cosyvoice_triton.admission import ENCODE_COST
 from cosyvoice_triton.messages import SPEECH_TOKENS_PER_SECOND
 from cosyvoice_triton.voices.store import VoiceRecord, check_voice_id
-from cosyvoice_triton.triton.contracts import PromptAudio, RegisterInputs, registered_voice_id
+from cosyvoice_triton.wire.outputs import parse_register_outputs
+from cosyvoice_triton.wire.requests import PromptAudio, RegisterInputs
 
 from .auth import RateLimiter, Tenant, current_tenant
 from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
-from .errors import BadRequest, Forbidden, GatewayError, VoiceNotFound
+from .errors import error_body, http_status, upstream
 from .fields import REGISTER_FIELDS
 from .protocol import json_body, parse_registration
 from .state import CONFIG, REGISTRATION_RATE, STORE
-from .synthesis import call_model, decode_recording, gateway_error
-from .triton_channel import TritonCallError
-
-
-class AlreadyRegistered(GatewayError):
-    """The recording and transcript are stored already, as `existing`, and another id was asked for."""
-
-    status, code, kind = 409, "already_registered", "invalid_request_error"
-
-    def __init__(self, existing: VoiceRecord, requested_id: str):
-        super().__init__(f"id: this recording and transcript are already registered as voice "
-                         f"{existing.voice_id!r}; use that id (or register without id), not {requested_id!r}", "id")
-        self.existing = existing
+from .synthesis import call_model, decode_recording
 
 
 def voice_json(info, created: bool | None = None) -> dict:
@@ -74,22 +63,24 @@ def voice_json(info, created: bool | None = None) -> dict:
 async def register(app: web.Application, audio: bytes, text: str, voice_id: str | None = None,
                    name: str | None = None, *, owner: str | None):
     """(VoiceRecord, created) for a registration through Triton, owned by `owner` (None: shared).
-    Raises GatewayError / TritonCallError."""
+    Raises CosyVoiceError / RemoteError."""
     store = app[STORE]
     recording = await decode_recording(PromptAudio(file_bytes=audio), "audio")
     if voice_id is not None:
         try:
             check_voice_id(voice_id, "id")
         except InvalidInput as exc:
-            raise BadRequest(exc.field, exc.problem) from None
+            raise InvalidInput(exc.field, exc.problem) from None
     sha = await asyncio.to_thread(audio_sha256, recording.samples, recording.sample_rate)
     stored = await asyncio.to_thread(store.find, sha, text, owner)  # this content, this owner, any id
     if stored is not None and voice_id is not None and voice_id != stored.voice_id:
-        raise AlreadyRegistered(stored, voice_id)
+        raise AlreadyRegistered("id", f"this recording and transcript are already registered as voice "
+                                      f"{stored.voice_id!r}; use that id (or register without id), not {voice_id!r}",
+                                existing=stored)
     inputs = RegisterInputs(audio=recording, text=text, voice_id=voice_id, name=name, owner=owner)
     outputs = await call_model(app, app[CONFIG].register_model, inputs.tensors(), ENCODE_COST,
                                app[CONFIG].routing.register_timeout_s)
-    registered = registered_voice_id(outputs)
+    registered = parse_register_outputs(outputs).voice_id
     created = stored is None
     return await asyncio.to_thread(store.info, registered, owner), created
 
@@ -99,7 +90,7 @@ async def _form(request: web.Request) -> dict:
     if request.content_type == "application/json":
         return await json_body(request)
     if request.content_type != "multipart/form-data":
-        raise BadRequest("body", "send multipart/form-data (audio file + text) or JSON")
+        raise InvalidInput("body", "send multipart/form-data (audio file + text) or JSON")
     form = await request.post()  # bounded by client_max_size: 413 beyond
     values = {}
     for key in ("audio", "text", "prompt_text", "id", "name", "shared"):
@@ -124,12 +115,10 @@ async def create_voice(request: web.Request) -> web.Response:
         info, created = await register(request.app, registration.audio, registration.text, registration.voice_id,
                                        registration.name, owner=owner)
     except AlreadyRegistered as exc:
-        return web.json_response({"error": {"message": exc.message, "type": exc.kind, "code": exc.code,
-                                            "param": "id"},
-                                  "id": exc.existing.voice_id}, status=409)
-    except TritonCallError as exc:
+        return web.json_response({**error_body(exc), "id": exc.existing.voice_id}, status=http_status(exc))
+    except RemoteError as exc:
         fields = replace(REGISTER_FIELDS, prompt_text=registration.text_field)  # the transcript as it was sent
-        raise gateway_error(exc, fields, unnamed="audio") from None
+        raise upstream(exc, fields, unnamed="audio") from None
     return web.json_response(voice_json(info, created), status=201 if created else 200)
 
 
@@ -146,7 +135,7 @@ async def delete_voice(request: web.Request) -> web.Response:
     info = await _info(request)
     check_may_delete(info, current_tenant())
     if not await asyncio.to_thread(request.app[STORE].delete, info.voice_id, info.owner):
-        raise VoiceNotFound("id", f"no voice {info.voice_id!r} is registered")
+        raise NotFound("id", f"no voice {info.voice_id!r} is registered")
     return web.json_response({"id": info.voice_id, "deleted": True})
 
 
@@ -165,7 +154,7 @@ def _voice_id(request: web.Request) -> str:
     try:
         return check_voice_id(voice_id, "id")
     except InvalidInput as exc:
-        raise BadRequest("id", exc.problem) from None
+        raise InvalidInput("id", exc.problem) from None
 
 
 async def _info(request: web.Request) -> VoiceRecord:
@@ -174,7 +163,7 @@ async def _info(request: web.Request) -> VoiceRecord:
     try:
         return await asyncio.to_thread(request.app[STORE].info, voice_id, current_tenant().owner)
     except NotFound:
-        raise VoiceNotFound("id", f"no voice {voice_id!r} is registered") from None
+        raise NotFound("id", f"no voice {voice_id!r} is registered") from None
 
 
 def registration_rate(limits) -> RateLimiter:

@@ -76,21 +76,22 @@ from dataclasses import dataclass, field, replace
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from cosyvoice_triton.errors import CosyVoiceError, Draining, InvalidInput, SessionTimeout, TooLarge
 from cosyvoice_triton.audio_out import AudioEncoder, audio_format
 from cosyvoice_triton.messages import SEED_LIMIT
 from cosyvoice_triton.pipeline.audible import AudibleDetector
 from cosyvoice_triton.pipeline.speech_marks import MARK_END, mark_message, shifted
-from cosyvoice_triton.triton.contracts import ConversionInputs, SynthesisInputs
+from cosyvoice_triton.wire.requests import ConversionInputs, SynthesisInputs
 
 from . import access_log, admission
 from .auth import limit_key
-from .drain import Draining
-from .errors import BadRequest, GatewayError, PayloadTooLarge, SessionTimeout, as_gateway_error, ws_error
+from .errors import answer_of, http_status, ws_error
 from .fields import TTS_FIELDS
 from .protocol import optional_text, parse_start, parse_vc_message
 from .request_keys import CLIENT_LEFT
 from .state import CONFIG, DRAIN, LIMITER, METRICS, WEBSOCKETS
-from .synthesis import WireRequest, check_ssml_voices, conversion_in_voice, prepare, routing_cost, stream_audio
+from .synthesis import (WireRequest, check_ssml_voices, conversion_in_voice, prepare, routing_cost, ssml_voice_ids,
+                        stream_audio)
 from .ws_bistream import BistreamText
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ def _speakable(text: str) -> bool:
 class SegmentText:
     text: str
     offset: int  # of its first character in the session's text (speech mark spans)
+    ssml_voices: frozenset[str] | None = None  # an SSML document's <voice name>s, read when it came (None: not yet)
 
 
 @dataclass(eq=False)
@@ -207,7 +209,7 @@ class Session:
             self.request[CLIENT_LEFT] = True
             return
         except Exception as exc:  # noqa: BLE001 - reported to the client
-            await self._fail(as_gateway_error(exc))
+            await self._fail(answer_of(exc))
             return
         metrics = self.app[METRICS]
         metrics.active_streams.labels("ws").inc()
@@ -225,7 +227,7 @@ class Session:
                 self.request[CLIENT_LEFT] = not finished  # left before its audio was all sent
             elif error is not None:
                 await self._stop(tasks)
-                await self._fail(as_gateway_error(error))
+                await self._fail(answer_of(error))
             elif sender in done and error is None:
                 await self._stop(tasks)
                 await self.ws.close()
@@ -254,7 +256,7 @@ class Session:
 
     async def _start(self, message: dict) -> None:
         if message.get("type") != "start":
-            raise BadRequest("type", "the first message must be {\"type\": \"start\", ...}")
+            raise InvalidInput("type", "the first message must be {\"type\": \"start\", ...}")
         self.drain.refuse_new()
         start = parse_start(message, self.config.limits)
         self.fmt = start.format
@@ -273,7 +275,7 @@ class Session:
             message = await self._receive_json()
             kind = message.get("type")
             if self.ended:
-                raise BadRequest("type", "no messages are accepted after \"end\"")
+                raise InvalidInput("type", "no messages are accepted after \"end\"")
             if kind == "text":
                 self._add_text(message.get("text"))
             elif kind == "flush":
@@ -286,53 +288,55 @@ class Session:
                 self.pending.put_nowait(None)
                 self.ended = True
             elif kind == "vc" and self.bistream is not None:
-                raise BadRequest("type", "a bistream session takes text only (vc needs text_mode sentences)")
+                raise InvalidInput("type", "a bistream session takes text only (vc needs text_mode sentences)")
             elif kind == "vc":  # a recording to speak again in the session's voice, after the text before it
                 self.drain.refuse_new()
                 source = parse_vc_message(message, self.config.limits)
                 conversion = await conversion_in_voice(self.base, source, TTS_FIELDS)
                 self._queue([*self.buffer.flush(), conversion])
             else:
-                raise BadRequest("type", f"must be text, flush, vc or end, got {kind!r}")
+                raise InvalidInput("type", f"must be text, flush, vc or end, got {kind!r}")
 
     def _add_text(self, text: object) -> None:
         if not isinstance(text, str):
-            raise BadRequest("text", f"must be a string, got {type(text).__name__}")
+            raise InvalidInput("text", f"must be a string, got {type(text).__name__}")
         # Refused as it comes, not when its sentence is complete: a piece without a sentence end would
         # otherwise wait in the buffer until the idle timeout.
         optional_text(text, "text")
         self.received_chars += len(text)
         if self.received_chars > self.config.limits.max_session_chars:
-            raise PayloadTooLarge(f"text: a session takes at most {self.config.limits.max_session_chars} "
-                                  "characters", "text")
+            raise TooLarge(f"text: a session takes at most {self.config.limits.max_session_chars} "
+                           "characters", field="text")
         if self.bistream is not None:
             self.bistream.put(text)
             return
         self.text += text
         if self.base.text_type == "ssml":  # one whole document: one segment, checked now
+            document = replace(self.base, text=text)
             with TTS_FIELDS.named():
-                replace(self.base, text=text).check(self.config.limits.max_text_chars)
+                document.check(self.config.limits.max_text_chars)
+            voices = ssml_voice_ids(document, TTS_FIELDS)
             self.text_cursor = len(self.text) - len(text)
-            self._queue([text])
+            self._queue([text], voices)
             return
         self._queue(self.buffer.feed(text))
 
-    def _queue(self, items: list[str | ConversionInputs]) -> None:
+    def _queue(self, items: list[str | ConversionInputs], ssml_voices: frozenset[str] | None = None) -> None:
         """New segments (refused while draining), held in the drain's count until they are sent."""
         if not items:
             return
         self.drain.refuse_new()
         for item in items:
-            self.pending.put_nowait(self._located(item) if isinstance(item, str) else item)
+            self.pending.put_nowait(self._located(item, ssml_voices) if isinstance(item, str) else item)
         self.held += len(items)
         self.drain.in_flight += len(items)
 
-    def _located(self, text: str) -> SegmentText:
+    def _located(self, text: str, ssml_voices: frozenset[str] | None) -> SegmentText:
         """A segment's text with its place in the session's text (segments come in order, each a piece of it)."""
         offset = self.text.find(text, self.text_cursor)
         offset = self.text_cursor if offset < 0 else offset
         self.text_cursor = offset + len(text)
-        return SegmentText(text, offset)
+        return SegmentText(text, offset, ssml_voices)
 
     def _release(self, count: int) -> None:
         self.held -= count
@@ -344,13 +348,13 @@ class Session:
             index = len(self.segments)
             seed = (self.base.seed + SEGMENT_SEED_STRIDE * index) % SEED_LIMIT
             if isinstance(item, ConversionInputs):  # a vc message: its own request, with the segment's seed
-                inputs, text = replace(item, seed=seed), ""
+                inputs, text, voices = replace(item, seed=seed), "", frozenset()
             else:  # the session's voice and settings with this segment's text
-                inputs, text = replace(self.base, text=item.text, seed=seed), item.text
+                inputs, text, voices = replace(self.base, text=item.text, seed=seed), item.text, item.ssml_voices
             segment = Segment(index, text, time.monotonic(), offset=0 if isinstance(item, ConversionInputs)
                               else item.offset)
             cost = routing_cost(self.app, inputs, self.prompt_tokens)
-            segment.task = asyncio.create_task(self._synthesize(segment, inputs, cost))
+            segment.task = asyncio.create_task(self._synthesize(segment, inputs, cost, voices))
             self.segments.append(segment)
             self.order.put_nowait(segment)
         self.order.put_nowait(None)
@@ -369,11 +373,13 @@ class Session:
         await self.bistream.run(self.app, self.base, cost, TTS_FIELDS, segment.queue, f"{self.request_id}-0", _DONE)
         segment.text = self.bistream.text
 
-    async def _synthesize(self, segment: Segment, inputs: WireRequest, cost: float) -> None:
+    async def _synthesize(self, segment: Segment, inputs: WireRequest, cost: float,
+                          ssml_voices: frozenset[str] | None) -> None:
         admission.ON_QUEUED.set(segment.queue.put_nowait)  # this task's own context: its queue place
         try:
-            if isinstance(inputs, SynthesisInputs):
-                await check_ssml_voices(self.app, inputs, TTS_FIELDS)  # SSML: each <voice name>, as voice_id
+            if isinstance(inputs, SynthesisInputs):  # SSML: each <voice name>, as voice_id
+                voices = ssml_voice_ids(inputs, TTS_FIELDS) if ssml_voices is None else ssml_voices
+                await check_ssml_voices(self.app, voices, inputs.mode, TTS_FIELDS)
             chunks = stream_audio(self.app, inputs, cost, TTS_FIELDS, f"{self.request_id}-{segment.index}")
             async with aclosing(chunks):
                 async for chunk in chunks:
@@ -450,13 +456,13 @@ class Session:
         if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
             raise _ClientGone()
         if message.type != WSMsgType.TEXT:
-            raise BadRequest("type", "messages must be JSON text frames")
+            raise InvalidInput("type", "messages must be JSON text frames")
         try:
             data = json.loads(message.data)
         except ValueError:
-            raise BadRequest("message", "is not valid JSON") from None
+            raise InvalidInput("message", "is not valid JSON") from None
         if not isinstance(data, dict):
-            raise BadRequest("message", "must be a JSON object")
+            raise InvalidInput("message", "must be a JSON object")
         return data
 
     async def _stop(self, tasks: list[asyncio.Task]) -> None:
@@ -468,13 +474,13 @@ class Session:
             with suppress(asyncio.CancelledError, Exception):
                 await task
 
-    async def _fail(self, error: GatewayError) -> None:
+    async def _fail(self, error: CosyVoiceError) -> None:
         self.app[METRICS].errors.labels(error.code).inc()
         if self.ws.closed:
             return
         with suppress(ConnectionError, RuntimeError):
             await self.ws.send_json(ws_error(error))
-            code = WSCloseCode.POLICY_VIOLATION if error.status < 500 else WSCloseCode.INTERNAL_ERROR
+            code = WSCloseCode.POLICY_VIOLATION if http_status(error) < 500 else WSCloseCode.INTERNAL_ERROR
             await self.ws.close(code=code, message=error.code.encode())
 
 

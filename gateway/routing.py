@@ -45,13 +45,13 @@ from pathlib import Path
 
 import aiohttp
 
+from cosyvoice_triton.errors import Unavailable
 from cosyvoice_triton.admission import MEAN_COST, request_cost, text_tokens_estimate
 from cosyvoice_triton.prometheus_text import metric_label, metric_sum
 from cosyvoice_triton.server_pool import Server, ServerPool
 from cosyvoice_triton.targets import Resolver, TritonTarget, discover, resolve_ips
 
 from .config import RoutingConfig
-from .errors import ServiceUnavailable
 from .triton_channel import TritonClient
 
 log = logging.getLogger(__name__)
@@ -150,8 +150,8 @@ class Router:
         by_capacity = bool(candidates) and all(s.capacity > 0 for s in candidates)
         chosen = self.pool.pick(excluded, lambda s: realtime_load(s, self.pool.load(s), by_capacity))
         if chosen is None:
-            raise ServiceUnavailable("no healthy Triton server can take the request" if not excluded else
-                                     "every Triton server tried failed before the first audio")
+            raise Unavailable("no healthy Triton server can take the request" if not excluded else
+                              "every Triton server tried failed before the first audio")
         return chosen
 
     @contextmanager

@@ -5,12 +5,13 @@ the least-loaded server.
 store (none given: "default"), or an uploaded recording decoded and checked here, once, for its cost and its
 errors, and then sent to the model as samples (`reference_wav` + `reference_sample_rate`), so the model does not
 decode it again; a conversion's source recording likewise. `routing_cost` prices the request for the router.
-`stream_audio` and `whole_audio` send the wire request (contracts.py `tensors()`), and `gateway_error` names
+`stream_audio` and `whole_audio` send the wire request (its `tensors()`), and `errors.upstream` names
 an error that Triton reports by the called API's fields (`Fields`).
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -20,63 +21,64 @@ import numpy as np
 from aiohttp import web
 
 from cosyvoice_triton.admission import AdmissionPolicy
-from cosyvoice_triton.errors import InvalidInput, NotFound
+from cosyvoice_triton.errors import InvalidInput, NotFound, Overloaded, RemoteError, Unavailable
 from cosyvoice_triton.pipeline.voice_conversion import validate_source_audio
 from cosyvoice_triton.preprocess.audio import decode_audio, validate_prompt_audio
-from cosyvoice_triton.triton.contracts import (OFFICIAL_SAMPLE_RATE, ConversionInputs, PromptAudio, SynthesisInputs,
-                                               marks_of, waveform_of)
+from cosyvoice_triton.preprocess.ssml import is_ssml, parse_ssml
+from cosyvoice_triton.wire.names import TARGET_TEXT
+from cosyvoice_triton.wire.official import OFFICIAL_SAMPLE_RATE
+from cosyvoice_triton.wire.requests import ConversionInputs, PromptAudio, SynthesisInputs
+from cosyvoice_triton.wire.outputs import marks_of, waveform_of
 from cosyvoice_triton.voices.prompt_budget import speech_tokens_of
 from cosyvoice_triton.voices.store import VoiceRecord, check_voice_id
 
 from . import admission
 from .auth import current_tenant, slot_set_aside
 from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
-from .errors import (
-    BadRequest,
-    GatewayError,
-    Overloaded,
-    ServiceUnavailable,
-    UpstreamError,
-    UpstreamTimeout,
-    VoiceNotFound,
-)
+from .errors import upstream
 from .fields import Fields
 from .state import CONFIG, COSTS, DEFAULT_VOICE, METRICS, ROUTER, STORE
-from .triton_channel import TritonCallError
 
 log = logging.getLogger(__name__)
 
-WireRequest = SynthesisInputs | ConversionInputs  # the wire requests the gateway sends (contracts.py)
+WireRequest = SynthesisInputs | ConversionInputs  # the wire requests the gateway sends (wire/requests.py)
 
 
-async def prepare(app: web.Application, inputs: SynthesisInputs, fields: Fields,
-                  stock_voice: bool = False) -> tuple[SynthesisInputs, int]:
+async def prepare(app: web.Application, inputs: SynthesisInputs, fields: Fields, stock_voice: bool = False,
+                  ssml_voices: frozenset[str] = frozenset()) -> tuple[SynthesisInputs, int]:
     """A checked synthesis with its voice settled (`settle_voice`), and the voice's prompt speech tokens (its
-    cost share). zero_shot needs a transcript: the request's, or the registered voice's."""
+    cost share); `ssml_voices`: the voices its SSML names (`ssml_voice_ids`), each checked as voice_id is.
+    zero_shot needs a transcript: the request's, or the registered voice's."""
     inputs, prompt_tokens, stored_text = await settle_voice(app, inputs, fields, stock_voice)
-    await check_ssml_voices(app, inputs, fields)
+    await check_ssml_voices(app, ssml_voices, inputs.mode, fields)
     if inputs.mode == "zero_shot" and not (inputs.prompt_text or "").strip():
         if stored_text is None:
-            raise BadRequest(fields.prompt_text, f"is required with {fields.audio} in zero_shot mode "
-                                                 "(the transcript of the prompt recording)")
+            raise InvalidInput(fields.prompt_text, f"is required with {fields.audio} in zero_shot mode "
+                                                   "(the transcript of the prompt recording)")
         if not stored_text.strip():
-            raise BadRequest(fields.prompt_text, f"is required in zero_shot mode: voice {inputs.voice_id!r} was "
-                                                 "registered without a transcript")
+            raise InvalidInput(fields.prompt_text, f"is required in zero_shot mode: voice {inputs.voice_id!r} was "
+                                                   "registered without a transcript")
     return inputs, prompt_tokens
 
 
-async def check_ssml_voices(app: web.Application, inputs: SynthesisInputs, fields: Fields) -> None:
-    """Every <voice name> of an SSML text exists and the key may use it (`voice_info`: another key's voice is a
-    404, as for voice_id), and has the transcript zero_shot needs. Plain text: nothing to check."""
-    if not inputs.text or inputs.bistream:  # a WebSocket session's settings: its documents come later
-        return
+def ssml_voice_ids(inputs: SynthesisInputs, fields: Fields) -> frozenset[str]:
+    """The voices an SSML text names in <voice name> (none for plain text or a session's settings); bad SSML is a
+    400 naming the text field. The gateway's one read of a text's SSML, before admission."""
+    if not inputs.text or inputs.bistream or not is_ssml(inputs.text, inputs.text_type):
+        return frozenset()
     with fields.named():
-        parts = inputs.ssml_parts()  # already checked by the parse: only bistream text is skipped there
-    for voice_id in sorted({p.voice_id for p in parts or () if getattr(p, "voice_id", None) is not None}):
+        parts = parse_ssml(inputs.text, TARGET_TEXT)
+    return frozenset(part.voice_id for part in parts if getattr(part, "voice_id", None) is not None)
+
+
+async def check_ssml_voices(app: web.Application, voice_ids: frozenset[str], mode: str, fields: Fields) -> None:
+    """Every <voice name> of an SSML text exists and the key may use it (`voice_info`: another key's voice is a
+    404, as for voice_id), and has the transcript zero_shot needs."""
+    for voice_id in sorted(voice_ids):
         info = await voice_info(app, voice_id, fields.text)
-        if inputs.mode == "zero_shot" and not info.text.strip():
-            raise BadRequest(fields.text, f"SSML <voice name={voice_id!r}>: the voice was registered without a "
-                                          "transcript, which zero_shot mode needs")
+        if mode == "zero_shot" and not info.text.strip():
+            raise InvalidInput(fields.text, f"SSML <voice name={voice_id!r}>: the voice was registered without a "
+                                            "transcript, which zero_shot mode needs")
 
 
 async def prepare_conversion(app: web.Application, inputs: ConversionInputs,
@@ -103,7 +105,7 @@ async def settle_voice(app: web.Application, inputs: WireRequest, fields: Fields
     The request goes with its tenant's owner tag, so Triton looks its voice ids (SSML's <voice name> too) up in
     the tenant's id space, as `voice_info` does here."""
     if inputs.voice_id is not None and inputs.audio is not None:
-        raise BadRequest(fields.voice_id, f"give {fields.voice_id} or {fields.audio}, not both")
+        raise InvalidInput(fields.voice_id, f"give {fields.voice_id} or {fields.audio}, not both")
     inputs = replace(inputs, owner=current_tenant().owner)
     if inputs.audio is not None:
         audio = await decode_recording(inputs.audio, fields.audio)
@@ -128,7 +130,7 @@ async def decode_recording(audio: PromptAudio, field: str,
     try:
         samples, rate = await asyncio.to_thread(decode)
     except InvalidInput as exc:
-        raise BadRequest(field, exc.problem) from None
+        raise InvalidInput(field, exc.problem) from None
     return PromptAudio(samples=samples, sample_rate=rate)
 
 
@@ -160,30 +162,15 @@ async def voice_info(app: web.Application, voice_id: object, field: str, stock_v
     try:
         check_voice_id(voice_id, field)
     except InvalidInput as exc:
-        raise BadRequest(field, exc.problem) from None
+        raise InvalidInput(field, exc.problem) from None
     try:
         return await asyncio.to_thread(app[STORE].info, voice_id, current_tenant().owner)
     except NotFound:
         if stock_voice:  # an OpenAI voice name that nobody registered
             return await voice_info(app, DEFAULT_VOICE_ID, field)
     if voice_id == DEFAULT_VOICE_ID and app[DEFAULT_VOICE].pending:
-        raise ServiceUnavailable("the default voice is being registered; try again in a moment")
-    raise VoiceNotFound(field, f"no voice {voice_id!r} is registered (see GET /v1/voices)")
-
-
-def gateway_error(exc: TritonCallError, fields: Fields, unnamed: str = "request") -> GatewayError:
-    """The HTTP error for a failed Triton call, from its error's data alone (kind, field, retry hint)."""
-    if exc.kind == "invalid":
-        return BadRequest(fields.of_input(exc.field) or unnamed, exc.problem)
-    if exc.kind == "not_found":
-        return VoiceNotFound(fields.voice_id, exc.problem)
-    if exc.kind == "busy":  # the server's admission (or a full queue) refused it
-        return Overloaded(exc.message, exc.retry_after_s or 1)
-    if exc.kind in ("unreachable", "cancelled"):
-        return ServiceUnavailable(exc.message)
-    if exc.kind == "timeout":
-        return UpstreamTimeout(exc.message)
-    return UpstreamError(exc.message)
+        raise Unavailable("the default voice is being registered; try again in a moment")
+    raise NotFound(field, f"no voice {voice_id!r} is registered (see GET /v1/voices)")
 
 
 async def pick_admitted(app: web.Application, tried: list, streamed: bool = True) -> object:
@@ -202,53 +189,38 @@ async def pick_admitted(app: web.Application, tried: list, streamed: bool = True
     return server
 
 
-def refused_by_server(app: web.Application, exc: TritonCallError) -> None:
-    if exc.kind == "busy":
+def refused_by_server(app: web.Application, exc: RemoteError) -> None:
+    if exc.code == "unavailable":  # the server's admission refused it
         app[METRICS].refused.labels("server").inc()
 
 
 async def stream_audio(app: web.Application, inputs: WireRequest, cost: float, fields: Fields,
                        request_id: str) -> AsyncIterator[np.ndarray | dict]:
     """The request's float32 24 kHz chunks from the least-loaded healthy server (and, a request with `marks`, its
-    speech mark events, dicts, each before the audio it describes). A failure before the first chunk is retried
-    on another server; after it, it ends the stream (raised as a GatewayError). A request that no server would
-    start in time is refused (Overloaded) before it is sent."""
-    router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
-    tried = []
-    while True:
-        server = await pick_admitted(app, tried)
-        tried.append(server)
-        metrics.routed.labels(server.name).inc()
-        produced = False
-        with router.lease(server, cost):
-            try:
-                chunks = server.client.stream(app[CONFIG].synthesis_model, inputs.tensors(),
-                                               f"{request_id}-{len(tried)}",
-                                               first_timeout_s=routing.first_chunk_timeout_s,
-                                               chunk_timeout_s=routing.chunk_timeout_s)
-                async with aclosing(chunks):
-                    async for chunk in chunks:
-                        produced = True
-                        yield chunk
-                return
-            except TritonCallError as exc:
-                metrics.errors.labels(f"triton_{exc.kind}").inc()
-                if exc.kind == "unreachable":
-                    router.set_health(server, False, exc.message)
-                others = [b for b in router.healthy() if b not in tried]
-                if produced or not exc.retryable or len(tried) >= routing.max_attempts or not others:
-                    refused_by_server(app, exc)
-                    raise gateway_error(exc, fields) from None
-                metrics.retries.inc()
-                log.warning("request %s failed on %s before any audio (%s); retrying on another server",
-                            request_id, server.name, exc.message)
+    speech mark events, dicts, each before the audio it describes), as `on_servers` finds one. A failure ends the
+    stream (raised as the gateway's answer, `errors.upstream`)."""
+    config, attempts = app[CONFIG], itertools.count(1)
+
+    def call(server) -> AsyncIterator[np.ndarray | dict]:
+        return server.client.stream(config.synthesis_model, inputs.tensors(), f"{request_id}-{next(attempts)}",
+                                    first_timeout_s=config.routing.first_chunk_timeout_s,
+                                    chunk_timeout_s=config.routing.chunk_timeout_s)
+
+    chunks = on_servers(app, cost, call, admit=True, streamed=True)
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+    except RemoteError as exc:
+        refused_by_server(app, exc)
+        raise upstream(exc, fields) from None
 
 
 async def whole_audio(app: web.Application, inputs: WireRequest, cost: float, fields: Fields,
                       request_id: str) -> np.ndarray:
     """The request's whole float32 24 kHz waveform from the offline model (`cosyvoice2_offline`: each sentence's
     tokens in one full-attention flow pass, as the official non-streamed path), retried elsewhere on transport
-    errors. Raises a GatewayError."""
+    errors. Raises a CosyVoiceError."""
     return (await whole_answer(app, inputs, cost, fields, request_id))[0]
 
 
@@ -258,9 +230,9 @@ async def whole_answer(app: web.Application, inputs: WireRequest, cost: float, f
     try:
         outputs = await call_model(app, app[CONFIG].offline_model, inputs.tensors(), cost,
                                    app[CONFIG].routing.offline_timeout_s, request_id, admit=True)
-    except TritonCallError as exc:
+    except RemoteError as exc:
         refused_by_server(app, exc)
-        raise gateway_error(exc, fields) from None
+        raise upstream(exc, fields) from None
     return waveform_of(outputs), marks_of(outputs)
 
 
@@ -273,23 +245,46 @@ async def call_model(app: web.Application, model: str, inputs: dict[str, np.ndar
 
 async def routed(app: web.Application, cost: float, send: Callable[[object], Awaitable], admit: bool = False,
                  server: object | None = None):
-    """`await send(server)` on `server`, else on the least-loaded healthy server (`admit`: a synthesis, refused
-    with Overloaded when none would start it in time), counted against it while it runs; tried once more
-    elsewhere (not with a given `server`) while `send` raises a retryable TritonCallError."""
+    """`await send(server)` where `on_servers` sends it (a unary call; `admit`: a synthesis)."""
+    async def once(chosen) -> AsyncIterator:
+        yield await send(chosen)
+
+    answers = on_servers(app, cost, once, admit=admit, server=server)
+    async with aclosing(answers):
+        async for answer in answers:
+            return answer
+
+
+async def on_servers(app: web.Application, cost: float, call: Callable[[object], AsyncIterator], *, admit: bool,
+                     streamed: bool = False, server: object | None = None) -> AsyncIterator:
+    """What `call(server)` yields, from `server`, else from the least-loaded healthy server (`admit`: a synthesis,
+    refused with Overloaded when none would start it in time; `streamed`: admitted in real-time units), counted
+    against it while it runs. A retryable RemoteError before the first item is tried once more on another server
+    (not with a given `server`); after it, or with no server left to try, it is raised. The gateway's one retry
+    loop."""
     router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
     tried = []
     while True:
-        chosen = server or (await pick_admitted(app, tried, streamed=False) if admit else router.pick(exclude=tried))
+        chosen = server or (await pick_admitted(app, tried, streamed) if admit else router.pick(exclude=tried))
         tried.append(chosen)
         metrics.routed.labels(chosen.name).inc()
+        produced = False
         with router.lease(chosen, cost):
             try:
-                return await send(chosen)
-            except TritonCallError as exc:
-                metrics.errors.labels(f"triton_{exc.kind}").inc()
-                if exc.kind == "unreachable":
+                items = call(chosen)
+                async with aclosing(items):
+                    async for item in items:
+                        produced = True
+                        yield item
+                return
+            except RemoteError as exc:
+                metrics.errors.labels(f"triton_{exc.code}").inc()
+                if exc.code == "unreachable":
                     router.set_health(chosen, False, exc.message)
                 others = [b for b in router.healthy() if b not in tried]
-                if server is not None or not exc.retryable or len(tried) >= routing.max_attempts or not others:
+                if produced or server is not None or not exc.retryable or len(tried) >= routing.max_attempts \
+                        or not others:
                     raise
                 metrics.retries.inc()
+                log.warning("a call to %s failed before its first answer (%s); retrying on another server",
+                            chosen.name, exc.message)

@@ -1,20 +1,7 @@
-"""The gateway's async gRPC to one Triton server (`TritonClient`): streaming synthesis (decoupled `cosyvoice2`),
-unary infer, readiness; errors classified for routing (`TritonCallError`). The client SDK for users is
-`cosyvoice_triton.client.triton_client`; both build their messages with `cosyvoice_triton.triton.wire`.
-
-One `grpc.aio` channel per server; every synthesis request is its own `ModelStreamInfer` call carrying
-one request (sent, then the client half-closes). Cancelling the call (the caller went away, a timeout)
-cancels the request inside Triton: the model sees `is_cancelled()` and frees its LLM slot and
-token2wav state. So the caller iterates `stream()` inside `contextlib.aclosing`, and a task that is
-cancelled while waiting for a chunk cancels the call. The call is read by `grpc_stream.AsyncStreamReader`,
-the one reader of a decoupled call (final flag, end of the call, cancellation) that the SDK shares.
-
-Triton reports a decoupled request's error as a message only (no status code), so our models send the
-error as data (`CosyVoiceError.to_wire`: code, field, retry hint), read back with `errors.from_wire`, the
-one reader; a gRPC status error of a call is read by it too, its status naming the kind. `TritonCallError`
-carries that error, and its `kind` is the gateway's routing word for it. (Triton's `triton_grpc_error`
-header would carry the code as a gRPC status, but tritonserver 2.51 crashed (SIGSEGV) after such a stream
-closed when we tried it; it is not used.)
+"""The gateway's async gRPC to one Triton server (`TritonClient`): a streamed synthesis, a unary infer,
+readiness. Every failure is a `RemoteError` carrying the server's error as the library's kind
+(`errors.from_wire`); callers iterate `stream()` inside `contextlib.aclosing`, so that a caller that leaves
+cancels the call (and the model frees the request's state). docs/architecture/wire.md says how a call is read.
 """
 from __future__ import annotations
 
@@ -25,67 +12,22 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from cosyvoice_triton.errors import CosyVoiceError
-from cosyvoice_triton.triton import wire
-from cosyvoice_triton.triton.contracts import chunk_of, marks_of
-from cosyvoice_triton.triton.grpc_stream import AsyncStreamReader, status_error
-from cosyvoice_triton.triton.wire import infer_request, response_outputs
+from cosyvoice_triton.errors import RemoteError
+from cosyvoice_triton.wire import grpc_messages
+from cosyvoice_triton.wire.call_reader import AsyncCallReader, status_error
+from cosyvoice_triton.wire.grpc_messages import infer_request, response_outputs
+from cosyvoice_triton.wire.outputs import chunk_of, marks_of
 
 CHANNEL_OPTIONS = [
-    *wire.CHANNEL_OPTIONS,
+    *grpc_messages.CHANNEL_OPTIONS,
     ("grpc.keepalive_time_ms", 20_000),  # notice a silently dead server during long streams
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-# The gateway's routing word for each kind of library error (also the label of its `triton_<kind>` metric).
-_KINDS = {"invalid_input": "invalid", "not_found": "not_found", "unavailable": "busy", "unreachable": "unreachable",
-          "timeout": "timeout", "cancelled": "cancelled"}
-
-
-class TritonCallError(Exception):
-    """A call to Triton failed; `error` is the failure as the library's error (its code, field and retry
-    hint), as `errors.from_wire` read it from the model or the call's status.
-
-    kind: unreachable (transport) | busy | timeout | invalid (a field) | not_found | cancelled | internal
-    retryable: another server may succeed (only ever done before the first byte reached the client)
-    """
-
-    def __init__(self, error: CosyVoiceError):
-        super().__init__(error.message)
-        self.error = error
-
-    @property
-    def kind(self) -> str:
-        if self.error.code == "not_found" and self.error.field is None:
-            return "internal"  # Triton's own NOT_FOUND (an unknown model) is the deployment's fault
-        return _KINDS.get(self.error.code, "internal")
-
-    @property
-    def message(self) -> str:
-        return self.error.message
-
-    @property
-    def field(self) -> str | None:
-        return self.error.field
-
-    @property
-    def problem(self) -> str:
-        """The message without its "field: " (an InvalidInput's or NotFound's problem)."""
-        return getattr(self.error, "problem", self.error.message)
-
-    @property
-    def retry_after_s(self) -> int | None:
-        return self.error.retry_after_s
-
-    @property
-    def retryable(self) -> bool:
-        return self.kind in ("unreachable", "busy", "timeout")
-
-
-def rpc_error(error: grpc.aio.AioRpcError) -> TritonCallError:
-    """A failed call's gRPC status (our model's error JSON, or the status's own text) as a TritonCallError."""
-    return TritonCallError(status_error(error))
+def rpc_error(error: grpc.aio.AioRpcError) -> RemoteError:
+    """A failed call's gRPC status (our model's error JSON, or the status's own text) as a RemoteError."""
+    return RemoteError(status_error(error), status=error)
 
 
 # ---- the client -----------------------------------------------------------------------------------------
@@ -101,17 +43,17 @@ class TritonClient:
     async def stream(self, model: str, inputs: Mapping[str, np.ndarray], request_id: str = "", *,
                      first_timeout_s: float, chunk_timeout_s: float) -> AsyncIterator[np.ndarray | dict]:
         """The request's `waveform` chunks as they come (float32, non-empty), each response's speech mark events
-        (dicts, a request with speech_marks only) before its chunk. Raises TritonCallError.
+        (dicts, a request with speech_marks only) before its chunk. Raises RemoteError.
         Iterate it inside `contextlib.aclosing`: closing early, or cancelling the task, cancels the call
-        (`grpc_stream.AsyncStreamReader` reads it)."""
+        (`call_reader.AsyncCallReader` reads it)."""
         request = infer_request(model, inputs, request_id, empty_final=True)
 
         async def one_request():
             yield request
 
         call = self._stub.ModelStreamInfer(one_request())
-        responses = AsyncStreamReader(call, as_error=lambda error, _status: TritonCallError(error),
-                                      first_timeout_s=first_timeout_s, next_timeout_s=chunk_timeout_s)
+        responses = AsyncCallReader(call, as_error=lambda error, _status: RemoteError(error),
+                                    first_timeout_s=first_timeout_s, next_timeout_s=chunk_timeout_s)
         async with aclosing(responses):
             async for outputs in responses:
                 for event in marks_of(outputs):

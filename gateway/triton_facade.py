@@ -5,7 +5,7 @@ That client can only name `cosyvoice2`, and sends it the official tensor form (e
 [1, N], reference_wav_len [1, 1], ...). Triton checks ranks against a model's config before the model runs, so
 Triton's own `cosyvoice2` (rank-1 tensors) cannot take it; the same model in that form is `cosyvoice2_official`
 (decoupled) and `cosyvoice2_official_offline`. Here each request is sent on to the model
-`contracts.official_model_for` names: cosyvoice2 in the official form to cosyvoice2_official when streamed
+`official_model_for` names: cosyvoice2 in the official form to cosyvoice2_official when streamed
 (ModelStreamInfer) and to cosyvoice2_official_offline for a plain ModelInfer; every other request (the native
 form, other models) keeps its model. The message is passed on as it came but for `model_name` (the tensors' bytes
 are the same in both forms), and so are Triton's answers, the `triton_final_response` flag and errors included
@@ -42,23 +42,22 @@ import grpc
 from aiohttp import web
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from cosyvoice_triton.errors import CosyVoiceError
+from cosyvoice_triton.errors import CosyVoiceError, RemoteError
 from cosyvoice_triton.pipeline.audible import AudibleDetector
 from cosyvoice_triton.server_pool import Server
-from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFLINE, OFFICIAL_MODELS, OWNER,
-                                               REFERENCE_WAV, REFERENCE_WAV_LEN, TARGET_TEXT, TEXT_APPEND,
-                                               TEXT_STREAM_ID, WAVEFORM,
-                                               official_model_for, owner_input)
-from cosyvoice_triton.triton.grpc_stream import status_error
-from cosyvoice_triton.triton.wire import (MAX_MESSAGE_BYTES, STREAM_END_WAIT_S, infer_request, is_final,
-                                          response_outputs)
+from cosyvoice_triton.wire.names import (COSYVOICE2, COSYVOICE2_OFFLINE, OFFICIAL_MODELS, OWNER, REFERENCE_WAV,
+                                         REFERENCE_WAV_LEN, TARGET_TEXT, TEXT_APPEND, TEXT_STREAM_ID, WAVEFORM)
+from cosyvoice_triton.wire.official import official_model_for, owner_input
+from cosyvoice_triton.wire.call_reader import status_error
+from cosyvoice_triton.wire.grpc_messages import (MAX_MESSAGE_BYTES, STREAM_END_WAIT_S, infer_request, is_final,
+                                                 response_outputs)
 
 from .auth import ApiKeys, Tenant, header_key
-from .errors import as_gateway_error
+from .errors import answer_of, http_status
 from .grpc_server import MESSAGE_OVERHEAD_BYTES, grpc_status, metadata_headers, running_server
 from .state import CONFIG, DRAIN, LIMITER, METRICS, ROUTER
 from .synthesis import refused_by_server, routed, synthesis_cost
-from .triton_channel import TritonCallError
+from .triton_channel import rpc_error
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +65,6 @@ OFFICIAL_TRITON_PORT = web.AppKey("official_triton_port", int)  # the port it li
 ROUTE = "triton_grpc"  # the route label of its audio metrics
 SYNTHESIS_MODELS = frozenset({COSYVOICE2, COSYVOICE2_OFFLINE, *OFFICIAL_MODELS})  # admitted, stream-limited
 Write = Callable[[service_pb2.ModelStreamInferResponse], Awaitable[None]]
-
-
-class UpstreamFailed(TritonCallError):
-    """A Triton call that ended with a gRPC status: read as the gateway reads one (kind, retry), and kept as it
-    came to be passed back."""
-
-    def __init__(self, status: grpc.aio.AioRpcError):
-        super().__init__(status_error(status))
-        self.status = status
 
 
 class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -128,7 +118,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 return await server.client.stub.ModelInfer(forwarded, timeout=timeout_s)
             except grpc.aio.AioRpcError as error:
-                raise UpstreamFailed(error) from None
+                raise rpc_error(error) from None
 
         accepted = time.monotonic()
         try:
@@ -137,7 +127,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
             app[DRAIN].refuse_new()
             with self._stream_slot(model, tenant, request):
                 response = await self._routed(model, request_cost(app, request), send)
-        except UpstreamFailed as exc:
+        except RemoteError as exc:
             await context.abort(exc.status.code(), exc.status.details() or "")
         except CosyVoiceError as exc:
             await context.abort(*aborted(exc))
@@ -196,7 +186,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
             with self._stream_slot(model, tenant, request):
                 await self._routed(model, request_cost(app, request), relay,
                                    server=bistreams.get(stream_id) if appended else None)
-        except UpstreamFailed as exc:
+        except RemoteError as exc:
             await write(error_response(request, exc.status.details() or exc.error.to_wire()))
         except CosyVoiceError as exc:
             await write(error_response(request, exc.to_wire()))
@@ -207,7 +197,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _relay(self, server: Server, request: service_pb2.ModelInferRequest, asked: str, write: Write) -> None:
         """`request` as its own ModelStreamInfer call on `server` (sent, then our side closed), each response
         written as it comes (model_name: `asked`) until Triton ends the call; at most STREAM_END_WAIT_S after
-        the final response (as grpc_stream.py waits). Cancelled: the call is cancelled. UpstreamFailed when the
+        the final response (as call_reader.py waits). Cancelled: the call is cancelled. RemoteError (its `status`: the gRPC error) when the
         call fails before any response (another server may take it); after one, an error response."""
         metrics, rate = self.app[METRICS], self.app[CONFIG].sample_rate
 
@@ -236,7 +226,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
             return  # the final response came and the call did not end: cancelled below
         except grpc.aio.AioRpcError as error:
             if not relayed:
-                raise UpstreamFailed(error) from None
+                raise rpc_error(error) from None
             await write(error_response(request, error.details() or status_error(error).to_wire()))
         finally:
             call.cancel()  # nothing once the call ended; else Triton cancels the request
@@ -250,7 +240,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
         own routes count it."""
         try:
             return await routed(self.app, cost, send, admit=model in SYNTHESIS_MODELS, server=server)
-        except UpstreamFailed as exc:
+        except RemoteError as exc:
             refused_by_server(self.app, exc)
             raise
 
@@ -274,7 +264,7 @@ def shapes(request: service_pb2.ModelInferRequest) -> dict[str, list[int]]:
 
 def forwarded_as(request: service_pb2.ModelInferRequest, model: str,
                  owner: str | None) -> service_pb2.ModelInferRequest:
-    """`request` for `model`, with the caller's `owner` input (contracts.owner_input) in place of any the client
+    """`request` for `model`, with the caller's `owner` input (official.owner_input) in place of any the client
     sent: the gateway says whose voices a request names and who registers, so a key reaches its own voices and
     the shared ones only, on every model that takes an owner."""
     owner_tensor = owner_input(model, owner)
@@ -362,7 +352,7 @@ def error_response(request: service_pb2.ModelInferRequest, message: str) -> serv
 def aborted(exc: CosyVoiceError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
     """(status, details, trailing metadata) of an error the gateway answers itself: its status as the gateway's
     HTTP routes say it, its JSON (errors.py `to_wire`, with `retry_after_s`) and a `retry-after` entry."""
-    status = grpc_status(as_gateway_error(exc).status)
+    status = grpc_status(http_status(answer_of(exc)))
     retry = (("retry-after", str(exc.retry_after_s)),) if exc.retry_after_s is not None else ()
     return status, exc.to_wire(), retry
 

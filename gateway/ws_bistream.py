@@ -1,7 +1,7 @@
 """The WebSocket's `"text_mode": "bistream"`: the session's text goes to one synthesis as it is written.
 
 Instead of one Triton request per complete sentence, the session opens one bistream request on one server
-(`text_mode` bistream, `text_stream_id`: contracts.py) and hands it every text message as it comes, in
+(`text_mode` bistream, `text_stream_id`: wire/requests.py) and hands it every text message as it comes, in
 order, as text_append requests to the same server (the last with text_end). The LLM reads the text as it
 arrives, in the trained 5:15 text/speech pattern (llm/bistream.py), so audio starts before the first
 sentence is complete. The audio comes back as one segment (index 0) of the session.
@@ -14,12 +14,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from cosyvoice_triton.triton.contracts import SynthesisInputs, text_append_inputs
+from cosyvoice_triton.errors import RemoteError
+from cosyvoice_triton.wire.requests import SynthesisInputs, TextAppend
 
+from .errors import upstream
 from .fields import Fields
 from .state import CONFIG, METRICS, ROUTER
-from .synthesis import gateway_error
-from .triton_channel import TritonCallError
+
 
 class BistreamText:
     """One session's text pieces, from its reader to the server, in order (None: the end)."""
@@ -43,8 +44,8 @@ class BistreamText:
         try:
             await self._run(app, replace(inputs, text_stream_id=stream_id), cost, out)
             out.put_nowait(done)
-        except TritonCallError as exc:
-            out.put_nowait(gateway_error(exc, fields))
+        except RemoteError as exc:
+            out.put_nowait(upstream(exc, fields))
         except Exception as exc:  # noqa: BLE001 - handed to the sender
             out.put_nowait(exc)
 
@@ -75,7 +76,7 @@ class BistreamText:
             piece = await self.pieces.get()
             index += 1
             end = piece is None
-            answers = server.client.stream(model, text_append_inputs(stream_id, piece or "", end),
+            answers = server.client.stream(model, TextAppend(stream_id, piece or "", end).tensors(),
                                            f"{stream_id}-text-{index}", first_timeout_s=wait_s, chunk_timeout_s=wait_s)
             async with aclosing(answers):
                 async for _ in answers:

@@ -54,6 +54,7 @@ from cosyvoice_triton.models.flow import FLOW_PRECISIONS
 from cosyvoice_triton.models.llm_precision import LLM_PRECISIONS
 from cosyvoice_triton.pipeline import audible
 from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
+from cosyvoice_triton.wire.names import TARGET_TEXT
 
 HERE = Path(__file__).resolve().parent
 DRIVER = HERE / "official_driver.py"
@@ -164,7 +165,7 @@ class TritonSide:
         text = TextPreprocessor.from_model_dir(model_dir)  # as the server's cosyvoice2 model splits and encodes
 
         def tokens(words: str) -> list[int]:
-            return text.tokenizer.encode(text.split(words, field="target_text")[0])
+            return text.tokenizer.encode(text.split(words, field=TARGET_TEXT)[0])
 
         self.text = text_with_tokens(tokens, text_tokens)
         self.prompt = prompt_recording(prompt_tokens)

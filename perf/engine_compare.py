@@ -96,7 +96,7 @@ def module_runners(model_dir: Path, onnx_dir: Path, threads: int, ep_python: str
     import torch
 
     from cosyvoice_triton.config import ModelPaths
-    from cosyvoice_triton.engines.base import EngineUnavailable
+    from cosyvoice_triton.errors import EngineUnavailable
     from cosyvoice_triton.engines.onnx_export import token2wav_onnx
     from cosyvoice_triton.engines.onnx_graphs import campplus_spec, example_inputs, token2wav_specs
     from cosyvoice_triton.engines.openvino_runner import OPENVINO_PRECISIONS, OpenVINORunner

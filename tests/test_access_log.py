@@ -12,7 +12,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from cosyvoice_triton.gateway import access_log
 from cosyvoice_triton.gateway.app import report_middleware
-from cosyvoice_triton.gateway.errors import BadRequest, error_middleware
+from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.gateway.errors import error_middleware
 
 
 async def speak(request: web.Request) -> web.StreamResponse:
@@ -31,7 +32,7 @@ async def speak(request: web.Request) -> web.StreamResponse:
 
 
 async def refuse(request: web.Request) -> web.Response:
-    raise BadRequest("speed", "must be a number from 0.25 to 4.0")
+    raise InvalidInput("speed", "must be a number from 0.25 to 4.0")
 
 
 def lines_of(requests) -> list[str]:

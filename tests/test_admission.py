@@ -96,7 +96,8 @@ def test_closing_the_pool_answers_the_waiting_requests():
 
 def test_the_gateway_admits_while_a_slot_is_free_and_refuses_a_full_server_with_retry_after():
     from cosyvoice_triton.gateway import admission
-    from cosyvoice_triton.gateway.errors import Overloaded
+    from cosyvoice_triton.errors import Overloaded
+    from cosyvoice_triton.gateway.errors import answer_headers, http_status
     from cosyvoice_triton.server_pool import Server
     from cosyvoice_triton.targets import TritonTarget
 
@@ -110,6 +111,6 @@ def test_the_gateway_admits_while_a_slot_is_free_and_refuses_a_full_server_with_
     server.external = 5.0  # 6 streams on 2 slots: (4 * 100 + 100) / 2 * 0.01 = 2.5 s
     with pytest.raises(Overloaded) as refused:
         admission.check(policy, server, 100.0)
-    assert refused.value.status == 503 and refused.value.headers["Retry-After"] == "2"
+    assert http_status(refused.value) == 503 and answer_headers(refused.value)["Retry-After"] == "2"
     server.external, server.token2wav_pending = 1.0, 8.0  # slots full, 8 chunks queued in token2wav
     assert admission.decide(policy, server, 100.0).wait_s == pytest.approx((8 * 25.0 + 100.0) / 2 * 0.01)

@@ -5,8 +5,10 @@ Read from the source with `ast`, nothing imported: every `import` / `from ... im
 relative, resolved against the file's own package) and every `importlib.import_module("...")` /
 `__import__("...")` with a literal name.
 
-Inside the library, the layers import one way: base → models → engines → preprocess → {llm, token2wav, voices}
-→ pipeline → triton → server → cli. The three stage rooms (llm, token2wav, voices) share a floor and never import
+Inside the library, the layers import one way: base → wire → models → engines → preprocess →
+{llm, token2wav, voices} → pipeline → triton → server → cli. The wire package is what the gateway, the client SDK and
+the Triton models share: it imports only the base modules (never torch, never a model floor), and the gateway and
+the client import it, never `cosyvoice_triton.triton` (what only the Triton models import). The three stage rooms (llm, token2wav, voices) share a floor and never import
 each other; no module of the library takes part in an import circle.
 
 The rule this test encodes, read from the source with `ast` (nothing imported; every `import` and
@@ -120,6 +122,64 @@ def test_model_files_never_import_a_tool_folder():
     assert not offenders, "a model.py imports a tool folder:\n" + "\n".join(offenders)
 
 
+def test_the_gateway_and_the_client_never_import_the_triton_package():
+    """What they share with the Triton models is the wire package; `cosyvoice_triton.triton` is what only the
+    model files import."""
+    offenders = []
+    for folder in ("gateway", "client"):
+        root = TOOL_FOLDERS[folder]
+        for path in sorted(root.rglob("*.py")):
+            module = module_name(path, root, f"cosyvoice_triton.{folder}")
+            offenders += [f"{path.relative_to(REPO_ROOT)}:{line} imports {name}"
+                          for line, name in imported_names(path, module)
+                          if name == "cosyvoice_triton.triton" or name.startswith("cosyvoice_triton.triton.")]
+    assert not offenders, "a tool imports the Triton models' package:\n" + "\n".join(offenders)
+
+
+def runtime_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of what `path` imports when it runs: its imports outside `if TYPE_CHECKING:` blocks."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    typing_only = {id(node) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+                   for statement in block.body for node in ast.walk(statement)}
+    module = library_module_name(path)
+    is_package = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, resolve_relative(module, is_package, node.module, node.level)))
+    return found
+
+
+def test_the_wire_package_imports_only_the_base_modules_and_never_torch():
+    """The client SDK installs without torch or the model floors, and imports the wire package: the wire modules
+    import base modules and each other only, and neither they nor the base modules they reach import torch."""
+    wire = sorted((LIBRARY / "wire").glob("*.py"))
+    assert len(wire) >= 5, wire
+    problems, reached, todo = [], set(), list(wire)
+    while todo:
+        path = todo.pop()
+        if path in reached:
+            continue
+        reached.add(path)
+        for line, name in runtime_imports(path):
+            where = f"{path.relative_to(REPO_ROOT)}:{line} imports {name}"
+            if name.split(".")[0] == "torch":
+                problems.append(where)
+            elif name.split(".")[0] == "cosyvoice_triton" and name != "cosyvoice_triton":
+                if layer_of(name) not in ("base", "wire"):
+                    problems.append(f"{where} ({layer_of(name)})")
+                else:
+                    todo += [file for file in (LIBRARY.parent / (name.replace(".", "/") + ".py"),
+                                               LIBRARY.parent / name.replace(".", "/") / "__init__.py")
+                             if file.exists()]
+    assert problems == []
+
+
 def test_tool_folders_import_the_library_by_absolute_name():
     """`from cosyvoice_triton.models.flow import ...`, never `from ..models...`: `..` of a tool folder is
     the repository root on disk, a package only through pyproject's package-dir mapping. (A tool's own
@@ -136,7 +196,7 @@ def test_tool_folders_import_the_library_by_absolute_name():
 
 
 # ---- the library's own layers ----------------------------------------------------------------------
-FLOORS = (("base",), ("models",), ("engines",), ("preprocess",), ("llm", "token2wav", "voices"), ("pipeline",),
+FLOORS = (("base",), ("wire",), ("models",), ("engines",), ("preprocess",), ("llm", "token2wav", "voices"), ("pipeline",),
           ("triton",), ("server",), ("cli",))
 LAYERS = tuple(room for floor in FLOORS for room in floor)
 FLOOR_OF = {room: index for index, floor in enumerate(FLOORS) for room in floor}
@@ -311,16 +371,21 @@ def test_the_tool_folders_have_no_import_circles():
         folder: [] for folder in TOOL_FOLDERS}
 
 
-# ---- tensor names are spelled in cosyvoice_triton/triton/contracts.py only (and the config.pbtxt files) ----
+# ---- tensor names are spelled in cosyvoice_triton/wire/names.py only (and the config.pbtxt files) ----
 
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
-# The Triton-side code outside contracts.py: it names tensors by contracts' constants and functions.
-TENSOR_USERS = sorted([*(LIBRARY / "triton").glob("*.py"), *MODEL_REPOSITORY.glob("*/1/model.py"),
-                       REPO_ROOT / "gateway" / "triton_channel.py", REPO_ROOT / "client" / "triton_client.py"])
+NAMES_PAGE = LIBRARY / "wire" / "names.py"
+# The code that speaks in tensors: it names them by the constants of wire/names.py.
+TENSOR_USERS = sorted([*(LIBRARY / "wire").glob("*.py"), *(LIBRARY / "triton").glob("*.py"),
+                       *MODEL_REPOSITORY.glob("*/1/model.py"), LIBRARY / "server" / "liveness.py",
+                       *(REPO_ROOT / "gateway").glob("triton_*.py"), REPO_ROOT / "gateway" / "routes_kserve.py",
+                       REPO_ROOT / "client" / "triton_client.py"])
 # Strings there that equal a tensor name without naming a tensor: (file, string) -> why.
 NOT_TENSOR_NAMES = {
     ("cosyvoice_triton/triton/metrics.py", "finalize"): "a label of the freed-streams metric: its final chunk",
     ("cosyvoice_triton/triton/metrics.py", "cancel"): "a label of the freed-streams metric: cancelled",
+    ("gateway/routes_kserve.py", "name"): "a key of a KServe JSON tensor",
+    ("client/triton_client.py", "voice_id"): "the SDK's argument, named in its own errors",
 }
 
 
@@ -350,12 +415,12 @@ def test_the_name_finder_finds_names_but_not_docstrings():
     assert "cosyvoice2" not in tensor_names() and "llm" not in tensor_names()
 
 
-def test_tensor_names_are_spelled_only_in_contracts():
-    """A model's tensors are named on one page (contracts.py: constants, builders, readers); a literal elsewhere
-    is a second spelling that a renamed tensor leaves behind."""
+def test_tensor_names_are_spelled_only_in_the_names_page():
+    """A model's tensors are named on one page (wire/names.py: constants); a literal elsewhere is a second
+    spelling that a renamed tensor leaves behind."""
     names = tensor_names()
     found = [f"{path.relative_to(REPO_ROOT)}:{line}: {value!r}"
-             for path in TENSOR_USERS if path.name != "contracts.py"
+             for path in TENSOR_USERS if path != NAMES_PAGE
              for line, value in name_literals(path.read_text(), names)
              if (path.relative_to(REPO_ROOT).as_posix(), value) not in NOT_TENSOR_NAMES]
     assert found == []

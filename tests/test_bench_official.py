@@ -27,7 +27,7 @@ from cosyvoice_triton.perf import bench_official, exact_length as exact_length_m
 from cosyvoice_triton.perf.exact_length import PARAMETER, exact_length, exact_length_options
 from cosyvoice_triton.random_folder.write import write_random_model
 from cosyvoice_triton.server.launcher import DEFAULT_REPOSITORY, ServeOptions, render_run_repository
-from cosyvoice_triton.triton.contracts import llm_inputs
+from cosyvoice_triton.wire.stage_tensors import llm_inputs
 
 pytestmark = pytest.mark.timeout(600)
 

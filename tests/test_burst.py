@@ -107,7 +107,7 @@ def test_the_gateway_decides_a_refusal_on_a_fresh_view_of_the_server():
     """The gateway's count of the streams others sent a server is as old as its last scrape: a stream that
     ended since still counts there. Before refusing, it scrapes the server again."""
     from cosyvoice_triton.gateway import admission
-    from cosyvoice_triton.gateway.errors import Overloaded
+    from cosyvoice_triton.errors import Overloaded
     from cosyvoice_triton.server_pool import Server
     from cosyvoice_triton.targets import TritonTarget
 

@@ -108,19 +108,19 @@ def test_the_gateway_and_the_sdk_carry_the_policy():
     """The gateway checks `chunk_policy` as the model will (its error names the field) and sends it on;
     the SDKs put it in the request (None: not sent, the server's policy)."""
     from cosyvoice_triton.client.gateway_client import tts_body
-    from cosyvoice_triton.client.triton_client import synthesis_inputs
-    from cosyvoice_triton.gateway.errors import BadRequest
+    from cosyvoice_triton.client.triton_client import synthesis_request
+    from cosyvoice_triton.errors import InvalidInput
     from cosyvoice_triton.gateway.config import Limits
     from cosyvoice_triton.gateway.protocol import START_KEYS, TTS_KEYS, parse_tts
 
     request = parse_tts({"text": "Hi.", "chunk_policy": "adaptive"}, Limits())
     assert request.inputs.tensors()["chunk_policy"].tolist() == [b"adaptive"]
-    with pytest.raises(BadRequest, match="^chunk_policy: must be one of fixed, adaptive"):
+    with pytest.raises(InvalidInput, match="^chunk_policy: must be one of fixed, adaptive"):
         parse_tts({"text": "Hi.", "chunk_policy": "eager"}, Limits())
 
     assert "chunk_policy" in TTS_KEYS and "chunk_policy" in START_KEYS  # fields /v1/tts and the WebSocket take
     assert tts_body("Hi.", chunk_policy="adaptive")["chunk_policy"] == "adaptive"
     assert "chunk_policy" not in tts_body("Hi.")
-    tensors = synthesis_inputs("Hi.", voice_id="v", chunk_policy="adaptive")
+    tensors = synthesis_request("Hi.", voice_id="v", chunk_policy="adaptive").tensors()
     assert tensors["chunk_policy"].tolist() == [b"adaptive"]
-    assert "chunk_policy" not in synthesis_inputs("Hi.", voice_id="v", chunk_policy=None)
+    assert "chunk_policy" not in synthesis_request("Hi.", voice_id="v", chunk_policy=None).tensors()

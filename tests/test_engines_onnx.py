@@ -30,7 +30,8 @@ import onnx
 import pytest
 import torch
 
-from cosyvoice_triton.engines.base import EngineUnavailable, RunnerModule
+from cosyvoice_triton.engines.base import RunnerModule
+from cosyvoice_triton.errors import EngineUnavailable
 from cosyvoice_triton.engines.onnx_precision import mixed_precision
 from cosyvoice_triton.engines.ort_runner import OrtRunner
 from cosyvoice_triton.engines.select import (RunnerHiFT, build_token2wav, open_campplus, open_runner,

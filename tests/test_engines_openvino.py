@@ -12,7 +12,8 @@ import logging
 import pytest
 import torch
 
-from cosyvoice_triton.engines.base import EngineUnavailable, RunnerModule
+from cosyvoice_triton.engines.base import RunnerModule
+from cosyvoice_triton.errors import EngineUnavailable
 from cosyvoice_triton.engines.onnx_export import token2wav_onnx
 from cosyvoice_triton.engines.onnx_graphs import example_inputs, token2wav_specs
 from cosyvoice_triton.engines.select import RunnerHiFT, build_token2wav, open_campplus, resolve_engine

@@ -25,20 +25,11 @@ from cosyvoice_triton.errors import (
     Unreachable,
     from_wire,
 )
-from cosyvoice_triton.gateway.errors import (
-    BadRequest,
-    RateLimited,
-    ServiceUnavailable,
-    TooManyStreams,
-    as_gateway_error,
-    error_body,
-    ws_error,
-)
+from cosyvoice_triton.errors import RateLimited, TooManyStreams
+from cosyvoice_triton.gateway.errors import answer_headers, answer_of, error_body, http_status, upstream, ws_error
 from cosyvoice_triton.gateway.fields import OPENAI_FIELDS, TTS_FIELDS
-from cosyvoice_triton.gateway.synthesis import gateway_error
-from cosyvoice_triton.gateway.triton_channel import TritonCallError
 from cosyvoice_triton.llm.scheduler import LLMStepError, SchedulerUnavailable
-from cosyvoice_triton.triton.tensors import RemoteError, classify, triton_error
+from cosyvoice_triton.triton.pb_glue import classify, remote_error, triton_error
 from cosyvoice_triton.voices.store import CorruptVoice
 import pb_fake
 
@@ -151,10 +142,10 @@ def test_an_unexpected_exception_is_logged_and_sent_short(caplog):
 
 
 def test_a_callee_error_keeps_its_kind():
-    busy = RemoteError("token2wav", Unavailable("token2wav is full", retry_after_s=2).to_wire(), 4)
+    busy = remote_error("token2wav", Unavailable("token2wav is full", retry_after_s=2).to_wire(), 4)
     assert (busy.code, busy.retry_after_s, busy.status, type(busy.error)) == ("unavailable", 2, 4, Unavailable)
     assert classify(busy) == classify(busy.error)  # passed on as the callee said it
-    bad = RemoteError("llm", "stream_id: not a stream", "INVALID_ARG")  # Triton's own text: by its code
+    bad = remote_error("llm", "stream_id: not a stream", "INVALID_ARG")  # Triton's own text: by its code
     assert (bad.code, classify(bad).code_name) == ("invalid_input", "INVALID_ARG")
 
 
@@ -162,9 +153,9 @@ def test_a_callee_error_keeps_its_kind():
 
 def _answer(error: CosyVoiceError, fields=TTS_FIELDS) -> tuple:
     """What the gateway answers for a model's error: status, code, param, Retry-After."""
-    answer = gateway_error(TritonCallError(from_wire(error.to_wire())), fields)
+    answer = upstream(from_wire(error.to_wire()), fields)
     body = error_body(answer)["error"]
-    return answer.status, body["code"], body["param"], answer.headers.get("Retry-After")
+    return http_status(answer), body["code"], body["param"], answer_headers(answer).get("Retry-After")
 
 
 REWORDED = [
@@ -195,8 +186,8 @@ def test_the_field_maps_to_each_apis_own_name():
 
 
 def test_a_triton_not_found_without_a_field_is_the_deployments_fault():
-    unknown_model = TritonCallError(from_wire("Request for unknown model: 'cosyvoice2' is not found", "NOT_FOUND"))
-    assert unknown_model.kind == "internal" and gateway_error(unknown_model, TTS_FIELDS).status == 502
+    unknown_model = from_wire("Request for unknown model: 'cosyvoice2' is not found", "NOT_FOUND")
+    assert unknown_model.field is None and http_status(upstream(unknown_model, TTS_FIELDS)) == 502
 
 
 @pytest.mark.parametrize("error", [e for e, *_ in EVERY_KIND], ids=lambda e: e.code)
@@ -207,28 +198,44 @@ def test_the_client_sdk_reads_the_same_data(error):
 
 
 def test_gateway_errors_carry_their_retry_hint_as_data():
-    for error, seconds in ((ServiceUnavailable("draining", 3), 3), (RateLimited("too many", 7), 7),
-                           (TooManyStreams("two at most"), 1)):
+    for error, seconds in ((Unavailable("draining", retry_after_s=3), 3),
+                           (RateLimited("too many", retry_after_s=7), 7), (TooManyStreams("two at most"), 1)):
         assert isinstance(error, CosyVoiceError) and error.retry_after_s == seconds
-        assert error.headers["Retry-After"] == str(seconds) and ws_error(error)["retry_after"] == seconds
-        sdk = TTSError.from_body(error_body(error), error.status, error.headers["Retry-After"])
+        assert answer_headers(error)["Retry-After"] == str(seconds) and ws_error(error)["retry_after"] == seconds
+        sdk = TTSError.from_body(error_body(error), http_status(error), answer_headers(error)["Retry-After"])
         assert (sdk.code, sdk.retry_after_s) == (error.code, seconds)
-    bad = BadRequest("text", "must not be empty")
-    assert (bad.code, bad.field, bad.retry_after_s, "Retry-After" in bad.headers) == (
+    bad = InvalidInput("text", "must not be empty")
+    assert (bad.code, bad.field, bad.retry_after_s, "Retry-After" in answer_headers(bad)) == (
         "invalid_input", "text", None, False)
     assert "retry_after" not in ws_error(bad)
 
 
 def test_library_errors_in_the_gateway_keep_their_data():
-    assert as_gateway_error(Unavailable("redis is down", retry_after_s=5)).headers["Retry-After"] == "5"
-    assert as_gateway_error(Unavailable("redis is down")).headers["Retry-After"] == "1"
-    invalid = as_gateway_error(InvalidInput("seed", "must be an integer"))
-    assert (invalid.status, invalid.field, invalid.message) == (400, "seed", "seed: must be an integer")
+    assert answer_headers(answer_of(Unavailable("redis is down", retry_after_s=5)))["Retry-After"] == "5"
+    assert answer_headers(answer_of(Unavailable("redis is down")))["Retry-After"] == "1"
+    invalid = answer_of(InvalidInput("seed", "must be an integer"))
+    assert (http_status(invalid), invalid.field, invalid.message) == (400, "seed", "seed: must be an integer")
+    for local, code in ((Unreachable("redis did not answer"), "unavailable"), (Cancelled("gone"), "unavailable"),
+                        (ModelFolderError("no llm.pt"), "internal"), (KeyError("x"), "internal")):
+        assert (answer_of(local).code, http_status(answer_of(local))) == (code, 503 if code == "unavailable" else 500)
+
+
+def test_every_error_is_a_kind_of_the_one_tree_and_every_code_has_one_http_status():
+    """The SDK's TTSError, the engines' and parameters' errors and the gateway's answers are kinds of errors.py;
+    the gateway answers each code the library defines with a status from its one table (500: internal)."""
+    from cosyvoice_triton.errors import DeviceUnavailable, EngineUnavailable, ParameterError
+    from cosyvoice_triton.gateway.errors import HTTP_STATUS
+
+    for kind in (TTSError, DeviceUnavailable, EngineUnavailable, ParameterError, *KINDS.values()):
+        assert issubclass(kind, CosyVoiceError), kind
+    assert {HTTP_STATUS[code][0] for code in ("invalid_input", "not_found", "unavailable", "overloaded", "timeout",
+                                              "too_large", "rate_limited", "unauthorized", "forbidden")} == {
+        400, 404, 503, 504, 413, 429, 401, 403}
 
 
 # ---- no prose parsing left -------------------------------------------------------------------------------
 
-ERROR_READERS = ["cosyvoice_triton/errors.py", "cosyvoice_triton/admission.py", "cosyvoice_triton/triton/tensors.py",
+ERROR_READERS = ["cosyvoice_triton/errors.py", "cosyvoice_triton/admission.py", "cosyvoice_triton/triton/pb_glue.py",
                  "gateway/triton_channel.py", "gateway/errors.py", "client/common.py"]
 OLD_PARSERS = ("_FIELD_MESSAGE", "_BUSY_WORDS", "classify_message", "retry_after_from_message", "_RETRY_AFTER",
                "from_message", "refusal_message", "expiry_message")

@@ -28,11 +28,11 @@ from cosyvoice_triton.audio_out import encode
 from cosyvoice_triton.gateway.config import GatewayConfig, Limits, RoutingConfig
 from cosyvoice_triton.gateway.routes_ws import SentenceBuffer
 from cosyvoice_triton.gateway.fields import TTS_FIELDS
-from cosyvoice_triton.gateway.synthesis import gateway_error
+from cosyvoice_triton.gateway.errors import http_status, upstream
 from cosyvoice_triton.errors import InvalidInput, from_wire
-from cosyvoice_triton.gateway.triton_channel import TritonCallError
 from cosyvoice_triton.gateway.testing import GatewayThread
-from cosyvoice_triton.triton.contracts import SynthesisInputs, synthesis_inputs
+from cosyvoice_triton.wire.requests import SynthesisInputs
+from cosyvoice_triton.client.triton_client import synthesis_request
 from triton_harness import GrpcStream, metric_value, scrape, tritonserver_or_skip, wait_for_metric
 
 pytestmark = pytest.mark.timeout(300)
@@ -150,7 +150,7 @@ async def post_stream(url: str, body: dict) -> tuple[dict, list[bytes]]:
 def direct(triton, text: str, seed: int, **voice) -> list[np.ndarray]:
     """The server's own chunks for a cosyvoice2 request (gRPC streaming, no gateway)."""
     with GrpcStream(triton.grpc_url, timeout_s=120) as stream:
-        responses = stream.infer("cosyvoice2", synthesis_inputs(text, seed=seed, **voice))
+        responses = stream.infer("cosyvoice2", synthesis_request(text, seed=seed, **voice).tensors())
     errors = [r.error for r in responses if r.error]
     assert not errors, errors
     return [r.outputs["waveform"] for r in responses if r.outputs.get("waveform") is not None
@@ -273,8 +273,7 @@ def test_a_prompt_recording_instead_of_a_voice_id(gateway, triton):
             "seed": 21, "format": "pcm_f32", "stream": True}  # streamed: the chunks of `direct`
     status, headers, raw = run(post_json(gateway.url + "/v1/tts", body))
     assert status == 200, raw[:300]
-    want = direct(triton, text, 21, prompt_text=PROMPT_TEXT,
-                  reference_audio=np.array([PROMPT_WAV], dtype=object))
+    want = direct(triton, text, 21, prompt_text=PROMPT_TEXT, prompt_audio=PROMPT_WAV)
     np.testing.assert_allclose(np.frombuffer(raw, "<f4"), np.concatenate(want), rtol=0, atol=ATOL)
 
 
@@ -324,12 +323,6 @@ def test_bad_inputs_get_a_4xx_naming_the_field(gateway, body, status, param):
 FIRST_HOP = 4  # the smallest first hop (pipeline/chunk_policy.py); the default is 25 tokens
 
 
-def chunk_tensors(overrides: dict) -> dict[str, np.ndarray]:
-    """The overrides as cosyvoice2 inputs, for the direct reference."""
-    return {name: np.array([value], np.float32 if name == "chunk_hop_scale" else np.int32)
-            for name, value in overrides.items()}
-
-
 @pytest.mark.parametrize("overrides", [
     {"chunk_first_hop": FIRST_HOP},
     {"chunk_first_hop": 8, "chunk_hop_scale": 1, "chunk_max_hop": 8},  # fixed hops of 8 (1: a JSON int)
@@ -340,7 +333,7 @@ def test_chunk_policy_overrides_reach_the_model(gateway, triton, voice_id, refer
     body = {"text": TEXT, "voice_id": voice_id, "seed": 7, "format": "pcm_f32", "stream": True, **overrides}
     _, chunks = run(post_stream(gateway.url + "/v1/tts", body))
     got = [np.frombuffer(chunk, "<f4") for chunk in chunks]
-    want = direct(triton, TEXT, 7, voice_id=voice_id, **chunk_tensors(overrides))
+    want = direct(triton, TEXT, 7, voice_id=voice_id, **overrides)
     assert len(got) == len(want) > len(reference)
     assert got[0].size < reference[0].size
     assert sum(c.size for c in got) == sum(c.size for c in reference)
@@ -370,7 +363,7 @@ def test_websocket_segments_keep_the_start_messages_chunk_policy(gateway, triton
     frames, messages = run(session())
     assert [m["type"] for m in messages] == ["started", "segment", "segment", "end"]
     for index, (text, seed) in enumerate([(first, 11), (second, 11 + 1000)]):
-        want = direct(triton, text, seed, voice_id=voice_id, **chunk_tensors({"chunk_first_hop": FIRST_HOP}))
+        want = direct(triton, text, seed, voice_id=voice_id, chunk_first_hop=FIRST_HOP)
         default = direct(triton, text, seed, voice_id=voice_id)
         assert len(frames[index]) == len(want) > len(default)
         for chunk, expected in zip(frames[index], want, strict=True):
@@ -385,9 +378,9 @@ def test_chunk_overrides_are_sent_only_when_given_and_triton_errors_on_them_name
     assert "chunk_hop_scale" not in replace(session, chunk_overrides={}).tensors()
     # a server with another default policy may refuse what the gateway let through: its error names the field
     refused = InvalidInput("chunk_max_hop", "must be >= first hop 60, got 50").to_wire()
-    error = gateway_error(TritonCallError(from_wire(refused)), TTS_FIELDS)
-    assert (error.status, error.field, error.message) == (400, "chunk_max_hop",
-                                                         "chunk_max_hop: must be >= first hop 60, got 50")
+    error = upstream(from_wire(refused), TTS_FIELDS)
+    assert (http_status(error), error.field, error.message) == (400, "chunk_max_hop",
+                                                               "chunk_max_hop: must be >= first hop 60, got 50")
 
 
 # ---- OpenAI-compatible --------------------------------------------------------------------------------
@@ -739,8 +732,9 @@ def test_a_finished_stream_ends_its_grpc_call_with_ok_not_a_cancel(triton, voice
     import grpc
 
     from cosyvoice_triton.client import AsyncTritonTTS, TritonTTS, TTSError
-    from cosyvoice_triton.gateway.triton_channel import TritonCallError, TritonClient
-    from cosyvoice_triton.triton.contracts import synthesis_inputs
+    from cosyvoice_triton.errors import RemoteError
+    from cosyvoice_triton.gateway.triton_channel import TritonClient
+    from cosyvoice_triton.client.triton_client import synthesis_request
 
     text = "A short finished stream."
 
@@ -752,10 +746,10 @@ def test_a_finished_stream_ends_its_grpc_call_with_ok_not_a_cancel(triton, voice
         start = client._stub.ModelStreamInfer
         client._stub.ModelStreamInfer = lambda requests: calls.append(start(requests)) or calls[-1]
         try:
-            chunks = [c async for c in client.stream("cosyvoice2", synthesis_inputs(text, voice_id=voice, seed=1),
-                                                     first_timeout_s=120, chunk_timeout_s=120)]
-        except TritonCallError as exc:
-            chunks = exc.kind
+            request = synthesis_request(text, voice_id=voice, seed=1).tensors()
+            chunks = [c async for c in client.stream("cosyvoice2", request, first_timeout_s=120, chunk_timeout_s=120)]
+        except RemoteError as exc:
+            chunks = exc.code
         finally:
             code = await calls[0].code()
             await client.close()

@@ -25,7 +25,7 @@ from cosyvoice_triton.gateway.config import (
     add_gateway_arguments,
     config_from_args,
 )
-from cosyvoice_triton.gateway.errors import ServiceUnavailable
+from cosyvoice_triton.errors import Unavailable
 from cosyvoice_triton.gateway.metrics import GatewayMetrics
 from cosyvoice_triton.gateway.routing import Router
 from cosyvoice_triton.gateway.state import ROUTER
@@ -146,7 +146,7 @@ def test_servers_join_after_their_first_health_check():
         dns, servers = Dns(tts=["10.0.0.1", "10.0.0.2"]), FakeServers("10.0.0.1:8001")
         router = dns_router(dns, servers)
         assert router.servers == [] and router.healthy() == []
-        with pytest.raises(ServiceUnavailable):
+        with pytest.raises(Unavailable):
             router.pick()
         await router.rediscover()
         assert members(router) == {"10.0.0.1:8001": True, "10.0.0.2:8001": False}  # checked at once

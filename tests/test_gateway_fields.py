@@ -1,7 +1,7 @@
 """The gateway's field aliases (gateway/fields.py): one table, used by /v1/tts and the WebSocket."""
 import pytest
 
-from cosyvoice_triton.gateway.errors import BadRequest
+from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.gateway.fields import FIELD_ALIASES, resolve_aliases
 
 
@@ -17,6 +17,6 @@ def test_documented_fields_pass_unchanged():
 
 
 def test_alias_and_field_together_is_refused_naming_the_alias():
-    with pytest.raises(BadRequest) as caught:
+    with pytest.raises(InvalidInput) as caught:
         resolve_aliases({"voice": "a", "voice_id": "b"})
     assert caught.value.field == "voice"

@@ -1,4 +1,4 @@
-"""Each gateway route's body -> its typed request (gateway/protocol.py) -> the Triton inputs (contracts.py),
+"""Each gateway route's body -> its typed request (gateway/protocol.py) -> the Triton inputs (wire/requests.py),
 without a server: the fields each API names, the library's checks (the ones the model runs on its tensors)
 with errors naming the API's field, a prompt recording decoded once and sent as samples, a voice read once."""
 from __future__ import annotations
@@ -19,17 +19,19 @@ from cosyvoice_triton.errors import InvalidInput, NotFound
 from cosyvoice_triton.gateway import auth
 from cosyvoice_triton.gateway.config import Limits
 from cosyvoice_triton.gateway.default_voice import DefaultVoice
-from cosyvoice_triton.gateway.errors import BadRequest, PayloadTooLarge
+from cosyvoice_triton.errors import TooLarge
+from cosyvoice_triton.gateway.errors import http_status
 from cosyvoice_triton.gateway.fields import OPENAI_FIELDS, REGISTER_FIELDS, TTS_FIELDS
 from cosyvoice_triton.gateway.protocol import (START_KEYS, TTS_KEYS, VC_KEYS, parse_registration, parse_speech,
                                                parse_start, parse_tts, parse_vc, parse_vc_message)
 from cosyvoice_triton.gateway.routing import CostModel
 from cosyvoice_triton.gateway.state import COSTS, DEFAULT_VOICE, STORE
 from cosyvoice_triton.gateway.synthesis import decode_recording, prepare, prepare_conversion, routing_cost
-from cosyvoice_triton.messages import SEED_LIMIT, SamplingParams
+from cosyvoice_triton.messages import SEED_LIMIT
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
-from cosyvoice_triton.triton.contracts import INPUT_NAMES, parse_synthesis_inputs
-from cosyvoice_triton.triton.tensors import TensorReader
+from cosyvoice_triton.wire.names import INPUT_NAMES
+from cosyvoice_triton.wire.requests import parse_synthesis_inputs
+from cosyvoice_triton.wire.tensors import TensorReader
 from cosyvoice_triton.voices.store import VoiceRecord
 
 LIMITS = Limits(max_text_chars=50)
@@ -84,9 +86,9 @@ def test_defaults_are_not_sent_and_a_request_without_a_seed_gets_one():
     ({"nope": 1}, "nope"),
 ])
 def test_a_bad_tts_field_is_a_400_naming_it(body, field):
-    with pytest.raises(BadRequest) as error:
+    with pytest.raises(InvalidInput) as error:
         parse_tts({"text": "Hi.", **body}, LIMITS)
-    assert field_of(error) == field and error.value.status == 400
+    assert field_of(error) == field and http_status(error.value) == 400
 
 
 def test_the_gateway_and_the_model_run_the_same_checks():
@@ -95,11 +97,11 @@ def test_the_gateway_and_the_model_run_the_same_checks():
                           ({"chunk_first_hop": 2}, {"chunk_first_hop": np.array([2], np.int32)}),
                           ({"mode": "instruct2"}, {"mode": np.array([b"instruct2"], object)}),
                           ({"text": " "}, {"target_text": np.array([b" "], object)})]:
-        with pytest.raises(BadRequest) as gateway:
+        with pytest.raises(InvalidInput) as gateway:
             parse_tts({"text": "Hi.", **body}, LIMITS)
         good = parse_tts({"text": "Hi.", "voice_id": "v"}, LIMITS).inputs.tensors()
         with pytest.raises(InvalidInput) as model:
-            parse_synthesis_inputs(TensorReader({**good, **tensors}), SamplingParams(), LIMITS.max_text_chars)
+            parse_synthesis_inputs(TensorReader({**good, **tensors}), LIMITS.max_text_chars)
         assert (TTS_FIELDS.of_input(model.value.field), model.value.problem) == (gateway.value.field,
                                                                                 gateway.value.message.split(": ", 1)[1])
 
@@ -107,8 +109,9 @@ def test_the_gateway_and_the_model_run_the_same_checks():
 def test_the_model_reads_back_what_the_gateway_sent():
     inputs = parse_tts({"text": "Hi.", "voice_id": "v", "seed": 3, "speed": 0.5, "chunk_max_hop": 60,
                         "instruct": "x", "mode": "instruct2"}, LIMITS).inputs
-    parsed = parse_synthesis_inputs(TensorReader(inputs.tensors()), SamplingParams(top_k=7), LIMITS.max_text_chars)
-    assert parsed == replace(inputs, sampling=SamplingParams(top_k=7))  # the server's sampling fills the rest
+    parsed = parse_synthesis_inputs(TensorReader({**inputs.tensors(), "top_k": np.array([7], np.int32)}),
+                                    LIMITS.max_text_chars)
+    assert parsed == replace(inputs, sampling={"top_k": 7})  # the server's sampling fills the rest
 
 
 # ---- /v1/audio/speech ---------------------------------------------------------------------------------------
@@ -130,7 +133,7 @@ def test_an_openai_body_becomes_the_same_request():
     ({"stream_format": "x"}, "stream_format"), ({"stream": 1}, "stream"),
 ])
 def test_a_bad_openai_field_is_a_400_naming_it(body, field):
-    with pytest.raises(BadRequest) as error:
+    with pytest.raises(InvalidInput) as error:
         parse_speech({"model": "tts-1", "input": "Hi.", "voice": "default", **body}, LIMITS)
     assert field_of(error) == field
 
@@ -146,11 +149,11 @@ def test_a_start_message_is_the_session_settings_checked_without_a_text():
     assert segment["chunk_hop_scale"].tolist() == [1.5]
     for message, field in [({"text_mode": "x"}, "text_mode"), ({"seed": -1}, "seed"), ({"nope": 1}, "nope"),
                            ({"chunk_hop_scale": "x"}, "chunk_hop_scale"), ({"format": "exe"}, "format")]:
-        with pytest.raises(BadRequest) as error:
+        with pytest.raises(InvalidInput) as error:
             parse_start({"type": "start", **message}, LIMITS)
         assert field_of(error) == field
     assert parse_vc_message({"type": "vc", "audio": b64(b"RIFF")}, LIMITS).file_bytes == b"RIFF"
-    with pytest.raises(BadRequest) as error:
+    with pytest.raises(InvalidInput) as error:
         parse_vc_message({"type": "vc", "audio": 5}, LIMITS)
     assert field_of(error) == "audio"
 
@@ -164,10 +167,10 @@ def test_a_vc_form_becomes_a_conversion():
     for form, field in [({"seed": "x"}, "seed"), ({"seed": "-1"}, "seed"), ({"speed": "9"}, "speed"),
                         ({"speed": "fast"}, "speed"), ({"stream": "yes"}, "stream"), ({"audio": b""}, "audio"),
                         ({"format": "exe"}, "format"), ({"text": "x"}, "text")]:
-        with pytest.raises(BadRequest) as error:
+        with pytest.raises(InvalidInput) as error:
             parse_vc({"audio": b"src", **form}, LIMITS)
         assert field_of(error) == field
-    with pytest.raises(PayloadTooLarge):
+    with pytest.raises(TooLarge):
         parse_vc({"audio": b"x" * 11}, Limits(max_upload_bytes=10))
 
 
@@ -178,7 +181,7 @@ def test_a_registration_from_json_or_a_form():
     for values, field in [({"audio": 5}, "audio"), ({"audio": None}, "audio"), ({"text": "\x1b[31m"}, "text"),
                           ({"prompt_text": 5}, "prompt_text"), ({"id": 5}, "id"), ({"name": "a\x00"}, "name"),
                           ({"shared": "maybe"}, "shared")]:
-        with pytest.raises(BadRequest) as error:
+        with pytest.raises(InvalidInput) as error:
             parse_registration({"audio": b"RIFF", **values}, LIMITS)
         assert field_of(error) == field
 
@@ -232,11 +235,11 @@ def test_a_prompt_recording_is_decoded_once_and_sent_as_samples():
     assert "reference_audio" not in tensors and tensors["reference_sample_rate"].tolist() == [RATE]
     assert tensors["reference_wav"].shape == (2 * RATE,) and prompt_tokens == 50 and store.reads == []
     assert run(app_with(store), lambda app: decode_recording(inputs.audio, "prompt_audio")) is inputs.audio
-    with pytest.raises(BadRequest) as error:
+    with pytest.raises(InvalidInput) as error:
         run(app_with(store), lambda app: prepare(app, replace(request.inputs, prompt_text=None), TTS_FIELDS))
     assert field_of(error) == "prompt_text"
     noise = parse_tts({"text": "Hi.", "prompt_audio": b64(b"RIFF" + bytes(100)), "prompt_text": "x"}, LIMITS)
-    with pytest.raises(BadRequest) as error:
+    with pytest.raises(InvalidInput) as error:
         run(app_with(store), lambda app: prepare(app, noise.inputs, TTS_FIELDS))
     assert field_of(error) == "prompt_audio"
 
@@ -250,7 +253,7 @@ def test_a_voice_is_read_once_and_an_unregistered_openai_name_speaks_as_default(
     tts = parse_tts({"text": "Hi.", "voice_id": "me", "mode": "cross_lingual"}, LIMITS)
     inputs, tokens = run(app_with(store), lambda app: prepare(app, tts.inputs, TTS_FIELDS))
     assert (inputs.voice_id, tokens, store.reads) == ("me", 50, ["me"])
-    with pytest.raises(BadRequest) as error:  # zero_shot with a voice registered without a transcript
+    with pytest.raises(InvalidInput) as error:  # zero_shot with a voice registered without a transcript
         run(app_with(store), lambda app: prepare(app, replace(tts.inputs, mode="zero_shot"), TTS_FIELDS))
     assert field_of(error) == "prompt_text"
 
@@ -264,7 +267,7 @@ def test_a_conversion_sends_both_recordings_as_samples_and_costs_its_source():
     assert tensors["mode"].tolist() == [b"vc"] and tensors["source_wav"].shape == (3 * RATE,)
     assert "source_audio" not in tensors and "reference_audio" not in tensors and store.reads == []
     assert routing_cost(app, inputs, prompt_tokens) == app[COSTS].estimate("", 50 + 75, True)
-    with pytest.raises(BadRequest) as error:
+    with pytest.raises(InvalidInput) as error:
         run(app, lambda app: prepare_conversion(app, replace(vc.inputs, voice_id="me"), TTS_FIELDS))
     assert field_of(error) == "voice_id"  # an id and a recording: not both
 
@@ -279,8 +282,8 @@ API_FIELDS = (START_KEYS | TTS_KEYS | VC_KEYS | OFFICIAL_FIELDS
 WIRE_ONLY = sorted(INPUT_NAMES - API_FIELDS)  # the Triton inputs no API field is named like
 
 
-def test_tensor_names_appear_in_contracts_alone():
-    """The gateway names API fields; what the Triton inputs are called is contracts.py's business."""
+def test_tensor_names_appear_in_the_wire_package_alone():
+    """The gateway names API fields; what the Triton inputs are called is the wire package's business."""
     assert {"target_text", "reference_audio_id", "reference_wav", "source_audio", "text_stream_id"} <= set(WIRE_ONLY)
     quoted = re.compile("|".join(rf"[\"']{re.escape(name)}[\"']" for name in WIRE_ONLY))
     offenders = [f"{path.name}: {match.group()}" for path in GATEWAY.glob("*.py")

@@ -21,15 +21,14 @@ import soundfile as sf
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.gateway.config import GatewayConfig, RoutingConfig
 from cosyvoice_triton.targets import TritonTarget
-from cosyvoice_triton.gateway.errors import ServiceUnavailable
+from cosyvoice_triton.errors import Unavailable
 from cosyvoice_triton.admission import BASE_COST, ENCODE_COST
 from cosyvoice_triton.gateway.routing import CostModel, Router
 from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.gateway.state import ROUTER
 from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.gateway.testing import GatewayThread, get_json
-from cosyvoice_triton.errors import CosyVoiceError, InvalidInput, NotFound, Unavailable, from_wire
-from cosyvoice_triton.gateway.triton_channel import TritonCallError
+from cosyvoice_triton.errors import CosyVoiceError, InvalidInput, NotFound, RemoteError, Unavailable, from_wire
 from cosyvoice_triton.server import free_port
 from cli_harness import CliProcess
 from polling import wait_until
@@ -99,7 +98,7 @@ def test_unhealthy_and_excluded_servers_are_skipped():
     r.set_health(b, False, "test")
     assert {r.pick(exclude=[a]).name for _ in range(3)} == {"h2:8001"}
     r.set_health(c, False, "test")
-    with pytest.raises(ServiceUnavailable):
+    with pytest.raises(Unavailable):
         r.pick(exclude=[a])
     r.set_health(b, True)
     assert r.pick(exclude=[a]) is b
@@ -122,18 +121,20 @@ def test_metric_parsing_and_error_messages():
             'cosyvoice_active_streams{instance="cosyvoice2_1_0",model="cosyvoice2"} 1\n')
     assert metric_sum(text, "nv_inference_pending_request_count", "cosyvoice2") == 3
     assert metric_sum(text, "cosyvoice_active_streams", "cosyvoice2") == 3
-    def read(error) -> TritonCallError:  # as a model's error comes back to the gateway
-        return TritonCallError(from_wire(error.to_wire()))
+    def read(error) -> RemoteError:  # as a model's error comes back to the gateway
+        return RemoteError(from_wire(error.to_wire()))
 
     invalid = read(InvalidInput("target_text", "must not be empty"))
-    assert (invalid.kind, invalid.field, invalid.problem, invalid.retryable) == (
-        "invalid", "target_text", "must not be empty", False)
-    assert read(NotFound("reference_audio_id", "no voice 'x' is registered")).kind == "not_found"
+    assert (invalid.code, invalid.field, invalid.problem, invalid.retryable) == (
+        "invalid_input", "target_text", "must not be empty", False)
+    assert read(NotFound("reference_audio_id", "no voice 'x' is registered")).code == "not_found"
     busy = read(Unavailable("cosyvoice2 has 16 requests running and 64 waiting"))
-    assert busy.kind == "busy" and busy.retryable
-    assert read(CosyVoiceError("internal error (KeyError)")).kind == "internal"
-    assert TritonCallError(from_wire("Request for unknown model 'x'", "NOT_FOUND")).kind == "internal"
-    assert TritonCallError(from_wire("failed to connect to all addresses", "UNAVAILABLE")).kind == "unreachable"
+    assert busy.code == "unavailable" and busy.retryable
+    assert not read(CosyVoiceError("internal error (KeyError)")).retryable
+    unknown_model = RemoteError(from_wire("Request for unknown model 'x'", "NOT_FOUND"))
+    assert (unknown_model.code, unknown_model.field, unknown_model.retryable) == ("not_found", None, False)
+    unreachable = RemoteError(from_wire("failed to connect to all addresses", "UNAVAILABLE"))
+    assert unreachable.code == "unreachable" and unreachable.retryable
 
 
 # ---- two real servers --------------------------------------------------------------------------------

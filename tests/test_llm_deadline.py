@@ -20,8 +20,9 @@ from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.pipeline.pipeline import with_lead
 from cosyvoice_triton.pipeline.playback import Playback
 from cosyvoice_triton.random_folder.write import write_random_model
-from cosyvoice_triton.triton import contracts
-from cosyvoice_triton.triton.tensors import TensorReader
+from cosyvoice_triton.wire.stage_tensors import llm_inputs, parse_llm_request
+from cosyvoice_triton.wire.names import LEAD_S
+from cosyvoice_triton.wire.tensors import TensorReader
 
 from test_llm_scheduler import make_request
 
@@ -91,11 +92,11 @@ def test_lead_round_trips_through_the_llm_contract_and_a_negative_one_is_refused
     from cosyvoice_triton.messages import SamplingParams
 
     request = replace(make_request_stub(), lead_s=0.75)
-    parsed = contracts.parse_llm_request(TensorReader(contracts.llm_inputs(request)), SamplingParams())
+    parsed = parse_llm_request(TensorReader(llm_inputs(request)), SamplingParams())
     assert parsed.lead_s == pytest.approx(0.75)
-    assert contracts.parse_llm_request(TensorReader(contracts.llm_inputs(make_request_stub())),
+    assert parse_llm_request(TensorReader(llm_inputs(make_request_stub())),
                                        SamplingParams()).lead_s is None
-    values = {**contracts.llm_inputs(request), contracts.LEAD_S: np.array([-1.0], dtype=np.float32)}
+    values = {**llm_inputs(request), LEAD_S: np.array([-1.0], dtype=np.float32)}
     with pytest.raises(InvalidInput) as refused:
-        contracts.parse_llm_request(TensorReader(values), SamplingParams())
-    assert refused.value.field == contracts.LEAD_S
+        parse_llm_request(TensorReader(values), SamplingParams())
+    assert refused.value.field == LEAD_S

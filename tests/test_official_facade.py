@@ -22,7 +22,8 @@ from cosyvoice_triton.errors import from_wire
 from cosyvoice_triton.gateway.config import GatewayConfig, RoutingConfig, config_from_args
 from cosyvoice_triton.gateway.testing import GatewayThread
 from cosyvoice_triton.gateway.triton_facade import OFFICIAL_TRITON_PORT
-from cosyvoice_triton.triton.contracts import official_model_for, synthesis_inputs
+from cosyvoice_triton.wire.official import official_model_for
+from cosyvoice_triton.client.triton_client import synthesis_request
 from test_official_triton import (ATOL, OFFLINE, PROMPT_TEXT, RATE, RATIO, SEED, STREAMING, TEXT, assert_same,
                                   official_inputs, prompt_wav)
 from triton_harness import GrpcStream, grpc_inputs, metric_value, scrape, tritonserver_or_skip, wait_for_metric
@@ -149,8 +150,8 @@ def test_streaming_as_client_grpc_equals_triton_and_native_requests_pass_unchang
     got = stream(stack.facade, "cosyvoice2", official())
     assert len(got) > 1 and all(c.ndim == 2 and c.shape[0] == 1 for c in got)  # [1, n]: cosyvoice2_official's
     assert_same([c.reshape(-1) for c in got], want)
-    native = stream(stack.facade, "cosyvoice2", synthesis_inputs(TEXT, samples=prompt_wav(), sample_rate=RATE,
-                                                                  prompt_text=PROMPT_TEXT, seed=SEED))
+    native = stream(stack.facade, "cosyvoice2", synthesis_request(TEXT, prompt_audio=prompt_wav(), prompt_sample_rate=RATE,
+                                                                  prompt_text=PROMPT_TEXT, seed=SEED).tensors())
     assert all(c.ndim == 1 for c in native)  # our cosyvoice2's own answer: the request was passed on as it was
     assert_same(native, want)
 

@@ -21,12 +21,13 @@ import numpy as np
 import pytest
 
 from cosyvoice_triton.errors import InvalidInput, from_wire
-from cosyvoice_triton.messages import SamplingParams
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
-from cosyvoice_triton.triton.contracts import (DEFAULT_VOICE_ID, OFFICIAL_MODELS, SynthesisInputs, TextAppend,
-                                               from_official_form, parse_cosyvoice2_request, register_inputs,
-                                               synthesis_inputs)
-from cosyvoice_triton.triton.tensors import TensorReader
+from cosyvoice_triton.client.triton_client import synthesis_request
+from cosyvoice_triton.wire.names import DEFAULT_VOICE_ID, OFFICIAL_MODELS, REFERENCE_WAV_LEN
+from cosyvoice_triton.wire.official import from_official_form
+from cosyvoice_triton.wire.requests import (PromptAudio, RegisterInputs, SynthesisInputs, TextAppend,
+                                            parse_cosyvoice2_request)
+from cosyvoice_triton.wire.tensors import TensorReader
 from triton_harness import GrpcStream, grpc_inputs, tritonserver_or_skip
 
 RATE = 16000  # the official server's only prompt rate
@@ -59,7 +60,7 @@ def official_inputs(text: str, wav: np.ndarray | None = None, prompt_text: str |
 
 
 def converted(values: dict[str, np.ndarray], has_voice=lambda voice_id: True):
-    return parse_cosyvoice2_request(TensorReader(from_official_form(values, has_voice)), SamplingParams(), 2000)
+    return parse_cosyvoice2_request(TensorReader(from_official_form(values, has_voice)), 2000)
 
 
 # ---- the conversion, without Triton -------------------------------------------------------------------
@@ -71,9 +72,8 @@ def test_official_arrays_become_the_native_request():
     assert (inputs.text, inputs.prompt_text, inputs.seed, inputs.voice_id) == (TEXT, PROMPT_TEXT, SEED, None)
     assert inputs.audio.sample_rate == RATE  # not sent: the official server's rate
     np.testing.assert_array_equal(inputs.audio.samples, wav)  # the padding past reference_wav_len is gone
-    native = parse_cosyvoice2_request(TensorReader(synthesis_inputs(TEXT, samples=wav, sample_rate=RATE,
-                                                                    prompt_text=PROMPT_TEXT, seed=SEED)),
-                                      SamplingParams(), 2000)
+    native = parse_cosyvoice2_request(TensorReader(synthesis_request(TEXT, prompt_audio=wav, prompt_sample_rate=RATE,
+                                                                    prompt_text=PROMPT_TEXT, seed=SEED).tensors()), 2000)
     assert native.text == inputs.text and native.audio.sample_rate == inputs.audio.sample_rate
 
 
@@ -116,18 +116,17 @@ def test_a_batch_other_than_one_is_refused_naming_the_input(name):
 def test_the_native_form_honours_reference_wav_len_too():
     wav = prompt_wav()
     padded = np.concatenate([wav, np.zeros(RATE, np.float32)])
-    values = synthesis_inputs(TEXT, samples=padded, sample_rate=RATE, prompt_text=PROMPT_TEXT,
-                              reference_wav_len=np.array([wav.size], np.int32))
-    inputs = parse_cosyvoice2_request(TensorReader(values), SamplingParams(), 2000)
+    values = {**synthesis_request(TEXT, prompt_audio=padded, prompt_sample_rate=RATE, prompt_text=PROMPT_TEXT).tensors(),
+              REFERENCE_WAV_LEN: np.array([wav.size], np.int32)}
+    inputs = parse_cosyvoice2_request(TensorReader(values), 2000)
     np.testing.assert_array_equal(inputs.audio.samples, wav)
     for bad in (padded.size + 1, -1):  # past the samples sent, or negative
         with pytest.raises(InvalidInput) as error:
-            parse_cosyvoice2_request(TensorReader({**values, "reference_wav_len": np.array([bad], np.int32)}),
-                                     SamplingParams(), 2000)
+            parse_cosyvoice2_request(TensorReader({**values, "reference_wav_len": np.array([bad], np.int32)}), 2000)
         assert error.value.field == "reference_wav_len"
-    alone = synthesis_inputs(TEXT, voice_id="v", reference_wav_len=np.array([5], np.int32))
+    alone = {**synthesis_request(TEXT, voice_id="v").tensors(), REFERENCE_WAV_LEN: np.array([5], np.int32)}
     with pytest.raises(InvalidInput) as error:
-        parse_cosyvoice2_request(TensorReader(alone), SamplingParams(), 2000)
+        parse_cosyvoice2_request(TensorReader(alone), 2000)
     assert error.value.field == "reference_wav_len"
 
 
@@ -168,7 +167,7 @@ def test_serve_and_up_turn_them_on_by_default():
 def test_the_parameter_types_agree():
     import typing
 
-    from cosyvoice_triton.triton.contracts import TENSOR_FORMS
+    from cosyvoice_triton.wire.official import TENSOR_FORMS
     from cosyvoice_triton.triton.params import TensorForm
 
     assert typing.get_args(TensorForm) == TENSOR_FORMS
@@ -228,14 +227,14 @@ def assert_same(got: list[np.ndarray], want: list[np.ndarray]) -> None:
 
 @pytest.fixture(scope="module")
 def native_stream(server) -> list[np.ndarray]:
-    return stream(server, "cosyvoice2", synthesis_inputs(TEXT, samples=prompt_wav(), sample_rate=RATE,
-                                                         prompt_text=PROMPT_TEXT, seed=SEED))
+    return stream(server, "cosyvoice2", synthesis_request(TEXT, prompt_audio=prompt_wav(), prompt_sample_rate=RATE,
+                                                         prompt_text=PROMPT_TEXT, seed=SEED).tensors())
 
 
 @pytest.fixture(scope="module")
 def native_whole(server) -> np.ndarray:
-    return infer(server, "cosyvoice2_offline", synthesis_inputs(TEXT, samples=prompt_wav(), sample_rate=RATE,
-                                                                 prompt_text=PROMPT_TEXT, seed=SEED))
+    return infer(server, "cosyvoice2_offline", synthesis_request(TEXT, prompt_audio=prompt_wav(), prompt_sample_rate=RATE,
+                                                                 prompt_text=PROMPT_TEXT, seed=SEED).tensors())
 
 
 def test_streaming_as_client_grpc_equals_our_cosyvoice2(server, native_stream):
@@ -283,13 +282,12 @@ def test_the_spk2info_form_speaks_in_the_registered_default_voice(server):
     import tritonclient.grpc as grpcclient
 
     # As the gateway registers it at start (gateway/default_voice.py): register_voice with voice_id "default".
-    values = register_inputs(voice_id=DEFAULT_VOICE_ID, samples=prompt_wav(), sample_rate=RATE,
-                             prompt_text=PROMPT_TEXT)
+    values = RegisterInputs(PromptAudio(prompt_wav(), RATE), PROMPT_TEXT, voice_id=DEFAULT_VOICE_ID).tensors()
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         result = client.infer("register_voice", grpc_inputs(values), client_timeout=180)
     assert result.as_numpy("voice_id")[0].decode() == DEFAULT_VOICE_ID
     got = stream(server, STREAMING, official_inputs(TEXT))  # target_text (and seed) alone
-    want = stream(server, "cosyvoice2", synthesis_inputs(TEXT, voice_id=DEFAULT_VOICE_ID, seed=SEED))
+    want = stream(server, "cosyvoice2", synthesis_request(TEXT, voice_id=DEFAULT_VOICE_ID, seed=SEED).tensors())
     assert_same([c.reshape(-1) for c in got], want)
 
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from cosyvoice_triton.engines import providers
-from cosyvoice_triton.engines.base import EngineUnavailable
+from cosyvoice_triton.errors import DeviceUnavailable, EngineUnavailable
 from cosyvoice_triton.engines.onnx_export import token2wav_onnx
 from cosyvoice_triton.engines.onnx_graphs import example_inputs, token2wav_specs
 from cosyvoice_triton.engines.ort_runner import OrtRunner
-from cosyvoice_triton.engines.providers import (DeviceUnavailable, Provider, check_torch_device, choose_providers,
+from cosyvoice_triton.engines.providers import (Provider, check_torch_device, choose_providers,
                                                 parse_providers)
 from cosyvoice_triton.engines.select import build_token2wav, open_campplus
 from cosyvoice_triton.models.flow import FlowModel

@@ -202,7 +202,8 @@ def _server(**fields):
 
 def test_the_gateway_counts_real_time_slots_and_records_the_queue_place():
     from cosyvoice_triton.gateway import admission
-    from cosyvoice_triton.gateway.errors import Overloaded
+    from cosyvoice_triton.errors import Overloaded
+    from cosyvoice_triton.gateway.errors import answer_headers, http_status
 
     policy = AdmissionPolicy(max_wait_s=2.0)
     server = _server(slots=16, llm_slots=8, realtime_slots=2, seconds_per_cost=0.01, inflight=1)
@@ -219,7 +220,7 @@ def test_the_gateway_counts_real_time_slots_and_records_the_queue_place():
     server.external = 5.0  # (4 * 100 + 100) / 2 * 0.01 = 2.5 s > 2 s
     with pytest.raises(Overloaded) as refused:
         admission.check(policy, server, 100.0)
-    assert refused.value.status == 503 and refused.value.headers["Retry-After"] == "1"
+    assert http_status(refused.value) == 503 and answer_headers(refused.value)["Retry-After"] == "1"
 
 
 def test_routing_avoids_a_server_without_real_time_room_and_weighs_cost_by_capacity():

@@ -25,7 +25,7 @@ from cosyvoice_triton.perf.exact_length import exact_length, exact_length_option
 from cosyvoice_triton.random_folder.write import write_random_model
 from cosyvoice_triton.llm.generate import generate
 from cosyvoice_triton.server.launcher import ServeOptions, prepare
-from cosyvoice_triton.triton.contracts import llm_inputs
+from cosyvoice_triton.wire.stage_tensors import llm_inputs
 from triton_harness import GrpcStream, tritonserver_or_skip
 
 pytestmark = pytest.mark.timeout(900)

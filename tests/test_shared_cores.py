@@ -148,12 +148,12 @@ def shared_server(tmp_path_factory):
 
 
 def _served(url: str, wav: np.ndarray, seed: int) -> list[np.ndarray]:
-    from cosyvoice_triton.triton.contracts import synthesis_inputs
+    from cosyvoice_triton.client.triton_client import synthesis_request
     from triton_harness import GrpcStream
 
     with GrpcStream(url, timeout_s=180) as stream:
-        responses = stream.infer("cosyvoice2", synthesis_inputs(TEXT, samples=wav, sample_rate=RATE,
-                                                                prompt_text=PROMPT_TEXT, seed=seed))
+        responses = stream.infer("cosyvoice2", synthesis_request(TEXT, prompt_audio=wav, prompt_sample_rate=RATE,
+                                                                prompt_text=PROMPT_TEXT, seed=seed).tensors())
     assert all(r.error is None for r in responses), [r.error for r in responses]
     return [r.outputs["waveform"].reshape(-1) for r in responses if r.outputs and r.outputs["waveform"].size]
 

@@ -144,7 +144,7 @@ def test_ssml_marks_breaks_and_spans(tts, voice, stream):
 
 
 def test_marks_need_sentences():
-    from cosyvoice_triton.triton.contracts import SynthesisInputs
+    from cosyvoice_triton.wire.requests import SynthesisInputs
 
     with pytest.raises(InvalidInput) as error:
         SynthesisInputs(text="", text_mode="bistream", text_stream_id="s", marks=True).check(100)

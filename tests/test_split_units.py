@@ -16,7 +16,8 @@ from cosyvoice_triton.messages import ChunkRequest, FlowPrompt
 from cosyvoice_triton.server.launcher import ServeOptions, render_run_repository, role_models
 from cosyvoice_triton.targets import TritonTarget
 from cosyvoice_triton.triton.remote_token2wav import PoolStats, RemoteToken2Wav, Transport
-from cosyvoice_triton.triton.tensors import RemoteError
+from cosyvoice_triton.errors import RemoteError
+from cosyvoice_triton.triton.pb_glue import remote_error
 
 MODELS = ["audio_tokenizer", "cosyvoice2", "cosyvoice2_offline", "llm", "prompt_audio", "prompt_encoder",
           "register_voice", "speaker_embedding", "token2wav"]
@@ -74,7 +75,7 @@ class ScriptedTransport:
         cancel = "cancel" in inputs
         first = "prompt_mel" in inputs
         if self.full and first:
-            raise RemoteError(model, "token2wav is full", 4)
+            raise remote_error(model, "token2wav is full", 4)
         self.calls.append((stream_id, first, cancel))
         return {"waveform": np.full((1, 3), len(self.calls), np.float32)}
 
@@ -142,7 +143,7 @@ def test_a_bad_request_is_not_retried_elsewhere():
     remote, (b0, b1) = pool()
 
     def refuse(model, inputs, request_id):
-        raise RemoteError(model, "tokens: out of range", 3)
+        raise remote_error(model, "tokens: out of range", 3)
 
     b0.infer = refuse
     with pytest.raises(RemoteError, match="out of range"):

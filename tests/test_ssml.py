@@ -19,7 +19,10 @@ from cosyvoice_triton.messages import SAMPLE_RATE
 from cosyvoice_triton.pipeline.seeds import sentence_seeds
 from cosyvoice_triton.preprocess.ssml import (MAX_PARTS, Mark, Pause, Speech, expand_say_as, is_ssml, ordinal_words,
                                               parse_ssml)
-from cosyvoice_triton.triton.contracts import SynthesisInputs
+from cosyvoice_triton.errors import InvalidInput
+from cosyvoice_triton.gateway.fields import TTS_FIELDS
+from cosyvoice_triton.gateway.synthesis import ssml_voice_ids
+from cosyvoice_triton.wire.requests import SynthesisInputs
 
 SEED = 1234
 TIMEOUT = aiohttp.ClientTimeout(total=180)
@@ -140,9 +143,9 @@ def test_malformed_is_invalid_input_naming_the_text(doc):
     with pytest.raises(InvalidInput) as caught:
         parse_ssml(doc, "target_text")
     assert caught.value.field == "target_text" and ("SSML" in caught.value.problem or "speak" in caught.value.problem)
-    with pytest.raises(InvalidInput) as caught:  # the wire request's check: before admission, naming target_text
-        SynthesisInputs(text=doc, text_type="ssml").check(100_000)
-    assert caught.value.field == "target_text"
+    with pytest.raises(InvalidInput) as caught:  # the gateway's one read of it: before admission, naming its field
+        ssml_voice_ids(SynthesisInputs(text=doc, text_type="ssml").check(100_000), TTS_FIELDS)
+    assert caught.value.field == "text"
 
 
 def test_entity_attacks_are_refused_by_their_declarations():

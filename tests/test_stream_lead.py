@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
-from cosyvoice_triton.triton.contracts import synthesis_inputs
+from cosyvoice_triton.client.triton_client import synthesis_request
 from triton_harness import GrpcStream, metric_value, scrape, tritonserver_or_skip, wait_for_metric
 
 RATE = 16000
@@ -35,8 +35,8 @@ def adaptive_server(tmp_path_factory):
 
 
 def chunks(server, **extra) -> list[np.ndarray]:
-    values = synthesis_inputs(TEXT, samples=speech_like(2.0, RATE, seed=3), sample_rate=RATE,
-                              prompt_text="a short voice prompt", seed=5)
+    values = synthesis_request(TEXT, prompt_audio=speech_like(2.0, RATE, seed=3), prompt_sample_rate=RATE,
+                              prompt_text="a short voice prompt", seed=5).tensors()
     values.update({k: np.array([v.encode()], dtype=object) for k, v in extra.items()})
     with GrpcStream(server.grpc_url, timeout_s=300) as stream:
         responses = stream.infer("cosyvoice2", values)

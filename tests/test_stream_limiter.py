@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 from cosyvoice_triton.gateway.auth import KEYLESS, StreamLimiter, slot_set_aside
-from cosyvoice_triton.gateway.errors import TooManyStreams
+from cosyvoice_triton.errors import TooManyStreams
 
 
 def test_a_request_waiting_for_admission_leaves_its_slot_to_others():

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
-from cosyvoice_triton.triton.contracts import synthesis_inputs
+from cosyvoice_triton.client.triton_client import synthesis_request
 from triton_harness import GrpcStream, tritonserver_or_skip
 
 RATIO = 3.0
@@ -94,7 +94,7 @@ def reference_chunks(engine_model, prompt) -> list[np.ndarray]:
 
 
 def streamed(server, prompt: np.ndarray) -> list[np.ndarray]:
-    values = synthesis_inputs(TEXT, samples=prompt, sample_rate=RATE, prompt_text=PROMPT_TEXT, seed=SEED)
+    values = synthesis_request(TEXT, prompt_audio=prompt, prompt_sample_rate=RATE, prompt_text=PROMPT_TEXT, seed=SEED).tensors()
     with GrpcStream(server.grpc_url, timeout_s=120) as stream:
         responses = stream.infer("cosyvoice2", values)
     errors = [r.error for r in responses if r.error]

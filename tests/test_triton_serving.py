@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
-from cosyvoice_triton.triton.contracts import synthesis_inputs
+from cosyvoice_triton.client.triton_client import synthesis_request
 from triton_harness import (GrpcStream, grpc_inputs, metric_samples, metric_value, scrape, tritonserver_or_skip,
                             wait_for_metric)
 
@@ -63,8 +63,8 @@ def cv_server(tiny_model, tmp_path_factory):
 def warm_up(server) -> None:
     """One synthesis by recording (the voice store is not read): the first calls are slow (lazy init)."""
     with GrpcStream(server.grpc_url, timeout_s=120) as stream:
-        waveforms(stream.infer("cosyvoice2", synthesis_inputs("Warm up.", samples=prompt_wav(9), sample_rate=RATE,
-                                                              prompt_text=PROMPT_TEXT, seed=0)))
+        waveforms(stream.infer("cosyvoice2", synthesis_request("Warm up.", prompt_audio=prompt_wav(9), prompt_sample_rate=RATE,
+                                                              prompt_text=PROMPT_TEXT, seed=0).tensors()))
 
 
 class Reference:
@@ -150,7 +150,7 @@ def work_done(text: str) -> tuple[float, float]:
 
 def test_streams_a_long_text_in_chunks_equal_to_the_library(cv_server, reference):
     wav = prompt_wav(0)
-    values = synthesis_inputs(LONG_TEXT, samples=wav, sample_rate=RATE, prompt_text=PROMPT_TEXT, seed=11)
+    values = synthesis_request(LONG_TEXT, prompt_audio=wav, prompt_sample_rate=RATE, prompt_text=PROMPT_TEXT, seed=11).tensors()
     sentences = len(reference.tts.preprocessor.split(LONG_TEXT))
     assert sentences >= 2
     chunks0, ended0 = work_done(scrape(cv_server.metrics_url))
@@ -225,7 +225,7 @@ def test_concurrent_streams_equal_their_solo_runs_and_cancelled_ones_free_their_
                 ("cosyvoice_token2wav_streams_freed_total", "token2wav", "cancel"))
     before = {key: metric(cv_server, key[0], model=key[1], reason=key[2]) for key in counters}
     wavs = [prompt_wav(i) for i in range(len(CONCURRENT_TEXTS))]
-    requests = [synthesis_inputs(text, samples=wavs[i], sample_rate=RATE, prompt_text=PROMPT_TEXT, seed=SEEDS[i])
+    requests = [synthesis_request(text, prompt_audio=wavs[i], prompt_sample_rate=RATE, prompt_text=PROMPT_TEXT, seed=SEEDS[i]).tensors()
                 for i, text in enumerate(CONCURRENT_TEXTS)]
     for i in CANCELLED:
         requests[i]["chunk_first_hop"] = np.array([FIRST_HOP], np.int32)
@@ -276,10 +276,10 @@ def test_custom_metrics_move_with_requests(cv_server):
     before = scrape(cv_server.metrics_url)
     text = "Two syntheses by one voice id, and then one by an id that nobody registered."
     with GrpcStream(cv_server.grpc_url, timeout_s=120) as stream:
-        chunks = [waveforms(stream.infer("cosyvoice2", synthesis_inputs(text, voice_id=voice_id, seed=s)))
+        chunks = [waveforms(stream.infer("cosyvoice2", synthesis_request(text, voice_id=voice_id, seed=s).tensors()))
                   for s in (31, 32)]
     assert all(chunks)
-    assert "reference_audio_id" in _error_of(cv_server, synthesis_inputs("Hi.", voice_id="nobody-has-this-id"))
+    assert "reference_audio_id" in _error_of(cv_server, synthesis_request("Hi.", voice_id="nobody-has-this-id").tensors())
 
     # Counted as each request ends (just after its final response): one load, one hit, one miss; 2 ok, 1 error.
     counters = [("cosyvoice_voice_store_loads_total", {}, 1), ("cosyvoice_voice_store_hits_total", {}, 1),
@@ -328,7 +328,7 @@ def test_other_modes_equal_the_library(cv_server, reference, mode, instruct_text
     text = "This request runs in another mode. It has two sentences."
     extra = {"instruct_text": instruct_text} if instruct_text else {}
     # No prompt_text: neither mode puts the prompt's transcript in the LLM prompt.
-    values = synthesis_inputs(text, samples=wav, sample_rate=RATE, mode=mode, seed=seed, **extra)
+    values = synthesis_request(text, prompt_audio=wav, prompt_sample_rate=RATE, mode=mode, seed=seed, **extra).tensors()
     with GrpcStream(cv_server.grpc_url, timeout_s=120) as stream:
         got = waveforms(stream.infer("cosyvoice2", values))
     assert got
@@ -373,7 +373,7 @@ def test_http_infer_on_the_twin_returns_the_whole_waveform(cv_server, reference)
     wav = prompt_wav(3)
     voice_id = register(cv_server, wav, PROMPT_TEXT)
     text = "Offline synthesis returns everything at once. It has two sentences in it."
-    answer = http_infer(cv_server, "cosyvoice2_offline", synthesis_inputs(text, voice_id=voice_id, seed=5))
+    answer = http_infer(cv_server, "cosyvoice2_offline", synthesis_request(text, voice_id=voice_id, seed=5).tensors())
     (output,) = answer["outputs"]
     assert output["name"] == "waveform" and output["datatype"] == "FP32"
     waveform = np.asarray(output["data"], dtype=np.float32)
@@ -399,9 +399,9 @@ def test_register_voice_is_idempotent_and_serves_by_id(cv_server, reference):
         metric(cv_server, "cosyvoice_voice_store_loads_total", model="cosyvoice2")
     text = "Synthesis by a registered voice id."
     with GrpcStream(cv_server.grpc_url, timeout_s=120) as stream:
-        by_id = waveforms(stream.infer("cosyvoice2", synthesis_inputs(text, voice_id=voice_id, seed=3)))
-        by_wav = waveforms(stream.infer("cosyvoice2", synthesis_inputs(text, samples=wav, sample_rate=RATE,
-                                                                       prompt_text=PROMPT_TEXT, seed=3)))
+        by_id = waveforms(stream.infer("cosyvoice2", synthesis_request(text, voice_id=voice_id, seed=3).tensors()))
+        by_wav = waveforms(stream.infer("cosyvoice2", synthesis_request(text, prompt_audio=wav, prompt_sample_rate=RATE,
+                                                                       prompt_text=PROMPT_TEXT, seed=3).tensors()))
     assert_same_audio(by_id, by_wav)
     assert_same_audio(by_id, reference.chunks(text, reference.voice(wav), seed=3))
     assert metric(cv_server, "cosyvoice_voice_store_hits_total", model="cosyvoice2") + \
@@ -417,17 +417,17 @@ def _error_of(server, values: dict, model: str = "cosyvoice2") -> str:
 
 
 def _good(index: int = 0, **override) -> dict:
-    values = synthesis_inputs("Good input.", samples=prompt_wav(index), sample_rate=RATE,
-                              prompt_text=PROMPT_TEXT, seed=1)
+    values = synthesis_request("Good input.", prompt_audio=prompt_wav(index), prompt_sample_rate=RATE,
+                              prompt_text=PROMPT_TEXT, seed=1).tensors()
     values.update(override)
     return values
 
 
 BAD_INPUTS = [
     ("empty text", lambda: _good(target_text=np.array([b"  "], dtype=object)), "target_text"),
-    ("unknown voice", lambda: synthesis_inputs("Hi.", voice_id="no-such-voice"), "reference_audio_id"),
-    ("corrupt audio file", lambda: synthesis_inputs("Hi.", prompt_text=PROMPT_TEXT,
-                                                   reference_audio=np.array([b"RIFF not audio"], dtype=object)),
+    ("unknown voice", lambda: synthesis_request("Hi.", voice_id="no-such-voice").tensors(), "reference_audio_id"),
+    ("corrupt audio file", lambda: synthesis_request("Hi.", prompt_text=PROMPT_TEXT,
+                                                   reference_audio=np.array([b"RIFF not audio"], dtype=object)).tensors(),
      "reference_audio"),
     ("corrupt samples", lambda: _good(reference_wav=np.full(RATE, np.nan, np.float32)), "reference_wav"),
     ("too long audio", lambda: _good(reference_wav=speech_like(31.0, 8000), reference_sample_rate=np.array(
@@ -486,7 +486,7 @@ def test_a_registered_voice_survives_a_restart(cv_server):
     warm, on new ports: tests read the server's URLs each time, so any test may come after this one."""
     wav = prompt_wav(6)
     voice_id = register(cv_server, wav, PROMPT_TEXT)
-    values = synthesis_inputs("Still the same voice after a restart.", voice_id=voice_id, seed=9)
+    values = synthesis_request("Still the same voice after a restart.", voice_id=voice_id, seed=9).tensors()
     with GrpcStream(cv_server.grpc_url, timeout_s=120) as stream:
         before = waveforms(stream.infer("cosyvoice2", values))
     try:
@@ -525,7 +525,7 @@ def test_token2wav_frees_a_stream_left_idle(t2w_server):
 
     from cosyvoice_triton.token2wav.stream import FlowPrompt
     from cosyvoice_triton.token2wav.scheduler import ChunkRequest
-    from cosyvoice_triton.triton.contracts import chunk_inputs
+    from cosyvoice_triton.wire.stage_tensors import chunk_inputs
 
     generator = torch.Generator().manual_seed(0)
     prompt = FlowPrompt(torch.randint(0, 6561, (1, 20), dtype=torch.int32, generator=generator),

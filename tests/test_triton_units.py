@@ -1,4 +1,4 @@
-"""The Triton layer without Triton: contracts, parameters, templates, metrics, and every model.py
+"""The Triton layer without Triton: the wire, parameters, templates, metrics, and every model.py
 under `pb_fake`, wired together by a BLS handler that plays the server (models in-process)."""
 from __future__ import annotations
 
@@ -20,11 +20,16 @@ from cosyvoice_triton.token2wav.stream import FlowPrompt
 from cosyvoice_triton.token2wav.scheduler import ChunkRequest
 from cosyvoice_triton.server.launcher import DEFAULT_REPOSITORY, ServeOptions, repository_values
 from cosyvoice_triton.server.templates import model_names, render_template
-from cosyvoice_triton.triton import contracts
-from cosyvoice_triton.triton.params import (CosyVoice2Params, LLMParams, ParameterError, PromptStepParams,
+from cosyvoice_triton.wire.stage_tensors import (StreamCancel, align_prompt_features, chunk_inputs, llm_cancel_inputs,
+                                                 llm_inputs, parse_chunk, parse_llm_request, token2wav_cancel_inputs)
+from cosyvoice_triton.client.triton_client import synthesis_request
+from cosyvoice_triton.wire.requests import PromptAudio, SynthesisInputs, parse_synthesis_inputs
+from cosyvoice_triton.errors import ParameterError
+from cosyvoice_triton.triton.params import (CosyVoice2Params, LLMParams, PromptStepParams,
                                             RegisterVoiceParams, SpeakerEmbeddingParams, Token2WavParams,
                                             parse_parameters)
-from cosyvoice_triton.triton.tensors import RemoteError, TensorReader, classify, string_array
+from cosyvoice_triton.triton.pb_glue import classify, remote_error
+from cosyvoice_triton.wire.tensors import TensorReader, string_array
 import pb_fake
 
 REPO = DEFAULT_REPOSITORY
@@ -184,67 +189,66 @@ def test_model_files_fall_back_from_tensorrt_with_one_log_line(tiny, tmp_path, c
         prompt = FlowPrompt(torch.randint(0, 6561, (1, 20), dtype=torch.int32), torch.randn(1, 40, 80),
                             torch.randn(1, 192))
         chunk = ChunkRequest("e0", list(range(10, 40)), False, prompt, seed=5)
-        request = pb.InferenceRequest(inputs=[pb.Tensor(k, v) for k, v in contracts.chunk_inputs(chunk).items()])
+        request = pb.InferenceRequest(inputs=[pb.Tensor(k, v) for k, v in chunk_inputs(chunk).items()])
         (response,) = models["token2wav"].execute([request])
         models["token2wav"].finalize()
     want = ReferenceToken2Wav(Token2Wav(*build_token2wav(tiny, "torch"))).chunk(chunk)
     np.testing.assert_allclose(response.outputs()["waveform"][0], want, atol=1e-3, rtol=0)
 
 
-# ---- contracts -------------------------------------------------------------------------------------
+# ---- the wire -------------------------------------------------------------------------------------
 
 def test_llm_request_round_trip():
     request = LLMRequest("s/0", [5, 6, 7], [1, 2], [10, 11, 12], SamplingParams(top_p=0.5, top_k=7), seed=2**64 - 1)
-    parsed = contracts.parse_llm_request(TensorReader(contracts.llm_inputs(request)), SamplingParams())
+    parsed = parse_llm_request(TensorReader(llm_inputs(request)), SamplingParams())
     assert parsed == request  # FP32 on the wire; tau_r = 0.1 arrives as 0.1 (RAS compares win_size * tau_r)
     bare = LLMRequest("s/1", [5], [], [], SamplingParams(), seed=3)
-    assert contracts.parse_llm_request(TensorReader(contracts.llm_inputs(bare)), SamplingParams()).prompt_text_tokens == []
-    cancel = contracts.parse_llm_request(TensorReader(contracts.llm_cancel_inputs("s/0")), SamplingParams())
-    assert cancel == contracts.StreamCancel("s/0")
+    assert parse_llm_request(TensorReader(llm_inputs(bare)), SamplingParams()).prompt_text_tokens == []
+    cancel = parse_llm_request(TensorReader(llm_cancel_inputs("s/0")), SamplingParams())
+    assert cancel == StreamCancel("s/0")
 
 
 def test_chunk_round_trip():
     prompt = FlowPrompt(torch.tensor([[1, 2, 3]], dtype=torch.int32), torch.randn(1, 6, 80), torch.randn(1, 192))
     chunk = ChunkRequest("r/0", [4, 5, 6, 7], False, prompt, seed=9)
-    parsed = contracts.parse_chunk(TensorReader(contracts.chunk_inputs(chunk), batched=True))
+    parsed = parse_chunk(TensorReader(chunk_inputs(chunk), batched=True))
     assert (parsed.stream_id, parsed.tokens, parsed.finalize, parsed.seed) == ("r/0", [4, 5, 6, 7], False, 9)
     for name in ("speech_tokens", "mel", "embedding"):
         np.testing.assert_array_equal(getattr(parsed.prompt, name), getattr(prompt, name).numpy())  # numpy on the wire
-    later = contracts.parse_chunk(TensorReader(contracts.chunk_inputs(ChunkRequest("r/0", [], True, None, None)),
+    later = parse_chunk(TensorReader(chunk_inputs(ChunkRequest("r/0", [], True, None, None)),
                                                batched=True))
     assert (later.tokens, later.finalize, later.prompt, later.seed) == ([], True, None, None)
-    assert contracts.parse_chunk(TensorReader(contracts.token2wav_cancel_inputs("r/0"), batched=True)) == \
-        contracts.StreamCancel("r/0")
-    partial = contracts.chunk_inputs(chunk)
+    assert parse_chunk(TensorReader(token2wav_cancel_inputs("r/0"), batched=True)) == \
+        StreamCancel("r/0")
+    partial = chunk_inputs(chunk)
     del partial["embedding"]
     with pytest.raises(InvalidInput, match="embedding: is required"):
-        contracts.parse_chunk(TensorReader(partial, batched=True))
+        parse_chunk(TensorReader(partial, batched=True))
 
 
 def _synthesis(values):
-    return contracts.parse_synthesis_inputs(TensorReader(values), SamplingParams(), 2000)
+    return parse_synthesis_inputs(TensorReader(values), 2000)
 
 
 def test_synthesis_inputs_parse():
     wav = speech_like(1.0, RATE)
-    inputs = _synthesis(contracts.synthesis_inputs("Hi.", samples=wav, sample_rate=RATE, prompt_text="t", seed=4,
-                                                   mode="cross_lingual", top_k=np.array([5], np.int32),
-                                                   chunk_first_hop=np.array([8], np.int32)))
+    inputs = _synthesis(synthesis_request("Hi.", prompt_audio=wav, prompt_sample_rate=RATE, prompt_text="t", seed=4,
+                                          mode="cross_lingual", top_k=5, chunk_first_hop=8).tensors())
     assert (inputs.text, inputs.mode, inputs.seed, inputs.prompt_text) == ("Hi.", "cross_lingual", 4, "t")
     assert inputs.audio.sample_rate == RATE and np.array_equal(inputs.audio.samples, wav)
-    assert inputs.sampling.top_k == 5 and inputs.chunk_overrides == {"first_hop": 8}
-    assert _synthesis(contracts.synthesis_inputs("Hi.", voice_id="v1")).voice_id == "v1"
+    assert inputs.sampling == {"top_k": 5} and inputs.chunk_overrides == {"first_hop": 8}
+    assert _synthesis(synthesis_request("Hi.", voice_id="v1").tensors()).voice_id == "v1"
 
 
 @pytest.mark.parametrize("values, field", [
-    (lambda: contracts.synthesis_inputs(" ", voice_id="v"), "target_text"),
-    (lambda: contracts.synthesis_inputs("Hi."), "reference_wav"),
-    (lambda: contracts.synthesis_inputs("Hi.", voice_id="v", samples=np.ones(8), sample_rate=RATE), "reference_audio_id"),
-    (lambda: {**contracts.synthesis_inputs("Hi.", samples=np.ones(8), sample_rate=RATE)} | {
+    (lambda: synthesis_request(" ", voice_id="v").tensors(), "target_text"),
+    (lambda: SynthesisInputs("Hi.").tensors(), "reference_wav"),
+    (lambda: SynthesisInputs("Hi.", voice_id="v", audio=PromptAudio(np.ones(8), RATE)).tensors(), "reference_audio_id"),
+    (lambda: {**synthesis_request("Hi.", prompt_audio=np.ones(8), prompt_sample_rate=RATE).tensors()} | {
         "reference_sample_rate": np.array([0], np.int32)}, "reference_sample_rate"),
     (lambda: {"target_text": string_array("Hi."), "reference_wav": np.ones(8, np.float32)}, "reference_sample_rate"),
-    (lambda: contracts.synthesis_inputs("Hi.", voice_id="v", mode="sing"), "mode"),
-    (lambda: contracts.synthesis_inputs("Hi.", voice_id="v", seed=None, top_p=np.array([2.0], np.float32)), "top_p"),
+    (lambda: synthesis_request("Hi.", voice_id="v", mode="sing").tensors(), "mode"),
+    (lambda: synthesis_request("Hi.", voice_id="v", top_p=2.0).tensors(), "top_p"),
     (lambda: {"target_text": np.array([b"\xff"], dtype=object), "reference_audio_id": string_array("v")},
      "target_text"),
     (lambda: {"target_text": string_array(["a", "b"]), "reference_audio_id": string_array("v")}, "target_text"),
@@ -273,8 +277,8 @@ def test_errors_map_to_triton_codes():
     assert classify(NotFound("reference_audio_id", "no")).code_name == "NOT_FOUND"
     assert classify(Cancelled("gone")).code_name == "CANCELLED"
     assert classify(Unavailable("busy")).code_name == "UNAVAILABLE"
-    assert classify(RemoteError("llm", "stream_id: x", 3)).code_name == "INVALID_ARG"
-    assert classify(RemoteError("llm", Unavailable("full", retry_after_s=2).to_wire(), 4)).code_name == "UNAVAILABLE"
+    assert classify(remote_error("llm", "stream_id: x", 3)).code_name == "INVALID_ARG"
+    assert classify(remote_error("llm", Unavailable("full", retry_after_s=2).to_wire(), 4)).code_name == "UNAVAILABLE"
     assert classify(ValueError("oops")).code_name == "INTERNAL"
 
 
@@ -285,7 +289,7 @@ def test_align_prompt_features_matches_the_prompt_encoder(tiny):
     encoder = PromptEncoder.from_model_dir(tiny)
     wav = speech_like(1.3, RATE, seed=3)
     want = encoder.encode(wav, RATE, "t")
-    got = contracts.align_prompt_features(encoder.speaker_embedding(wav), encoder.speech_tokens(wav),
+    got = align_prompt_features(encoder.speaker_embedding(wav), encoder.speech_tokens(wav),
                                           encoder.prompt_mel(wav, RATE), "t", audio_sha256(wav, RATE))
     for name in ("embedding", "speech_tokens", "mel"):
         assert np.array_equal(getattr(got, name), getattr(want, name))
@@ -438,8 +442,8 @@ def _reference_chunks(reference, text, wav, seed, stream=True):
 def test_cosyvoice2_streams_what_the_library_streams(fake, reference):
     wav = speech_like(1.5, RATE, seed=1)
     text = "Hello there, this is the fake server. A second sentence is here."
-    request = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in contracts.synthesis_inputs(
-        text, samples=wav, sample_rate=RATE, prompt_text="a prompt", seed=7).items()])
+    request = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in synthesis_request(
+        text, prompt_audio=wav, prompt_sample_rate=RATE, prompt_text="a prompt", seed=7).tensors().items()])
     assert fake.models["cosyvoice2"].execute([request]) is None
     got = [r.outputs()["waveform"] for r in request.sender.wait_final(120)]
     want = _reference_chunks(reference, text, wav, 7)
@@ -482,8 +486,8 @@ def test_the_quick_chunk_preset_streams_what_the_library_streams_with_it(fake, r
     server = FakeServer(pb, tiny, str(tmp_path / "voices.sqlite"), chunk_preset="quick")
     try:
         assert server.models["token2wav"].scheduler.flow_cache.cached_final
-        call = pb.InferenceRequest(inputs=[pb.Tensor(k, v) for k, v in contracts.synthesis_inputs(
-            text, samples=wav, sample_rate=RATE, prompt_text="a prompt", seed=5).items()])
+        call = pb.InferenceRequest(inputs=[pb.Tensor(k, v) for k, v in synthesis_request(
+            text, prompt_audio=wav, prompt_sample_rate=RATE, prompt_text="a prompt", seed=5).tensors().items()])
         assert server.models["cosyvoice2"].execute([call]) is None
         got = [r.outputs()["waveform"] for r in call.sender.wait_final(120)]
     finally:
@@ -508,10 +512,10 @@ def test_offline_twin_and_registered_voices(fake, reference):
     assert other.outputs()["voice_id"][0].decode() != voice_id  # same audio, new transcript: a new voice
     assert fake.calls["prompt_encoder"] == encoded + 1
     text = "Offline, by voice id."
-    response = fake.call("cosyvoice2_offline", contracts.synthesis_inputs(text, voice_id=voice_id, seed=3))
+    response = fake.call("cosyvoice2_offline", synthesis_request(text, voice_id=voice_id, seed=3).tensors())
     want = np.concatenate(_reference_chunks(reference, text, wav, 3, stream=False))
     np.testing.assert_allclose(response.outputs()["waveform"], want, atol=2e-4, rtol=0)
-    missing = fake.call("cosyvoice2_offline", contracts.synthesis_inputs(text, voice_id="nobody"))
+    missing = fake.call("cosyvoice2_offline", synthesis_request(text, voice_id="nobody").tensors())
     assert missing.error().code() == pb_fake.TritonError.NOT_FOUND and "reference_audio_id" in missing.error().message()
 
 
@@ -532,8 +536,8 @@ def test_cosyvoice2_refuses_beyond_its_pool(fake):
     blockers = [model.pool.try_submit(gate.wait) for _ in range(2)]  # workers=2, max_pending=0
     try:
         assert blockers == [True, True]
-        request = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in contracts.synthesis_inputs(
-            "Hi.", voice_id="nobody").items()])
+        request = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in synthesis_request(
+            "Hi.", voice_id="nobody").tensors().items()])
         model.execute([request])
         (response,) = request.sender.wait_final(5)
         assert response.error().code() == pb_fake.TritonError.UNAVAILABLE
@@ -543,11 +547,11 @@ def test_cosyvoice2_refuses_beyond_its_pool(fake):
 
 def test_llm_model_cancel_by_stream_id(fake):
     llm = fake.models["llm"]
-    request = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in contracts.llm_inputs(
+    request = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in llm_inputs(
         LLMRequest("long/0", list(range(5, 600)), [], [], SamplingParams(), seed=1)).items()])
     llm.execute([request])
     cancel = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v)
-                                              for k, v in contracts.llm_cancel_inputs("long/0").items()])
+                                              for k, v in llm_cancel_inputs("long/0").items()])
     llm.execute([cancel])
     assert cancel.sender.wait_final(5) == []
     tokens = sum(r.outputs()["speech_tokens"].size for r in request.sender.wait_final(30))
@@ -564,7 +568,7 @@ def test_token2wav_model_batches_streams_and_frees_them(fake, reference):
     first = [ChunkRequest(f"t{i}", list(range(10 + i, 40 + i)), False, prompt, seed=i) for i, prompt in enumerate(prompts)]
 
     def run(chunks):
-        requests = [fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in contracts.chunk_inputs(c).items()])
+        requests = [fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in chunk_inputs(c).items()])
                     for c in chunks]
         return [r.outputs()["waveform"][0] if not r.has_error() else r.error() for r in model.execute(requests)]
 
@@ -576,8 +580,8 @@ def test_token2wav_model_batches_streams_and_frees_them(fake, reference):
         np.testing.assert_allclose(audio, solo.chunk(chunk), atol=2e-4, rtol=0)
     assert model.scheduler.stats.active_streams == 2
     cancel = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v)
-                                              for k, v in contracts.token2wav_cancel_inputs("t1").items()])
-    final = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in contracts.chunk_inputs(
+                                              for k, v in token2wav_cancel_inputs("t1").items()])
+    final = fake.pb.InferenceRequest(inputs=[fake.pb.Tensor(k, v) for k, v in chunk_inputs(
         ChunkRequest("t0", [3, 4, 5], True, None, None)).items()])
     responses = model.execute([final, cancel])
     np.testing.assert_allclose(responses[0].outputs()["waveform"][0],
@@ -651,7 +655,7 @@ def test_token2wav_idle_frees_reach_the_metrics_through_execute_only(tiny, monke
                                 torch.randn(1, 192))
             chunk = ChunkRequest("left-open", list(range(10, 40)), False, prompt, seed=0)
             (response,) = execute([pb.InferenceRequest(inputs=[pb.Tensor(k, v) for k, v in
-                                                               contracts.chunk_inputs(chunk).items()])])
+                                                               chunk_inputs(chunk).items()])])
             assert response.outputs()["waveform"].size > 0
             assert model.metrics["active"].value() == 1
             deadline = time.monotonic() + 30

@@ -262,7 +262,9 @@ def test_triton_refuses_a_vc_request_with_text_or_without_a_source(stack):
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
-    from cosyvoice_triton.triton.contracts import conversion_inputs, string_array
+    from cosyvoice_triton.wire.names import SOURCE_AUDIO, TARGET_TEXT
+    from cosyvoice_triton.wire.requests import ConversionInputs, PromptAudio
+    from cosyvoice_triton.wire.tensors import string_array
 
     client = grpcclient.InferenceServerClient(stack.triton.grpc_url.removeprefix("grpc://"))
 
@@ -277,9 +279,9 @@ def test_triton_refuses_a_vc_request_with_text_or_without_a_source(stack):
             client.infer("cosyvoice2_offline", inputs)
         return str(error.value)
 
-    with_text = {**conversion_inputs(source_file=SOURCE, voice_id="default"), "target_text": string_array("Hi.")}
-    assert "target_text" in infer(with_text)
-    assert "source_audio" in infer(conversion_inputs(voice_id="default"))
+    conversion = ConversionInputs(PromptAudio(file_bytes=SOURCE), voice_id="default").tensors()
+    assert "target_text" in infer({**conversion, TARGET_TEXT: string_array("Hi.")})
+    assert "source_audio" in infer({name: value for name, value in conversion.items() if name != SOURCE_AUDIO})
     client.close()
 
 

@@ -24,10 +24,6 @@ PRECISIONS = ("fp32", "fp16", "bf16")  # of TensorRT builds and OpenVINO's hint;
 Shapes = Sequence[tuple[int, ...]]
 
 
-class EngineUnavailable(RuntimeError):
-    """The engine cannot run here (package or device missing); the message says what is missing."""
-
-
 @dataclass(frozen=True)
 class GraphSpec:
     """The contract of one graph, shared by its exporter and every engine that runs it.

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import EngineUnavailable, GraphSpec, Runner, check_arity
+from ..errors import EngineUnavailable
+from .base import GraphSpec, Runner, check_arity
 
 # precision -> (INFERENCE_PRECISION_HINT, the OPTIMIZATION_CAPABILITIES entry it needs)
 OPENVINO_PRECISIONS = {"fp32": ("f32", "FP32"), "bf16": ("bf16", "BF16"), "fp16": ("f16", "FP16")}

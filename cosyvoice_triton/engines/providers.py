@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import onnxruntime as ort
 import torch
 
-from .base import EngineUnavailable
+from ..errors import DeviceUnavailable, EngineUnavailable
 
 log = logging.getLogger(__name__)
 _warned: set[tuple[str, ...]] = set()  # provider lists whose fallback has been logged
@@ -58,10 +58,6 @@ PROVIDER_PACKAGES = {
     "TensorrtExecutionProvider": "onnxruntime-gpu",
     "CPUExecutionProvider": "onnxruntime",
 }
-
-
-class DeviceUnavailable(RuntimeError):
-    """A torch device that cannot be used here; the message says what is missing."""
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ import onnx
 import torch
 
 from ..models.flow import FlowConfig
-from .base import PRECISIONS, EngineUnavailable, GraphSpec, sha256_file
+from ..errors import EngineUnavailable
+from .base import PRECISIONS, GraphSpec, sha256_file
 from .onnx_precision import LOW_PRECISION_OPS, mixed_precision
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .base import EngineUnavailable, GraphSpec, Runner, check_arity
+from ..errors import EngineUnavailable
+from .base import GraphSpec, Runner, check_arity
 from .trt_build import import_tensorrt
 
 

@@ -40,8 +40,9 @@ from cosyvoice_triton.pipeline.threads import available_cores
 from cosyvoice_triton.server.process import TritonProcess, describe_exit
 from cosyvoice_triton.server.templates import model_names, render_repository
 from cosyvoice_triton.targets import TritonTarget, check_spec, is_discovery
-from cosyvoice_triton.triton.contracts import (COSYVOICE2, COSYVOICE2_OFFICIAL, COSYVOICE2_OFFICIAL_OFFLINE,
-                                               COSYVOICE2_OFFLINE, NATIVE_FORM, OFFICIAL_FORM, OFFICIAL_MODELS)
+from cosyvoice_triton.wire.names import (COSYVOICE2, COSYVOICE2_OFFICIAL, COSYVOICE2_OFFICIAL_OFFLINE,
+                                         COSYVOICE2_OFFLINE, OFFICIAL_MODELS)
+from cosyvoice_triton.wire.official import NATIVE_FORM, OFFICIAL_FORM
 from cosyvoice_triton.triton.params import Engine, Precision
 
 ENGINES = typing.get_args(Engine)  # torch | onnxruntime | openvino | tensorrt
@@ -108,7 +109,7 @@ class ServeOptions:
     chunk_policy: str = "fixed"  # fixed | adaptive: cosyvoice2's chunk policy for requests that name none
     chunk_preset: str = "official"  # official | quick: the chunk schedule's defaults (pipeline/chunk_policy.py)
     # cosyvoice2_official and cosyvoice2_official_offline too: cosyvoice2 in the official runtime's tensor form,
-    # for the official Triton clients (triton/contracts.py). Off here, so tests and in-process users stay lean
+    # for the official Triton clients (wire/official.py). Off here, so tests and in-process users stay lean
     # (two more Python model processes); `serve` and `up` turn it on.
     official_models: bool = False
     startup_timeout_s: float = 300.0

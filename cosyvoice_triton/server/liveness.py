@@ -22,7 +22,9 @@ import threading
 from pathlib import Path
 
 from cosyvoice_triton.errors import CosyVoiceError, DeadlineExceeded
-from cosyvoice_triton.triton import contracts
+from cosyvoice_triton.wire.names import COSYVOICE2, LLM
+from cosyvoice_triton.wire.requests import TextAppend
+from cosyvoice_triton.wire.stage_tensors import llm_cancel_inputs
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +38,12 @@ PROBE_STREAM_ID = "liveness-probe"
 
 def probe_values(model: str) -> dict:
     """The probe request of `model`: answered by its execute at once (see the module docstring)."""
-    if model == contracts.LLM:
-        return contracts.llm_cancel_inputs(PROBE_STREAM_ID)
-    return contracts.text_append_inputs(PROBE_STREAM_ID, "")
+    if model == LLM:
+        return llm_cancel_inputs(PROBE_STREAM_ID)
+    return TextAppend(PROBE_STREAM_ID, "").tensors()
 
 
-PROBED_MODELS = (contracts.COSYVOICE2, contracts.LLM)
+PROBED_MODELS = (COSYVOICE2, LLM)
 
 
 def answers(target: str, model: str, timeout_s: float) -> bool:
@@ -49,8 +51,8 @@ def answers(target: str, model: str, timeout_s: float) -> bool:
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
-    from cosyvoice_triton.triton.grpc_stream import StreamReader
-    from cosyvoice_triton.triton.wire import CHANNEL_OPTIONS, infer_request
+    from cosyvoice_triton.wire.call_reader import CallReader
+    from cosyvoice_triton.wire.grpc_messages import CHANNEL_OPTIONS, infer_request
 
     done = threading.Event()
 
@@ -61,7 +63,7 @@ def answers(target: str, model: str, timeout_s: float) -> bool:
     with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests(), timeout=timeout_s)
         try:
-            for _ in StreamReader(call, on_end=done.set):
+            for _ in CallReader(call, on_end=done.set):
                 pass
         except DeadlineExceeded:
             return False

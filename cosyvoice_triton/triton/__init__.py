@@ -1,15 +1,21 @@
-"""Library side of the Triton models in `model_repository/`: everything a `model.py` needs that can
-live outside it. `pb_utils` is never imported here; functions that need it take it as `pb`, so
-all of this is unit-testable with the fake `pb_utils` in tests/pb_fake.py.
+"""What the Triton model files in `model_repository/` import, and nothing else: each `model.py` stays an
+adapter (tensors in, a call into the library, responses out). `pb_utils` is never imported here; functions
+that need it take it as `pb`, so all of this runs under the fake `pb_utils` of tests/pb_fake.py. What the
+gateway and the SDK share with the models is the wire package (`cosyvoice_triton.wire`), not this one.
 
-contracts  the tensor contracts between models (module docstring), with builders and parsers
-tensors    typed reading of request tensors (errors name the input), errors as TritonErrors
-params     config.pbtxt `parameters` -> frozen dataclasses
-bls        BLS clients: the pipeline's LLM and token2wav backends, the prompt encoder
-service    voice resolution (store or prompt_encoder) and the synthesis service of `cosyvoice2`
-streaming  decoupled requests in a bounded worker pool; chunks out with one final flag
-metrics    custom metric families
-stub_priority  called first in each model.py: the model's threads below the stub's health thread
+pb_glue           a request's tensors, BLS answers, responses; errors as TritonErrors
+params            config.pbtxt `parameters` -> frozen dataclasses
+streaming         decoupled requests in a bounded worker pool; chunks out with one final flag
+service           cosyvoice2 and register_voice: voice resolution (store or prompt_encoder), the pipeline
+vc_service        cosyvoice2's mode vc: voice conversion over the audio_tokenizer and token2wav
+bls               BLS stages: token2wav, the prompt encoder, the llm (fallback), a BLS request
+grpc_llm          the llm stage over the server's own gRPC endpoint (why not BLS: its docstring)
+remote_token2wav  the token2wav stage on backend servers (split deployment)
+llm_streams       the llm model's loop: scheduler streams forwarded to their clients
+metrics           custom metric families
+finite            NaN / Inf checks of floating-point inputs
+logs              the library's log records into Triton's log
+stub_priority     called first in each model.py: the model's threads below the stub's health thread
 """
 from __future__ import annotations
 

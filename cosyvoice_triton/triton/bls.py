@@ -19,8 +19,13 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 
 from cosyvoice_triton.messages import ChunkRequest, LLMRequest, PromptFeatures
-from cosyvoice_triton.triton import contracts
-from cosyvoice_triton.triton.tensors import RemoteError, output_tensors, response_arrays
+from cosyvoice_triton.wire.names import (LLM, LLM_OUTPUTS, PROMPT_ENCODER, PROMPT_ENCODER_OUTPUTS, SPEECH_TOKENS,
+                                         TOKEN2WAV, TOKEN2WAV_OUTPUTS)
+from cosyvoice_triton.wire.stage_tensors import (chunk_inputs, llm_append_inputs, llm_cancel_inputs, llm_inputs,
+                                                 prompt_encoder_inputs, prompt_features_from_outputs,
+                                                 token2wav_cancel_inputs)
+from cosyvoice_triton.wire.outputs import waveform_of
+from cosyvoice_triton.triton.pb_glue import output_tensors, remote_error, response_arrays
 
 
 def bls_request(pb, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]):
@@ -31,7 +36,7 @@ def bls_request(pb, model: str, inputs: Mapping[str, np.ndarray], outputs: Seque
 def _check(response, model: str) -> None:
     if response.has_error():
         error = response.error()
-        raise RemoteError(model, error.message(), error.code() if hasattr(error, "code") else None)
+        raise remote_error(model, error.message(), error.code() if hasattr(error, "code") else None)
 
 
 class BlsTokenStream:
@@ -41,14 +46,14 @@ class BlsTokenStream:
         self._pb = pb
         self._model = model
         self.stream_id = request.stream_id
-        self._responses = bls_request(pb, model, contracts.llm_inputs(request), contracts.LLM_OUTPUTS).exec(
+        self._responses = bls_request(pb, model, llm_inputs(request), LLM_OUTPUTS).exec(
             decoupled=True)
         self._ended = False
 
     def __iter__(self) -> Iterator[list[int]]:
         for response in self._responses:
             _check(response, self._model)
-            tensor = self._pb.get_output_tensor_by_name(response, contracts.SPEECH_TOKENS)
+            tensor = self._pb.get_output_tensor_by_name(response, SPEECH_TOKENS)
             if tensor is not None:
                 tokens = tensor.as_numpy().reshape(-1).astype(np.int64).tolist()
                 if tokens:
@@ -57,7 +62,7 @@ class BlsTokenStream:
 
     def append_text(self, tokens: list[int], end: bool = False) -> None:
         """Bistream: more text for the live stream (a text_append request, answered by one empty final)."""
-        for response in bls_request(self._pb, self._model, contracts.llm_append_inputs(self.stream_id, tokens, end),
+        for response in bls_request(self._pb, self._model, llm_append_inputs(self.stream_id, tokens, end),
                                     []).exec(decoupled=True):
             _check(response, self._model)
 
@@ -65,7 +70,7 @@ class BlsTokenStream:
         """End the stream in `llm` and wait for its last response, so its slot is free on return."""
         if self._ended:
             return
-        for response in bls_request(self._pb, self._model, contracts.llm_cancel_inputs(self.stream_id),
+        for response in bls_request(self._pb, self._model, llm_cancel_inputs(self.stream_id),
                                     []).exec(decoupled=True):
             _check(response, self._model)
         for _ in self._responses:  # the cancelled stream's remaining responses, then its final one
@@ -74,7 +79,7 @@ class BlsTokenStream:
 
 
 class BlsLLM:
-    def __init__(self, pb, model: str = contracts.LLM):
+    def __init__(self, pb, model: str = LLM):
         self.pb = pb
         self.model = model
 
@@ -86,30 +91,30 @@ class BlsLLM:
 
 
 class BlsToken2Wav:
-    def __init__(self, pb, model: str = contracts.TOKEN2WAV):
+    def __init__(self, pb, model: str = TOKEN2WAV):
         self.pb = pb
         self.model = model
 
     def chunk(self, chunk: ChunkRequest) -> np.ndarray:
-        response = bls_request(self.pb, self.model, contracts.chunk_inputs(chunk), contracts.TOKEN2WAV_OUTPUTS).exec()
-        return contracts.waveform_of(response_arrays(self.pb, response, self.model))
+        response = bls_request(self.pb, self.model, chunk_inputs(chunk), TOKEN2WAV_OUTPUTS).exec()
+        return waveform_of(response_arrays(self.pb, response, self.model))
 
     def cancel(self, stream_id: str) -> None:
-        response = bls_request(self.pb, self.model, contracts.token2wav_cancel_inputs(stream_id),
-                               contracts.TOKEN2WAV_OUTPUTS).exec()
+        response = bls_request(self.pb, self.model, token2wav_cancel_inputs(stream_id),
+                               TOKEN2WAV_OUTPUTS).exec()
         _check(response, self.model)
 
 
 class BlsPromptEncoder:
     """Reference audio -> aligned PromptFeatures through the `prompt_encoder` ensemble."""
 
-    def __init__(self, pb, model: str = contracts.PROMPT_ENCODER, token_mel_ratio: int = 2):
+    def __init__(self, pb, model: str = PROMPT_ENCODER, token_mel_ratio: int = 2):
         self.pb = pb
         self.model = model
         self.token_mel_ratio = token_mel_ratio
 
     def encode(self, samples: np.ndarray, sample_rate: int, text: str, audio_sha256: str) -> PromptFeatures:
-        response = bls_request(self.pb, self.model, contracts.prompt_encoder_inputs(samples, sample_rate),
-                               contracts.PROMPT_ENCODER_OUTPUTS).exec()
+        response = bls_request(self.pb, self.model, prompt_encoder_inputs(samples, sample_rate),
+                               PROMPT_ENCODER_OUTPUTS).exec()
         outputs = response_arrays(self.pb, response, self.model)
-        return contracts.prompt_features_from_outputs(outputs, text, audio_sha256, self.token_mel_ratio)
+        return prompt_features_from_outputs(outputs, text, audio_sha256, self.token_mel_ratio)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.triton.contracts import EMBEDDING, PROMPT_MEL
+from cosyvoice_triton.wire.names import EMBEDDING, PROMPT_MEL
 
 
 def check_finite(field: str, values):

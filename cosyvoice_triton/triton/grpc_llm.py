@@ -12,7 +12,7 @@ the hung stub's thread stacks). Three threads of the caller's stub and three loc
    iterators.
 
 Nothing breaks the cycle; the instance stops for good with every stream in it. So the token streams do
-not use BLS: each is a `ModelStreamInfer` call to the same tritonserver, read by `StreamReader` (a gRPC
+not use BLS: each is a `ModelStreamInfer` call to the same tritonserver, read by `CallReader` (a gRPC
 thread delivers the responses; no lock of the stub is involved). The `llm` model, its requests and its
 answers are the same as before; only the transport changed. The address comes from the environment
 (`SERVER_GRPC_ENV`, set by `TritonProcess` when it starts tritonserver); without it (a tritonserver
@@ -30,8 +30,9 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from cosyvoice_triton.messages import LLMRequest
-from cosyvoice_triton.triton import contracts
-from cosyvoice_triton.triton.grpc_stream import StreamReader
+from cosyvoice_triton.wire.stage_tensors import llm_append_inputs, llm_cancel_inputs, llm_inputs
+from cosyvoice_triton.wire.names import LLM, SPEECH_TOKENS
+from cosyvoice_triton.wire.call_reader import CallReader
 
 SERVER_GRPC_ENV = "COSYVOICE_SERVER_GRPC"  # host:port of the tritonserver a model runs in
 CONTROL_TIMEOUT_S = 60.0  # a cancel or a text append is answered at the LLM's next round
@@ -40,11 +41,11 @@ CONTROL_TIMEOUT_S = 60.0  # a cancel or a text append is answered at the LLM's n
 class GrpcLLM:
     """`LLMStage` whose streams are gRPC calls to the `llm` model of the server at `target` (host:port)."""
 
-    def __init__(self, target: str, model: str = contracts.LLM):
+    def __init__(self, target: str, model: str = LLM):
         import grpc
         from tritonclient.grpc import service_pb2_grpc
 
-        from cosyvoice_triton.triton.wire import CHANNEL_OPTIONS
+        from cosyvoice_triton.wire.grpc_messages import CHANNEL_OPTIONS
 
         self.target = target
         self.model = model
@@ -67,13 +68,13 @@ class GrpcTokenStream:
         self.stream_id = request.stream_id
         self._ended = False
         self._appends = 0
-        self._responses = _open(stub, model, contracts.llm_inputs(request), request.stream_id)
+        self._responses = _open(stub, model, llm_inputs(request), request.stream_id)
         if request.bistream:  # the model answers at once that the stream is open: text may come now
             next(self._responses)
 
     def __iter__(self) -> Iterator[list[int]]:
         for outputs in self._responses:
-            tokens = outputs[contracts.SPEECH_TOKENS].reshape(-1).astype(np.int64).tolist()
+            tokens = outputs[SPEECH_TOKENS].reshape(-1).astype(np.int64).tolist()
             if tokens:
                 yield tokens
         self._ended = True
@@ -81,23 +82,23 @@ class GrpcTokenStream:
     def append_text(self, tokens: list[int], end: bool = False) -> None:
         """Bistream: more text for the live stream (a text_append request, answered by one empty final)."""
         self._appends += 1
-        _call(self._stub, self._model, contracts.llm_append_inputs(self.stream_id, tokens, end),
+        _call(self._stub, self._model, llm_append_inputs(self.stream_id, tokens, end),
               f"{self.stream_id}/text/{self._appends}")
 
     def cancel(self) -> None:
         """End the stream in `llm` and wait for its last response, so its slot is free on return."""
         if self._ended:
             return
-        _call(self._stub, self._model, contracts.llm_cancel_inputs(self.stream_id), f"{self.stream_id}/cancel")
+        _call(self._stub, self._model, llm_cancel_inputs(self.stream_id), f"{self.stream_id}/cancel")
         for _ in self._responses:  # the cancelled stream's remaining responses, then its final one
             pass
         self._ended = True
 
 
 def _open(stub, model: str, values: Mapping[str, np.ndarray], request_id: str,
-          timeout_s: float | None = None) -> StreamReader:
+          timeout_s: float | None = None) -> CallReader:
     """One request on a `ModelStreamInfer` call of its own; our side stays open until its final response."""
-    from cosyvoice_triton.triton.wire import infer_request
+    from cosyvoice_triton.wire.grpc_messages import infer_request
 
     done = threading.Event()
 
@@ -105,7 +106,7 @@ def _open(stub, model: str, values: Mapping[str, np.ndarray], request_id: str,
         yield infer_request(model, values, request_id, empty_final=True)
         done.wait()
 
-    return StreamReader(stub.ModelStreamInfer(requests(), timeout=timeout_s), on_end=done.set)
+    return CallReader(stub.ModelStreamInfer(requests(), timeout=timeout_s), on_end=done.set)
 
 
 def _call(stub, model: str, values: Mapping[str, np.ndarray], request_id: str) -> None:
@@ -114,7 +115,7 @@ def _call(stub, model: str, values: Mapping[str, np.ndarray], request_id: str) -
         pass
 
 
-def served_llm(pb, model: str = contracts.LLM):
+def served_llm(pb, model: str = LLM):
     """The LLM stage of a model running inside tritonserver: over the server's gRPC endpoint when
     `SERVER_GRPC_ENV` names it, else BLS (with a warning: see the module docstring)."""
     target = os.environ.get(SERVER_GRPC_ENV)

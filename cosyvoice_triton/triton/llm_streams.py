@@ -23,7 +23,7 @@ from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import LLMRequest
 from cosyvoice_triton.llm.scheduler import LLMScheduler
 from cosyvoice_triton.llm.stream import LLMStream
-from cosyvoice_triton.triton.contracts import STREAM_ID
+from cosyvoice_triton.wire.names import STREAM_ID
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,8 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
+from cosyvoice_triton.errors import ParameterError
 from cosyvoice_triton.pipeline.audible import DEFAULT_THRESHOLD_DBFS
-
-
-class ParameterError(ValueError):
-    """A model's config.pbtxt parameters do not match its dataclass."""
 
 
 # As `cosyvoice_triton.engines.base.ENGINES` / `PRECISIONS` (a unit test keeps them equal).
@@ -30,7 +27,7 @@ ChunkKind = Literal["fixed", "adaptive"]  # messages.CHUNK_POLICIES: the server'
 # models.compiled.COMPILE_SETTINGS and engines.cuda_graphs.CUDA_GRAPH_SETTINGS: auto decides by the device
 OffAutoOn = Literal["off", "auto", "on"]
 ChunkPresetName = Literal["official", "quick"]  # pipeline/chunk_policy.CHUNK_PRESETS
-TensorForm = Literal["native", "official"]  # triton/contracts.TENSOR_FORMS: cosyvoice2's tensors, ours or the official's
+TensorForm = Literal["native", "official"]  # wire/official.TENSOR_FORMS: cosyvoice2's tensors, ours or the official's
 
 
 def parse_parameters(cls, model_config: dict | str, model: str = ""):
@@ -155,7 +152,7 @@ class CosyVoice2Params:
     # times faster than real time, or a new one waits; 0: off (cost-based admission only)
     realtime_margin: float = 0.0
     realtime_capacity: float = 0.0  # audio seconds per second this instance makes; 0: measured
-    # native: our tensors (max_batch_size 0); official: the official runtime's ([1, ...] each; contracts.py)
+    # native: our tensors (max_batch_size 0); official: the official runtime's ([1, ...] each; wire/official.py)
     tensor_form: TensorForm = "native"
     # first audible audio (pipeline/audible.py): a 10 ms window with an RMS above this many dBFS is heard
     audible_threshold_dbfs: float = DEFAULT_THRESHOLD_DBFS

@@ -29,13 +29,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cosyvoice_triton.errors import Unavailable, Unreachable
+from cosyvoice_triton.errors import RemoteError, Unavailable, Unreachable
 from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.messages import ChunkRequest
 from cosyvoice_triton.server_pool import Server, ServerPool
 from cosyvoice_triton.targets import Resolver, TritonTarget, check_spec, discover, is_discovery, resolve_ips
-from cosyvoice_triton.triton import contracts
-from cosyvoice_triton.triton.tensors import RemoteError
+from cosyvoice_triton.wire.stage_tensors import chunk_inputs, token2wav_cancel_inputs
+from cosyvoice_triton.wire.outputs import waveform_of
+from cosyvoice_triton.wire.names import TOKEN2WAV
+from cosyvoice_triton.triton.pb_glue import remote_error
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class Transport:
         import grpc
         from tritonclient.grpc import service_pb2_grpc
 
-        from cosyvoice_triton.triton.wire import CHANNEL_OPTIONS
+        from cosyvoice_triton.wire.grpc_messages import CHANNEL_OPTIONS
 
         self.target = target
         self.timeout_s = timeout_s
@@ -58,7 +60,7 @@ class Transport:
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], request_id: str) -> dict[str, np.ndarray]:
-        from cosyvoice_triton.triton.wire import infer_request, response_outputs
+        from cosyvoice_triton.wire.grpc_messages import infer_request, response_outputs
 
         try:
             response = self._stub.ModelInfer(infer_request(model, inputs, request_id), timeout=self.timeout_s)
@@ -75,7 +77,7 @@ class Transport:
             return Unreachable(f"no answer within {self.timeout_s:g} s")
         if code == self._grpc.StatusCode.UNAVAILABLE and not self.ready(model, timeout_s=2.0):
             return Unreachable(details)  # the server is gone (a busy model answers UNAVAILABLE too)
-        return RemoteError(model, details, code.name)
+        return remote_error(model, details, code.name)
 
     def ready(self, model: str, timeout_s: float) -> bool:
         from tritonclient.grpc import service_pb2
@@ -110,7 +112,7 @@ class PoolStats:
 class RemoteToken2Wav:
     """`Token2WavStage` over the token2wav model of backend servers (see the module docstring)."""
 
-    def __init__(self, specs: Sequence[str], model: str = contracts.TOKEN2WAV, *, call_timeout_s: float = 60.0,
+    def __init__(self, specs: Sequence[str], model: str = TOKEN2WAV, *, call_timeout_s: float = 60.0,
                  watch_interval_s: float = 2.0,
                  transport_factory: Callable[[TritonTarget, float], Transport] = Transport,
                  resolve: Resolver = resolve_ips, on_change: Callable[[], None] = lambda: None):
@@ -145,7 +147,7 @@ class RemoteToken2Wav:
         return self.pool.servers
 
     @classmethod
-    def from_specs(cls, specs: str, model: str = contracts.TOKEN2WAV, call_timeout_s: float = 60.0):
+    def from_specs(cls, specs: str, model: str = TOKEN2WAV, call_timeout_s: float = 60.0):
         """From a model's `token2wav_backends`: comma-separated `grpc://host:port[?metrics=URL]` or
         `dns://name:port[?metrics_port=N]` (see cosyvoice_triton/targets.py)."""
         log.info("token2wav on %s (split deployment)", specs)
@@ -153,7 +155,7 @@ class RemoteToken2Wav:
 
     # ---- the Token2WavStage interface --------------------------------------------------------------
     def chunk(self, chunk: ChunkRequest) -> np.ndarray:
-        inputs = contracts.chunk_inputs(chunk)
+        inputs = chunk_inputs(chunk)
         with self._lock:
             pinned = self._pins.get(chunk.stream_id)
         if pinned is None:
@@ -168,7 +170,7 @@ class RemoteToken2Wav:
         if backend is None:
             return
         try:
-            backend.client.infer(self.model, contracts.token2wav_cancel_inputs(stream_id), stream_id)
+            backend.client.infer(self.model, token2wav_cancel_inputs(stream_id), stream_id)
         except Unreachable as exc:
             self._set_health(backend, False, str(exc))
         except RemoteError as exc:
@@ -220,7 +222,7 @@ class RemoteToken2Wav:
         outputs = backend.client.infer(self.model, inputs, chunk.stream_id)
         if chunk.finalize:
             self._unpin(chunk.stream_id)  # the backend freed the state with the final chunk
-        return contracts.waveform_of(outputs)
+        return waveform_of(outputs)
 
     # ---- the pool ----------------------------------------------------------------------------------------
     def _pick_and_pin(self, stream_id: str, exclude: Sequence[Server]) -> Server | None:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -18,9 +19,11 @@ from cosyvoice_triton.pipeline.pipeline import Pipeline
 from cosyvoice_triton.pipeline.stages import LLMStage, Token2WavStage
 from cosyvoice_triton.pipeline.text_feed import TEXT_IDLE_TIMEOUT_S, TextFeeds
 from cosyvoice_triton.preprocess.audio import decode_audio, to_mono, validate_prompt_audio
-from cosyvoice_triton.preprocess.text import TextPreprocessor, check_clean_text
+from cosyvoice_triton.preprocess.text import TextPreprocessor
 from cosyvoice_triton.preprocess.voice_features import audio_sha256
-from cosyvoice_triton.triton.contracts import REFERENCE_TEXT, PromptAudio, RegisterInputs, SynthesisInputs, TextAppend
+from cosyvoice_triton.wire.checks import check_clean_text
+from cosyvoice_triton.wire.names import REFERENCE_TEXT
+from cosyvoice_triton.wire.requests import PromptAudio, RegisterInputs, SynthesisInputs, TextAppend
 from cosyvoice_triton.voices.prompt_budget import PromptBudget, speech_tokens_of
 from cosyvoice_triton.voices.store import VoiceRecord, VoiceStore, register_once
 
@@ -100,7 +103,7 @@ class ServedPipeline:
         policy = self.chunk_policy.with_overrides(**inputs.chunk_overrides)  # errors name chunk_*
         return SynthesisRequest(text=inputs.text, voice=self.voices.resolve(inputs), mode=inputs.mode,
                                 instruct_text=inputs.instruct_text, seed=inputs.seed,
-                                sampling=inputs.sampling or self.default_sampling,
+                                sampling=replace(self.default_sampling, **inputs.sampling),
                                 chunk_policy=policy,
                                 text_frontend=inputs.text_frontend, speed=inputs.speed,
                                 text_type=inputs.text_type, voice_of=partial(self.voices.store.get, owner=inputs.owner),

@@ -29,8 +29,8 @@ from cosyvoice_triton.pipeline.audible import DEFAULT_THRESHOLD_DBFS, AudibleDet
 from cosyvoice_triton.pipeline.capacity import Capacity
 from cosyvoice_triton.pipeline.playback import Playback
 from cosyvoice_triton.pipeline.speech_marks import complete_marks, is_mark_event
-from cosyvoice_triton.triton.contracts import marks_outputs, waveform_outputs
-from cosyvoice_triton.triton.tensors import classify, error_response, output_tensors
+from cosyvoice_triton.wire.outputs import marks_outputs, waveform_outputs
+from cosyvoice_triton.triton.pb_glue import classify, error_response, output_tensors
 
 
 class RequestPool:

@@ -15,24 +15,25 @@ from cosyvoice_triton.messages import ChunkPolicy, ConversionRequest
 from cosyvoice_triton.preprocess.audio import decode_audio, to_mono
 from cosyvoice_triton.pipeline.stages import Token2WavStage
 from cosyvoice_triton.pipeline.voice_conversion import VoiceConverter
-from cosyvoice_triton.triton import contracts
+from cosyvoice_triton.wire.names import AUDIO_TOKENIZER, AUDIO_TOKENIZER_OUTPUTS, SOURCE_AUDIO
+from cosyvoice_triton.wire.stage_tensors import speech_tokens_from_outputs, wav16k_inputs
 from cosyvoice_triton.triton.bls import bls_request
-from cosyvoice_triton.triton.contracts import ConversionInputs
+from cosyvoice_triton.wire.requests import ConversionInputs, SynthesisInputs
 from cosyvoice_triton.triton.service import Voices
-from cosyvoice_triton.triton.tensors import response_arrays
+from cosyvoice_triton.triton.pb_glue import response_arrays
 
 
 class BlsAudioTokenizer:
     """(N,) float32 at 16 kHz -> S3 speech tokens, through the `audio_tokenizer` model (batch of one)."""
 
-    def __init__(self, pb, model: str = contracts.AUDIO_TOKENIZER):
+    def __init__(self, pb, model: str = AUDIO_TOKENIZER):
         self.pb = pb
         self.model = model
 
     def __call__(self, wav16k: np.ndarray) -> np.ndarray:
-        response = bls_request(self.pb, self.model, contracts.wav16k_inputs(wav16k),
-                               contracts.AUDIO_TOKENIZER_OUTPUTS).exec()
-        return contracts.speech_tokens_from_outputs(response_arrays(self.pb, response, self.model))
+        response = bls_request(self.pb, self.model, wav16k_inputs(wav16k),
+                               AUDIO_TOKENIZER_OUTPUTS).exec()
+        return speech_tokens_from_outputs(response_arrays(self.pb, response, self.model))
 
 
 class ConversionService:
@@ -47,10 +48,10 @@ class ConversionService:
     def request(self, inputs: ConversionInputs) -> ConversionRequest:
         source = inputs.source
         if source.file_bytes is not None:
-            samples, rate = decode_audio(source.file_bytes, field=contracts.SOURCE_AUDIO)
+            samples, rate = decode_audio(source.file_bytes, field=SOURCE_AUDIO)
         else:
             samples, rate = to_mono(source.samples), int(source.sample_rate)
-        voice = self.voices.resolve(contracts.SynthesisInputs(text="", voice_id=inputs.voice_id, audio=inputs.audio,
+        voice = self.voices.resolve(SynthesisInputs(text="", voice_id=inputs.voice_id, audio=inputs.audio,
                                                               owner=inputs.owner))
         policy = self.chunk_policy.with_overrides(**inputs.chunk_overrides)  # errors name chunk_*
         return ConversionRequest(source=samples, sample_rate=rate, voice=voice, seed=inputs.seed,

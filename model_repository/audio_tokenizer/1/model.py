@@ -15,10 +15,12 @@ import triton_python_backend_utils as pb_utils
 from cosyvoice_triton.config import ModelPaths
 from cosyvoice_triton.engines.onnx_session import open_session
 from cosyvoice_triton.preprocess.prompt import PromptEncoder
-from cosyvoice_triton.triton.contracts import WAV16K, read_wav16k, speech_tokens_outputs
+from cosyvoice_triton.wire.names import WAV16K
+from cosyvoice_triton.wire.stage_tensors import read_wav16k, speech_tokens_outputs
 from cosyvoice_triton.triton.finite import check_finite
 from cosyvoice_triton.triton.params import PromptStepParams, parse_parameters
-from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each
+from cosyvoice_triton.wire.tensors import TensorReader
+from cosyvoice_triton.triton.pb_glue import request_arrays, respond_each
 
 
 class TritonPythonModel:

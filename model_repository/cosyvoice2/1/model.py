@@ -29,15 +29,17 @@ from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
 from cosyvoice_triton.voices.stores import open_voice_store
 from cosyvoice_triton.triton.bls import BlsPromptEncoder, BlsToken2Wav
 from cosyvoice_triton.triton.grpc_llm import served_llm
-from cosyvoice_triton.triton.contracts import (OFFICIAL_FORM, TEXT_MODE, ConversionInputs, SynthesisInputs, TextAppend,
-                                               from_official_form, parse_cosyvoice2_request)
+from cosyvoice_triton.wire.official import OFFICIAL_FORM, from_official_form
+from cosyvoice_triton.wire.names import TEXT_MODE
+from cosyvoice_triton.wire.requests import ConversionInputs, SynthesisInputs, TextAppend, parse_cosyvoice2_request
 from cosyvoice_triton.triton.vc_service import BlsAudioTokenizer, ConversionService
 from cosyvoice_triton.triton.metrics import REMOTE_TOKEN2WAV, SYNTHESIS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import CosyVoice2Params, parse_parameters
 from cosyvoice_triton.triton.remote_token2wav import RemoteToken2Wav
 from cosyvoice_triton.triton.service import ServedPipeline, Voices, prompt_budget, token_mel_ratio
 from cosyvoice_triton.triton.streaming import RequestPool, send_chunks, send_whole
-from cosyvoice_triton.triton.tensors import TensorReader, error_response, request_arrays
+from cosyvoice_triton.wire.tensors import TensorReader
+from cosyvoice_triton.triton.pb_glue import error_response, request_arrays
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -130,12 +132,11 @@ class TritonPythonModel:
     # ---- helpers -----------------------------------------------------------------------------------
 
     def _parse(self, request):
-        """The request as typed, checked values (contracts.py): a synthesis, a conversion or a text piece."""
+        """The request as typed, checked values (wire/requests.py): a synthesis, a conversion or a text piece."""
         arrays = request_arrays(request)
         if self.official:
             arrays = from_official_form(arrays, self._has_voice)
-        inputs = parse_cosyvoice2_request(TensorReader(arrays), self.service.default_sampling,
-                                          self.params.max_text_chars)
+        inputs = parse_cosyvoice2_request(TensorReader(arrays), self.params.max_text_chars, self.service.chunk_policy)
         bistream = isinstance(inputs, SynthesisInputs) and inputs.bistream
         if bistream and (not self.decoupled or self.instances > 1):  # the appends must reach the instance that reads them
             raise InvalidInput(TEXT_MODE, f"bistream needs a streaming model of one instance ({self.name} is "

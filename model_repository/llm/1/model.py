@@ -1,4 +1,4 @@
-"""`llm`: speech tokens streamed from the in-flight batching `LLMScheduler` (contract: triton/contracts.py).
+"""`llm`: speech tokens streamed from the in-flight batching `LLMScheduler` (tensors: wire/stage_tensors.py).
 
 execute() only parses and hands each request to `LLMStreamForwarder` (triton/llm_streams.py), which
 forwards every scheduler stream's tokens to its response sender and ends it with one final flag. This file
@@ -25,12 +25,14 @@ from cosyvoice_triton.llm.scheduler import LLMScheduler
 from cosyvoice_triton.pipeline.threads import thread_plan
 from cosyvoice_triton.triton import instance_device, open_core_share
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.triton.contracts import (TEXT_APPEND, StreamCancel, TextAppend, parse_llm_request,
-                                               speech_tokens_outputs)
+from cosyvoice_triton.wire.names import TEXT_APPEND
+from cosyvoice_triton.wire.stage_tensors import StreamCancel, parse_llm_request, speech_tokens_outputs
+from cosyvoice_triton.wire.requests import TextAppend
 from cosyvoice_triton.triton.llm_streams import LLMStreamForwarder
 from cosyvoice_triton.triton.metrics import LLM_METRICS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import LLMParams, parse_parameters
-from cosyvoice_triton.triton.tensors import TensorReader, error_response, output_tensors, request_arrays
+from cosyvoice_triton.wire.tensors import TensorReader
+from cosyvoice_triton.triton.pb_glue import error_response, output_tensors, request_arrays
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

@@ -19,9 +19,11 @@ from cosyvoice_triton.config import ModelPaths, read_yaml
 from cosyvoice_triton.preprocess.audio import resample, validate_prompt_audio
 from cosyvoice_triton.preprocess.features import MelConfig, prompt_mel
 from cosyvoice_triton.preprocess.prompt import SPEAKER_RATE
-from cosyvoice_triton.triton.contracts import REFERENCE_WAV, prompt_audio_outputs, read_prompt_audio_batch
+from cosyvoice_triton.wire.names import REFERENCE_WAV
+from cosyvoice_triton.wire.stage_tensors import prompt_audio_outputs, read_prompt_audio_batch
 from cosyvoice_triton.triton.params import PromptStepParams, parse_parameters
-from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each
+from cosyvoice_triton.wire.tensors import TensorReader
+from cosyvoice_triton.triton.pb_glue import request_arrays, respond_each
 
 
 class TritonPythonModel:

@@ -19,10 +19,12 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.voices.stores import open_voice_store
 from cosyvoice_triton.triton.bls import BlsPromptEncoder
-from cosyvoice_triton.triton.contracts import RegisterOutputs, parse_register_inputs
+from cosyvoice_triton.wire.outputs import RegisterOutputs
+from cosyvoice_triton.wire.requests import parse_register_inputs
 from cosyvoice_triton.triton.params import RegisterVoiceParams, parse_parameters
 from cosyvoice_triton.triton.service import Voices, prompt_budget, token_mel_ratio
-from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each
+from cosyvoice_triton.wire.tensors import TensorReader
+from cosyvoice_triton.triton.pb_glue import request_arrays, respond_each
 
 
 class TritonPythonModel:

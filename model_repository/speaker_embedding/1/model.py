@@ -16,11 +16,13 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.engines.select import open_campplus
 from cosyvoice_triton.preprocess.prompt import PromptEncoder
-from cosyvoice_triton.triton.contracts import WAV16K, embedding_outputs, read_wav16k
+from cosyvoice_triton.wire.names import WAV16K
+from cosyvoice_triton.wire.stage_tensors import embedding_outputs, read_wav16k
 from cosyvoice_triton.triton.finite import check_finite
 from cosyvoice_triton.triton.logs import library_logs_to_triton
 from cosyvoice_triton.triton.params import SpeakerEmbeddingParams, parse_parameters
-from cosyvoice_triton.triton.tensors import TensorReader, request_arrays, respond_each
+from cosyvoice_triton.wire.tensors import TensorReader
+from cosyvoice_triton.triton.pb_glue import request_arrays, respond_each
 
 
 class TritonPythonModel:

@@ -1,5 +1,5 @@
 """`token2wav`: the chunk requests of one dynamic batch run through `Token2WavScheduler.run` as one flow batch
-(contract: triton/contracts.py). Per-stream state lives in the scheduler, keyed by `stream_id`, and is freed
+(tensors: wire/stage_tensors.py). Per-stream state lives in the scheduler, keyed by `stream_id`, and is freed
 on the final chunk, on a `cancel` request and after `idle_timeout_s` without chunks, counted on the
 scheduler's quiet clock from the latest chunk's answer (its idle rule; checked on every batch, and by an
 `IdleSweeper` timer while no chunks come).
@@ -41,12 +41,14 @@ from cosyvoice_triton.token2wav.scheduler import Token2WavScheduler
 from cosyvoice_triton.triton import instance_device, open_core_share
 from cosyvoice_triton.triton.bls import bls_request
 from cosyvoice_triton.triton.finite import check_chunk_finite
-from cosyvoice_triton.triton.contracts import (TOKEN2WAV_OUTPUTS, StreamCancel, parse_chunk, token2wav_cancel_inputs,
-                                               waveform_outputs)
+from cosyvoice_triton.wire.names import TOKEN2WAV_OUTPUTS
+from cosyvoice_triton.wire.stage_tensors import StreamCancel, parse_chunk, token2wav_cancel_inputs
+from cosyvoice_triton.wire.outputs import waveform_outputs
 from cosyvoice_triton.triton.logs import library_logs_to_triton
 from cosyvoice_triton.triton.metrics import TOKEN2WAV_METRICS, ModelMetrics, instance_labels
 from cosyvoice_triton.triton.params import Token2WavParams, parse_parameters
-from cosyvoice_triton.triton.tensors import TensorReader, error_response, output_tensors, request_arrays
+from cosyvoice_triton.wire.tensors import TensorReader
+from cosyvoice_triton.triton.pb_glue import error_response, output_tensors, request_arrays
 
 
 class TritonPythonModel:

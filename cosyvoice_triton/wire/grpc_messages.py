@@ -19,7 +19,7 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    # to 120 s while it is down, and health checks fail fast until the next attempt).
                    ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
 # After a stream's final response, how long a client waits for the server to end the ModelStreamInfer call
-# with OK before it cancels it (grpc_stream.py, the reader of those calls, says why it waits).
+# with OK before it cancels it (call_reader.py, the reader of those calls, says why it waits).
 STREAM_END_WAIT_S = 5.0
 DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64",
              np.dtype(np.uint64): "UINT64", np.dtype(np.bool_): "BOOL"}

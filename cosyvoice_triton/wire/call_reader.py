@@ -1,6 +1,6 @@
 """The one reader of a decoupled Triton call (gRPC `ModelStreamInfer`), for every client of a Triton server:
-the gateway (`TritonClient.stream`) and the client SDK (`AudioStream`, `AsyncAudioStream`). `StreamReader`
-reads a blocking call (`grpc`), `AsyncStreamReader` a `grpc.aio` one; both iterate the outputs (name ->
+the gateway (`TritonClient.stream`) and the client SDK (`AudioStream`, `AsyncAudioStream`). `CallReader`
+reads a blocking call (`grpc`), `AsyncCallReader` a `grpc.aio` one; both iterate the outputs (name ->
 numpy array) of each response that has any, and share `_Reading`, which says what a response means:
 
 - an error (`error_message`; our models send an error as the request's final response): raised as
@@ -12,7 +12,7 @@ numpy array) of each response that has any, and share `_Reading`, which says wha
   a clean end); a gRPC status error of the call: `from_wire(details, status name)` (UNAVAILABLE ->
   `Unreachable`, DEADLINE_EXCEEDED -> `DeadlineExceeded`, ...); no response within the asyncio reader's
   timeout: `DeadlineExceeded`. A caller with its own error type passes `as_error` (error, status name ->
-  the exception to raise): the gateway's `TritonCallError`, the SDK's `TTSError`.
+  the exception to raise): the gateway's `RemoteError`, the SDK's `TTSError`.
 
 How the call ends:
 
@@ -40,12 +40,12 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from cosyvoice_triton.errors import CosyVoiceError, DeadlineExceeded, Unreachable, from_wire
-from cosyvoice_triton.triton.wire import STREAM_END_WAIT_S, is_final, response_outputs
+from cosyvoice_triton.wire.grpc_messages import STREAM_END_WAIT_S, is_final, response_outputs
 
 Outputs = dict[str, np.ndarray]
 Skip = Callable[[service_pb2.ModelInferResponse], bool]
 # A caller's own error for the library's error and the gRPC status name it came with (None for a model's
-# error response): the gateway's `TritonCallError`, the SDK's `TTSError`. By default the error itself.
+# error response): the gateway's `RemoteError`, the SDK's `TTSError`. By default the error itself.
 AsError = Callable[[CosyVoiceError, str | None], Exception]
 
 
@@ -118,7 +118,7 @@ class _Reading:
             self._on_end()
 
 
-class StreamReader:
+class CallReader:
     """The outputs of a blocking `ModelStreamInfer` call's responses (see the module docstring). Iterate it;
     `close()` before the end cancels the call."""
 
@@ -127,7 +127,7 @@ class StreamReader:
         self.call = call
         self._reading = _Reading(skip, on_end, as_error)
 
-    def __iter__(self) -> StreamReader:
+    def __iter__(self) -> CallReader:
         return self
 
     def __next__(self) -> Outputs:
@@ -173,7 +173,7 @@ class StreamReader:
             self.call.cancel()
 
 
-class AsyncStreamReader:
+class AsyncCallReader:
     """The outputs of a `grpc.aio` `ModelStreamInfer` call's responses (see the module docstring):
     `async for`; `await aclose()` before the end cancels the call (iterate it inside
     `contextlib.aclosing`). `first_timeout_s`/`next_timeout_s`: the longest wait for a response before
@@ -186,7 +186,7 @@ class AsyncStreamReader:
         self._reading = _Reading(skip, on_end, as_error)
         self._first_timeout_s, self._next_timeout_s = first_timeout_s, next_timeout_s
 
-    def __aiter__(self) -> AsyncStreamReader:
+    def __aiter__(self) -> AsyncCallReader:
         return self
 
     async def __anext__(self) -> Outputs:

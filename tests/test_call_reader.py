@@ -1,4 +1,4 @@
-"""The one reader of a decoupled Triton call (`triton/grpc_stream.py`), blocking and asyncio, on fake calls
+"""The one reader of a decoupled Triton call (`wire/call_reader.py`), blocking and asyncio, on fake calls
 (no Triton): outputs, the final flag, empty final responses, error responses, the end of the call without
 a final flag, gRPC status errors, skipped responses, the wait for the end of the call and cancellation."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from cosyvoice_triton.errors import Cancelled, DeadlineExceeded, InvalidInput, Unreachable
-from cosyvoice_triton.triton import grpc_stream
-from cosyvoice_triton.triton.grpc_stream import AsyncStreamReader, StreamReader
+from cosyvoice_triton.wire import call_reader
+from cosyvoice_triton.wire.call_reader import AsyncCallReader, CallReader
 
 END = object()  # the server ends the call (OK) here
 HANG = object()  # the server sends nothing more until the call is cancelled
@@ -92,7 +92,7 @@ def read_blocking(items, **options):
     """(the reader's outputs or the error it raised, the call, how often on_end was called)."""
     call, ends = FakeCall(items), []
     try:
-        got = list(StreamReader(call, on_end=lambda: ends.append(1), **options))
+        got = list(CallReader(call, on_end=lambda: ends.append(1), **options))
     except Exception as error:  # noqa: BLE001 - the result under test
         got = error
     return got, call, len(ends)
@@ -102,7 +102,7 @@ def read_async(items, **options):
     async def run():
         call, ends = FakeAioCall(items), []
         try:
-            got = [outputs async for outputs in AsyncStreamReader(call, on_end=lambda: ends.append(1), **options)]
+            got = [outputs async for outputs in AsyncCallReader(call, on_end=lambda: ends.append(1), **options)]
         except Exception as error:  # noqa: BLE001 - the result under test
             got = error
         return got, call, len(ends)
@@ -171,14 +171,14 @@ def test_responses_of_other_requests_on_the_call_are_skipped_with_their_final_fl
 
 @FACES
 def test_a_server_that_does_not_end_the_call_after_the_final_response_is_cancelled(read, monkeypatch):
-    monkeypatch.setattr(grpc_stream, "STREAM_END_WAIT_S", 0.01)
+    monkeypatch.setattr(call_reader, "STREAM_END_WAIT_S", 0.01)
     got, call, _ = read([response([1]), response(final=True), HANG])
     assert len(got) == 1 and call.cancelled()
 
 
 def test_closing_a_blocking_reader_early_cancels_the_call():
     call, ends = FakeCall([response([1]), response([2]), response(final=True), END]), []
-    reader = StreamReader(call, on_end=lambda: ends.append(1))
+    reader = CallReader(call, on_end=lambda: ends.append(1))
     assert next(reader)["waveform"].tolist() == [1]
     reader.close()
     assert call.cancelled() and ends == [1]
@@ -189,7 +189,7 @@ def test_closing_a_blocking_reader_early_cancels_the_call():
 
 def test_closing_a_finished_reader_does_not_cancel():
     call = FakeCall([response([1], final=True), END])
-    reader = StreamReader(call)
+    reader = CallReader(call)
     assert len(list(reader)) == 1
     reader.close()
     assert not call.cancelled()
@@ -198,7 +198,7 @@ def test_closing_a_finished_reader_does_not_cancel():
 def test_closing_an_asyncio_reader_early_cancels_the_call():
     async def run():
         call, ends = FakeAioCall([response([1]), response(final=True), END]), []
-        reader = AsyncStreamReader(call, on_end=lambda: ends.append(1))
+        reader = AsyncCallReader(call, on_end=lambda: ends.append(1))
         assert (await anext(reader))["waveform"].tolist() == [1]
         await reader.aclose()
         return call, ends
@@ -210,7 +210,7 @@ def test_closing_an_asyncio_reader_early_cancels_the_call():
 def test_a_task_cancelled_while_it_waits_cancels_the_call():
     async def run():
         call, ends = FakeAioCall([response([1]), HANG]), []
-        reader = AsyncStreamReader(call, on_end=lambda: ends.append(1))
+        reader = AsyncCallReader(call, on_end=lambda: ends.append(1))
         await anext(reader)
         waiting = asyncio.create_task(anext(reader))
         await asyncio.sleep(0.01)

@@ -1,39 +1,18 @@
-"""Tensors in and out of our Triton models, and errors as Triton errors; `pb_utils` is passed in.
+"""Typed reading of one request's tensors, and STRING tensors; torch-free and without `pb_utils`.
 
-`TensorReader` reads the inputs of one request (a name -> numpy array mapping, so it is testable
-without Triton) into Python values, and every problem it finds is an `InvalidInput` naming the input.
-For a model with `max_batch_size > 0` each request carries a leading batch dimension of 1, which
-`batched=True` strips. `triton_error` turns any exception into a `TritonError` with the right code and the
-error as data (`CosyVoiceError.to_wire`: code, field, retry hint), which callers read with `errors.from_wire`.
+`TensorReader` reads the inputs of one request (a name -> numpy array mapping, so it is testable without
+Triton) into Python values, and every problem it finds is an `InvalidInput` naming the input. For a model with
+`max_batch_size > 0` each request carries a leading batch dimension of 1, which `batched=True` strips.
 """
 from __future__ import annotations
 
-import logging
-import traceback
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import numpy as np
 
-from cosyvoice_triton.errors import CosyVoiceError, InvalidInput, from_wire
-
-log = logging.getLogger(__name__)
+from cosyvoice_triton.errors import InvalidInput
 
 _KIND_NAMES = {"b": "BOOL", "i": "INT", "u": "UINT", "f": "FP", "O": "STRING", "S": "STRING", "U": "STRING"}
-
-
-class RemoteError(CosyVoiceError):
-    """An error response from a model we called (BLS, or gRPC to another server), as the callee's kind: its
-    `code`, `field`, `retry_after_s` and Triton code are read from the message with `from_wire`.
-    `status`: the callee's Triton error code (a pb_utils.TritonError number, or a status name), `error`: the
-    callee's error as its own class (an Unavailable, an InvalidInput, ...)."""
-
-    def __init__(self, model: str, message: str, status: int | str | None):
-        self.model = model
-        self.status = status
-        self.error = from_wire(message, _CODE_NAMES.get(status) if isinstance(status, int) else status)
-        super().__init__(self.error.message, field=self.error.field, retry_after_s=self.error.retry_after_s)
-        self.code, self.triton_code = self.error.code, self.error.triton_code
 
 
 class TensorReader:
@@ -150,83 +129,9 @@ def _dtype_name(dtype: np.dtype) -> str:
     return f"{_KIND_NAMES.get(dtype.kind, dtype.kind)}{dtype.itemsize * 8}"
 
 
-# ---- pb_utils glue ---------------------------------------------------------------------------------
-
-def request_arrays(request) -> dict[str, np.ndarray]:
-    """The inputs of a `pb_utils.InferenceRequest` by name (CPU numpy views)."""
-    return {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
-
-
-def response_arrays(pb, response, model: str) -> dict[str, np.ndarray]:
-    """Outputs of a BLS response by name (copied: the response's memory may be reused);
-    RemoteError if the callee answered with an error."""
-    if response.has_error():
-        error = response.error()
-        code = error.code() if hasattr(error, "code") else None
-        raise RemoteError(model, error.message(), code)
-    return {tensor.name(): np.array(tensor.as_numpy(), copy=True) for tensor in response.output_tensors()}
-
-
-def output_tensors(pb, outputs: Mapping[str, np.ndarray]) -> list:
-    return [pb.Tensor(name, np.ascontiguousarray(array)) for name, array in outputs.items()]
-
-
 def string_array(values: list[str] | str, batched: bool = False) -> np.ndarray:
     """A STRING tensor: [n] (or [1, n] when `batched`) of UTF-8 bytes objects."""
     if isinstance(values, str):
         values = [values]
     array = np.array([v.encode("utf-8") for v in values], dtype=object)
     return array[None] if batched else array
-
-
-@dataclass(frozen=True)
-class ErrorInfo:
-    code_name: str  # a TritonError attribute: INVALID_ARG, NOT_FOUND, CANCELLED, UNAVAILABLE, INTERNAL
-    message: str  # the error's `to_wire()` JSON
-
-
-def library_error(exc: BaseException) -> CosyVoiceError:
-    """`exc` as one of the library's errors: an unexpected exception becomes a short internal error (its
-    details belong in the server log, not in an answer)."""
-    if isinstance(exc, CosyVoiceError):
-        return exc
-    return CosyVoiceError(f"internal error ({type(exc).__name__})")
-
-
-def classify(exc: BaseException) -> ErrorInfo:
-    """The Triton error code and the wire message (`CosyVoiceError.to_wire`) for an exception."""
-    error = library_error(exc)
-    return ErrorInfo(error.triton_code, error.to_wire())
-
-
-# TritonError codes as python_backend numbers them (pb_utils.TritonError.<NAME>).
-_CODE_NAMES = {0: "UNKNOWN", 1: "INTERNAL", 2: "NOT_FOUND", 3: "INVALID_ARG", 4: "UNAVAILABLE",
-               5: "UNSUPPORTED", 6: "ALREADY_EXISTS", 7: "CANCELLED"}
-
-
-def triton_error(pb, exc: BaseException, model: str = ""):
-    """`pb.TritonError` for `exc`. Internal errors are logged with their traceback (a callee's were logged
-    where they happened)."""
-    info = classify(exc)
-    if info.code_name == "INTERNAL" and not isinstance(exc, RemoteError):
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        pb.Logger.log_error(f"{model}: {text}")
-    return pb.TritonError(info.message, getattr(pb.TritonError, info.code_name, pb.TritonError.INTERNAL))
-
-
-def error_response(pb, exc: BaseException, model: str = ""):
-    return pb.InferenceResponse(error=triton_error(pb, exc, model))
-
-
-def respond_each(pb, requests, model: str, outputs_of: Callable[[object], dict[str, np.ndarray]]) -> list:
-    """One response per request of a non-decoupled `execute`: the tensors `outputs_of(request)` names, or
-    that request's error. A bad request is answered on its own and never fails the others."""
-    responses = []
-    for request in requests:
-        try:
-            outputs = outputs_of(request)
-            responses.append(pb.InferenceResponse(
-                output_tensors=[pb.Tensor(name, array) for name, array in outputs.items()]))
-        except Exception as exc:  # noqa: BLE001 - answered to this request only
-            responses.append(error_response(pb, exc, model))
-    return responses
