@@ -1,4 +1,4 @@
-"""Side by side with the official CosyVoice2 code, on one model folder, in one interleaved run.
+"""Side by side with the official CosyVoice2 or CosyVoice3 code, on one model folder, in one interleaved run.
 
     python -m cosyvoice_triton.perf.bench_official --model-dir DIR --official-src CHECKOUT \
         [--official-venv VENV] [--speech-tokens 250] [--text-tokens 40] [--prompt-tokens 75] \
@@ -11,11 +11,13 @@
 Both sides get the same text token ids, prompt text ids, prompt speech tokens, prompt mel and speaker
 embedding (computed once by our prompt encoder from a speech-like recording of P / 25 s) and decode
 exactly N speech tokens (stop tokens masked: our LLM made exact-length by perf/exact_length.py, the same
-masking patched into the official `Qwen2LM` by perf/official_driver.py). Each side runs in its own process (the
+masking patched into the official LM by perf/official_driver.py). The folder's yaml decides the family on
+both sides (ours: `CosyVoice.from_model_dir`; the official: `CosyVoice2Model` or `CosyVoice3Model`). Each side
+runs in its own process (the
 official one with the official virtualenv's python, made with `python -m venv` + pip when
 `--official-venv` is not given) and the rounds alternate official, ours, official, ours, ... for every
 concurrency level, each round recorded with the load average. c concurrent streams: c threads calling
-`CosyVoice2Model.tts(stream=True)` on the official side; c synthesizers, one thread each, on ours.
+the official model's `tts(stream=True)`; c synthesizers, one thread each, on ours.
 Writes side_by_side.md (ratios ours / official) and side_by_side.json under --out. Every side reports
 first audio (its first chunk) and first audible audio (the arrival of the chunk holding its first sample
 above -50 dBFS over 10 ms, cosyvoice_triton/pipeline/audible.py, computed from that side's own chunks;
@@ -23,7 +25,8 @@ the official driver loads that module by path).
 
 Our side alone (no --official-src) times the in-process pipeline, and with `--triton HOST:PORT` also a
 running tritonserver of the same folder (started with `python -m cosyvoice_triton.perf.exact_length
---exact-speech-tokens N`: `serve` with perf's exact-length `llm` overlay),
+--exact-speech-tokens N`: `serve` with perf's exact-length `llm` overlay; the streaming model named as the
+folder's family, refused while model_repository/ has no such model),
 rounds interleaved in-process, Triton, ..., with the Triton path's ratios over in-process. Its prompt is
 the same recording, P / 25 s long (P speech tokens), sent to the server as audio. `--decode-ahead both`
 times the pipeline with the LLM waiting while token2wav runs and with the two overlapped, interleaved;
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -49,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_triton.audio_out import SAMPLE_RATE
+from cosyvoice_triton.family import family_of
 from cosyvoice_triton.messages import SPEECH_TOKENS_PER_SECOND
 from cosyvoice_triton.models.flow import FLOW_PRECISIONS
 from cosyvoice_triton.models.llm_precision import LLM_PRECISIONS
@@ -118,12 +123,12 @@ class OurSide:
                  flow_precision: str = "fp32", chunk_preset: str = "official", flow_rows: bool = True):
         from cosyvoice_triton.models.flow_cache import FlowCacheSettings
         from cosyvoice_triton.perf.exact_length import exact_length
-        from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice2
+        from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice
 
         preset = CHUNK_PRESETS[chunk_preset]
 
-        def load() -> CosyVoice2:
-            tts = CosyVoice2.from_model_dir(model_dir, llm_precision=llm_precision, flow_precision=flow_precision,
+        def load() -> CosyVoice:  # the folder's family (its yaml)
+            tts = CosyVoice.from_model_dir(model_dir, llm_precision=llm_precision, flow_precision=flow_precision,
                                             flow_cache=FlowCacheSettings(cached_final=preset.cached_final))
             exact_length(tts.llm, speech_tokens)
             return tts
@@ -154,9 +159,9 @@ class OurSide:
 
 class TritonSide:
     """Our side through a running tritonserver of the same folder (`perf.exact_length --exact-speech-tokens N`): c
-    streams of the `cosyvoice2` model at once over gRPC, the same text. `voice`: "id", the recording
-    registered once and named by its id (as production traffic does, and as the other sides are handed
-    precomputed prompt features), or "audio", the recording sent with every request."""
+    streams of the folder's family's streaming model (`served_model`) at once over gRPC, the same text.
+    `voice`: "id", the recording registered once and named by its id (as production traffic does, and as the
+    other sides are handed precomputed prompt features), or "audio", the recording sent with every request."""
 
     def __init__(self, url: str, model_dir: str, text_tokens: int, prompt_tokens: int, voice: str = "id"):
         from cosyvoice_triton.client import TritonTTS
@@ -171,7 +176,7 @@ class TritonSide:
         self.prompt = prompt_recording(prompt_tokens)
         self.url = url
         self.clients: list = []
-        self.make_client = TritonTTS
+        self.make_client = functools.partial(TritonTTS, model=served_model(model_dir))
         self.voice = voice
         self.voice_id: str | None = None
         self.name = "triton" if voice == "id" else "triton_audio"
@@ -194,6 +199,18 @@ class TritonSide:
     def close(self) -> None:
         for client in self.clients:
             client.close()
+
+
+def served_model(model_dir: str) -> str:
+    """The streaming Triton model of the folder's family: the family's name (`cosyvoice2`), a model of
+    model_repository/. A family with no such model there yet cannot be timed through tritonserver."""
+    from cosyvoice_triton.server.launcher import DEFAULT_REPOSITORY
+
+    family = family_of(model_dir)
+    if not (DEFAULT_REPOSITORY / family.name).is_dir():
+        raise SystemExit(f"--triton: {model_dir} holds a {family} model ({family.yaml_file}) and model_repository/ "
+                         f"has no `{family.name}` model to serve it yet; time it in-process (without --triton)")
+    return family.name
 
 
 def timed_stream(chunks, sample_rate: int) -> dict:
@@ -333,7 +350,8 @@ ROWS = [("first audio (median)", "first_audio_s", "s"), ("first audio p90", "fir
 def markdown(result: dict) -> str:
     meta = result["meta"]
     served = [name for name in SERVED if name in result["levels"][0]]
-    lines = [f"{meta['date']}; {meta['cpu']}; torch {meta['torch_ours']} (ours) / {meta['torch_official']} (official), "
+    lines = [f"{meta.get('family', 'cosyvoice2')}; {meta['date']}; {meta['cpu']}; "
+             f"torch {meta['torch_ours']} (ours) / {meta['torch_official']} (official), "
              f"{meta['threads']} threads each; {meta['text_tokens']} text tokens, {meta['prompt_tokens']}-token prompt, "
              f"exactly {meta['speech_tokens']} speech tokens; LLM {meta['llm_precision']}, flow {meta.get('flow_precision', 'fp32')} "
              f"({meta.get('cpu_kind', 'CPU kind not recorded')}), chunk preset {meta.get('chunk_preset', 'official')}; "
@@ -399,8 +417,9 @@ def side_by_side(args) -> dict:
     finally:
         for side in sides:
             side.close()
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(),
-            "torch_ours": ours.hello["torch"], "torch_official": official.hello["torch"], "threads": args.threads,
+    meta = {"family": family_of(args.model_dir).name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "cpu": cpu_name(), "torch_ours": ours.hello["torch"], "torch_official": official.hello["torch"],
+            "threads": args.threads,
             "text_tokens": len(np.load(inputs)["text_tokens"]), "prompt_tokens": args.prompt_tokens,
             "speech_tokens": args.speech_tokens, **precisions(args),
             "decode_ahead": args.decode_ahead != "off", "load_min": min(loads),
@@ -495,7 +514,8 @@ def ours_alone(args) -> dict:
                   for name, peer in RATIOS if name in summaries and peer in summaries}
         levels.append({"concurrency": level, "load_average": summaries["in_process"]["load_average"][0],
                        **summaries["in_process"], "variants": summaries, "ratios": ratios})
-    return {"speech_tokens": args.speech_tokens, "text_tokens": len(side.arrays["text_tokens"]),
+    return {"family": side.synths[0].family.name, "speech_tokens": args.speech_tokens,
+            "text_tokens": len(side.arrays["text_tokens"]),
             "prompt_tokens": len(side.arrays["prompt_speech_tokens"]), **precisions(args),
             "decode_ahead": args.decode_ahead, "first_chunk": args.first_chunk, "flow_rows": args.flow_rows,
             "triton": args.triton,
@@ -550,6 +570,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    if args.triton:
+        served_model(args.model_dir)  # refused before any side starts
     if args.worker:
         serve_ours(args)
     elif args.official_src is None:
@@ -562,7 +584,8 @@ def run(args) -> int:
 
 def add_command(sub) -> None:
     """`cosyvoice-triton bench-official` (an entry point of the cosyvoice_triton.commands group)."""
-    p = sub.add_parser("bench-official", help="time our pipeline side by side with the official CosyVoice2 code "
+    p = sub.add_parser("bench-official", help="time our pipeline side by side with the official CosyVoice2 or "
+                                              "CosyVoice3 code (the folder's family) "
                                               "(or our side alone: in-process, through Triton)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)

@@ -3,17 +3,20 @@
     OFFICIAL_VENV/bin/python perf/official_driver.py --official-src DIR --model-dir DIR --inputs NPZ \
         --speech-tokens N [--threads 2] [--audible-module PATH]
 
-Builds `CosyVoice2Model` from the model folder's `cosyvoice2.yaml` (hyperpyyaml, as the official
-`CosyVoice2` class does) and loads `llm.pt`, `flow.pt`, `hift.pt` with `CosyVoice2Model.load` (strict).
+The folder's yaml decides the family, as the official `AutoModel` does: `cosyvoice2.yaml` builds
+`CosyVoice2Model`, `cosyvoice3.yaml` `CosyVoice3Model` (hyperpyyaml, as the official `CosyVoice2` and
+`CosyVoice3` classes do; those classes themselves also load the frontend, which the benchmark does not
+use). `llm.pt`, `flow.pt`, `hift.pt` load with the model's `load` (strict).
 A folder without backbone weights (`export --no-backbone-weights`) gets its Qwen2 built from its
-`config.json`; `llm.pt` then sets every weight. Every call decodes exactly N speech tokens: the stop
-tokens are masked and min_len = max_len = N. Then it serves the parent on stdin/stdout, one JSON line
+`config.json`; `llm.pt` then sets every weight. Every call decodes exactly N speech tokens: the LM's stop
+tokens (`stop_token_ids`: 3 in CosyVoice2, 200 in CosyVoice3) are masked and min_len = max_len = N. Then it
+serves the parent on stdin/stdout, one JSON line
 each way: {"concurrency": c} -> {"streams": [{"first_s", "first_audible_s", "total_s", "audio_s", "chunks"}...],
 "wall_s"}. first_audible_s (the arrival of the chunk holding the first audible sample) comes from our
 cosyvoice_triton/pipeline/audible.py, loaded by path (`--audible-module`: it needs numpy only), so that both
 sides use one definition; without it, None.
-c threads call `CosyVoice2Model.tts(stream=True)` at once, as the official server does.
-`token_hop_len` is reset to 25 before each round (`tts()` never resets it).
+c threads call the model's `tts(stream=True)` at once, as the official server does.
+`token_hop_len` is reset to 25 before each round (`tts()` doubles it on the model and never resets it).
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-TOKEN_HOP_LEN = 25  # CosyVoice2Model's initial value
+TOKEN_HOP_LEN = 25  # CosyVoice2Model's and CosyVoice3Model's initial value
+MODEL_CLASSES = {"cosyvoice2.yaml": "CosyVoice2Model", "cosyvoice3.yaml": "CosyVoice3Model"}  # by the folder's yaml
 UNUSED_MODULES = ("torchaudio", "torchaudio.compliance", "torchaudio.compliance.kaldi", "torchaudio.transforms",
                   "whisper", "whisper.tokenizer", "tiktoken", "pyworld", "pyarrow", "pyarrow.parquet")
 
@@ -62,24 +66,26 @@ def build_model(official: Path, model_dir: Path):
     import transformers
     from hyperpyyaml import load_hyperpyyaml
 
-    from cosyvoice.cli.model import CosyVoice2Model
+    import cosyvoice.cli.model
 
+    [yaml_file] = [name for name in MODEL_CLASSES if (model_dir / name).is_file()]
+    model_class = getattr(cosyvoice.cli.model, MODEL_CLASSES[yaml_file])
     qwen_dir = model_dir / "CosyVoice-BlankEN"
     if not any(qwen_dir.glob("*.safetensors")) and not any(qwen_dir.glob("*.bin")):
         def from_config(path, *args, **kwargs):  # llm.pt holds every backbone weight
             config = transformers.AutoConfig.from_pretrained(path)  # float32, as from_pretrained's default
             return transformers.Qwen2ForCausalLM._from_config(config, torch_dtype=torch.float32)
         transformers.Qwen2ForCausalLM.from_pretrained = from_config
-    with open(model_dir / "cosyvoice2.yaml") as f:
+    with open(model_dir / yaml_file) as f:
         configs = load_hyperpyyaml(f, overrides={"qwen_pretrain_path": str(qwen_dir)})
-    model = CosyVoice2Model(configs["llm"], configs["flow"], configs["hift"], fp16=False)
+    model = model_class(configs["llm"], configs["flow"], configs["hift"], fp16=False)
     model.load(str(model_dir / "llm.pt"), str(model_dir / "flow.pt"), str(model_dir / "hift.pt"))
     return model
 
 
 def force_exact_length(llm, n: int) -> None:
     """Exactly n tokens per call: every stop token masked, min_len = max_len = n."""
-    stop = [llm.speech_token_size + i for i in range(3)]
+    stop = list(llm.stop_token_ids)
     sampling_ids, wrapper = llm.sampling_ids, llm.inference_wrapper
 
     def masked_sampling_ids(weighted_scores, decoded_tokens, sampling, ignore_eos=True):

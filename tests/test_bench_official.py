@@ -2,7 +2,8 @@
 recorded by the tool itself (tests/data/official_rounds_tiny.json); perf/exact_length.py: exactly N tokens
 on every decoding path (`generate`, the scheduler) and in a server's `llm` model through perf's overlay
 (under pb_fake here; on a real tritonserver in tests/test_served_bench_knobs.py), with `serve` itself
-carrying no such knob.
+carrying no such knob. A tiny CosyVoice3 folder runs through the whole side-by-side harness (the official side
+stood in by a second worker of ours), and the official driver's exact length masks all of CosyVoice3's stop ids.
 
 The real side by side needs a checkout of the official repository and a virtualenv with its packages;
 making that venv takes longer than a test may, so it is a benchmark (perf/README.md, perf/RESULTS.md),
@@ -10,6 +11,8 @@ not a test.
 """
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import torch
 
 import pb_fake
 from cosyvoice_triton.cli import build_parser
+from cosyvoice_triton.family import END_OF_PROMPT_ID
 from cosyvoice_triton.llm.generate import generate
 from cosyvoice_triton.llm.scheduler import LLMScheduler
 from cosyvoice_triton.messages import LLMRequest, SamplingParams
@@ -201,3 +205,90 @@ def test_a_failed_stream_is_counted_and_the_rounds_are_kept() -> None:
     assert (timed["failed"], timed["first_audio_s"], timed["total_s"]) == (1, 1.0, 2.0)
     gone = bench_official.summary([bench_official.concurrent_round([fails])])
     assert gone["failed"] == 1 and np.isnan(gone["first_audio_s"])
+
+
+# ---- a CosyVoice3 folder (the folder's yaml decides the family on both sides) -------------------------
+
+@pytest.fixture(scope="module")
+def cv3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_model(tmp_path_factory.mktemp("cv3") / "model", size="tiny", backbone_weights=False,
+                              family="cosyvoice3")
+
+
+def test_a_cosyvoice3_folder_runs_side_by_side(cv3_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """The whole harness on a CosyVoice3 folder: two worker processes, interleaved rounds, the report. The
+    official code cannot run here, so its side is stood in by a second worker of ours (same line protocol)."""
+    written = []
+
+    def standin(python: Path, args, inputs: Path) -> list[str]:
+        written.append(inputs)  # what our side wrote for the official one
+        return bench_official.ours_command(args, inputs.with_name("standin_inputs.npz"))
+
+    monkeypatch.setattr(bench_official, "official_command", standin)
+    args = argparse_args(["--model-dir", str(cv3_dir), "--official-src", str(tmp_path), "--official-venv",
+                          str(tmp_path), "--speech-tokens", str(N), "--text-tokens", "6", "--prompt-tokens", "20",
+                          "--concurrency", "1", "--repeats", "2", "--out", str(tmp_path / "out")])
+    result = bench_official.side_by_side(args)
+    assert result["meta"]["family"] == "cosyvoice3"
+    assert result["meta"]["text_tokens"] >= 6
+    [level] = result["levels"]
+    for side in ("official", "ours"):  # exactly N tokens a stream, both rounds of each side
+        assert level[side]["audio_s"] == pytest.approx(N / 25)
+        assert (level[side]["rounds"], level[side]["failed"]) == (2, 0)
+    assert [name.split("_", 1)[1] for name in result["rounds"]] == ["official", "our"]
+    table = (tmp_path / "out" / "side_by_side.md").read_text()
+    assert table.startswith("cosyvoice3; ") and f"exactly {N} speech tokens" in table
+    # the official CosyVoice3 LM asserts <|endofprompt|> (151646) in prompt_text ++ text
+    assert END_OF_PROMPT_ID in np.load(written[0])["prompt_text_tokens"]
+
+
+def test_our_side_alone_names_the_family(cv3_dir: Path, capsys) -> None:
+    bench_official.main(["--model-dir", str(cv3_dir), "--speech-tokens", "4", "--text-tokens", "2",
+                         "--prompt-tokens", "20", "--concurrency", "1", "--repeats", "1", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["family"] == "cosyvoice3"
+    assert result["levels"][0]["audio_s"] == pytest.approx(4 / 25)
+
+
+def test_the_served_side_needs_a_served_model_of_the_family(cv3_dir: Path, model_dir: Path) -> None:
+    assert bench_official.served_model(str(model_dir)) == "cosyvoice2"
+    with pytest.raises(SystemExit, match="cosyvoice3 model .*no `cosyvoice3` model"):
+        bench_official.main(["--model-dir", str(cv3_dir), "--triton", "localhost:1", "--json"])
+
+
+def test_the_official_driver_masks_every_stop_token_of_the_lm() -> None:
+    """perf/official_driver.py's exact length on an LM with CosyVoice3's 200 stop ids (a stand-in object:
+    the official classes live in another virtualenv)."""
+    driver = load_driver()
+    seen = {}
+
+    class LM:
+        stop_token_ids = [6561 + i for i in range(200)]
+
+        def sampling_ids(self, scores, decoded, sampling, ignore_eos=True):
+            seen["ignore_eos"] = ignore_eos
+            return int(scores.argmax())
+
+        def inference_wrapper(self, lm_input, sampling, min_len, max_len, uuid):
+            yield (min_len, max_len)
+
+    lm = LM()
+    driver.force_exact_length(lm, 7)
+    scores = torch.zeros(6561 + 200)
+    scores[6561 + 150] = 1.0  # a stop id would win
+    assert lm.sampling_ids(scores, [], 25) < 6561 and seen["ignore_eos"] is False
+    assert list(lm.inference_wrapper(None, 25, 2, 40, "u")) == [(7, 7)]
+    assert driver.MODEL_CLASSES == {"cosyvoice2.yaml": "CosyVoice2Model", "cosyvoice3.yaml": "CosyVoice3Model"}
+
+
+def load_driver():
+    spec = importlib.util.spec_from_file_location("official_driver", bench_official.DRIVER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def argparse_args(argv: list[str]):
+    parser = argparse.ArgumentParser()
+    bench_official.add_arguments(parser)
+    return parser.parse_args(argv)
