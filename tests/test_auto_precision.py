@@ -19,24 +19,25 @@ def tiny(tmp_path_factory) -> Path:
     return write_random_model(tmp_path_factory.mktemp("auto") / "tiny", size="tiny", seed=0)
 
 
-@pytest.mark.parametrize("capability, has_bf16, device, llm, flow", [
-    ("AVX512", True, "cpu", "int8", "fp32"),  # AVX512-BF16 / AMX: weight-only int8 in bf16; a bf16 flow misses
-    ("AVX512", False, "cpu", "int8-dynamic", "fp32"),  # AVX512 without BF16: bf16 emulated, fbgemm native
-    ("AVX2", False, "cpu", "int8-dynamic", "fp32"),  # AVX2: fbgemm's dynamic int8 step beats fp32's
-    ("DEFAULT", False, "cpu", "fp32", "fp32"),
-    ("AVX2", False, "cuda", "bf16", "fp32"),
+@pytest.mark.parametrize("capability, has_bf16, has_vnni, device, llm, flow, cpu", [
+    ("AVX512", True, True, "cpu", "int8", "bf16", "AVX512 with BF16"),  # AVX512-BF16 / AMX
+    ("AVX512", False, True, "cpu", "int8-dynamic", "int8-dynamic", "AVX512 without BF16, with VNNI"),
+    ("AVX512", False, False, "cpu", "int8-dynamic", "fp32", "AVX512 without BF16"),  # fbgemm native, no VNNI
+    ("AVX2", False, True, "cpu", "int8-dynamic", "fp32", "AVX2 without BF16"),  # VNNI counts with AVX512 kernels
+    ("DEFAULT", False, False, "cpu", "fp32", "fp32", "DEFAULT without BF16"),
+    ("AVX2", False, False, "cuda", "bf16", "bf16", "AVX2 without BF16"),
 ])
-def test_auto_follows_the_cpus_instructions_and_the_device(monkeypatch, capability, has_bf16, device, llm,
-                                                           flow) -> None:
+def test_auto_follows_the_cpus_instructions_and_the_device(monkeypatch, capability, has_bf16, has_vnni, device, llm,
+                                                           flow, cpu) -> None:
     monkeypatch.setattr(auto_precision, "cpu_has_bf16", lambda: has_bf16)
     monkeypatch.setattr(auto_precision, "_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: has_vnni, raising=False)
     assert auto_precision.resolve_llm_precision("auto", device) == llm
     assert auto_precision.resolve_flow_precision("auto", device) == flow
     assert auto_precision.resolve_llm_precision("fp32", device) == "fp32"  # a named precision is kept
-    assert auto_precision.resolve_flow_precision("bf16", device) == "bf16"
-    assert auto_precision.describe_cpu() == f"{capability} {'with' if has_bf16 else 'without'} BF16"
-    assert auto_precision.resolved_precisions("auto", "auto", device) == \
-        {"llm": llm, "flow": flow, "cpu": auto_precision.describe_cpu()}
+    assert auto_precision.resolve_flow_precision("int8-dynamic", device) == "int8-dynamic"
+    assert auto_precision.describe_cpu() == cpu
+    assert auto_precision.resolved_precisions("auto", "auto", device) == {"llm": llm, "flow": flow, "cpu": cpu}
 
 
 def test_bf16_counts_as_native_only_where_atens_kernels_may_use_avx512(monkeypatch) -> None:
@@ -55,9 +56,9 @@ def test_the_launcher_writes_the_resolved_precisions_and_serve_reports_them(monk
     options = ServeOptions(llm_precision="auto", flow_precision="auto")
     repo = render_run_repository(options, tmp_path / "model", "v.sqlite", tmp_path / "run" / "repo")
     assert rendered_parameter(repo, "llm", "precision") == "int8"
-    assert rendered_parameter(repo, "token2wav", "flow_precision") == "fp32"
+    assert rendered_parameter(repo, "token2wav", "flow_precision") == "bf16"
     assert rendered_parameter(repo, "llm", "core_share") == str(tmp_path / "run" / "core_share")
-    assert precision_summary(repo) == "LLM int8, flow fp32 (CPU: %s)" % auto_precision.describe_cpu()
+    assert precision_summary(repo) == "LLM int8, flow bf16 (CPU: %s)" % auto_precision.describe_cpu()
     monkeypatch.setattr(auto_precision, "cpu_has_bf16", lambda: False)
     monkeypatch.setattr(auto_precision, "_capability", lambda: "AVX2")
     repo = render_run_repository(options, tmp_path / "model", "v.sqlite", tmp_path / "run2" / "repo")
@@ -104,4 +105,31 @@ def test_the_flow_in_int8_dynamic_quantizes_its_transformer_blocks_each_row_on_i
     rows[1] *= 50.0  # the neighbour
     with torch.inference_mode():
         assert torch.equal(linear(rows)[:1], linear(rows[:1]))
+
+
+def test_the_cosyvoice3_flow_in_int8_dynamic_quantizes_its_dit_blocks(tmp_path) -> None:
+    """The DiT's blocks (attention, feed-forward, their modulation) go int8 as the UNet's do; the input and
+    output projections and the time embedding stay fp32; the mel moves, by little (tests/test_quality.py)."""
+    from torch import nn
+
+    from cosyvoice_triton.models.dit import DiTBlock
+    from cosyvoice_triton.models.family import family_models
+    from cosyvoice_triton.models.llm_precision import Int8DynamicLinear
+    from cosyvoice_triton.random_folder.write import write_random_model
+
+    folder = write_random_model(tmp_path / "cv3", size="tiny", seed=0, family="cosyvoice3")
+    solver = family_models(folder).load_flow(folder).decoder
+    in_blocks = sum(isinstance(m, nn.Linear) for block in solver.estimator.modules() if isinstance(block, DiTBlock)
+                    for m in block.modules())
+    total = sum(isinstance(m, nn.Linear) for m in solver.estimator.modules())
+    inputs = (torch.randn(2, 80, 60, generator=torch.Generator().manual_seed(0)), torch.ones(2, 1, 60),
+              torch.randn(2, 80, 60), torch.full((2,), 0.5), torch.randn(2, 80), torch.randn(2, 80, 60),
+              torch.zeros(2, dtype=torch.bool))
+    with torch.inference_mode():
+        fp32 = solver.estimator(*inputs)
+        solver.set_precision("int8-dynamic")
+        int8 = solver.estimator(*inputs)
+    assert sum(isinstance(m, Int8DynamicLinear) for m in solver.estimator.modules()) == in_blocks > 0
+    assert sum(isinstance(m, nn.Linear) for m in solver.estimator.modules()) == total - in_blocks > 0
+    assert not torch.equal(int8, fp32) and torch.allclose(int8, fp32, atol=0.1 * fp32.abs().max().item())
 

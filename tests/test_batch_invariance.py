@@ -8,6 +8,7 @@ oneDNN capped at AVX2, as an AVX2-only CPU runs them; `auto` then picks int8-dyn
 audio is the same bits in any flow batch (token2wav/scheduler.py)."""
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import torch
 from cosyvoice_triton.llm.scheduler import LLMScheduler
 from cosyvoice_triton.messages import ChunkPolicy
 from cosyvoice_triton.models.flow_cache import FlowCacheSettings
-from cosyvoice_triton.models.auto_precision import resolve_llm_precision
+from cosyvoice_triton.models.auto_precision import resolve_flow_precision, resolve_llm_precision
 from cosyvoice_triton.models.llm_precision import LLM_PRECISIONS
 from cosyvoice_triton.models.qwen2 import kv_bucket
 from cosyvoice_triton.models.speech_lm import SpeechLM
@@ -189,11 +190,14 @@ def chunked(voice: Voice) -> list[ChunkRequest]:
             for j, (start, end) in enumerate(spans)]
 
 
-def test_a_streams_audio_in_any_flow_batch_is_its_solo_runs_bits(flow, hift, golden):
+@pytest.mark.parametrize("precision", ["fp32", "auto"])
+def test_a_streams_audio_in_any_flow_batch_is_its_solo_runs_bits(flow, hift, golden, precision):
     """token2wav as served on a CPU (the flow cache, each stream's estimator rows and encoder alone, spread by
     RowWorkers): streams with other voices, lengths and start times give the same audio bits batched together
-    as each alone. (Served, a call's thread count follows the chunk kinds in it, which moves HiFT's sums by
-    ~1e-7; here every call runs on the same count.)"""
+    as each alone, in fp32 and in the flow precision `auto` picks here. (Served, a call's thread count follows
+    the chunk kinds in it, which moves HiFT's sums by ~1e-7; here every call runs on the same count.)"""
+    flow = copy.deepcopy(flow)
+    flow.decoder.set_precision(resolve_flow_precision(precision))
     rng = np.random.RandomState(5)
     tokens = golden["flow_token"][0].tolist()
     hops = ChunkPolicy(first_hop=8, hop_scale=1.0, align_to_chunk=False)  # a chunk every 8 tokens

@@ -11,10 +11,15 @@ quality holds. Measured on the full-size folder (perf/RESULTS.md, "Precision per
   unrelated work had it slower; both runs are in perf/RESULTS.md.) A CPU without AVX2 or without the x86
   quantized engine (ARM's qnnpack is unmeasured): fp32.
   On a GPU: bf16.
-- Flow estimator: bf16 keeps the mel at 47 dB SNR after all 10 steps and int8-dynamic at 39 dB, but the
-  vocoder turns either into a waveform at 8 dB (below the 30 dB bound for a default), so `auto` keeps the
-  flow in fp32 everywhere; `bf16` and `int8-dynamic` (1.1x faster per flow solve with AVX2 kernels, 1.5x
-  with AVX512-VNNI) are there for who measures them fine on their weights (perf/flow_quality.py).
+- Flow estimator, judged by what a listener hears (perf/quality.py, docs/benchmarks/quality.md: the flow's
+  mel and the vocoder's f0 against fp32, offline and streamed; the waveform SNR, which a vocoder's phase
+  drift ruins for any change, is no gate). bf16 and int8-dynamic (the transformer blocks' Linear layers in
+  int8, each row on its own) stay within every bound on both families. On CPUs with AVX512-BF16 / AMX and on
+  GPUs bf16 is native: bf16. On other CPUs with AVX512-VNNI (int8 dot products in one instruction)
+  int8-dynamic is 1.5x faster per flow solve than fp32: int8-dynamic. With AVX2 only, int8-dynamic gains
+  about 1.1x, within the noise of a shared machine, and bf16 is emulated: fp32. The statically quantized
+  estimator graph (perf/flow_int8_static.py) re-runs every frame of a stream at each chunk (a graph takes no
+  flow cache): not offered.
 `describe_cpu` names the CPU kind for the start-up line.
 """
 from __future__ import annotations
@@ -32,8 +37,11 @@ def _capability() -> str:
 
 
 def describe_cpu() -> str:
-    """The CPU kind that decides `auto`: e.g. "AVX512 with BF16" or "AVX2 without BF16"."""
-    return f"{_capability()} {'with' if cpu_has_bf16() else 'without'} BF16"
+    """The CPU kind that decides `auto`: e.g. "AVX512 with BF16", "AVX512 without BF16, with VNNI" or
+    "AVX2 without BF16"."""
+    if cpu_has_bf16():
+        return f"{_capability()} with BF16"
+    return f"{_capability()} without BF16" + (", with VNNI" if cpu_has_vnni() else "")
 
 
 def _on_gpu(device: str | torch.device) -> bool:
@@ -54,9 +62,19 @@ def auto_llm_precision(device: str | torch.device = "cpu") -> str:
     return "int8-dynamic" if _has_x86_int8_kernels() else "fp32"
 
 
+def cpu_has_vnni() -> bool:
+    """AVX512-VNNI (int8 dot products in one instruction) with ATen's kernels allowed AVX512 and the x86
+    quantized engine present: where fbgemm's int8 kernels beat fp32 by more than the quantization costs."""
+    vnni = getattr(torch.cpu, "_is_vnni_supported", lambda: False)()
+    return vnni and _capability().startswith("AVX512") and _has_x86_int8_kernels()
+
+
 def auto_flow_precision(device: str | torch.device = "cpu") -> str:
-    """fp32 on every device: bf16 and int8-dynamic miss the waveform bound (module docstring)."""
-    return "fp32"
+    """bf16 on GPUs and on CPUs with AVX512-BF16 / AMX, int8-dynamic on other CPUs with AVX512-VNNI, fp32
+    elsewhere (module docstring)."""
+    if _on_gpu(device) or cpu_has_bf16():
+        return "bf16"
+    return "int8-dynamic" if cpu_has_vnni() else "fp32"
 
 
 def resolve_llm_precision(precision: str, device: str | torch.device = "cpu") -> str:

@@ -240,6 +240,8 @@ class DiTBlock(nn.Module):
 class DiT(nn.Module):
     """The velocity dx/dt of the flow ODE, called as the CosyVoice2 estimator is (`FlowMatching`)."""
 
+    int8_blocks = (DiTBlock,)  # whose Linear layers int8-dynamic quantizes (`FlowMatching.set_precision`)
+
     def __init__(self, config: DiTConfig):
         super().__init__()
         self.config = config

@@ -31,7 +31,7 @@ from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.family import check_yaml_class
 from cosyvoice_triton.models.checkpoint import load_state
 from cosyvoice_triton.models.flow_encoder import FlowEncoder, FlowEncoderConfig
-from cosyvoice_triton.models.flow_estimator import FlowEstimator, FlowEstimatorConfig, TransformerBlock
+from cosyvoice_triton.models.flow_estimator import FlowEstimator, FlowEstimatorConfig
 from cosyvoice_triton.models.llm_precision import quantize_linears_dynamic
 
 # Values the official code fixes outside the yaml.
@@ -117,8 +117,8 @@ class FlowMatching(nn.Module):
         self.precision = "fp32"  # of the estimator's arithmetic (module docstring)
 
     def set_precision(self, precision: str) -> None:
-        """fp32 and bf16 switch back and forth; int8-dynamic quantizes the transformer blocks' Linear layers
-        in place, once, from fp32 (CPU only)."""
+        """fp32 and bf16 switch back and forth; int8-dynamic quantizes the Linear layers of the estimator's
+        transformer blocks (its `int8_blocks`: the UNet's and the DiT's) in place, once, from fp32 (CPU only)."""
         check_flow_precision(precision)
         if self.precision == "int8-dynamic" and precision != "int8-dynamic":
             raise RuntimeError("the flow estimator is already quantized (int8-dynamic)")
@@ -126,7 +126,7 @@ class FlowMatching(nn.Module):
             if self.t_steps.device.type != "cpu":
                 raise ValueError(f"flow precision int8-dynamic runs on the CPU only, not on {self.t_steps.device}")
             for block in self.estimator.modules():
-                if isinstance(block, TransformerBlock):
+                if isinstance(block, self.estimator.int8_blocks):
                     quantize_linears_dynamic(block)
         self.precision = precision
 

@@ -193,6 +193,8 @@ class TimestepEmbedding(nn.Module):
 class FlowEstimator(nn.Module):
     """The causal conditional UNet that predicts the flow velocity dx/dt."""
 
+    int8_blocks = (TransformerBlock,)  # whose Linear layers int8-dynamic quantizes (`FlowMatching.set_precision`)
+
     def __init__(self, config: FlowEstimatorConfig):
         super().__init__()
         self.config = config
