@@ -162,7 +162,7 @@ class DeviceUnavailable(CosyVoiceError, RuntimeError):
 
 
 class ParameterError(CosyVoiceError, ValueError):
-    """A model's config.pbtxt parameters do not match its dataclass."""
+    """A setting is not valid: a model's config.pbtxt parameters, a command-line option or a service's settings."""
 
     code = "parameter"
 

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cosyvoice_triton.errors import ParameterError
 from cosyvoice_triton.pipeline.audible import DEFAULT_THRESHOLD_DBFS
 from cosyvoice_triton.targets import TritonTarget, check_spec, is_discovery
 
@@ -99,15 +100,15 @@ class GatewayConfig:
 
     def __post_init__(self):
         if not self.triton and not self.discovery:
-            raise ValueError("at least one Triton server is needed (--triton grpc://host:port or dns://name:port)")
+            raise ParameterError("at least one Triton server is needed (--triton grpc://host:port or dns://name:port)")
         for spec in self.discovery:
             if not is_discovery(spec):
-                raise ValueError(f"discovery {spec!r}: expected dns://name:port[?metrics_port=N]")
+                raise ParameterError(f"discovery {spec!r}: expected dns://name:port[?metrics_port=N]")
             check_spec(spec)
         if self.official_grpc_port is not None and not 0 <= self.official_grpc_port <= 65535:
-            raise ValueError(f"--official-grpc-port {self.official_grpc_port}: expected 0 (a free port) to 65535")
+            raise ParameterError(f"--official-grpc-port {self.official_grpc_port}: expected 0 (a free port) to 65535")
         if self.official_triton_port is not None and not 0 <= self.official_triton_port <= 65535:
-            raise ValueError(f"--official-triton-port {self.official_triton_port}: expected 0 (a free port) to 65535")
+            raise ParameterError(f"--official-triton-port {self.official_triton_port}: expected 0 (a free port) to 65535")
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser, *, triton_help: str | None = None,
@@ -189,7 +190,7 @@ def official_ports(args: argparse.Namespace) -> tuple[int | None, int | None]:
 
 def voice_store_url(args: argparse.Namespace) -> str | None:
     if args.redis_url and args.voice_store:
-        raise ValueError("give --redis-url or --voice-store, not both")
+        raise ParameterError("give --redis-url or --voice-store, not both")
     return args.redis_url or args.voice_store
 
 
@@ -225,7 +226,7 @@ def split_triton_specs(specs: list[str]) -> tuple[tuple[TritonTarget, ...], tupl
         try:
             check_spec(spec)
         except ValueError as exc:  # e.g. a metrics_port that is not a number: say which value
-            raise ValueError(str(exc) if spec in str(exc) else f"--triton {spec!r}: {exc}") from None
+            raise ParameterError(str(exc) if spec in str(exc) else f"--triton {spec!r}: {exc}") from None
     fixed = tuple(TritonTarget.parse(s) for s in specs if not is_discovery(s))
     return fixed, tuple(s.strip() for s in specs if is_discovery(s))
 
@@ -237,7 +238,7 @@ def config_from_args(args: argparse.Namespace, triton: tuple[TritonTarget, ...] 
     if triton is None:
         triton = fixed
     if args.discovery_interval <= 0:
-        raise ValueError("--discovery-interval must be positive")
+        raise ParameterError("--discovery-interval must be positive")
     routing = RoutingConfig(health_interval_s=args.health_interval, first_chunk_timeout_s=args.first_chunk_timeout,
                             max_queue_wait_s=args.max_queue_wait,
                             discovery_interval_s=args.discovery_interval)

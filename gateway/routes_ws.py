@@ -76,7 +76,7 @@ from dataclasses import dataclass, field, replace
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from cosyvoice_triton.errors import CosyVoiceError, Draining, InvalidInput, SessionTimeout, TooLarge
+from cosyvoice_triton.errors import Cancelled, CosyVoiceError, Draining, InvalidInput, SessionTimeout, TooLarge
 from cosyvoice_triton.audio_out import AudioEncoder, audio_format
 from cosyvoice_triton.messages import SEED_LIMIT
 from cosyvoice_triton.pipeline.audible import AudibleDetector
@@ -205,7 +205,7 @@ class Session:
     async def run(self) -> None:
         try:
             await self._start(await self._receive_json())
-        except (_ClientGone, ConnectionError):  # left before it started: nothing was synthesized
+        except (Cancelled, ConnectionError):  # left before it started: nothing was synthesized
             self.request[CLIENT_LEFT] = True
             return
         except Exception as exc:  # noqa: BLE001 - reported to the client
@@ -454,7 +454,7 @@ class Session:
     async def _receive_json(self) -> dict:
         message = await self._receive()
         if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
-            raise _ClientGone()
+            raise Cancelled("the client closed the WebSocket")
         if message.type != WSMsgType.TEXT:
             raise InvalidInput("type", "messages must be JSON text frames")
         try:
@@ -484,13 +484,9 @@ class Session:
             await self.ws.close(code=code, message=error.code.encode())
 
 
-class _ClientGone(Exception):
-    pass
-
-
 def client_left(error: BaseException | None) -> bool:
     """The client closed or cut the connection: a cancellation by the client, not a failure of ours."""
-    return isinstance(error, (_ClientGone, ConnectionError))
+    return isinstance(error, (Cancelled, ConnectionError))
 
 
 def session_error(done: set[asyncio.Task]) -> BaseException | None:

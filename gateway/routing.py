@@ -45,7 +45,7 @@ from pathlib import Path
 
 import aiohttp
 
-from cosyvoice_triton.errors import Unavailable
+from cosyvoice_triton.errors import ParameterError, Unavailable
 from cosyvoice_triton.admission import MEAN_COST, request_cost, text_tokens_estimate
 from cosyvoice_triton.prometheus_text import metric_label, metric_sum
 from cosyvoice_triton.server_pool import Server, ServerPool
@@ -109,7 +109,7 @@ class Router:
                  discovery: Sequence[str] = (), resolve: Resolver = resolve_ips,
                  new_client: Callable[[str], TritonClient] = TritonClient):
         if not servers and not discovery:
-            raise ValueError("no Triton servers")
+            raise ParameterError("no Triton servers")
         self.pool = ServerPool(servers, mean_cost=MEAN_COST, joins_healthy=False)
         self.routing = routing
         self.model = model

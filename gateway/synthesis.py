@@ -25,6 +25,7 @@ from cosyvoice_triton.errors import InvalidInput, NotFound, Overloaded, RemoteEr
 from cosyvoice_triton.pipeline.voice_conversion import validate_source_audio
 from cosyvoice_triton.preprocess.audio import decode_audio, validate_prompt_audio
 from cosyvoice_triton.preprocess.ssml import is_ssml, parse_ssml
+from cosyvoice_triton.wire.checks import check_one_voice
 from cosyvoice_triton.wire.names import TARGET_TEXT
 from cosyvoice_triton.wire.official import OFFICIAL_SAMPLE_RATE
 from cosyvoice_triton.wire.requests import ConversionInputs, PromptAudio, SynthesisInputs
@@ -104,8 +105,7 @@ async def settle_voice(app: web.Application, inputs: WireRequest, fields: Fields
     "default". `stock_voice`: the id is an OpenAI voice name, which speaks as "default" when unregistered.
     The request goes with its tenant's owner tag, so Triton looks its voice ids (SSML's <voice name> too) up in
     the tenant's id space, as `voice_info` does here."""
-    if inputs.voice_id is not None and inputs.audio is not None:
-        raise InvalidInput(fields.voice_id, f"give {fields.voice_id} or {fields.audio}, not both")
+    check_one_voice(inputs.voice_id, inputs.audio, fields.voice_id, fields.audio, required=False)
     inputs = replace(inputs, owner=current_tenant().owner)
     if inputs.audio is not None:
         audio = await decode_recording(inputs.audio, fields.audio)

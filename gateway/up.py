@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TextIO
 
 from cosyvoice_triton.cli import add_realtime_arguments
+from cosyvoice_triton.errors import ParameterError
 from cosyvoice_triton.gateway.config import (add_gateway_arguments, config_from_args, official_ports, split_triton_specs,
                                              voice_store_url)
 from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
@@ -257,9 +258,9 @@ def up_split(args: argparse.Namespace, out: TextIO) -> int:
     from cosyvoice_triton.server.topology import SplitTopology
 
     if args.frontends < 1 or args.backends < 1:
-        raise ValueError("split mode needs --frontends >= 1 and --backends >= 1")
+        raise ParameterError("split mode needs --frontends >= 1 and --backends >= 1")
     if args.voice_store:
-        raise ValueError("split mode shares voices through Redis: give --redis-url (or nothing: a local "
+        raise ParameterError("split mode shares voices through Redis: give --redis-url (or nothing: a local "
                          "redis-server is started), not --voice-store")
     model_dir = resolve_model_dir(args)
     run_dir = Path(args.run_dir) if args.run_dir else new_run_dir()

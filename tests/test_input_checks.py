@@ -11,7 +11,7 @@ import soundfile as sf
 
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.preprocess.audio import load_prompt_audio, spectral_flatness
-from cosyvoice_triton.preprocess.text import validate_text
+from cosyvoice_triton.wire.checks import validate_text
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.voices.store import check_voice_id, short_repr
 

@@ -282,16 +282,12 @@ def test_a_full_queue_refuses_requests(llm: SpeechLM) -> None:
             stream.get()
 
 
-@pytest.mark.parametrize("changes, field", [
-    ({"stream_id": ""}, "stream_id"),
+@pytest.mark.parametrize("changes, field", [  # what only the scheduler knows (stream id, seed, sampling: the parse's)
     ({"text_tokens": []}, "text_tokens"),
     ({"text_tokens": [-1]}, "text_tokens"),
     ({"text_tokens": [1, 2.5]}, "text_tokens"),
     ({"prompt_text_tokens": [10**6]}, "prompt_text_tokens"),
     ({"prompt_speech_tokens": [6561]}, "prompt_speech_tokens"),  # stop tokens are no prompt ids
-    ({"seed": -1}, "seed"),
-    ({"seed": 2**64}, "seed"),
-    ({"sampling": SamplingParams(top_p=0.0)}, "top_p"),
     ({"prompt_speech_tokens": [0] * MAX_SEQ_LEN}, "text_tokens"),  # does not fit the cache
 ])
 def test_invalid_requests_name_the_field(llm: SpeechLM, changes: dict, field: str) -> None:

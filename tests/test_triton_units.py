@@ -208,6 +208,21 @@ def test_llm_request_round_trip():
     assert cancel == StreamCancel("s/0")
 
 
+@pytest.mark.parametrize("changes, field", [
+    ({"stream_id": string_array("")}, "stream_id"),
+    ({"seed": np.array([-1], np.int64)}, "seed"),
+    ({"top_p": np.array([0.0], np.float32)}, "top_p"),
+    ({"top_k": np.array([0], np.int32)}, "top_k"),
+])
+def test_the_llm_parse_is_the_one_check_of_what_arrives(changes, field):
+    """Stream id, seed and sampling are checked by the llm model's parse (the scheduler checks only what it alone
+    knows: token ids against its vocabularies, the cache)."""
+    values = llm_inputs(LLMRequest("s/0", [5], [], [], SamplingParams(), seed=1))
+    with pytest.raises(InvalidInput) as caught:
+        parse_llm_request(TensorReader({**values, **changes}), SamplingParams())
+    assert caught.value.field == field
+
+
 def test_chunk_round_trip():
     prompt = FlowPrompt(torch.tensor([[1, 2, 3]], dtype=torch.int32), torch.randn(1, 6, 80), torch.randn(1, 192))
     chunk = ChunkRequest("r/0", [4, 5, 6, 7], False, prompt, seed=9)

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from ..errors import CosyVoiceError, InvalidInput, Unavailable
-from ..messages import LLMRequest, SamplingParams, check_seed
+from ..messages import LLMRequest
 from ..engines.cuda_graphs import Capture
 from ..models.qwen2 import kv_bucket
 from ..models.speech_lm import SpeechLM
@@ -80,7 +80,7 @@ class LLMStats:
 
 @dataclass
 class _Live:
-    """Engine-side state of a stream that holds a cache slot."""
+    """Scheduler-side state of a stream that holds a cache slot."""
 
     stream: LLMStream
     slot: int
@@ -196,9 +196,9 @@ class LLMScheduler:
     # ---- validation (caller's thread) ------------------------------------------------------------
 
     def _validate(self, request: LLMRequest) -> None:
+        """What only this model can check (its vocabularies, its cache); the rest was checked where the request
+        entered the process (the llm model's parse, the pipeline's request)."""
         config = self.llm.config
-        if not isinstance(request.stream_id, str) or not request.stream_id:
-            raise InvalidInput("stream_id", "must be a non-empty string")
         _check_ids("text_tokens", request.text_tokens, config.qwen.vocab_size)
         _check_ids("prompt_text_tokens", request.prompt_text_tokens, config.qwen.vocab_size)
         _check_ids("prompt_speech_tokens", request.prompt_speech_tokens, config.speech_token_size)
@@ -207,10 +207,6 @@ class LLMScheduler:
         # The official CosyVoice3 LM asserts <|endofprompt|> in prompt text ++ text (bistream: in the prompt text).
         given = request.prompt_text_tokens if request.bistream else [*request.prompt_text_tokens, *request.text_tokens]
         self.llm.check_required_text(list(given), "prompt_text_tokens")
-        if not isinstance(request.sampling, SamplingParams):
-            raise InvalidInput("sampling", f"must be SamplingParams, got {type(request.sampling).__name__}")
-        request.sampling.validate()
-        check_seed(request.seed)
         prompt_len = _prompt_len(request)
         if prompt_len >= self.max_seq_len:
             raise InvalidInput("text_tokens", f"the prompt takes {prompt_len} positions (text "

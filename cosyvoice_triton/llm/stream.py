@@ -61,12 +61,12 @@ class LLMStream:
 
     @property
     def has_text(self) -> bool:
-        """Engine side: text (or its end) appended and not yet taken."""
+        """Scheduler side: text (or its end) appended and not yet taken."""
         with self._lock:
             return bool(self._text) or (self._text_ended and not self._end_taken)
 
     def _take_text(self) -> tuple[list[int], bool]:
-        """Engine side: (the text tokens appended since the last call, whether the text has ended)."""
+        """Scheduler side: (the text tokens appended since the last call, whether the text has ended)."""
         with self._lock:
             tokens, self._text = self._text, []
             self._end_taken = self._text_ended
@@ -98,13 +98,13 @@ class LLMStream:
         return None
 
     def _push(self, token: int) -> None:
-        """Engine side: deliver one sampled token (dropped once the stream has finished)."""
+        """Scheduler side: deliver one sampled token (dropped once the stream has finished)."""
         with self._lock:
             if not self.finished:
                 self._queue.put(token)
 
     def _finish(self, reason: str, error: Exception | None = None) -> None:
-        """Engine side: end the stream; the first finish wins, later ones do nothing."""
+        """Scheduler side: end the stream; the first finish wins, later ones do nothing."""
         with self._lock:
             if self.finished:
                 return

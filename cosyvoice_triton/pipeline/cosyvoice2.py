@@ -38,6 +38,8 @@ from ..engines.select import build_token2wav, open_campplus
 from ..errors import ModelFolderError
 from ..family import COSYVOICE2, COSYVOICE3, ModelFamily
 from ..messages import PromptFeatures, SynthesisRequest
+from ..wire.checks import validate_text
+from ..wire.names import TARGET_TEXT
 from ..preprocess.prompt import PromptEncoder
 from ..preprocess.text import TextPreprocessor
 from ..models.compiled import apply_compile
@@ -116,7 +118,9 @@ class CosyVoice:
 
     def synthesize(self, request: SynthesisRequest, stream: bool = False,
                    is_cancelled: Callable[[], bool] = lambda: False) -> Iterator[np.ndarray]:
-        """Yield float32 audio chunks at `sample_rate`. Offline mode yields one chunk per sentence."""
+        """Yield float32 audio chunks at `sample_rate`. Offline mode yields one chunk per sentence. The request is
+        checked here, where it enters the library (InvalidInput naming the field)."""
+        validate_text(request.validate().text, TARGET_TEXT, self.preprocessor.max_chars)
         return self.pipeline.run(request, stream=stream, is_cancelled=is_cancelled)
 
 

@@ -37,7 +37,8 @@ from ..errors import Cancelled, InvalidInput, NotFound
 from ..messages import MAX_SPEED, MIN_SPEED, FlowPrompt, LLMRequest, PromptFeatures, SynthesisRequest
 from ..preprocess.spans import source_spans
 from ..preprocess.ssml import Mark, Pause, Speech, expand_say_as, is_ssml, language, parse_ssml, spoken_text
-from ..preprocess.text import TextPreprocessor, is_only_punctuation, validate_text
+from ..preprocess.text import TextPreprocessor, is_only_punctuation
+from ..wire.checks import validate_text
 from .chunk_policy import ChunkSchedule
 from .chunk_sender import ChunkSender
 from .playback import Playback
@@ -84,7 +85,7 @@ class Pipeline:
         (text_frontend false) the text as given."""
         if request.text_frontend:
             return self.preprocessor.split(request.text, field="target_text", lang=lang)
-        return [validate_text(request.text, "target_text", self.preprocessor.max_chars)]  # as given: one piece
+        return [request.text]  # as given: one piece
 
     def llm_requests(self, request: SynthesisRequest, stream_id: str, seed: int, first: int = 0,
                      pieces: list[str] | None = None) -> list[LLMRequest]:
@@ -177,8 +178,8 @@ class Pipeline:
     def run(self, request: SynthesisRequest, stream: bool, is_cancelled: Callable[[], bool] = lambda: False,
             stream_id: str | None = None) -> Iterator[np.ndarray | MarkEvent]:
         """Yield float32 audio chunks in order. Offline (`stream=False`) yields one chunk per sentence. With
-        `request.marks`, speech marks too, each before the audio it describes (pipeline/speech_marks.py)."""
-        request.validate()
+        `request.marks`, speech marks too, each before the audio it describes (pipeline/speech_marks.py). The
+        request was checked where it entered the process (the model's parse, `CosyVoice.synthesize`)."""
         stream_id = stream_id or uuid.uuid4().hex
         seed = request.seed if request.seed is not None else random_seed()
         playback = Playback()  # the listener of the whole request, sentence after sentence
@@ -220,12 +221,8 @@ class Pipeline:
                      is_cancelled: Callable[[], bool] = lambda: False,
                      stream_id: str | None = None) -> Iterator[np.ndarray]:
         """Yield float32 audio chunks while `text` yields the rest of the text in pieces (it may wait for
-        each); `request.text` is its first piece (may be empty). Offline (`stream=False`): one chunk."""
-        request.validate()
-        if request.text_type == "ssml":
-            raise InvalidInput("text_type", "ssml needs text_mode sentences (a whole <speak> document at once)")
-        if request.marks:
-            raise InvalidInput("speech_marks", "need text_mode sentences (bistream text has no sentences to mark)")
+        each); `request.text` is its first piece (may be empty). Offline (`stream=False`): one chunk. The
+        request was checked where it entered the process (the model's parse)."""
         stream_id = stream_id or uuid.uuid4().hex
         seeds = sentence_seeds(request.seed if request.seed is not None else random_seed(), 0)
         prompt_text_tokens, prompt_speech = self.prompt_tokens(request, bistream=True)

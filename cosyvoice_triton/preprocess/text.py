@@ -35,8 +35,8 @@ from cosyvoice_triton.config import ModelPaths
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.family import COSYVOICE2, ModelFamily
 from cosyvoice_triton.preprocess.tokenizer import TextTokenizer
+from cosyvoice_triton.wire.checks import DEFAULT_MAX_CHARS
 
-DEFAULT_MAX_CHARS = 2000
 
 TOKEN_MAX_N = 80  # a merged sentence stops growing past this length ...
 TOKEN_MIN_N = 60  # ... once it is longer than this
@@ -72,42 +72,6 @@ _ONES = ("zero one two three four five six seven eight nine ten eleven twelve th
 _TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
 _SCALES = ("", "thousand", "million", "billion", "trillion", "quadrillion", "quintillion",
            "sextillion", "septillion", "octillion", "nonillion", "decillion")
-
-
-ALLOWED_CONTROLS = frozenset("\t\n\r")
-
-
-def text_problem(text: str) -> str | None:
-    """What makes `text` unusable as request text, or None: a lone surrogate (not valid Unicode, cannot
-    be UTF-8 encoded) or a control character other than tab, newline and carriage return (terminal
-    escapes, NUL, ...). Format characters such as zero-width joiners are allowed."""
-    for position, char in enumerate(text):
-        category = unicodedata.category(char)
-        if category == "Cs":
-            return f"contains a lone surrogate U+{ord(char):04X} at position {position} (not valid Unicode)"
-        if category == "Cc" and char not in ALLOWED_CONTROLS:
-            return f"contains the control character U+{ord(char):04X} at position {position}"
-    return None
-
-
-def check_clean_text(text: str, field: str) -> str:
-    """`text` unless `text_problem` finds something (InvalidInput naming `field`)."""
-    problem = text_problem(text)
-    if problem:
-        raise InvalidInput(field, problem)
-    return text
-
-
-def validate_text(text: object, field: str, max_chars: int = DEFAULT_MAX_CHARS) -> str:
-    """Return `text` if it is a non-blank string of at most `max_chars` characters, valid Unicode without
-    control characters (`text_problem`)."""
-    if not isinstance(text, str):
-        raise InvalidInput(field, f"must be a string, got {type(text).__name__}")
-    if not text.strip():
-        raise InvalidInput(field, "must not be empty")
-    if len(text) > max_chars:
-        raise InvalidInput(field, f"is {len(text)} characters long; the limit is {max_chars}")
-    return check_clean_text(text, field)
 
 
 def contains_chinese(text: str) -> bool:
@@ -319,10 +283,10 @@ class TextPreprocessor:
         return cls(TextTokenizer.from_dir(paths.qwen_dir, family.special_tokens), max_chars=max_chars,
                    normalizers=normalizers, family=family)
 
-    def split(self, text: object, field: str = "text", lang: str | None = None) -> list[str]:
-        """Check `text` (errors name `field`) and return its normalized sentences (in `lang`: "zh" or "en";
-        None: detected)."""
-        sentences = self.normalizer.split(validate_text(text, field, self.max_chars), lang)
+    def split(self, text: str, field: str = "text", lang: str | None = None) -> list[str]:
+        """The normalized sentences of `text`, checked where the request entered the process
+        (wire/checks.py `validate_text`), in `lang` ("zh" or "en"; None: detected); errors name `field`."""
+        sentences = self.normalizer.split(text, lang)
         if not sentences:
             raise InvalidInput(field, "has nothing to speak (only punctuation or symbols)")
         return sentences

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cosyvoice_triton.errors import RemoteError, Unavailable, Unreachable
+from cosyvoice_triton.errors import ParameterError, RemoteError, Unavailable, Unreachable
 from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.messages import ChunkRequest
 from cosyvoice_triton.server_pool import Server, ServerPool
@@ -118,7 +118,7 @@ class RemoteToken2Wav:
                  resolve: Resolver = resolve_ips, on_change: Callable[[], None] = lambda: None):
         specs = [spec.strip() for spec in specs if spec.strip()]
         if not specs:
-            raise ValueError("no token2wav backends given")
+            raise ParameterError("no token2wav backends given")
         for spec in specs:
             check_spec(spec, "token2wav_backends")
         self.model = model

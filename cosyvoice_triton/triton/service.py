@@ -21,7 +21,6 @@ from cosyvoice_triton.pipeline.text_feed import TEXT_IDLE_TIMEOUT_S, TextFeeds
 from cosyvoice_triton.preprocess.audio import decode_audio, to_mono, validate_prompt_audio
 from cosyvoice_triton.preprocess.text import TextPreprocessor
 from cosyvoice_triton.preprocess.voice_features import audio_sha256
-from cosyvoice_triton.wire.checks import check_clean_text
 from cosyvoice_triton.wire.names import REFERENCE_TEXT
 from cosyvoice_triton.wire.requests import PromptAudio, RegisterInputs, SynthesisInputs, TextAppend
 from cosyvoice_triton.voices.prompt_budget import PromptBudget, speech_tokens_of
@@ -47,8 +46,7 @@ class Voices:
         self.budget = budget
 
     def check_transcript(self, text: str | None, prompt_speech_tokens: int) -> None:
-        if text:
-            check_clean_text(text, REFERENCE_TEXT)
+        """Whether the transcript leaves an LLM stream room (its characters were checked by the parse)."""
         if self.budget is not None and text:
             self.budget.check(text, prompt_speech_tokens, REFERENCE_TEXT)
 
@@ -100,14 +98,14 @@ class ServedPipeline:
         self.text_feeds = TextFeeds(idle_timeout_s=TEXT_IDLE_TIMEOUT_S)  # bistream syntheses by text_stream_id
 
     def request(self, inputs: SynthesisInputs) -> SynthesisRequest:
-        policy = self.chunk_policy.with_overrides(**inputs.chunk_overrides)  # errors name chunk_*
+        """The library's request of a parsed one (checked by the parse, against this server's chunk policy)."""
         return SynthesisRequest(text=inputs.text, voice=self.voices.resolve(inputs), mode=inputs.mode,
                                 instruct_text=inputs.instruct_text, seed=inputs.seed,
                                 sampling=replace(self.default_sampling, **inputs.sampling),
-                                chunk_policy=policy,
+                                chunk_policy=replace(self.chunk_policy, **inputs.chunk_overrides),
                                 text_frontend=inputs.text_frontend, speed=inputs.speed,
                                 text_type=inputs.text_type, voice_of=partial(self.voices.store.get, owner=inputs.owner),
-                                marks=inputs.marks).validate()
+                                marks=inputs.marks)
 
     def run(self, inputs: SynthesisInputs, stream: bool, is_cancelled: Callable[[], bool],
             stream_id: str | None = None) -> Iterator[np.ndarray]:

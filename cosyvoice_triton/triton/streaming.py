@@ -24,7 +24,7 @@ import numpy as np
 
 from cosyvoice_triton.admission import MEAN_COST, AdmissionPolicy, Decision, Load, SpeedMeter, expiry
 from cosyvoice_triton.audio_out import SAMPLE_RATE
-from cosyvoice_triton.errors import Cancelled, Unavailable
+from cosyvoice_triton.errors import Cancelled, ParameterError, Unavailable
 from cosyvoice_triton.pipeline.audible import DEFAULT_THRESHOLD_DBFS, AudibleDetector
 from cosyvoice_triton.pipeline.capacity import Capacity
 from cosyvoice_triton.pipeline.playback import Playback
@@ -52,7 +52,7 @@ class RequestPool:
     def __init__(self, max_workers: int, max_pending: int, name: str,
                  policy: AdmissionPolicy = AdmissionPolicy(), capacity: Capacity | None = None):
         if max_workers < 1 or max_pending < 0:
-            raise ValueError(f"max_workers ({max_workers}) must be >= 1 and max_pending ({max_pending}) >= 0")
+            raise ParameterError(f"max_workers ({max_workers}) must be >= 1 and max_pending ({max_pending}) >= 0")
         self.name = name
         self.max_workers = max_workers
         self.max_pending = max_pending

@@ -8,6 +8,7 @@ same token2wav stage as synthesis (this server's `token2wav` over BLS, or the ba
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import numpy as np
 
@@ -53,9 +54,8 @@ class ConversionService:
             samples, rate = to_mono(source.samples), int(source.sample_rate)
         voice = self.voices.resolve(SynthesisInputs(text="", voice_id=inputs.voice_id, audio=inputs.audio,
                                                               owner=inputs.owner))
-        policy = self.chunk_policy.with_overrides(**inputs.chunk_overrides)  # errors name chunk_*
         return ConversionRequest(source=samples, sample_rate=rate, voice=voice, seed=inputs.seed,
-                                 chunk_policy=policy, speed=inputs.speed).validate()  # errors name speed
+                                 chunk_policy=replace(self.chunk_policy, **inputs.chunk_overrides), speed=inputs.speed)
 
     def run(self, inputs: ConversionInputs, stream: bool, is_cancelled: Callable[[], bool],
             stream_id: str | None = None) -> Iterator[np.ndarray]:

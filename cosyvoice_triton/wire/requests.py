@@ -361,5 +361,7 @@ def parse_register_inputs(reader: TensorReader) -> RegisterInputs:
     audio = read_prompt_audio(reader)
     if audio is None:
         raise InvalidInput(REFERENCE_WAV, f"is required (or {REFERENCE_AUDIO})")
-    return RegisterInputs(audio=audio, text=reader.string(REFERENCE_TEXT, default=""),
-                          voice_id=reader.string(VOICE_ID), name=reader.string(NAME), owner=reader.string(OWNER))
+    text = reader.string(REFERENCE_TEXT, default="")
+    check_optional_text(text, REFERENCE_TEXT)
+    return RegisterInputs(audio=audio, text=text, voice_id=reader.string(VOICE_ID), name=reader.string(NAME),
+                          owner=reader.string(OWNER))
