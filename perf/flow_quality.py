@@ -1,7 +1,7 @@
 """The flow's speed levers against the fp32 official path, judged by what a listener hears (perf/quality.py).
 
     python -m cosyvoice_triton.perf.flow_quality --model-dir DIR [--speech-tokens 250] [--prompt-tokens 75] \
-        [--variants bf16 int8-dynamic cached-final quick fp64 threads-1 fp16-emulated] [--seeds 0 1] \
+        [--variants bf16 int8-dynamic int8-static cached-final quick fp64 threads-1 fp16-emulated] [--seeds 0 1] \
         [--threads 2] [--json OUT]
 
 For each seed: one voice (a speech-like recording of P / 25 s through the prompt encoder) and N random speech
@@ -10,9 +10,9 @@ inputs, everything else alike (the same HiFT in fp32 and the same seeded vocoder
 the flow's difference reaches the waveform):
 - offline: one full-attention pass over all N tokens (the official non-streamed path);
 - streamed: the chunk schedule through a `Token2WavStream` with the flow caches on (as served); the mel is
-  what the chunks emitted, end to end.
+  what the chunks emitted, end to end (perf/flow_paths.py).
 Variants (`VARIANTS`), the levers: `bf16`, `int8-dynamic` (the estimator's precision, models/flow.py),
-`cached-final` (the official schedule with its last chunk a cached streaming call instead of the
+`int8-static` (the estimator's ONNX graph quantized by ONNX Runtime, perf/flow_int8_static.py), `cached-final` (the official schedule with its last chunk a cached streaming call instead of the
 full-attention pass) and `quick` (`serve --chunk-preset quick`: 15-token first hop and cached final); the
 calibration, differences no listener is meant to hear: `fp64` (the estimator in float64: how far fp32's own
 rounding is from exact), `threads-1` (fp32 on 1 thread: another summation order), `fp16-emulated` (the
@@ -39,20 +39,17 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from cosyvoice_triton.messages import FlowPrompt
 from cosyvoice_triton.models.flow_cache import FlowCacheSettings
-from cosyvoice_triton.models.hift_source import GeneratorNoise
 from cosyvoice_triton.perf import quality
-from cosyvoice_triton.perf.bench_official import PROMPT_RATE, PROMPT_TEXT, prompt_recording
 from cosyvoice_triton.perf.flow_cache_bench import TimedToken2Wav
-from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS, ChunkSchedule
+from cosyvoice_triton.perf.flow_paths import load_judged, offline, streamed
 
 
 @dataclass(frozen=True)
 class Variant:
     """A path to compare with the reference: the estimator's arithmetic, the chunk preset, the threads."""
 
-    precision: str = "fp32"  # a FLOW_PRECISIONS name, or "fp64" / "fp16-emulated"
+    precision: str = "fp32"  # a FLOW_PRECISIONS name, or "int8-static" / "fp64" / "fp16-emulated"
     preset: str = "official"
     cached_final: bool | None = None  # None: the preset's last chunk
     threads: int | None = None  # None: the reference's
@@ -66,6 +63,7 @@ class Variant:
 VARIANTS = {
     "bf16": Variant(precision="bf16"),
     "int8-dynamic": Variant(precision="int8-dynamic"),
+    "int8-static": Variant(precision="int8-static"),
     "cached-final": Variant(cached_final=True),
     "quick": Variant(preset="quick"),
     "fp64": Variant(precision="fp64", calibration=True),
@@ -97,12 +95,18 @@ class Float64(TorchFunctionMode):
         return func(*tree_map(up, args), **tree_map(up, kwargs or {}))
 
 
-def emulate(flow, precision: str):
-    """`flow` with its estimator in `precision`: a FLOW_PRECISIONS name through the solver's own setting, or the
+def emulate(flow, precision: str, model_dir: str | None = None):
+    """`flow` with its estimator in `precision`: a FLOW_PRECISIONS name through the solver's own setting, the
     two calibration arithmetics around every estimator pass (the solver's `estimator_arithmetic`, which each
-    solving path enters in the thread that runs the pass)."""
+    solving path enters in the thread that runs the pass), or `int8-static`: the model folder's estimator graph
+    quantized by ONNX Runtime (perf/flow_int8_static.py; a graph takes no flow cache, so each chunk re-runs
+    every frame)."""
     solver = flow.decoder
-    if precision in ("fp64", "fp16-emulated"):
+    if precision == "int8-static":
+        from cosyvoice_triton.perf.flow_int8_static import ort_estimator, static_int8_estimator
+
+        solver.estimator = ort_estimator(static_int8_estimator(model_dir), torch.get_num_threads())
+    elif precision in ("fp64", "fp16-emulated"):
         mode = Float64 if precision == "fp64" else Float16Rounding
         with torch.no_grad():
             for p in solver.estimator.parameters():
@@ -111,34 +115,6 @@ def emulate(flow, precision: str):
     else:
         solver.set_precision(precision)
     return flow
-
-
-def offline(token2wav, prompt: FlowPrompt, tokens: list[int], seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(mel (80, T), waveform (S,)) of one full-attention pass over every token."""
-    mel = token2wav.mel(torch.tensor([tokens], dtype=torch.int32), prompt, 0, finalize=True, streaming=False)
-    stream = token2wav.stream(prompt, GeneratorNoise(torch.Generator().manual_seed(seed)))
-    audio = stream.vocoder.push(mel, finalize=True)
-    stream.close()
-    return mel[0].float().numpy(), audio.squeeze(0).float().numpy()
-
-
-def streamed(token2wav, prompt: FlowPrompt, tokens: list[int], seed: int, variant: Variant = Variant()
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """(mel (80, T) the chunks emitted, waveform) of a variant's chunk schedule, chunk by chunk, as a served
-    stream makes them."""
-    chosen = CHUNK_PRESETS[variant.preset]
-    cached_final = chosen.cached_final if variant.cached_final is None else variant.cached_final
-    schedule = ChunkSchedule(chosen.policy(), len(prompt.speech_tokens[0]))
-    token2wav.flow_cache = dataclasses.replace(token2wav.flow_cache, cached_final=cached_final)
-    token2wav.mels.clear()
-    stream = token2wav.stream(prompt, GeneratorNoise(torch.Generator().manual_seed(seed)))
-    audio, sent = [], 0
-    while schedule.due(len(tokens)):
-        _, end = schedule.advance()
-        audio.append(stream.chunk(tokens[sent:end], finalize=False))
-        sent = end
-    audio.append(stream.chunk(tokens[sent:], finalize=True))
-    return torch.cat(token2wav.mels, dim=2)[0].float().numpy(), np.concatenate(audio)
 
 
 def vocoder_f0(hift, mel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -169,16 +145,9 @@ def with_threads(threads: int | None, run):
 
 def measure(model_dir: str, speech_tokens: int, prompt_tokens: int, variants: list[str], seeds: list[int]) -> dict:
     """Per variant: each seed's scores per pass, the worst over them, the measures out of bound."""
-    from cosyvoice_triton.models.family import family_models
-    from cosyvoice_triton.pipeline.pipeline import flow_prompt_of
-    from cosyvoice_triton.preprocess.prompt import PromptEncoder
     from cosyvoice_triton.random_folder.marker import is_random
-    from cosyvoice_triton.token2wav.stream import prompt_tensors
 
-    models = family_models(model_dir)
-    flow, hift = models.load_flow(model_dir), models.load_vocoder(model_dir)
-    voice = PromptEncoder.from_model_dir(model_dir).encode(prompt_recording(prompt_tokens), PROMPT_RATE, PROMPT_TEXT)
-    prompt = prompt_tensors(flow_prompt_of(voice))
+    flow, hift, prompt = load_judged(model_dir, prompt_tokens)
     reference = TimedToken2Wav(flow, hift, FlowCacheSettings())
     inputs = {seed: torch.randint(0, flow.config.vocab_size, (speech_tokens,),
                                   generator=torch.Generator().manual_seed(seed)).tolist() for seed in seeds}
@@ -190,10 +159,11 @@ def measure(model_dir: str, speech_tokens: int, prompt_tokens: int, variants: li
         variant = VARIANTS[name]
         tested = reference
         if variant.precision != "fp32":
-            tested = TimedToken2Wav(emulate(copy.deepcopy(flow), variant.precision), hift, FlowCacheSettings())
+            tested = TimedToken2Wav(emulate(copy.deepcopy(flow), variant.precision, model_dir), hift,
+                                    FlowCacheSettings())
         rows = []
         for seed, tokens in inputs.items():
-            runs = {"streamed": lambda: streamed(tested, prompt, tokens, seed, variant)}
+            runs = {"streamed": lambda: streamed(tested, prompt, tokens, seed, variant.preset, variant.cached_final)}
             if variant.changes_offline:
                 runs["offline"] = lambda: offline(tested, prompt, tokens, seed)
             rows.append({"seed": seed} | {path: judged(hift, official[seed][path], with_threads(variant.threads, run))

@@ -114,19 +114,26 @@ def tiny(tmp_path_factory) -> str:
     return str(write_random_model(tmp_path_factory.mktemp("quality") / "tiny", size="tiny", seed=0))
 
 
-@pytest.fixture(scope="module")
-def levers(tiny) -> dict:
-    """perf/flow_quality.py's every variant on the tiny random folder: 60 tokens, one seed, 2 threads."""
+def measured(folder: str, variants: list[str]) -> dict:
+    """perf/flow_quality.py's `variants` on a tiny random folder: 60 tokens, one seed, 2 threads."""
     import torch
 
-    from cosyvoice_triton.perf.flow_quality import VARIANTS, measure
+    from cosyvoice_triton.perf.flow_quality import measure
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        return measure(tiny, speech_tokens=60, prompt_tokens=20, variants=list(VARIANTS), seeds=[0])
+        return measure(folder, speech_tokens=60, prompt_tokens=20, variants=variants, seeds=[0])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def levers(tiny) -> dict:
+    """Every variant but the ONNX Runtime graph (`int8-static`, judged below) on the tiny CosyVoice2 folder."""
+    from cosyvoice_triton.perf.flow_quality import VARIANTS
+
+    return measured(tiny, [name for name in VARIANTS if name != "int8-static"])
 
 
 def test_a_random_folder_is_judged_by_its_flow_mel_and_its_vocoders_f0(levers) -> None:
@@ -148,6 +155,35 @@ def test_the_flow_in_reduced_precision_stays_within_the_bounds(levers, precision
     variant = levers["variants"][precision]
     assert variant["failures"] == [], variant["worst"]
     assert variant["worst"].mel_snr_db < 80 and variant["worst"].wave_snr_db < 60
+
+
+def test_the_cosyvoice3_flow_in_reduced_precision_stays_within_the_bounds(tmp_path_factory) -> None:
+    """The same levers on the DiT flow (tiny CosyVoice3 folder): within BOUNDS, and changed."""
+    from cosyvoice_triton.random_folder.write import write_random_model
+
+    folder = write_random_model(tmp_path_factory.mktemp("quality") / "cv3", size="tiny", seed=0, family="cosyvoice3")
+    for name, variant in measured(str(folder), ["bf16", "int8-dynamic"])["variants"].items():
+        assert variant["failures"] == [], (name, variant["worst"])
+        assert variant["worst"].mel_snr_db < 80, name
+
+
+def test_the_statically_quantized_estimator_graph_is_judged_beside_them(tiny) -> None:
+    """perf/flow_int8_static.py: ONNX Runtime's QDQ graph with int8 weights per output channel, calibrated on
+    the project's own inputs, runs in the flow's place; on the tiny folder its mel keeps the spectral bounds
+    (distance, MCD) and the vocoder's f0, and misses the mel SNR (not a default: docs/benchmarks/quality.md)."""
+    import onnx
+
+    from cosyvoice_triton.perf.flow_int8_static import static_int8_estimator
+
+    graph = onnx.load(static_int8_estimator(tiny))
+    weights = {i.name: i for i in graph.graph.initializer}
+    per_channel = [node for node in graph.graph.node if node.op_type == "DequantizeLinear"
+                   and node.input[0] in weights and weights[node.input[0]].data_type == onnx.TensorProto.INT8
+                   and len(weights[node.input[1]].dims) == 1]
+    assert len(per_channel) > 20 and any(node.op_type == "QuantizeLinear" for node in graph.graph.node)
+    variant = measured(tiny, ["int8-static"])["variants"]["int8-static"]
+    assert set(variant["failures"]) <= {"mel_snr_db"}, variant["worst"]
+    assert 20 < variant["worst"].mel_snr_db < 60
 
 
 def test_the_calibration_variants_sit_where_no_one_hears_them(levers) -> None:
