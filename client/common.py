@@ -127,6 +127,15 @@ class VoiceInfo:
         return None if self.prompt_tokens is None else self.prompt_tokens / SPEECH_TOKENS_PER_SECOND
 
 
+def source_recording(source_audio: PromptAudio | None, audio: PromptAudio | None) -> PromptAudio:
+    """The recording a voice conversion speaks again: `source_audio`, or `audio`, the name it had before."""
+    if source_audio is not None and audio is not None:
+        raise InvalidInput("source_audio", "give source_audio (or its alias audio), not both")
+    if source_audio is None and audio is None:
+        raise InvalidInput("source_audio", "is required: the recording to convert")
+    return audio if source_audio is None else source_audio
+
+
 def prompt_bytes(audio: str | os.PathLike | bytes) -> bytes:
     """The bytes of a prompt file given as a path or as bytes."""
     if isinstance(audio, (bytes, bytearray, memoryview)):

@@ -203,8 +203,8 @@ class AsyncWsAudioStream(AsyncIterator[np.ndarray]):
         await self.aclose()
 
 
-def _vc_form_data(audio: PromptAudio, **options) -> aiohttp.FormData:
-    fields, files = vc_form(audio, **options)
+def _vc_form_data(source_audio: PromptAudio | None, **options) -> aiohttp.FormData:
+    fields, files = vc_form(source_audio, **options)
     form = aiohttp.FormData()
     for key, value in fields.items():
         form.add_field(key, value)
@@ -299,16 +299,16 @@ class AsyncGatewayTTS:
             raise
         return stream
 
-    async def convert(self, audio: PromptAudio, **options) -> np.ndarray:
+    async def convert(self, source_audio: PromptAudio | None = None, **options) -> np.ndarray:
         """Voice conversion (POST /v1/vc), options as `GatewayTTS.convert`."""
-        return np.frombuffer(await self.convert_file(audio, "pcm_f32", **options), "<f4").astype(np.float32)
+        return np.frombuffer(await self.convert_file(source_audio, "pcm_f32", **options), "<f4").astype(np.float32)
 
-    async def convert_file(self, audio: PromptAudio, format: str = "wav", **options) -> bytes:
-        return await self._request("POST", "/v1/vc", data=_vc_form_data(audio, format=format, **options))
+    async def convert_file(self, source_audio: PromptAudio | None = None, format: str = "wav", **options) -> bytes:
+        return await self._request("POST", "/v1/vc", data=_vc_form_data(source_audio, format=format, **options))
 
-    async def convert_stream(self, audio: PromptAudio, **options) -> AsyncHttpAudioStream:
+    async def convert_stream(self, source_audio: PromptAudio | None = None, **options) -> AsyncHttpAudioStream:
         started = time.monotonic()
-        response = await self._open("POST", "/v1/vc", data=_vc_form_data(audio, stream=True, **options))
+        response = await self._open("POST", "/v1/vc", data=_vc_form_data(source_audio, stream=True, **options))
         return AsyncHttpAudioStream(response, started)
 
     async def speech(self, input: str, *, voice: str = "default", model: str = "cosyvoice2",

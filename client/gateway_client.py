@@ -43,7 +43,7 @@ import numpy as np
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.wire.checks import check_one_voice
 
-from .common import PromptAudio, TTSError, VoiceInfo, prompt_bytes, wav_bytes, with_marks
+from .common import PromptAudio, TTSError, source_recording, VoiceInfo, prompt_bytes, wav_bytes, with_marks
 from .gateway_streams import HttpAudioStream, HttpEventStream, WsAudioStream, error_from_body
 
 DEFAULT_URL = "http://localhost:8080"
@@ -123,12 +123,14 @@ def _voice_form(audio: PromptAudio, prompt_text: str, voice_id: str | None, name
     return fields, data, filename
 
 
-def vc_form(audio: PromptAudio, *, voice_id: str | None = None, prompt_audio: PromptAudio | None = None,
-            seed: int | None = None, sample_rate: int | None = None, prompt_sample_rate: int | None = None,
-            format: str = "pcm_f32", stream: bool = False,
+def vc_form(source_audio: PromptAudio | None = None, *, audio: PromptAudio | None = None, voice_id: str | None = None,
+            prompt_audio: PromptAudio | None = None, seed: int | None = None, sample_rate: int | None = None,
+            prompt_sample_rate: int | None = None, format: str = "pcm_f32", stream: bool = False,
             speed: float | None = None) -> tuple[dict[str, str], dict[str, tuple[str, bytes]]]:
-    """The multipart fields and files of a POST /v1/vc request: `audio` the source recording (a file path, the
-    file's bytes, or samples at `sample_rate`), the voice as `voice_id` or a target recording `prompt_audio`."""
+    """The multipart fields and files of a POST /v1/vc request: `source_audio` the recording to speak again (a file
+    path, the file's bytes, or samples at `sample_rate`; `audio`: the same), the voice as `voice_id` or a target
+    recording `prompt_audio`."""
+    source = source_recording(source_audio, audio)
     check_one_voice(voice_id, prompt_audio, "voice_id", "prompt_audio", required=False)
     fields = {"format": format, "stream": "true" if stream else "false"}
     if voice_id is not None:
@@ -137,7 +139,7 @@ def vc_form(audio: PromptAudio, *, voice_id: str | None = None, prompt_audio: Pr
         fields["seed"] = str(seed)
     if speed is not None:
         fields["speed"] = str(speed)
-    files = {"audio": ("source.wav", _prompt_file(audio, sample_rate))}
+    files = {"source_audio": ("source.wav", _prompt_file(source, sample_rate))}
     if prompt_audio is not None:
         files["prompt_audio"] = ("prompt.wav", _prompt_file(prompt_audio, prompt_sample_rate))
     return fields, files
@@ -271,20 +273,20 @@ class GatewayTTS:
             ws.close()
             raise
 
-    def convert(self, audio: PromptAudio, **options) -> np.ndarray:
-        """Voice conversion (POST /v1/vc): the source recording `audio` spoken again in a voice, the whole
-        waveform (float32, 24 kHz). Options: voice_id | prompt_audio (a target recording; + prompt_sample_rate
-        for samples), seed, speed, sample_rate (of `audio` when it is samples)."""
-        return np.frombuffer(self.convert_file(audio, "pcm_f32", **options), "<f4").astype(np.float32)
+    def convert(self, source_audio: PromptAudio | None = None, **options) -> np.ndarray:
+        """Voice conversion (POST /v1/vc): the recording `source_audio` (`audio`: the same) spoken again in a voice,
+        the whole waveform (float32, 24 kHz). Options: voice_id | prompt_audio (a target recording;
+        + prompt_sample_rate for samples), seed, speed, sample_rate (of `source_audio` when it is samples)."""
+        return np.frombuffer(self.convert_file(source_audio, "pcm_f32", **options), "<f4").astype(np.float32)
 
-    def convert_file(self, audio: PromptAudio, format: str = "wav", **options) -> bytes:
+    def convert_file(self, source_audio: PromptAudio | None = None, format: str = "wav", **options) -> bytes:
         """Voice conversion as a file of `format`, encoded by the gateway."""
-        body, content_type = _multipart(*vc_form(audio, format=format, **options))
+        body, content_type = _multipart(*vc_form(source_audio, format=format, **options))
         return self._request("POST", "/v1/vc", body, content_type)
 
-    def convert_stream(self, audio: PromptAudio, **options) -> HttpAudioStream:
+    def convert_stream(self, source_audio: PromptAudio | None = None, **options) -> HttpAudioStream:
         """Voice conversion streamed (POST /v1/vc with stream true): chunks as the gateway writes them."""
-        body, content_type = _multipart(*vc_form(audio, stream=True, **options))
+        body, content_type = _multipart(*vc_form(source_audio, stream=True, **options))
         started = time.monotonic()
         connection, response = self._open("POST", "/v1/vc", body, content_type)
         return HttpAudioStream(connection, response, started)

@@ -54,7 +54,8 @@ from cosyvoice_triton.wire.requests import (ConversionInputs, RegisterInputs, Sy
                                             chunk_overrides)
 from cosyvoice_triton.wire.requests import PromptAudio as Recording
 
-from .common import SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo, as_samples, prompt_bytes, with_marks
+from .common import (SAMPLE_RATE, PromptAudio, TTSError, VoiceInfo, as_samples, prompt_bytes, source_recording,
+                     with_marks)
 
 STREAMING_MODEL = COSYVOICE2
 OFFLINE_MODEL = COSYVOICE2_OFFLINE
@@ -106,14 +107,17 @@ def synthesis_request(text: str, *, voice_id: str | None = None, prompt_audio: P
 CONVERSION_OPTIONS = tuple(CHUNK_FIELDS)  # chunk_first_hop, ...: the chunk policy's overrides
 
 
-def conversion_request(audio: PromptAudio, *, sample_rate: int | None = None, voice_id: str | None = None,
+def conversion_request(source_audio: PromptAudio | None = None, *, audio: PromptAudio | None = None,
+                       sample_rate: int | None = None, voice_id: str | None = None,
                        prompt_audio: PromptAudio | None = None, prompt_sample_rate: int | None = None,
                        seed: int | None = None, speed: float | None = None, **options) -> ConversionInputs:
-    """One voice conversion (`cosyvoice2` mode vc): the source recording `audio` (a file path, its bytes, or
-    samples at `sample_rate`) and the voice (`voice_id`, or a target recording `prompt_audio`)."""
+    """One voice conversion (`cosyvoice2` mode vc): the recording `source_audio` to speak again (a file path, its
+    bytes, or samples at `sample_rate`; `audio`: the same) and the voice (`voice_id`, or a target recording
+    `prompt_audio`)."""
+    source = source_recording(source_audio, audio)
     _check_voice(voice_id, prompt_audio)
     _check_options(options, CONVERSION_OPTIONS)
-    return ConversionInputs(source=_recording(audio, sample_rate, "sample_rate"), voice_id=voice_id,
+    return ConversionInputs(source=_recording(source, sample_rate, "sample_rate"), voice_id=voice_id,
                             audio=_recording(prompt_audio, prompt_sample_rate, "prompt_sample_rate"), seed=seed,
                             chunk_overrides=chunk_overrides(options), speed=1.0 if speed is None else speed)
 
@@ -363,18 +367,22 @@ class TritonTTS(_Settings):
         request_id = kwargs.pop("request_id", None)
         return _waveform(self._infer(self.offline_model, synthesis_request(text, **kwargs).tensors(), request_id))
 
-    def convert(self, audio: PromptAudio, *, request_id: str | None = None, **options) -> np.ndarray:
-        """Voice conversion (mode vc, the official inference_vc): the source recording `audio` (a file path, its
-        bytes, or samples at `sample_rate`) spoken again in a voice, the whole waveform (float32, 24 kHz) from one
-        call to the offline twin (each piece of the source in one full-attention flow pass, as /v1/vc's
-        stream false). Options as `GatewayTTS.convert`: voice_id | prompt_audio (a target recording;
-        + prompt_sample_rate for samples), seed, speed, sample_rate; and the chunk policy (`chunk_first_hop`, ...)."""
-        return _waveform(self._infer(self.offline_model, conversion_request(audio, **options).tensors(), request_id))
+    def convert(self, source_audio: PromptAudio | None = None, *, request_id: str | None = None,
+                **options) -> np.ndarray:
+        """Voice conversion (mode vc, the official inference_vc): the recording `source_audio` (a file path, its
+        bytes, or samples at `sample_rate`; `audio`: the same) spoken again in a voice, the whole waveform
+        (float32, 24 kHz) from one call to the offline twin (each piece of the source in one full-attention flow
+        pass, as /v1/vc's stream false). Options as `GatewayTTS.convert`: voice_id | prompt_audio (a target
+        recording; + prompt_sample_rate for samples), seed, speed, sample_rate; and the chunk policy
+        (`chunk_first_hop`, ...)."""
+        values = conversion_request(source_audio, **options).tensors()
+        return _waveform(self._infer(self.offline_model, values, request_id))
 
-    def convert_stream(self, audio: PromptAudio, *, request_id: str | None = None, **options) -> AudioStream:
+    def convert_stream(self, source_audio: PromptAudio | None = None, *, request_id: str | None = None,
+                       **options) -> AudioStream:
         """Voice conversion streamed (the chunk schedule of a sentence per piece, as /v1/vc's stream true);
         options as `convert`."""
-        request = _stream_request(self.model, conversion_request(audio, **options).tensors(), request_id)
+        request = _stream_request(self.model, conversion_request(source_audio, **options).tensors(), request_id)
         return AudioStream(self._stub, request, self.timeout_s)
 
     def register_voice(self, audio: PromptAudio, *, sample_rate: int | None = None, prompt_text: str | None = None,
@@ -509,13 +517,16 @@ class AsyncTritonTTS(_Settings):
         request_id = kwargs.pop("request_id", None)
         return _waveform(await self._infer(self.offline_model, synthesis_request(text, **kwargs).tensors(), request_id))
 
-    async def convert(self, audio: PromptAudio, *, request_id: str | None = None, **options) -> np.ndarray:
+    async def convert(self, source_audio: PromptAudio | None = None, *, request_id: str | None = None,
+                      **options) -> np.ndarray:
         """Voice conversion, the whole waveform, as `TritonTTS.convert`."""
-        return _waveform(await self._infer(self.offline_model, conversion_request(audio, **options).tensors(), request_id))
+        values = conversion_request(source_audio, **options).tensors()
+        return _waveform(await self._infer(self.offline_model, values, request_id))
 
-    def convert_stream(self, audio: PromptAudio, *, request_id: str | None = None, **options) -> AsyncAudioStream:
+    def convert_stream(self, source_audio: PromptAudio | None = None, *, request_id: str | None = None,
+                       **options) -> AsyncAudioStream:
         """Voice conversion streamed, as `TritonTTS.convert_stream`."""
-        request = _stream_request(self.model, conversion_request(audio, **options).tensors(), request_id)
+        request = _stream_request(self.model, conversion_request(source_audio, **options).tensors(), request_id)
         return AsyncAudioStream(self.stub, request, self.timeout_s)
 
     async def register_voice(self, audio: PromptAudio, *, sample_rate: int | None = None,

@@ -1,7 +1,7 @@
 """Admission: whether a synthesis request can start within its deadline, one policy for every entry point.
 
 The cosyvoice2 models apply it to every request they receive (direct gRPC clients and gateways alike, in
-`triton.streaming.RequestPool`); the gateway applies the same function to its view of each server before it
+`triton.decoupled.RequestPool`); the gateway applies the same function to its view of each server before it
 sends a request there (`gateway/admission.py`), so a request that no server can start in time is refused
 without a round trip.
 

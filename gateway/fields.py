@@ -13,19 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.wire.names import INPUT_FIELDS
 
 
-FIELD_ALIASES = {"voice": "voice_id"}  # alias -> documented field
+FIELD_ALIASES = {"voice": "voice_id"}  # alias -> documented field (/v1/tts, the WebSocket's start message)
+SOURCE_ALIASES = {"audio": "source_audio"}  # /v1/vc and the WebSocket's vc message: the recording to speak again
 
 
-def resolve_aliases(body: dict) -> dict:
+def resolve_aliases(body: dict, aliases: dict[str, str] = FIELD_ALIASES) -> dict:
     """`body` with every alias renamed to its documented field; giving both is a 400 naming the alias."""
     resolved = dict(body)
-    for alias, name in FIELD_ALIASES.items():
+    for alias, name in aliases.items():
         if alias in resolved:
             if name in resolved:
                 raise InvalidInput(alias, f"give {name} (or its alias {alias}), not both")
@@ -42,7 +43,12 @@ class Fields:
     audio: str = "prompt_audio"  # the voice's prompt recording
     prompt_text: str = "prompt_text"
     instruct_text: str = "instruct"
-    source: str = "audio"  # the recording a conversion speaks again
+    source: str = "source_audio"  # the recording a conversion speaks again
+
+    def sent(self, body: dict, aliases: dict[str, str] = SOURCE_ALIASES) -> Fields:
+        """These names, each aliased field named as `body` named it (an error names the field as it was sent)."""
+        return replace(self, **{f.name: alias for f in fields(self) for alias, name in aliases.items()
+                                if getattr(self, f.name) == name and alias in body})
 
     def name(self, field: str | None) -> str | None:
         """The API's name of request field `field`."""

@@ -42,7 +42,7 @@ from cosyvoice_triton.wire.requests import PromptAudio, SynthesisInputs
 from .config import Limits
 from .errors import too_large_upload
 from .fields import Fields
-from .protocol import check_known, form_number, seed_or_new
+from .route_requests import check_known, form_number, seed_or_new
 from .synthesis import prepare, settle_voice, ssml_voice_ids
 
 PCM = audio_format("pcm")  # the answer of every official request

@@ -42,7 +42,7 @@ from .audio_response import observe_whole_answer
 from .auth import current_tenant, limit_key
 from .errors import answer_headers, bounded, http_status, upstream
 from .fields import Fields
-from .protocol import json_body
+from .route_requests import json_body
 from .request_keys import ERROR_CODE
 from .state import CONFIG, LIMITER
 from .synthesis import call_model, refused_by_server, synthesis_cost

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from .audio_response import send_audio
-from .auth import limit_key
 from cosyvoice_triton.errors import InvalidInput
 
+from .audio_response import send_audio
+from .auth import limit_key
 from .official_api import HTTP_FIELDS, KINDS, PCM, Kind, official_request, prepare_official
 from .state import CONFIG, LIMITER
 from .synthesis import routing_cost

@@ -30,7 +30,7 @@ from cosyvoice_triton import __version__
 from .audio_response import AUDIO_BYTES, AudioEvents, send_audio
 from .auth import limit_key
 from .fields import OPENAI_FIELDS
-from .protocol import json_body, parse_speech
+from .route_requests import json_body, parse_speech
 from .state import CONFIG, COSTS, LIMITER
 from .synthesis import prepare, routing_cost
 

@@ -34,7 +34,7 @@ Errors before the first audio byte are JSON with a status (400 naming the field,
 429, 503 no server or "overloaded" with Retry-After (admission: gateway/admission.py), 504 timeout); a
 failure after it cuts the connection (an incomplete chunked body, never a clean end).
 
-The body is parsed once into a `TtsRequest` (protocol.py) and answered by audio_response.py.
+The body is parsed once into a `TtsRequest` (route_requests.py) and answered by audio_response.py.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from aiohttp import web
 from .audio_response import AUDIO_BYTES, AudioEvents, send_audio
 from .auth import limit_key
 from .fields import TTS_FIELDS
-from .protocol import json_body, parse_tts
+from .route_requests import json_body, parse_tts
 from .state import CONFIG, COSTS, LIMITER
 from .synthesis import prepare, routing_cost
 

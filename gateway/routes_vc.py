@@ -17,18 +17,17 @@ No text and no LLM: the source's speech tokens go through the voice's flow promp
 
 The WebSocket takes the same conversion as a message, {"type": "vc", "audio": base64 of the source}, spoken in
 the session's voice and speed (`synthesis.conversion_in_voice`). The form is parsed once into a `VcRequest`
-(protocol.py); the gateway decodes both recordings once and sends their samples.
+(route_requests.py); the gateway decodes both recordings once and sends their samples.
 """
 from __future__ import annotations
 
 from aiohttp import web
 
-from .audio_response import send_audio
-from .auth import limit_key
 from cosyvoice_triton.errors import InvalidInput
 
-from .fields import TTS_FIELDS
-from .protocol import parse_vc
+from .audio_response import send_audio
+from .auth import limit_key
+from .route_requests import parse_vc
 from .state import CONFIG, LIMITER
 from .synthesis import prepare_conversion, routing_cost
 
@@ -36,21 +35,21 @@ from .synthesis import prepare_conversion, routing_cost
 async def vc(request: web.Request) -> web.StreamResponse:
     app = request.app
     vc = parse_vc(await _form(request), app[CONFIG].limits)
-    inputs, prompt_tokens = await prepare_conversion(app, vc.inputs, TTS_FIELDS)  # /v1/vc names fields as /v1/tts
+    inputs, prompt_tokens = await prepare_conversion(app, vc.inputs, vc.fields)  # /v1/tts's names, and source_audio
     with app[LIMITER].slot(limit_key(request)):
-        return await send_audio(request, inputs, routing_cost(app, inputs, prompt_tokens), TTS_FIELDS, vc.format,
+        return await send_audio(request, inputs, routing_cost(app, inputs, prompt_tokens), vc.fields, vc.format,
                                 vc.stream, route="vc")
 
 
 async def _form(request: web.Request) -> dict:
     """The multipart fields: bytes for the two recordings, strings for the rest."""
     if request.content_type != "multipart/form-data":
-        raise InvalidInput("body", "send multipart/form-data: audio (the source recording), voice_id or prompt_audio, "
+        raise InvalidInput("body", "send multipart/form-data: source_audio (the recording), voice_id or prompt_audio, "
                                    "seed, format, stream")
     form = await request.post()  # bounded by client_max_size: 413 beyond
     values: dict = {}
     for key, value in form.items():
-        if key in ("audio", "prompt_audio"):
+        if key in ("source_audio", "audio", "prompt_audio"):
             values[key] = value.file.read() if isinstance(value, web.FileField) else str(value).encode()
         elif isinstance(value, web.FileField):
             values[key] = value.file.read().decode("utf-8", "replace")

@@ -24,7 +24,7 @@ seen, used, listed or deleted by another (404 everywhere, as for an id nobody us
 may delete a shared voice except `default`, and sees only the shared voices. An `id` is refused (400
 naming `id`) when the key's own voice of other content, or a shared voice, holds it.
 
-A registration is parsed once into a `VoiceRegistration` (protocol.py); its recording is decoded once here
+A registration is parsed once into a `VoiceRegistration` (route_requests.py); its recording is decoded once here
 (for the idempotency check's hash) and sent to `register_voice` as samples.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ from .auth import RateLimiter, Tenant, current_tenant
 from .default_voice import VOICE_ID as DEFAULT_VOICE_ID
 from .errors import error_body, http_status, upstream
 from .fields import REGISTER_FIELDS
-from .protocol import json_body, parse_registration
+from .route_requests import json_body, parse_registration
 from .state import CONFIG, REGISTRATION_RATE, STORE
 from .synthesis import call_model, decode_recording
 

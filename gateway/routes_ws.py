@@ -20,8 +20,9 @@ Client -> server (JSON text frames):
                                                  sentence (end mark + space, or a CJK end mark, or a
                                                  newline) is synthesized at once
   {"type": "flush"}                              synthesize what is buffered now, complete or not
-  {"type": "vc", "audio": base64 of a recording} voice conversion: flush, then the recording spoken again in
-                                                 the session's voice as the next segment (POST /v1/vc's rule)
+  {"type": "vc", "source_audio": base64}       voice conversion (`audio`: the same): flush, then the recording
+                                                 spoken again in the session's voice as the next segment
+                                                 (POST /v1/vc's rule)
   {"type": "end"}                                flush, finish, then the server ends the session
 Server -> client:
   {"type": "started", "request_id", "sample_rate" (of the format: 48000 for opus), "format", "seed"}
@@ -60,7 +61,7 @@ being sent, and their audio is sent strictly in order. Segment i uses seed + 100
 the start message's voice, mode and chunk policy. A client that goes away (or closes) cancels every
 running segment, which frees its LLM slot and token2wav state.
 
-The start message is parsed once into a `StartMessage` (protocol.py) and its voice settled once
+The start message is parsed once into a `StartMessage` (route_requests.py) and its voice settled once
 (`synthesis.prepare`); each segment is that wire request with its own text and seed.
 """
 from __future__ import annotations
@@ -87,7 +88,7 @@ from . import access_log, admission
 from .auth import limit_key
 from .errors import answer_of, http_status, ws_error
 from .fields import TTS_FIELDS
-from .protocol import optional_text, parse_start, parse_vc_message
+from .route_requests import optional_text, parse_start, parse_vc_message
 from .request_keys import CLIENT_LEFT
 from .state import CONFIG, DRAIN, LIMITER, METRICS, WEBSOCKETS
 from .synthesis import (WireRequest, check_ssml_voices, conversion_in_voice, prepare, routing_cost, ssml_voice_ids,
@@ -291,8 +292,8 @@ class Session:
                 raise InvalidInput("type", "a bistream session takes text only (vc needs text_mode sentences)")
             elif kind == "vc":  # a recording to speak again in the session's voice, after the text before it
                 self.drain.refuse_new()
-                source = parse_vc_message(message, self.config.limits)
-                conversion = await conversion_in_voice(self.base, source, TTS_FIELDS)
+                source, fields = parse_vc_message(message, self.config.limits)
+                conversion = await conversion_in_voice(self.base, source, fields)
                 self._queue([*self.buffer.flush(), conversion])
             else:
                 raise InvalidInput("type", f"must be text, flush, vc or end, got {kind!r}")

@@ -1,4 +1,4 @@
-"""Every API's synthesis after its parse (protocol.py): settle the voice, price the request, stream it from
+"""Every API's synthesis after its parse (route_requests.py): settle the voice, price the request, stream it from
 the least-loaded server.
 
 `prepare` (a synthesis) and `prepare_conversion` read the request's voice once: a registered voice from the

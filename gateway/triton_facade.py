@@ -197,8 +197,9 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _relay(self, server: Server, request: service_pb2.ModelInferRequest, asked: str, write: Write) -> None:
         """`request` as its own ModelStreamInfer call on `server` (sent, then our side closed), each response
         written as it comes (model_name: `asked`) until Triton ends the call; at most STREAM_END_WAIT_S after
-        the final response (as call_reader.py waits). Cancelled: the call is cancelled. RemoteError (its `status`: the gRPC error) when the
-        call fails before any response (another server may take it); after one, an error response."""
+        the final response (as call_reader.py waits). Cancelled: the call is cancelled. RemoteError (its `status`:
+        the gRPC error) when the call fails before any response (another server may take it); after one, an error
+        response."""
         metrics, rate = self.app[METRICS], self.app[CONFIG].sample_rate
 
         async def one_request():

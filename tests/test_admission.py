@@ -15,7 +15,7 @@ from cosyvoice_triton.admission import (
     refusal,
 )
 from cosyvoice_triton.errors import Unavailable
-from cosyvoice_triton.triton.streaming import RequestPool
+from cosyvoice_triton.triton.decoupled import RequestPool
 
 
 # ---- the policy -------------------------------------------------------------------------------------------

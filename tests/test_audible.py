@@ -94,7 +94,7 @@ def test_the_triton_model_observes_first_audible_after_first_chunk():
     """send_chunks (the cosyvoice2 model): the first chunk is silent, the second holds the sound: the
     histogram gets one observation, the second chunk's send time; a silent stream gets none."""
     from cosyvoice_triton.triton.metrics import SYNTHESIS, ModelMetrics
-    from cosyvoice_triton.triton.streaming import send_chunks
+    from cosyvoice_triton.triton.decoupled import send_chunks
 
     def stream(chunks):
         with pb_fake.installed() as pb:

@@ -6,7 +6,7 @@ stream sent again alone: same seed, same audio whatever ran beside it, and a qui
   answered (a quiet server refuses nothing) with its burst audio within ROUNDING_ATOL (the LLM decodes and
   token2wav vocodes each stream as alone: tests/test_batch_invariance.py; what is left is HiFT's thread
   count, ~1e-7).
-- Admission's accounting (cosyvoice_triton/triton/streaming.py `RequestPool`): a request's slot is free
+- Admission's accounting (cosyvoice_triton/triton/decoupled.py `RequestPool`): a request's slot is free
   before its client hears the end, and a waiting request whose client left counts for nothing; so after a
   burst, the next request finds "a slot is free".
 
@@ -34,7 +34,7 @@ import pytest
 from cosyvoice_triton.admission import AdmissionPolicy
 from cosyvoice_triton.prometheus_text import metric_sum
 from cosyvoice_triton.server import free_port
-from cosyvoice_triton.triton.streaming import RequestPool, send_chunks
+from cosyvoice_triton.triton.decoupled import RequestPool, send_chunks
 
 import pb_fake
 from cli_harness import CliProcess

@@ -111,7 +111,7 @@ def test_the_gateway_and_the_sdk_carry_the_policy():
     from cosyvoice_triton.client.triton_client import synthesis_request
     from cosyvoice_triton.errors import InvalidInput
     from cosyvoice_triton.gateway.config import Limits
-    from cosyvoice_triton.gateway.protocol import START_KEYS, TTS_KEYS, parse_tts
+    from cosyvoice_triton.gateway.route_requests import START_KEYS, TTS_KEYS, parse_tts
 
     request = parse_tts({"text": "Hi.", "chunk_policy": "adaptive"}, Limits())
     assert request.inputs.tensors()["chunk_policy"].tolist() == [b"adaptive"]

@@ -1,4 +1,4 @@
-"""Each gateway route's body -> its typed request (gateway/protocol.py) -> the Triton inputs (wire/requests.py),
+"""Each gateway route's body -> its typed request (gateway/route_requests.py) -> the Triton inputs (wire/requests.py),
 without a server: the fields each API names, the library's checks (the ones the model runs on its tensors)
 with errors naming the API's field, a prompt recording decoded once and sent as samples, a voice read once."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ from cosyvoice_triton.gateway.default_voice import DefaultVoice
 from cosyvoice_triton.errors import TooLarge
 from cosyvoice_triton.gateway.errors import http_status
 from cosyvoice_triton.gateway.fields import OPENAI_FIELDS, REGISTER_FIELDS, TTS_FIELDS
-from cosyvoice_triton.gateway.protocol import (START_KEYS, TTS_KEYS, VC_KEYS, parse_registration, parse_speech,
+from cosyvoice_triton.gateway.route_requests import (START_KEYS, TTS_KEYS, VC_KEYS, parse_registration, parse_speech,
                                                parse_start, parse_tts, parse_vc, parse_vc_message)
 from cosyvoice_triton.gateway.routing import CostModel
 from cosyvoice_triton.gateway.state import COSTS, DEFAULT_VOICE, STORE
@@ -152,18 +152,26 @@ def test_a_start_message_is_the_session_settings_checked_without_a_text():
         with pytest.raises(InvalidInput) as error:
             parse_start({"type": "start", **message}, LIMITS)
         assert field_of(error) == field
-    assert parse_vc_message({"type": "vc", "audio": b64(b"RIFF")}, LIMITS).file_bytes == b"RIFF"
-    with pytest.raises(InvalidInput) as error:
-        parse_vc_message({"type": "vc", "audio": 5}, LIMITS)
-    assert field_of(error) == "audio"
+    for name in ("source_audio", "audio"):  # audio: the name it had before, still taken
+        source, fields = parse_vc_message({"type": "vc", name: b64(b"RIFF")}, LIMITS)
+        assert (source.file_bytes, fields.source) == (b"RIFF", name)
+        with pytest.raises(InvalidInput) as error:
+            parse_vc_message({"type": "vc", name: 5}, LIMITS)
+        assert field_of(error) == name  # errors name the field as it was sent
 
 
 # ---- /v1/vc and /v1/voices ------------------------------------------------------------------------------------
 
 def test_a_vc_form_becomes_a_conversion():
-    vc = parse_vc({"audio": b"src", "voice_id": "me", "seed": "12", "speed": "1.5", "stream": "true"}, LIMITS)
+    vc = parse_vc({"source_audio": b"src", "voice_id": "me", "seed": "12", "speed": "1.5", "stream": "true"}, LIMITS)
     assert (vc.inputs.source.file_bytes, vc.inputs.voice_id, vc.inputs.seed, vc.inputs.speed, vc.stream) == (
         b"src", "me", 12, 1.5, True)
+    assert parse_vc({"audio": b"src"}, LIMITS).inputs.source.file_bytes == b"src"  # the name it had before
+    for form, field in [({}, "source_audio"), ({"source_audio": b"", "audio": b"src"}, "audio"),
+                        ({"source_audio": b""}, "source_audio")]:
+        with pytest.raises(InvalidInput) as error:
+            parse_vc(form, LIMITS)
+        assert field_of(error) == field
     for form, field in [({"seed": "x"}, "seed"), ({"seed": "-1"}, "seed"), ({"speed": "9"}, "speed"),
                         ({"speed": "fast"}, "speed"), ({"stream": "yes"}, "stream"), ({"audio": b""}, "audio"),
                         ({"format": "exe"}, "format"), ({"text": "x"}, "text")]:
@@ -188,7 +196,7 @@ def test_a_registration_from_json_or_a_form():
 
 def test_each_api_names_the_inputs_its_own_way():
     assert [TTS_FIELDS.of_input(n) for n in ("target_text", "reference_wav", "reference_audio_id", "source_audio")] == [
-        "text", "prompt_audio", "voice_id", "audio"]
+        "text", "prompt_audio", "voice_id", "source_audio"]
     assert [OPENAI_FIELDS.of_input(n) for n in ("target_text", "reference_audio_id", "instruct_text")] == [
         "input", "voice", "instructions"]
     assert [REGISTER_FIELDS.of_input(n) for n in ("reference_sample_rate", "voice_id", "reference_text")] == [
@@ -284,7 +292,7 @@ WIRE_ONLY = sorted(INPUT_NAMES - API_FIELDS)  # the Triton inputs no API field i
 
 def test_tensor_names_appear_in_the_wire_package_alone():
     """The gateway names API fields; what the Triton inputs are called is the wire package's business."""
-    assert {"target_text", "reference_audio_id", "reference_wav", "source_audio", "text_stream_id"} <= set(WIRE_ONLY)
+    assert {"target_text", "reference_audio_id", "reference_wav", "source_wav", "text_stream_id"} <= set(WIRE_ONLY)
     quoted = re.compile("|".join(rf"[\"']{re.escape(name)}[\"']" for name in WIRE_ONLY))
     offenders = [f"{path.name}: {match.group()}" for path in GATEWAY.glob("*.py")
                  for match in quoted.finditer(path.read_text())]

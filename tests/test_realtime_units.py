@@ -10,7 +10,7 @@ import pytest
 
 from cosyvoice_triton.admission import AdmissionPolicy
 from cosyvoice_triton.pipeline.capacity import COLD_STREAMS, Capacity, realtime_slots
-from cosyvoice_triton.triton.streaming import RequestPool
+from cosyvoice_triton.triton.decoupled import RequestPool
 
 RATE = 24000
 

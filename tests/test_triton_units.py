@@ -311,7 +311,7 @@ def test_align_prompt_features_matches_the_prompt_encoder(tiny):
     assert got.audio_sha256 == want.audio_sha256
 
 
-# ---- metrics and streaming --------------------------------------------------------------------------
+# ---- metrics and decoupled responses --------------------------------------------------------------------------
 
 def test_model_metrics_follow_engine_counters():
     from cosyvoice_triton.triton.metrics import LLM_METRICS, ModelMetrics
@@ -329,7 +329,7 @@ def test_model_metrics_follow_engine_counters():
 
 
 def test_send_chunks_stops_the_producer_on_cancel_and_sends_one_final():
-    from cosyvoice_triton.triton.streaming import send_chunks
+    from cosyvoice_triton.triton.decoupled import send_chunks
 
     closed = []
 
@@ -359,7 +359,7 @@ def test_send_chunks_stops_the_producer_on_cancel_and_sends_one_final():
 
 
 def test_send_chunks_reports_an_error_in_the_final_response():
-    from cosyvoice_triton.triton.streaming import send_chunks
+    from cosyvoice_triton.triton.decoupled import send_chunks
 
     def produce():
         yield np.zeros(3, np.float32)

@@ -124,7 +124,7 @@ def post_vc(url: str, fields: dict, files: dict) -> tuple[int, bytes]:
 def test_v1_vc_equals_the_library_vc(stack, library, stream):
     want = library_vc(library, SOURCE, stream)
     status, raw = post_vc(stack.gateway_url, {"voice_id": "default", "seed": str(SEED), "format": "pcm_f32",
-                                              "stream": str(stream).lower()}, {"audio": SOURCE})
+                                              "stream": str(stream).lower()}, {"source_audio": SOURCE})
     assert status == 200, raw
     got = np.frombuffer(raw, "<f4")
     assert got.size == want.size
@@ -160,7 +160,8 @@ def test_the_triton_sdk_converts_as_the_gateway_does(stack, library):
     prompt = speech_like(2.5, 16000, seed=5)
     samples, rate = decoded(SOURCE)
     with TritonTTS(stack.triton.grpc_url) as client:
-        whole = client.convert(SOURCE, voice_id="default", seed=SEED)
+        whole = client.convert(source_audio=SOURCE, voice_id="default", seed=SEED)
+        np.testing.assert_array_equal(client.convert(audio=SOURCE, voice_id="default", seed=SEED), whole)  # older name
         with client.convert_stream(samples, sample_rate=rate, voice_id="default", seed=SEED) as chunks:
             streamed = list(chunks)
         with pytest.raises(TTSError) as unknown:
@@ -193,7 +194,7 @@ def test_the_websocket_speaks_a_vc_message_in_the_session_voice(stack, library):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as client:
             async with client.ws_connect(stack.gateway_url + "/v1/tts/ws") as ws:
                 await ws.send_json({"type": "start", "voice_id": "default", "seed": SEED})
-                await ws.send_json({"type": "vc", "audio": base64.b64encode(SOURCE).decode()})
+                await ws.send_json({"type": "vc", "source_audio": base64.b64encode(SOURCE).decode()})
                 await ws.send_json({"type": "end"})
                 async for message in ws:
                     if message.type == aiohttp.WSMsgType.BINARY:
@@ -224,7 +225,8 @@ def test_the_cli_converts_a_source_wav(stack, library, tmp_path):
 
 
 @pytest.mark.parametrize("fields, files, status, field", [
-    ({"voice_id": "default"}, {}, 400, "audio"),
+    ({"voice_id": "default"}, {}, 400, "source_audio"),
+    ({"voice_id": "default"}, {"source_audio": b"RIFF not audio at all"}, 400, "source_audio"),
     ({"voice_id": "default"}, {"audio": b"RIFF not audio at all"}, 400, "audio"),
     ({"voice_id": "default"}, {"audio": source_recording(0.1)}, 400, "audio"),
     ({"voice_id": "default"}, {"audio": SOURCE, "prompt_audio": SOURCE}, 400, "voice_id"),

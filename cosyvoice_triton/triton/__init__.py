@@ -5,7 +5,7 @@ gateway and the SDK share with the models is the wire package (`cosyvoice_triton
 
 pb_glue           a request's tensors, BLS answers, responses; errors as TritonErrors
 params            config.pbtxt `parameters` -> frozen dataclasses
-streaming         decoupled requests in a bounded worker pool; chunks out with one final flag
+decoupled         decoupled requests in a bounded worker pool (admission); chunks out with one final flag
 service           cosyvoice2 and register_voice: voice resolution (store or prompt_encoder), the pipeline
 vc_service        cosyvoice2's mode vc: voice conversion over the audio_tokenizer and token2wav
 bls               BLS stages: token2wav, the prompt encoder, the llm (fallback), a BLS request

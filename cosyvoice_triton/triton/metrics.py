@@ -217,7 +217,8 @@ class ModelMetrics:
                 self._metrics[(key, None)].set(float(value))
 
     def follow_counter(self, key: str, total: float, value: str | None = None) -> None:
-        """Advance a counter to an engine's running `total` (engines count; Triton's counters only add)."""
+        """Advance a counter to the library's running `total` (its schedulers and pools count; Triton's counters
+        only add)."""
         with self._lock:
             last = self._seen.get((key, value), 0.0)
             if total > last:

@@ -16,7 +16,8 @@ from cosyvoice_triton.errors import CosyVoiceError, RemoteError, from_wire
 def remote_error(model: str, message: str, status: int | str | None) -> RemoteError:
     """A callee's error answer as a RemoteError of its kind: `message` read with `from_wire`, `status` the
     callee's Triton error code (a pb_utils.TritonError number, or a status name)."""
-    return RemoteError(from_wire(message, _CODE_NAMES.get(status) if isinstance(status, int) else status), model, status)
+    name = _CODE_NAMES.get(status) if isinstance(status, int) else status
+    return RemoteError(from_wire(message, name), model, status)
 
 
 def request_arrays(request) -> dict[str, np.ndarray]:

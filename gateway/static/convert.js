@@ -1,7 +1,7 @@
 // The convert tab: voice conversion through POST /v1/vc (gateway/routes_vc.py). A source recording
 // (uploaded or recorded) is spoken again in a registered voice, or in the voice of a target recording.
 //
-// Request: multipart/form-data with `audio` (the source file), `voice_id` or `prompt_audio` (a target
+// Request: multipart/form-data with `source_audio` (the source file), `voice_id` or `prompt_audio` (a target
 // recording file), `seed` (optional digits), format "pcm_f32" and stream "true"; the answer streams
 // little-endian float32 samples at 24 kHz (X-Seed: the seed used), played as they arrive (audio.js), or is
 // a JSON error naming the field (`param`), shown beside that field's control.
@@ -15,7 +15,7 @@ const vc = {
   downloadUrl: null,
 };
 
-const CONVERT_FIELDS = {audio: "vc-file", voice_id: "vc-voice", prompt_audio: "vc-target-file", seed: "vc-seed"};
+const CONVERT_FIELDS = {source_audio: "vc-file", voice_id: "vc-voice", prompt_audio: "vc-target-file", seed: "vc-seed"};
 
 function setConvertStatus(text, key) {
   const el = $("vc-status");
@@ -63,7 +63,7 @@ async function conversionForm() {
   const seed = seedDigits("vc-seed");
   if (seed === null) return null;
   const form = new FormData();
-  form.append("audio", source.blob, source.name);
+  form.append("source_audio", source.blob, source.name);
   if (target) form.append("prompt_audio", target.blob, target.name);
   else form.append("voice_id", $("vc-voice").value);
   if (seed !== "") form.append("seed", seed);

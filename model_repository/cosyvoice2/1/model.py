@@ -37,7 +37,7 @@ from cosyvoice_triton.triton.metrics import REMOTE_TOKEN2WAV, SYNTHESIS, ModelMe
 from cosyvoice_triton.triton.params import CosyVoice2Params, parse_parameters
 from cosyvoice_triton.triton.remote_token2wav import RemoteToken2Wav
 from cosyvoice_triton.triton.service import ServedPipeline, Voices, prompt_budget, token_mel_ratio
-from cosyvoice_triton.triton.streaming import RequestPool, send_chunks, send_whole
+from cosyvoice_triton.triton.decoupled import RequestPool, send_chunks, send_whole
 from cosyvoice_triton.wire.tensors import TensorReader
 from cosyvoice_triton.triton.pb_glue import error_response, request_arrays
 

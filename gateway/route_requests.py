@@ -34,7 +34,7 @@ from cosyvoice_triton.wire.checks import check_optional_text
 
 from .config import Limits
 from .errors import too_large_upload
-from .fields import OPENAI_FIELDS, TTS_FIELDS, resolve_aliases
+from .fields import OPENAI_FIELDS, SOURCE_ALIASES, TTS_FIELDS, Fields, resolve_aliases
 from .synthesis import ssml_voice_ids
 
 TTS_FORMATS = (*FORMATS, *ALIASES)  # the formats of /v1/tts, /v1/vc and the WebSocket
@@ -42,7 +42,7 @@ TTS_KEYS = frozenset({"text", "voice_id", "voice", "prompt_audio", "prompt_text"
                       "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "text_frontend", "speed",
                       "text_type", "marks", "format", "stream"})
 START_KEYS = (TTS_KEYS - {"stream"}) | {"type", "text_mode"}
-VC_KEYS = frozenset({"audio", "voice_id", "prompt_audio", "seed", "speed", "format", "stream"})
+VC_KEYS = frozenset({"source_audio", "audio", "voice_id", "prompt_audio", "seed", "speed", "format", "stream"})
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer",
                            "verse", "marin", "cedar"})
 OPENAI_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")  # OpenAI's response_format values
@@ -78,6 +78,7 @@ class VcRequest:
     inputs: ConversionInputs  # checked; the recordings still files, the voice not yet resolved
     format: AudioFormat
     stream: bool
+    fields: Fields = TTS_FIELDS  # the names its errors use (source_audio, or `audio` when sent so)
 
 
 @dataclass(frozen=True)
@@ -114,10 +115,14 @@ def parse_start(message: dict, limits: Limits) -> StartMessage:
     return StartMessage(inputs, fmt, message.get("text"))
 
 
-def parse_vc_message(message: dict, limits: Limits) -> PromptAudio:
-    """A WebSocket {"type": "vc", "audio": base64} message: the recording to speak again, as a file."""
-    check_known(message, frozenset({"type", "audio"}), "the vc message")
-    return PromptAudio(file_bytes=decode_base64(message.get("audio"), "audio", limits.max_upload_bytes))
+def parse_vc_message(message: dict, limits: Limits) -> tuple[PromptAudio, Fields]:
+    """A WebSocket {"type": "vc", "source_audio": base64} message (`audio`: the same): the recording to speak again,
+    as a file, and the names its errors use."""
+    check_known(message, frozenset({"type", "source_audio", "audio"}), "the vc message")
+    fields = TTS_FIELDS.sent(message)
+    message = resolve_aliases(message, SOURCE_ALIASES)
+    source = decode_base64(message.get("source_audio"), fields.source, limits.max_upload_bytes)
+    return PromptAudio(file_bytes=source), fields
 
 
 def parse_speech(body: dict, limits: Limits) -> SpeechRequest:
@@ -146,22 +151,24 @@ def parse_speech(body: dict, limits: Limits) -> SpeechRequest:
 def parse_vc(form: dict, limits: Limits) -> VcRequest:
     """The multipart fields of /v1/vc: bytes for the two recordings, strings for the rest."""
     check_known(form, VC_KEYS, "/v1/vc")
+    fields = TTS_FIELDS.sent(form)
+    form = resolve_aliases(form, SOURCE_ALIASES)
     fmt = check_format(form.get("format", "wav"), "format")
     stream = form_bool(form.get("stream"), "stream")
     seed = form_number(form.get("seed"), int, "seed", "must be an integer")
     speed = form_number(form.get("speed"), float, "speed", f"must be a number from {MIN_SPEED} to {MAX_SPEED}")
-    source, prompt_audio = form.get("audio"), form.get("prompt_audio")
+    source, prompt_audio = form.get("source_audio"), form.get("prompt_audio")
     if not source:
-        raise InvalidInput("audio", "is required: the recording to convert (a WAV, FLAC or OGG file)")
-    for field, data in (("audio", source), ("prompt_audio", prompt_audio)):
+        raise InvalidInput(fields.source, "is required: the recording to convert (a WAV, FLAC or OGG file)")
+    for field, data in ((fields.source, source), ("prompt_audio", prompt_audio)):
         if data is not None and len(data) > limits.max_upload_bytes:
             raise too_large_upload(field, len(data), limits.max_upload_bytes, field)
     inputs = ConversionInputs(source=PromptAudio(file_bytes=source), voice_id=form.get("voice_id") or None,
                               audio=None if prompt_audio is None else PromptAudio(file_bytes=prompt_audio),
                               seed=seed_or_new(seed), speed=given(speed, 1.0))
-    with TTS_FIELDS.named():
+    with fields.named():
         inputs.check()
-    return VcRequest(inputs, fmt, stream)
+    return VcRequest(inputs, fmt, stream, fields)
 
 
 def parse_registration(values: dict, limits: Limits) -> VoiceRegistration:
