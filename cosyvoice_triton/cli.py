@@ -198,9 +198,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a token2wav stream may go without a chunk before it is freed (its frontend is "
                         "presumed gone): counted from its latest chunk's answer, and only while token2wav runs no "
                         "batch, so a live stream waiting behind other streams' chunks is kept")
-    p.add_argument("--flow-cache-frames", type=int, default=1000, metavar="N",
+    p.add_argument("--flow-cache-frames", type=int, default=None, metavar="N",
                    help="mel frames of flow state each streaming token2wav stream keeps between chunks, so a "
-                        "chunk computes only its new frames (torch flow; 0: off; full size: 1.15 MB per frame)")
+                        "chunk computes only its new frames (torch flow; 0: off; default: the family's, CosyVoice2 "
+                        "1000 at 1.15 MB per frame at full size, CosyVoice3 300 at 3.6 MB)")
     p.add_argument("--prompt-cache-mb", type=float, default=512.0, metavar="MB",
                    help="MB of voices' prompt frames token2wav keeps, least recently used evicted, so that a new "
                         "stream of a prompt seen before computes only the frames after them (torch flow with the "

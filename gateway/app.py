@@ -221,7 +221,8 @@ STORE_CHECK_TIMEOUT_S = 2.0
 
 async def readyz(request: web.Request) -> web.Response:
     """Ready: at least one Triton server in the pool, the voice store answering, and the default voice
-    settled. `servers`: the pool's members now (with dns:// specs, what DNS names), healthy or not;
+    settled. `family`: the model family the servers serve (the synthesis model is named for it); `servers`: the
+    pool's members now (with dns:// specs, what DNS names), healthy or not;
     `precision`: what each server's LLM and flow compute in (their metrics, as scraped; `auto` resolved);
     `voice_store`: "ok", or why not (`voice_store_error`, e.g. Redis is down); `capacity`: each scraped server's
     audio seconds per second (`measured` false: its cold default), the streams it keeps ahead of their
@@ -236,7 +237,8 @@ async def readyz(request: web.Request) -> web.Response:
                *([] if voice.settled else ["the default voice"]), *([] if store_error is None else ["the voice store"]),
                *(w for waits, _ in extra for w in waits)]
     body = {"status": "ready" if ready else "starting", "waiting_for": [] if ready else waiting, "ready": ready,
-            "version": __version__, "servers": servers, "default_voice": voice.state,
+            "version": __version__, "family": request.app[CONFIG].family, "servers": servers,
+            "default_voice": voice.state,
             "voice_store": "ok" if store_error is None else "unavailable",
             "precision": {b.name: b.precision for b in router.servers if b.precision},
             "capacity": capacity_view(router.servers)}

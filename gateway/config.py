@@ -23,6 +23,7 @@ from pathlib import Path
 from cosyvoice_triton.errors import ParameterError
 from cosyvoice_triton.pipeline.audible import DEFAULT_THRESHOLD_DBFS
 from cosyvoice_triton.targets import TritonTarget, check_spec, is_discovery
+from cosyvoice_triton.wire.names import FAMILY_MODELS
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +86,19 @@ class GatewayConfig:
     ws_pipeline_depth: int = 2  # WebSocket segments synthesized ahead of the one being sent
     shutdown_timeout_s: float = 10.0
     static_dir: Path = STATIC_DIR
+    # The synthesis models, named for the model family the servers serve (`family_models`)
     synthesis_model: str = "cosyvoice2"
     offline_model: str = "cosyvoice2_offline"  # non-streamed requests: one full-attention flow pass per sentence
     register_model: str = "register_voice"
     sample_rate: int = 24000
     official_grpc_port: int | None = None  # the official gRPC API (official_grpc.py) here (0: a free port); None: off
     official_triton_port: int | None = None  # Triton's gRPC protocol (triton_facade.py) (0: a free port); None: off
+
+    @property
+    def family(self) -> str:
+        """The model family the synthesis model is named for (cosyvoice2, cosyvoice3): /readyz names it."""
+        return next((family for family, models in FAMILY_MODELS.items() if self.synthesis_model in models),
+                    self.synthesis_model)  # a model of another name: its own
 
     @property
     def url(self) -> str:
@@ -249,6 +257,7 @@ def config_from_args(args: argparse.Namespace, triton: tuple[TritonTarget, ...] 
                     registrations_per_minute=args.registrations_per_minute,
                     ws_idle_timeout_s=args.ws_idle_timeout, ws_session_timeout_s=args.ws_session_timeout)
     model_dir = model_dir if model_dir is not None else getattr(args, "model_dir", None)
+    synthesis_model, offline_model = family_models(Path(model_dir) if model_dir else None)
     triton_port, grpc_port = official_ports(args)
     return GatewayConfig(triton=triton, discovery=discovery, host=args.host, port=args.port,
                          voice_store=voice_store_url(args),
@@ -257,4 +266,15 @@ def config_from_args(args: argparse.Namespace, triton: tuple[TritonTarget, ...] 
                          limits=limits, routing=routing, default_voice=not args.no_default_voice,
                          access_log=getattr(args, "access_log", True),
                          audible_threshold_dbfs=args.audible_threshold_dbfs,
-                         official_grpc_port=grpc_port, official_triton_port=triton_port)
+                         official_grpc_port=grpc_port, official_triton_port=triton_port,
+                         synthesis_model=synthesis_model, offline_model=offline_model)
+
+
+def family_models(model_dir: Path | None) -> tuple[str, str]:
+    """The streaming and offline synthesis models of the family of `model_dir` (its yaml decides), as the servers
+    of that folder name them; CosyVoice2's without a folder."""
+    from cosyvoice_triton.family import COSYVOICE2, family_of
+
+    family = family_of(model_dir) if model_dir is not None and model_dir.is_dir() else COSYVOICE2
+    streaming, offline = FAMILY_MODELS[family.name][:2]
+    return streaming, offline

@@ -113,7 +113,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--t2w-idle-timeout", type=float, default=120.0,
                    help="seconds a token2wav stream may go without a chunk before it is freed, as for `serve` (counted "
                         "from its latest chunk's answer, only while token2wav runs no batch)")
-    t.add_argument("--flow-cache-frames", type=int, default=1000, metavar="N",
+    t.add_argument("--flow-cache-frames", type=int, default=None, metavar="N",
                    help="flow state frames kept per token2wav stream, as for `serve`")
     t.add_argument("--prompt-cache-mb", type=float, default=512.0, metavar="MB",
                    help="MB of voices' prompt frames token2wav keeps, as for `serve`")
@@ -347,7 +347,8 @@ def run_gateway(args, targets: tuple[TritonTarget, ...], model_dir: Path, voice_
     note = f"\n  WARNING  {RANDOM_NOTE}" if is_random(model_dir) else ""
     print(f"cosyvoice-triton: serving {model_dir}{note}\n"
           f"  gateway  {config.url}   (POST /v1/tts, WS /v1/tts/ws, POST /v1/audio/speech, "
-          f"/v1/voices, the official /inference_* and /v2/models/cosyvoice2/infer)\n" + "\n".join(lines)
+          f"/v1/voices, the official /inference_* and /v2/models/cosyvoice2/infer)\n"
+          f"  models   {config.synthesis_model}, {config.offline_model} ({config.family})\n" + "\n".join(lines)
           + "\nPress Ctrl-C to stop.", file=out, flush=True)
     return asyncio.run(serve_until_stopped(app, config.host, config.port, args.drain_timeout, out, servers_gone))
 

@@ -86,7 +86,7 @@ def test_a_folder_that_is_not_a_model_folder_is_refused_at_once(command, tiny_mo
     result = run_cli([command, "--model-dir", str(folder), *ports], tmp_path / "home")
     assert result.returncode == 2, result.stdout + result.stderr
     message = result.stderr
-    assert f"{folder} is not a CosyVoice2 model folder" in message, message
+    assert f"{folder} is not a CosyVoice2 or CosyVoice3 model folder" in message, message
     for missing in ("cosyvoice2.yaml", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx",
                     "CosyVoice-BlankEN/config.json"):
         assert missing in message

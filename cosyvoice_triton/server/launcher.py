@@ -40,8 +40,10 @@ from cosyvoice_triton.pipeline.threads import available_cores
 from cosyvoice_triton.server.process import TritonProcess, describe_exit
 from cosyvoice_triton.server.templates import model_names, render_repository
 from cosyvoice_triton.targets import TritonTarget, check_spec, is_discovery
+from cosyvoice_triton.family import COSYVOICE2 as COSYVOICE2_FAMILY, family_of
 from cosyvoice_triton.wire.names import (COSYVOICE2, COSYVOICE2_OFFICIAL, COSYVOICE2_OFFICIAL_OFFLINE,
-                                         COSYVOICE2_OFFLINE, OFFICIAL_MODELS)
+                                         COSYVOICE2_OFFLINE, COSYVOICE3, COSYVOICE3_OFFLINE, FAMILY_MODELS,
+                                         OFFICIAL_MODELS)
 from cosyvoice_triton.wire.official import NATIVE_FORM, OFFICIAL_FORM
 from cosyvoice_triton.triton.params import Engine, Precision
 
@@ -69,7 +71,7 @@ class ServeOptions:
     grpc_port: int | None = 8001
     metrics_port: int | None = 8002
     device: str = "cpu"  # cpu | cuda | cuda:N | xpu | npu | mps ...: torch device of llm and token2wav
-    instances: int = 1  # instances of the stateless models (cosyvoice2*, prompt steps, register_voice)
+    instances: int = 1  # instances of the stateless models (the synthesis models, prompt steps, register_voice)
     workers: int = 16  # requests synthesized at once per cosyvoice2 instance
     max_pending: int = 64  # requests queued per cosyvoice2 instance beyond that
     max_queue_wait_s: float = 2.0  # a request that would wait longer to start is refused (admission.py)
@@ -86,7 +88,7 @@ class ServeOptions:
     t2w_max_streams: int = 64
     t2w_max_batch: int = 16
     t2w_idle_timeout_s: float = 120.0  # quiet seconds without a chunk before token2wav frees a stream (idle rule)
-    flow_cache_frames: int = 1000  # per token2wav stream (models/flow_cache.py); 0: off
+    flow_cache_frames: int | None = None  # per token2wav stream (models/flow_cache.py); 0: off; None: the family's
     prompt_cache_mb: float = 512.0  # token2wav: voices' prompt frames kept (models/prompt_cache.py); 0: off
     t2w_queue_delay_us: int = 500
     prompt_max_batch: int = 8
@@ -142,7 +144,7 @@ def default_model_dir() -> Path:
 
 
 def check_model_folder(model_dir: Path) -> None:
-    """Raise ModelFolderError naming what `model_dir` lacks of the released layout."""
+    """Raise ModelFolderError naming what `model_dir` lacks of the released layout of its family."""
     from cosyvoice_triton.config import ModelPaths
     from cosyvoice_triton.errors import ModelFolderError
 
@@ -150,8 +152,8 @@ def check_model_folder(model_dir: Path) -> None:
         raise ModelFolderError(f"model folder {model_dir} does not exist")
     missing = ModelPaths(model_dir).missing()
     if missing:
-        raise ModelFolderError(f"{model_dir} is not a CosyVoice2 model folder (the released CosyVoice2-0.5B "
-                               f"layout): missing {', '.join(missing)}")
+        raise ModelFolderError(f"{model_dir} is not a CosyVoice2 or CosyVoice3 model folder (the released "
+                               f"CosyVoice2-0.5B or Fun-CosyVoice3-0.5B-2512 layout): missing {', '.join(missing)}")
 
 
 def default_onnx_dir(model_dir: Path, run_dir: Path) -> Path | None:
@@ -170,9 +172,16 @@ ROLES = ("all", "frontend", "backend")
 BACKEND_MODELS = ("token2wav",)  # what a backend server holds; a frontend holds the rest
 
 
-def role_models(options: ServeOptions, available: list[str]) -> list[str]:
-    """The models one server of `options.role` serves, out of the repository's `available` ones (the official
-    tensor form's models only with `options.official_models`; a backend holds token2wav alone)."""
+def served_family(model_dir: Path) -> str:
+    """The family whose synthesis models a server of `model_dir` serves: the folder's (`prepare` has checked it);
+    a folder not written yet (a repository rendered on its own) is CosyVoice2's."""
+    return family_of(model_dir).name if Path(model_dir).is_dir() else COSYVOICE2_FAMILY.name
+
+
+def role_models(options: ServeOptions, available: list[str], family: str = COSYVOICE2_FAMILY.name) -> list[str]:
+    """The models one server of `options.role` serves, out of the repository's `available` ones: the synthesis
+    models of `family` only, named for it (cosyvoice2*, cosyvoice3*); the official tensor form's models only with
+    `options.official_models`; a backend holds token2wav alone."""
     if options.role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {options.role!r}")
     if options.role == "frontend" and not options.backends:
@@ -181,6 +190,8 @@ def role_models(options: ServeOptions, available: list[str]) -> list[str]:
         raise ValueError(f"--backend is for --role frontend (this server's role is {options.role})")
     for spec in options.backends:
         check_spec(spec, "--backend")  # a bad address fails here, not inside tritonserver
+    others = {name for other, names in FAMILY_MODELS.items() if other != family for name in names}
+    available = [name for name in available if name not in others]
     if not options.official_models:
         available = [name for name in available if name not in OFFICIAL_MODELS]
     if options.role == "backend":
@@ -234,6 +245,8 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str,
         **{name: {**synthesis, "name": name, "decoupled": decoupled, "max_batch_size": batch, "tensor_form": form}
            for name, decoupled, batch, form in ((COSYVOICE2, True, 0, NATIVE_FORM),
                                                 (COSYVOICE2_OFFLINE, False, 0, NATIVE_FORM),
+                                                (COSYVOICE3, True, 0, NATIVE_FORM),
+                                                (COSYVOICE3_OFFLINE, False, 0, NATIVE_FORM),
                                                 # the official config batches: [1, ...] tensors, no batcher
                                                 (COSYVOICE2_OFFICIAL, True, 1, OFFICIAL_FORM),
                                                 (COSYVOICE2_OFFICIAL_OFFLINE, False, 1, OFFICIAL_FORM))},
@@ -247,7 +260,9 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str,
         "token2wav": {"model_dir": model_dir, "placement": placement, "device": torch_device,
                       "max_streams": options.t2w_max_streams, "max_batch": options.t2w_max_batch,
                       "idle_timeout_s": options.t2w_idle_timeout_s,
-                      "flow_cache_frames": options.flow_cache_frames, "queue_delay_us": options.t2w_queue_delay_us,
+                      # None: the family's default (ModelFamily.flow_cache_frames), read by the model
+                      "flow_cache_frames": "" if options.flow_cache_frames is None else options.flow_cache_frames,
+                      "queue_delay_us": options.t2w_queue_delay_us,
                       "prompt_cache_mb": options.prompt_cache_mb,
                       "flow_precision": resolve_flow_precision(options.flow_precision, torch_device),
                       "chunk_preset": options.chunk_preset, "compile": options.compile,
@@ -271,7 +286,7 @@ def render_run_repository(options: ServeOptions, model_dir: Path, voice_store: s
     """Lay out every model of `options.repository` in `dst` with filled configs; llm and token2wav share
     the cores through `core_share` beside `dst`."""
     values = repository_values(options, model_dir, voice_store, core_share=Path(dst).parent / CORE_SHARE_FILE)
-    models = role_models(options, model_names(options.repository))
+    models = role_models(options, model_names(options.repository), served_family(model_dir))
     # A run folder given again (`--run-dir`, as a restarted `up` does): this run's models only.
     shutil.rmtree(dst, ignore_errors=True)
     return render_repository(options.repository, dst, {k: v for k, v in values.items() if k in models},
@@ -334,10 +349,12 @@ def describe(server: TritonProcess, model_dir_hint: str, out: TextIO) -> None:
     names = model_names(server.model_repository)
     print(f"cosyvoice-triton: serving {model_dir_hint}", file=out)
     print(f"  models   {', '.join(names)}", file=out)
-    if "cosyvoice2" in names:
-        print(f"  HTTP     http://{host}:{server.http_port}   (whole waveform: POST /v2/models/cosyvoice2_offline/infer)",
+    synthesis = [models for models in FAMILY_MODELS.values() if models[0] in names]
+    if synthesis:
+        streaming, offline = synthesis[0][:2]
+        print(f"  HTTP     http://{host}:{server.http_port}   (whole waveform: POST /v2/models/{offline}/infer)",
               file=out)
-        print(f"  gRPC     {host}:{server.grpc_port}   (streaming: model cosyvoice2)", file=out)
+        print(f"  gRPC     {host}:{server.grpc_port}   (streaming: model {streaming})", file=out)
         if COSYVOICE2_OFFICIAL in names:
             print(f"  official {COSYVOICE2_OFFICIAL} (streaming), {COSYVOICE2_OFFICIAL_OFFLINE} (whole waveform): "
                   f"the official Triton clients' tensors (--model-name)", file=out)

@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 
 from cosyvoice_triton.errors import CosyVoiceError, DeadlineExceeded
-from cosyvoice_triton.wire.names import COSYVOICE2, LLM
+from cosyvoice_triton.wire.names import COSYVOICE2, COSYVOICE3, LLM
 from cosyvoice_triton.wire.requests import TextAppend
 from cosyvoice_triton.wire.stage_tensors import llm_cancel_inputs
 
@@ -43,7 +43,7 @@ def probe_values(model: str) -> dict:
     return TextAppend(PROBE_STREAM_ID, "").tensors()
 
 
-PROBED_MODELS = (COSYVOICE2, LLM)
+PROBED_MODELS = (COSYVOICE2, COSYVOICE3, LLM)  # those the server holds: one synthesis model, named for its family
 
 
 def answers(target: str, model: str, timeout_s: float) -> bool:

@@ -100,7 +100,7 @@ class Token2WavParams:
     max_streams: int  # streams with state at once; more are refused (UNAVAILABLE)
     max_batch: int  # chunks per flow call (also the model's max_batch_size)
     idle_timeout_s: float  # a stream with no chunk for this long is freed
-    flow_cache_frames: int  # torch flow: mel frames cached per stream (models/flow_cache.py); 0: no cache
+    flow_cache_frames: int | None  # torch flow: mel frames cached per stream (models/flow_cache.py); 0: no cache; None: the family's
     torch_threads: int
     core_share: str | None  # as LLMParams.core_share
     engine: Engine  # flow encoder, flow estimator and HiFT decode on this engine (engines/select.py)

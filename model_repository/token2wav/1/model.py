@@ -33,7 +33,8 @@ import triton_python_backend_utils as pb_utils
 from cosyvoice_triton.engines.select import build_token2wav
 from cosyvoice_triton.engines.cuda_graphs import capture_estimator_steps, use_cuda_graphs
 from cosyvoice_triton.models.compiled import apply_compile
-from cosyvoice_triton.models.flow_cache import FlowCacheSettings, supports_cache
+from cosyvoice_triton.models.family import models_of_flow
+from cosyvoice_triton.models.flow_cache import FlowCacheSettings
 from cosyvoice_triton.token2wav.idle_sweeper import IdleSweeper
 from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
 from cosyvoice_triton.pipeline.threads import RowWorkers, chunk_unit, thread_plan
@@ -78,15 +79,18 @@ class TritonPythonModel:
         preset = CHUNK_PRESETS[params.chunk_preset]
         self.scheduler = Token2WavScheduler(flow, hift, max_streams=params.max_streams, max_batch=params.max_batch,
                                       idle_timeout_s=params.idle_timeout_s,
-                                      flow_cache=FlowCacheSettings(enabled=params.flow_cache_frames > 0,
-                                                                   max_frames=max(1, params.flow_cache_frames),
+                                      # flow_cache_frames None: the family's default (models/family.py)
+                                      flow_cache=FlowCacheSettings(enabled=params.flow_cache_frames is None
+                                                                   or params.flow_cache_frames > 0,
+                                                                   max_frames=params.flow_cache_frames,
                                                                    prompt_cache_mb=params.prompt_cache_mb,
                                                                    cached_final=preset.cached_final),
                                       # The flow's rows over the cores the share leaves token2wav at each step.
                                       map_rows=RowWorkers(self.cores).map if self.cores is not None else None)
         self.metrics = ModelMetrics(pb_utils, TOKEN2WAV_METRICS, instance_labels(args))
         # The torch estimator's own precision; a graph engine's is its plan's (`precision`).
-        flow_precision = flow.decoder.precision if supports_cache(flow) or graphs else params.precision
+        flow_precision = flow.decoder.precision if models_of_flow(flow).supports_cache(flow) or graphs \
+            else params.precision
         self.metrics.labelled("precision", flow_precision).set(1)
         self._lock = threading.Lock()  # the scheduler has one caller at a time: execute or the idle sweeper
         # The idle sweeper's no-op request: a cancel of this id (random, so no client stream can have it).
