@@ -1,21 +1,6 @@
-"""`cosyvoice-client`: speak text through the gateway or straight through Triton, and manage voices.
-
-```
-cosyvoice-client synth --text "Hello there." --voice default --out hello.wav            # gateway
-cosyvoice-client synth --text "Hello there." --voice default --out hello.wav --stream   # each chunk: ms, s
-cosyvoice-client synth --text - --prompt-audio me.wav --prompt-text "..." --out a.wav      # text from stdin
-cosyvoice-client synth --triton grpc://localhost:8001 --voice v_123 --text "Hi." --out a.wav
-cosyvoice-client synth --text "Hello there." --stream --chunk-first-hop 10 --out a.wav  # earlier first audio
-cosyvoice-client synth --text "Hello there." --out hello.mp3          # mp3, opus, aac, flac, pcm: from --out
-cosyvoice-client synth --text "Hello there. Bye." --out a.wav --marks marks.json   # speech marks as JSON
-cosyvoice-client voices add me.wav --prompt-text "what I say in me.wav" [--id me] [--name Me]
-cosyvoice-client voices list | show ID | delete ID
-```
-The target is the gateway at `--url` (default `$COSYVOICE_URL` or http://localhost:8080), or, with
-`--triton`, a Triton server's gRPC endpoint. `--api-key` (or `$COSYVOICE_API_KEY`) authenticates to
-the gateway. Errors print the server's message (which names the field) and exit with 1.
-`--format` (default: from the --out suffix, else wav): without --stream the gateway encodes the file;
-streamed (and with --triton) the chunks are encoded here as they arrive and written to --out at once.
+"""`cosyvoice-client`: speak text through the gateway or straight through Triton, and manage voices (the commands
+and options: docs/api/sdk.md#command-line, and `cosyvoice-client --help`). Errors print the server's message
+(which names the field) and exit with 1.
 """
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
-"""asyncio client of the gateway (aiohttp): `AsyncGatewayTTS`, with the methods of `GatewayTTS` awaited.
-
-```
-async with AsyncGatewayTTS("http://localhost:8080") as tts:
-    audio = await tts.synthesize("Hello there.", voice_id="default")
-    async with await tts.stream("Hello there.") as chunks:          # HTTP chunked PCM
-        async for chunk in chunks: ...
-    async with await tts.stream_ws(llm_tokens()) as chunks:        # text in from an async iterator
-        async for chunk in chunks: ...
-```
-Options (voice, mode, seed, the chunk policy `chunk_first_hop`, `chunk_hop_scale`, `chunk_max_hop`,
-`chunk_policy`) are
-those of `GatewayTTS` (`tts_body`). `stream()` and `stream_ws()` are awaited once (the request is sent
-and its answer begun) and then iterated; `aclose()` (or leaving `async with`) before the end cancels
-the synthesis on the server.
+"""The SDK's asyncio client of the gateway (aiohttp): `AsyncGatewayTTS`, with the methods of `GatewayTTS` awaited
+(docs/api/sdk.md). `stream()` and `stream_ws()` are awaited once (the request sent, its answer begun) and then
+iterated; `aclose()` (or leaving `async with`) before the end cancels the synthesis on the server.
 """
 from __future__ import annotations
 

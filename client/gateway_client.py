@@ -1,31 +1,7 @@
-"""Clients for the HTTP gateway: `GatewayTTS` (blocking, standard library + websockets) here, and
-`AsyncGatewayTTS` (asyncio, aiohttp) in gateway_aio.py (both importable from `cosyvoice_triton.client`).
-
-```
-from cosyvoice_triton.client import GatewayTTS
-
-with GatewayTTS("http://localhost:8080") as tts:
-    voice = tts.add_voice("me.wav", prompt_text="what I say in me.wav")
-    audio = tts.synthesize("Hello there.", voice_id=voice.voice_id)       # float32, 24 kHz
-    mp3 = tts.synthesize_file("Hello there.", format="mp3")              # a file encoded by the gateway
-    with tts.stream("Hello there.", voice_id=voice.voice_id) as chunks:   # HTTP chunked PCM
-        for chunk in chunks: ...
-    with tts.stream_ws(["Hello ", "there. ", "How are you?"]) as chunks:  # text in as it is written
-        for chunk in chunks: ...
-    print(chunks.stats)   # the server's end message: first_chunk_ms, audio_seconds, segments, ...
-    with tts.stream("Hello there. Bye.", marks=True) as chunks:           # speech marks
-        for chunk in chunks: chunk.marks                                  # the mark events before this chunk
-    chunks.marks          # the complete marks: sentence times in the audio, spans in the text
-    converted = tts.convert("source.wav", voice_id=voice.voice_id)      # voice conversion (POST /v1/vc)
-```
-Options of synthesize/stream/stream_ws: voice_id | prompt_audio (+ prompt_sample_rate for samples) +
-prompt_text, mode, instruct, seed, and the chunk policy `chunk_first_hop`, `chunk_hop_scale`,
-`chunk_max_hop`, `chunk_policy` ("fixed" | "adaptive") (as `TritonTTS` takes them; e.g. `chunk_first_hop=10`
-for earlier first audio).
-Audio comes as float32 numpy arrays (the gateway's `pcm_f32`). Leaving a `with` block (or `close()`)
-before the end closes the connection, and the gateway cancels the synthesis on Triton. Errors raise
-`TTSError` with the gateway's `param` as `field`, its `code`, the HTTP status and, for a refusal (429, 503),
-`retry_after_s` from its Retry-After (a WebSocket error message's `retry_after`).
+"""The SDK's blocking client of the HTTP gateway, `GatewayTTS` (standard library + websockets; `AsyncGatewayTTS`
+in gateway_aio.py): synthesize, stream (HTTP chunked or the WebSocket), convert, voices (docs/api/sdk.md). Audio
+comes as float32 numpy arrays at 24 kHz; leaving a stream early closes the connection, and the gateway cancels
+the synthesis. Errors raise `TTSError` with the gateway's error (`param` as field, code, status, Retry-After).
 """
 from __future__ import annotations
 

@@ -1,32 +1,8 @@
-"""Clients for the Triton models themselves, over gRPC: `TritonTTS` (blocking) and `AsyncTritonTTS` (asyncio).
-
-```
-from cosyvoice_triton.client import TritonTTS
-
-with TritonTTS("localhost:8001") as tts:
-    voice = tts.register_voice("me.wav", prompt_text="what I say in me.wav")
-    with tts.stream("Hello there.", voice_id=voice.voice_id, seed=1) as chunks:
-        for chunk in chunks:          # float32 numpy arrays at 24 kHz, as the server makes them
-            play(chunk)               # leaving the block early cancels the request on the server
-    audio = tts.synthesize("Hello there.", voice_id=voice.voice_id)
-    with tts.stream("Hello there. Bye.", voice_id=voice.voice_id, marks=True) as chunks:
-        for chunk in chunks:
-            chunk.marks               # speech mark events that came with this chunk (docs/api/speech-marks.md)
-    chunks.marks                      # the complete marks: sentence times in the audio, spans in the text
-    converted = tts.convert("source.wav", voice_id=voice.voice_id, seed=1)   # voice conversion (mode vc)
-```
-
-A stream is one gRPC `ModelStreamInfer` call carrying one request to the decoupled `cosyvoice2` model
-(its request: `cosyvoice_triton.wire.requests`). Responses carry `waveform` chunks and end with
-the empty final response (`triton_enable_empty_final_response`). Closing a stream before that cancels
-the call, which Triton passes on to the model as a cancellation (its LLM slot and vocoder state are
-freed). Errors (a bad field, an unknown voice, a busy server) raise `TTSError` with the field named; a
-refusal under overload sets its `retry_after_s` (the error's data, read with `errors.from_wire`).
-
-Requests are built straight from Triton's protobuf messages, so the blocking and asyncio clients share
-them, and the blocking client needs no callback thread of its own. The responses are read by
-`cosyvoice_triton.wire.call_reader` (final flag, end of the call, cancellation), the one reader the
-gateway uses too.
+"""The SDK's clients of the Triton models, over gRPC: `TritonTTS` (blocking) and `AsyncTritonTTS` (asyncio), with
+the gateway clients' methods (docs/api/sdk.md). A stream is one `ModelStreamInfer` call carrying one request,
+built as the wire package's types (`cosyvoice_triton.wire.requests`) and read by the one reader of a call
+(`wire.call_reader`); closing it early cancels the request on the server. Errors raise `TTSError` with the
+server's error data (code, field, retry hint). Never imports the server's packages (no torch).
 """
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""One access log line per request, on by default (`GatewayConfig.access_log`; `--no-access-log`):
-
-    access POST /v1/audio/speech 200 first_chunk_ms=412 first_audible_ms=430 audio_s=2.36 total_ms=1630
-
-method, the route as registered (`/v1/voices/{voice_id}`, never the query string: no keys, no ids from the
-URL), the status (request_keys.py: "cancelled" when the client left, "aborted" when we cut a failed stream
-after its headers; the same status the requests counter records, decided once per request),
-the milliseconds from accepting the request to its first audio byte and to the chunk holding its first
-audible sample (cosyvoice_triton/pipeline/audible.py; "-" when none was audible, or the route does not
-tell), the seconds of audio sent ("-" for requests without audio), and the time the request took.
-Nothing from headers or bodies is logged.
-
-The routes report audio with `first_chunk(request, seconds)`, `first_audible(request, seconds)` and
-`audio_sent(request, seconds)`; the
-reporting middleware (app.py `report_middleware`) opens the record (`begin`) and writes the line (`write`)
-when the handler ends (after the last byte of a streamed answer). The lines go
-to the logger `cosyvoice_triton.gateway.access`, which gets its own stderr handler at INFO
-(`enable_access_log`), so they show whatever level the rest of the logs have.
+"""One access-log line per request (docs/operations/tenants.md#access-log), on by default (`--no-access-log`): the
+routes report audio with `first_chunk`, `first_audible` and `audio_sent`; the reporting middleware opens the record
+(`begin`) and writes the line (`write`) when the handler ends. Never logs a query string, a header or a body.
 """
 from __future__ import annotations
 

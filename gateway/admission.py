@@ -1,30 +1,8 @@
-"""The gateway's admission: the library's policy (cosyvoice_triton/admission.py) applied to its view of a
-server before a request goes there, so that a request no server can start in time gets 503 + Retry-After
-at once instead of a place in a queue it would time out in.
-
-A server's load, as this gateway sees it (`server_load`):
-  capacity      its cosyvoice2 stream slots (`cosyvoice_stream_slots`), fewer when the LLM has fewer KV-cache
-                slots (`cosyvoice_llm_free_slots` + `cosyvoice_llm_active_streams`) or when it keeps fewer
-                streams ahead of their listeners (`cosyvoice_realtime_slots`: its measured capacity in audio
-                seconds per second over its real-time margin, cosyvoice_triton/pipeline/capacity.py)
-  streams       this gateway's requests in flight there now, plus the others' (`Server.external`: running,
-                queued and pending there at the last scrape, less this gateway's); fewer than the capacity:
-                a slot is free and the request starts now
-  queued_cost   the streams beyond the capacity, at the mean request cost, plus TOKEN2WAV_CHUNK_COST for
-                each chunk waiting in token2wav's queue (`nv_inference_pending_request_count{model=token2wav}`)
-  speed         the server's measured `cosyvoice_seconds_per_cost`
-A refusal that rests on the others' streams waits for a fresh scrape first (`check_fresh`): they are as old as the
-last scrape, and streams that ended since must not turn a quiet server's request away.
-Until a server's metrics were scraped once (slots 0) the gateway admits and lets the server decide: the
-cosyvoice2 model applies the same policy to everything it receives, and its refusal (an Unavailable error
-whose `retry_after_s` crosses Triton as data) comes back as the same 503 with the same Retry-After.
-
-A request admitted to wait (no free slot, but it should start within the limit) has a place in the
-server's queue, as this gateway sees it (`QueuePlace`: position 1 starts next, and the expected start).
-`check` records it for the request (`QUEUE_PLACE`, 0 / 0.0 when it starts at once): an HTTP response
-carries it as `X-Queue-Position` and `X-Expected-Start-S` (`add_queue_headers`; a streamed response's
-headers go out with its first audio, so they tell what admission expected), and a WebSocket session
-that set `ON_QUEUED` sends it as a {"type": "queued"} message at once.
+"""The gateway's admission: the library's policy (cosyvoice_triton/admission.py) applied to its view of a server
+before a request goes there, so that a request no server can start in time gets 503 + Retry-After at once, and a
+refusal that rests on other clients' streams is decided on a fresh scrape. A request admitted to wait gets its
+place in the queue (`QueuePlace`). How a server's load is read:
+docs/operations/overload.md#how-the-gateway-picks-a-server.
 """
 from __future__ import annotations
 

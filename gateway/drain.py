@@ -1,21 +1,7 @@
-"""Draining a gateway before it stops: new requests are refused, the ones in flight get a grace period.
-
-```
-drain = app[DRAIN]                          # every app has one (create_app), with its middleware
-drain.begin("the server is shutting down")  # from now on: 503 + Retry-After, naming the reason
-finished = await drain.wait_idle(router, grace_s=20)   # True when nothing is left in flight
-```
-`serving.serve_until_stopped` is how both `python -m cosyvoice_triton.gateway` (app.run) and `cosyvoice-triton up`
-serve: until SIGINT / SIGTERM (a Kubernetes pod gets SIGTERM at every rollout), then the drain above,
-then aiohttp's shutdown, which cuts what is still running after CUT_AFTER_DRAIN_S; exit code 0.
-What counts as in flight: HTTP requests being handled (a streamed /v1/tts until its last chunk), every
-Triton call of the router, and the WebSocket segments accepted and not yet sent (routes_ws counts them in
-`in_flight`). WebSocket sessions themselves are not waited for: an idle socket would hold the stop for the
-whole grace period; they are closed with GOING_AWAY when the application shuts down, after their streams
-finished or the grace period passed. While draining, a new WebSocket is refused at the upgrade, and an
-open session that asks for a new synthesis ("start", text that completes a segment, "flush", "vc") gets
-the same refusal (`Draining`: 503 "unavailable") once what it had asked for before is sent. `/healthz`,
-`/readyz` (which answers 503 "draining") and `/metrics` keep answering while the gateway drains.
+"""Draining a gateway before it stops (docs/operations/faults.md): `drain.begin(reason)` refuses new requests and new
+syntheses in open sessions (`Draining`: 503 + Retry-After) while /healthz, /readyz and /metrics keep answering, and
+`wait_idle` waits for what is in flight (HTTP requests, the router's Triton calls, accepted WebSocket segments),
+never for an idle WebSocket.
 """
 from __future__ import annotations
 

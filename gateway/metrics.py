@@ -1,33 +1,6 @@
-"""The gateway's Prometheus metrics (served at /metrics), one registry per application.
-
-  cosyvoice_gateway_requests_total{route, status}       finished HTTP requests and WebSocket sessions
-  cosyvoice_gateway_first_chunk_seconds{route}          histogram: request accepted -> first audio byte out
-  cosyvoice_gateway_first_audible_seconds{route}        histogram: request accepted -> the chunk holding the first
-                                                        audible sample out (pipeline/audible.py; --audible-threshold-
-                                                        dbfs); a stream silent throughout is not counted
-  cosyvoice_gateway_active_streams{route}               synthesis streams being sent
-  cosyvoice_gateway_audio_seconds_total{route}          audio sent
-  cosyvoice_gateway_errors_total{kind}                  errors by kind (invalid_input, unavailable, ...)
-  cosyvoice_gateway_retries_total                       requests retried on another server before any audio
-  cosyvoice_gateway_routed_total{server}                Triton calls sent to each server
-  cosyvoice_gateway_server_healthy{server}              1 in the pool, 0 out
-  cosyvoice_gateway_outstanding_cost{server}            this gateway's in-flight cost per server
-  cosyvoice_gateway_server_inflight{server}             this gateway's in-flight requests per server
-  cosyvoice_gateway_server_pending{server}              Triton's pending-request count (last scrape)
-  cosyvoice_gateway_refused_total{where}                admission refusals (503 + Retry-After): gateway (this
-                                                        gateway's estimate) | server (the server's own policy)
-  cosyvoice_gateway_server_queued{server}               requests admitted there, waiting for a worker (last scrape)
-  cosyvoice_gateway_server_slots{server}                streams it runs at once (last scrape; 0: not scraped yet)
-  cosyvoice_gateway_server_capacity_audio_seconds_per_second{server}  audio it makes per second, all streams
-                                                        (last scrape; pipeline/capacity.py)
-  cosyvoice_gateway_server_realtime_slots{server}       streams it keeps ahead of their listeners (last scrape)
-  cosyvoice_gateway_server_expected_wait_seconds{server}  admission's estimate for a new request there now
-  cosyvoice_gateway_llm_free_slots{server}              its LLM's free KV-cache slots (last scrape)
-  cosyvoice_gateway_token2wav_pending{server}           chunks waiting in its token2wav queue (last scrape)
-
-Servers come and go with DNS discovery: the per-server gauges are read from `router.servers` at each
-scrape (a collector), so they list the pool's members now; `routed` drops a server's series when it
-leaves the pool (`forget_server`, called by the router), so departed pods do not pile up.
+"""The gateway's Prometheus metrics (served at /metrics), one registry per application; the names and what each
+counts: docs/operations/metrics.md#every-metric. The per-server gauges are read from `router.servers` at each
+scrape, and `routed` drops a server's series when it leaves the pool, so departed pods do not pile up.
 """
 from __future__ import annotations
 

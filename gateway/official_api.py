@@ -1,30 +1,7 @@
-"""The official CosyVoice server APIs (runtime/python/fastapi and runtime/python/grpc) mapped onto ours: one
-mapping, shared by the HTTP routes (routes_official.py) and the gRPC service (official_grpc.py).
-
-  official request   required fields (HTTP names)         our synthesis
-  sft                tts_text, spk_id                     zero_shot in voice spk_id with its stored
-                                                          transcript; cross_lingual when it has none
-  zero_shot          tts_text, prompt_text, prompt_wav    zero_shot with the uploaded prompt
-  cross_lingual      tts_text, prompt_wav                 cross_lingual with the uploaded prompt
-  instruct           tts_text, spk_id, instruct_text      instruct2 in voice spk_id
-  instruct2 (HTTP)   tts_text, instruct_text, prompt_wav  instruct2 with the uploaded prompt
-
-Why sft and instruct map so: CosyVoice2 has no SFT speakers of its own; a speaker saved with the official
-`add_zero_shot_spk` (imported by `cosyvoice-triton voices import spk2info.pt` under its official id) is spoken
-by the official code as `inference_zero_shot(text, "", "", zero_shot_spk_id=id)`, which is our zero_shot in
-that voice. The official `inference_instruct` is CosyVoice1's only (CosyVoice2 refuses it); CosyVoice2's
-instruction-following synthesis is instruct2, which with a stored speaker (`zero_shot_spk_id`) uses that
-speaker's prompt, as our instruct2 in a registered voice does.
-
-The prompt recording arrives as a file over HTTP (prompt_wav: any format the gateway decodes, at its own
-rate) and as raw 16-bit PCM at 16 kHz over gRPC (prompt_audio), which `pcm16_wav` wraps in a WAV header, so
-both take the gateway's one decode-and-check path (`synthesis.decode_recording`). The answer is `PCM`: raw
-16-bit little-endian samples at 24 kHz, no header, chunk by chunk as made (the same encoder as /v1/tts's
-format pcm: samples scaled by 2^15 as the official servers do, but rounded and clipped to the 16-bit range
-where the official cast truncates and wraps around beyond +-1.0).
-
-Extension: `seed` (HTTP: a form field; gRPC: metadata), 0 .. 2^64-1: the same seed and inputs give the same
-audio, as on /v1/tts (default: random).
+"""The official CosyVoice server APIs (FastAPI and gRPC) mapped onto ours: one mapping (`KINDS`), shared by the HTTP
+routes (routes_official.py) and the gRPC service (official_grpc.py); a prompt recording takes the gateway's one
+decode-and-check path (`synthesis.decode_recording`), the gRPC one's raw PCM wrapped by `pcm16_wav`. What each
+request becomes and why: docs/api/official.md#why-sft-and-instruct-answer-as-they-do.
 """
 from __future__ import annotations
 

@@ -1,28 +1,8 @@
-"""The official CosyVoice gRPC service (runtime/python/grpc), `cosyvoice.CosyVoice/Inference`, served by the
-gateway process on a port of its own (`GatewayConfig.official_grpc_port`, `--official-grpc-port PORT`; 0: a
-free one, printed at start), so the official gRPC client works unchanged.
-
-The interface is gateway/cosyvoice.proto; its modules cosyvoice_pb2.py and cosyvoice_pb2_grpc.py are generated
-and checked in. Regenerate them from the repository root with grpcio-tools (the `test` extra):
-
-    mkdir -p build/protos && python -m grpc_tools.protoc -Icosyvoice_triton/gateway=gateway \\
-        --python_out=build/protos --grpc_python_out=build/protos gateway/cosyvoice.proto \\
-        && cp build/protos/cosyvoice_triton/gateway/cosyvoice_pb2*.py gateway/
-
-A Request's payload is one of sft_request, zero_shot_request, cross_lingual_request and instruct_request; each
-becomes our synthesis as official_api.py says (the same mapping as the HTTP routes; prompt_audio: raw 16-bit PCM
-at 16 kHz). The answer is a stream of Response messages, each `tts_audio` the next chunk of raw 16-bit
-little-endian PCM at 24 kHz as it is made. Metadata: `authorization: Bearer KEY` (or `x-api-key`) when keys
-are on; `seed` (our extension, as on /v1/tts): the same seed and inputs give the same audio.
-
-One call goes through the application's own middlewares (access log, metrics, errors, keys and request rates,
-draining; gateway/app.py), which read it through `GrpcCall` as they read an HTTP request: route
-/cosyvoice.CosyVoice/Inference, method GRPC, its metadata as headers. What they answer becomes the gRPC status:
-  400 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 404 NOT_FOUND, 408/504 DEADLINE_EXCEEDED,
-  413 and 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, others INTERNAL
-with the message as the status details and trailing metadata `error-code` (our error code), `error-param` (the
-field, by the proto's name) and `retry-after` (seconds; 429, and 503 from admission or draining). An error after
-audio was sent ends the stream with its status. A client that cancels the call cancels the synthesis.
+"""The official CosyVoice gRPC service, `cosyvoice.CosyVoice/Inference` (gateway/cosyvoice.proto; its generated
+modules are checked in), on a port of its own, so that the official gRPC client works unchanged. A call goes
+through the application's own middlewares (access log, metrics, errors, keys, draining) through `GrpcCall`, and
+their HTTP answer becomes its gRPC status (`grpc_error`). The service, its statuses and how to regenerate the
+modules: docs/api/official.md#the-official-grpc-service-cosyvoicecosyvoiceinference.
 """
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
-"""The typed request of each route, parsed once from its body; everything after works on these.
-
-  POST /v1/tts            TtsRequest          parse_tts            (routes_tts.py documents the body)
-  POST /v1/audio/speech   SpeechRequest       parse_speech         (routes_openai.py)
-  WS /v1/tts/ws           StartMessage        parse_start, and a vc message: parse_vc_message (routes_ws.py)
-  POST /v1/vc             VcRequest           parse_vc             (routes_vc.py)
-  POST /v1/voices         VoiceRegistration   parse_registration   (routes_voices.py)
-
-What goes to Triton is the wire package's request (`SynthesisInputs`, `ConversionInputs`), checked here by the
-library's own checks, the ones the model runs on its tensors (text, mode, seed, speed, chunk policy, ...);
-their errors name Triton inputs, and `Fields` turns them into the API's field names. A JSON value of the wrong
-type meets the same checks (a string `seed` is refused by the seed check); what belongs to JSON and forms
-(base64, "true"/"false" strings, unknown keys, output formats) is checked here. A request without a seed gets
-one here, so a retry on another server gives the same audio. The voice is resolved, and a prompt recording
-decoded, afterwards and once (`synthesis.prepare`). SSML (`text_type` "ssml", or text / OpenAI `input` that
-starts with <speak; docs/api/ssml.md) is read once here (`synthesis.ssml_voice_ids`), so bad SSML is a 400 naming
-the text field; `prepare` then checks each <voice name> as it checks voice_id.
+"""The typed request of each route, parsed once from its body; everything after works on these, never on the body.
+What goes to Triton is the wire package's request, checked here once by the library's own checks (their errors name
+Triton inputs, and `Fields` names them as each API does); what belongs to JSON and forms (base64, "true"/"false",
+unknown keys, formats) is checked here. A request without a seed gets one here (a retry elsewhere gives the same
+audio); SSML is read once (`synthesis.ssml_voice_ids`). Where each check runs: docs/architecture/layout.md.
 """
 from __future__ import annotations
 

@@ -1,25 +1,8 @@
-"""POST /v2/models/{name}/infer: KServe v2 JSON inference, what Triton's HTTP port takes, for `cosyvoice2` and
-`cosyvoice2_offline`, so that the official CosyVoice Triton client client_http.py works against the gateway
-unchanged (`--server-url HOST:<gateway port> --model-name cosyvoice2`).
-
-Body (JSON; query parameters such as `request_id` are ignored):
-  inputs      [{name, shape, datatype, data}]: datatype FP32, INT32, INT64, UINT64, BOOL or BYTES (strings); data
-              flat or nested, shape's product of values. An INT64 `seed` is sent as UINT64 (the model's type: a
-              JSON number has no width)
-  outputs     optional [{name}]: the outputs to answer with (default: all, i.e. `waveform`)
-  id          optional: echoed; parameters are ignored (the answer is always JSON)
-A request in the official form (tensors [1, ...]: reference_wav [1, N] at 16 kHz, reference_wav_len [1, 1],
-reference_text and target_text [1, 1]) goes to `cosyvoice2_official_offline` (wire/official.py `official_model_for`:
-Triton checks ranks, so our cosyvoice2 cannot take it); any other keeps its model (a plain infer of the decoupled
-cosyvoice2 is refused by Triton, as it would be there). It is a non-streamed synthesis like /v1/tts's: keys,
-stream limit, admission, routing and retries, access log and metrics as there (synthesis.call_model); a key's
-reference_audio_id names its own voice or a shared one (the request goes with the key's `owner`, `with_owner`).
-
-Answer: {"model_name", "id", "outputs": [{"name": "waveform", "datatype": "FP32", "shape": [1, n], "data": [...]}]}
-with `data` flat. Errors: {"error": "..."} as Triton's HTTP port answers, the text being our error JSON
-(errors.py `to_wire`: code, field = the input at fault, message, retry_after_s), with the gateway's statuses:
-400 bad input (naming it), 404 another model name or an unknown voice, 429, 503 + Retry-After (admission),
-504. Errors of the key check and request rate come as on every route (errors.py's body).
+"""POST /v2/models/{name}/infer: KServe v2 JSON inference for `cosyvoice2` and `cosyvoice2_offline`, so that the
+official Triton client client_http.py works against the gateway unchanged. A non-streamed synthesis like
+/v1/tts's (keys, limits, admission, routing, retries); a request in the official form goes to
+`cosyvoice2_official_offline` (wire/official.py). Errors answer as Triton's HTTP port does, with the gateway's
+statuses. The body, the answer and why: docs/api/official.md#the-official-triton-clients.
 """
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
-"""The official CosyVoice FastAPI server's routes (runtime/python/fastapi/server.py), on the gateway's port, so
-its client (runtime/python/fastapi/client.py) works unchanged:
-
-  GET|POST /inference_sft            tts_text, spk_id
-  GET|POST /inference_zero_shot      tts_text, prompt_text, prompt_wav (a file)
-  GET|POST /inference_cross_lingual  tts_text, prompt_wav (a file)
-  GET|POST /inference_instruct       tts_text, spk_id, instruct_text
-  GET|POST /inference_instruct2      tts_text, instruct_text, prompt_wav (a file)
-
-The fields come as a form in the body, multipart/form-data (needed for the file) or urlencoded, with either
-method: the official client sends its form in a GET's body. `seed` (a form field) is our extension, as on
-/v1/tts. official_api.py says what each request becomes (sft and instruct speak a registered voice spk_id).
-The answer is a chunked body of raw 16-bit little-endian PCM at 24 kHz, no header (Content-Type audio/pcm,
-with X-Seed and X-Sample-Rate as /v1/tts), each chunk written as it is made. Errors are /v1/tts's JSON, naming
-the official field: 400 for a missing or malformed one, 404 for an unknown spk_id, 401 without a valid key
-when keys are on, 429 and 503 with Retry-After (limits, admission, draining). Keys, limits, admission,
-metrics (route "official") and the access log are those of every route: the request goes through
-`synthesis.prepare` and `audio_response.send_audio` as /v1/tts does.
+"""The official CosyVoice FastAPI server's routes (`/inference_*`) on the gateway's port, so that its client
+works unchanged; official_api.py says what each request becomes. Each goes through `synthesis.prepare` and
+`audio_response.send_audio` as /v1/tts does (keys, limits, admission, metrics, access log). The fields, the
+answer and the errors: docs/api/official.md#the-official-fastapi-routes.
 """
 from __future__ import annotations
 

@@ -1,25 +1,5 @@
-"""POST /v1/audio/speech: the OpenAI text-to-speech API, so OpenAI SDKs and tools work unchanged.
-
-  model            required string; any value is accepted (tts-1, gpt-4o-mini-tts, cosyvoice2 ...)
-  input            the text
-  voice            a registered voice id (or {"id": ...}); OpenAI's stock names (alloy, echo, ...) that
-                   are not registered here speak with the "default" voice
-  response_format  mp3 (the default, as OpenAI's) | opus (Ogg, 48 kHz) | aac (ADTS) | flac | wav | pcm
-                   (16-bit little-endian, 24 kHz, no header); encoded by cosyvoice_triton/audio_out.py
-  speed            0.25 .. 4.0 as OpenAI's (default 1.0): the mel is interpolated along time by 1 / speed
-                   before the vocoder, as the official CosyVoice2 does, streamed or not (token2wav/speed.py);
-                   outside the range: 400 naming `speed`
-  instructions     switches to instruct2 mode with this instruction
-  stream_format    audio (default): the audio bytes, streamed as they are encoded | sse: server-sent events
-                   speech.audio.delta {audio: base64 of the next bytes of the file} ... then speech.audio.done
-  seed             (extension) as in /v1/tts
-  marks            (extension) true, with stream_format sse: speech marks (docs/api/speech-marks.md) as events
-                   speech.mark (before the audio it describes) and speech.mark_end among the deltas, and the
-                   complete marks in speech.audio.done
-  stream           (extension) true (default): chunked transfer, so `with_streaming_response` reads audio as
-                   it is made (a wav then says "unknown length" in its header, as FFmpeg writes it on a
-                   pipe; soundfile, FFmpeg and browsers read it to its end); false: the whole file, whose
-                   header carries the exact lengths
+"""POST /v1/audio/speech: the OpenAI text-to-speech API, so OpenAI SDKs and tools work unchanged. The body is
+parsed once into a `SpeechRequest` (route_requests.py); its fields and extensions: docs/api/openai.md.
 """
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
-"""POST /v1/vc: voice conversion (the official inference_vc): a source recording spoken again in a voice.
-
-Body (multipart/form-data):
-  audio         required: the source recording, a WAV/FLAC/OGG file of 0.2 s to 10 min (longer than 30 s: cut
-                into pieces of at most 30 s at quiet frames and spoken in order, pipeline/voice_conversion.py)
-  voice_id      a registered voice (default: "default"); or
-  prompt_audio  a target recording (WAV/FLAC/OGG file, 0.5 to 30 s) whose voice is used (no transcript needed)
-  seed          as on /v1/tts (default: random, echoed in X-Seed)
-  speed         0.25 .. 4.0 (default 1.0), as on /v1/tts and the official inference_vc
-  format        as on /v1/tts (default wav)
-  stream        "false" (default): the whole file, each piece in one full-attention flow pass (cosyvoice2_offline);
-                "true": chunked transfer, each piece on the streaming chunk schedule (cosyvoice2)
-The answer is the audio as on /v1/tts (headers X-Seed, X-Sample-Rate, X-Audio-Format); errors are JSON with
-the status and the field (400 naming audio, voice_id, prompt_audio, seed, speed, format or stream; 404 unknown
-voice).
-No text and no LLM: the source's speech tokens go through the voice's flow prompt, then the vocoder.
-
-The WebSocket takes the same conversion as a message, {"type": "vc", "audio": base64 of the source}, spoken in
-the session's voice and speed (`synthesis.conversion_in_voice`). The form is parsed once into a `VcRequest`
-(route_requests.py); the gateway decodes both recordings once and sends their samples.
+"""POST /v1/vc: voice conversion (the official inference_vc), a source recording spoken again in a voice. The form
+is parsed once into a `VcRequest` (route_requests.py); the gateway decodes both recordings once and sends their
+samples. Its fields: docs/api/http.md#request-fields.
 """
 from __future__ import annotations
 

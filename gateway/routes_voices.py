@@ -1,31 +1,8 @@
-"""/v1/voices: register (through Triton's `register_voice`), list, show, delete (the store directly).
-
-POST /v1/voices     multipart/form-data: audio (a WAV/FLAC/OGG file), text (its transcript),
-                    id (optional), name (optional), shared (optional, "true": admin keys only); or
-                    JSON {"audio": base64, "text", "id", "name", "shared"}.
-                    201 with the voice when it is new, 200 with the stored voice when this key registered
-                    this recording and transcript already (registration is idempotent by audio hash and
-                    transcript) and no other id is asked for; 409 when it is asked for under another
-                    `id`: {"error": {..., "code": "already_registered", "param": "id"}, "id": the existing
-                    id} (GET /v1/voices/{id} shows it). The voice says which `modes` it can serve:
-                    zero_shot needs a transcript; cross_lingual, instruct2 and vc do not (a voice
-                    registered without `text` has no zero_shot, and synthesis in zero_shot with it is a
-                    400 naming prompt_text, unless the request brings a transcript).
-GET /v1/voices      {"voices": [...]}: the caller's own voices and the shared ones
-GET /v1/voices/{id} the voice; 404 if unknown or another key's
-DELETE /v1/voices/{id}  {"id", "deleted": true}; 404 if unknown or another key's; 403 for a shared voice
-                    without an admin key
-
-Tenants (see auth.py): a voice registered with a key belongs to that key (the store keeps the key's
-owner tag); one registered with an admin key and `shared` true, or without keys, is shared. Each key has
-its own ids (voices/store.py Owners): an `id` that another key uses is free, and that key's voice is never
-seen, used, listed or deleted by another (404 everywhere, as for an id nobody uses). Shared voices
-(`default` among them) are visible to all and deleted only with an admin key; without keys every caller
-may delete a shared voice except `default`, and sees only the shared voices. An `id` is refused (400
-naming `id`) when the key's own voice of other content, or a shared voice, holds it.
-
-A registration is parsed once into a `VoiceRegistration` (route_requests.py); its recording is decoded once here
-(for the idempotency check's hash) and sent to `register_voice` as samples.
+"""/v1/voices: register (through Triton's `register_voice`), list, show, delete (the store directly). A voice
+belongs to the key that registered it; another key's voice is never seen, used, listed or deleted (404, as for
+an id nobody uses). A registration is parsed once into a `VoiceRegistration` (route_requests.py); its recording is
+decoded once here (for the idempotency check's hash) and sent as samples. The routes: docs/api/http.md; tenants
+and shared voices: docs/operations/tenants.md.
 """
 from __future__ import annotations
 

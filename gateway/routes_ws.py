@@ -1,68 +1,8 @@
-"""WS /v1/tts/ws: text in as it is written, audio out as it is made.
-
-Client -> server (JSON text frames):
-  {"type": "start", "voice_id" | "prompt_audio" (+ "prompt_text"), "mode", "instruct", "seed",
-   "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "speed" (as in POST /v1/tts),
-   "format": "pcm_f32" (default) | any format of POST /v1/tts, "text" (optional),
-   "text_mode": "sentences" (default) | "bistream",
-   "text_type": "text" (default) | "ssml",
-   "marks": false (default) | true}             first, once
-                                                 marks: speech marks (docs/api/speech-marks.md) as messages
-                                                 before the audio they describe (below; not with bistream)
-                                                 ssml: each text message is one whole <speak> document
-                                                 (docs/api/ssml.md), sent as one segment as it comes (no
-                                                 sentence buffering; flush does nothing); bad SSML is an
-                                                 error 400 naming text, an unknown <voice name> a 404
-                                                 bistream: the text goes to one synthesis as it is written
-                                                 (gateway/ws_bistream.py): audio starts before a sentence
-                                                 is complete; flush does nothing; one segment
-  {"type": "text", "text": "Hello there. How"}   any number: text is buffered, and each complete
-                                                 sentence (end mark + space, or a CJK end mark, or a
-                                                 newline) is synthesized at once
-  {"type": "flush"}                              synthesize what is buffered now, complete or not
-  {"type": "vc", "source_audio": base64}       voice conversion (`audio`: the same): flush, then the recording
-                                                 spoken again in the session's voice as the next segment
-                                                 (POST /v1/vc's rule)
-  {"type": "end"}                                flush, finish, then the server ends the session
-Server -> client:
-  {"type": "started", "request_id", "sample_rate" (of the format: 48000 for opus), "format", "seed"}
-  binary frames: the bytes of one audio file in that format (pcm_f32, pcm: raw samples), across all
-                 segments in text order, each chunk encoded as Triton makes it and sent as soon as the
-                 encoder gives bytes; the file's last bytes come before the end message
-  {"type": "queued", "index", "position", "expected_start_s"}  a segment waits for a server to start it
-                 (admission in real-time units, gateway/admission.py: position 1 starts next); sent as soon
-                 as it is known, before that segment's audio
-  {"type": "mark", "mark": {"type": "sentence" | "mark" | "break", "index", "start_ms", "end_ms", "start", "end",
-   "value"}}    with marks: before the binary frames of the audio it describes; a sentence's end_ms is null
-                 here and comes in {"type": "mark_end", "index", "end_ms"} after its last audio. Times count
-                 the session's audio, spans the session's text (every text message, start text first, joined),
-                 indexes the session's marks
-  {"type": "segment", "index", "text", "audio_seconds", "first_chunk_ms"}       after each segment's audio
-  {"type": "end", "segments", "audio_seconds", "first_chunk_ms", "first_audible_ms", "elapsed_ms"}  then close
-                 (1000); first_audible_ms: to the chunk holding the session's first audible sample
-                 (cosyvoice_triton/pipeline/audible.py), null when none was audible
-  {"type": "error", "status", "code", "param", "message"}  then close (1008 for 4xx, 1011 otherwise); a
-                 refusal under overload (status 503, code "overloaded") adds "retry_after" (seconds), as
-                 HTTP's Retry-After; an error after audio was sent means the audio is incomplete
-
-Time limits (`Limits`): a session with no client message for `ws_idle_timeout_s` while nothing is in
-flight (no segment waiting, synthesizing or being sent; after "end" the server finishes on its own) gets
-{"type": "error", "status": 408, "code": "idle_timeout"} and is closed, freeing its stream slot; a session
-longer than `ws_session_timeout_s` ends the same way with "session_timeout".
-
-Draining (gateway/drain.py, `up` on SIGTERM): a new socket is refused at the upgrade (503); in an open
-session, a message that would begin a new synthesis ("start", text that completes a segment, "flush" or
-"end" with text buffered, "vc") is refused: what was asked for before it is synthesized and sent, then
-{"type": "error", "status": 503, "code": "unavailable", "retry_after"} (the message HTTP routes answer
-while draining) and close (1011). Text appended to a running bistream synthesis is not a new one.
-
-Segments are separate Triton requests, routed one by one; up to `ws_pipeline_depth` run ahead of the one
-being sent, and their audio is sent strictly in order. Segment i uses seed + 1000 * i; every segment has
-the start message's voice, mode and chunk policy. A client that goes away (or closes) cancels every
-running segment, which frees its LLM slot and token2wav state.
+"""WS /v1/tts/ws: text in as it is written, audio out as it is made (the messages: docs/api/websocket.md#messages).
 
 The start message is parsed once into a `StartMessage` (route_requests.py) and its voice settled once
-(`synthesis.prepare`); each segment is that wire request with its own text and seed.
+(`synthesis.prepare`); each segment is that wire request with its own text and seed, a Triton request of its
+own, routed one by one and sent strictly in order. A client that goes away cancels every running segment.
 """
 from __future__ import annotations
 

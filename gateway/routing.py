@@ -1,39 +1,7 @@
-"""Which Triton server takes a request: least outstanding cost, in real-time units, among the healthy ones.
-
-Cost (`CostModel`, in "speech-token steps", `cosyvoice_triton.admission.request_cost`): a request costs
-    SPEECH_PER_TEXT_TOKEN * text tokens   (LLM decode steps and token2wav work grow with the output)
-  + PROMPT_WEIGHT * prompt speech tokens  (LLM prefill and the flow's attention over the prompt)
-  + ENCODE_COST when the prompt is raw audio (the prompt encoder runs) + BASE_COST.
-Text tokens come from the model's tokenizer when the gateway knows the model folder, else from a
-bytes/4 estimate.
-
-A server's load is this gateway's own accounting (the cost of the requests it has in flight there)
-plus what the server's metrics show beyond them: `nv_inference_pending_request_count` (queued in
-Triton), `cosyvoice_queued_streams` (admitted, waiting for a worker) and `cosyvoice_active_streams` (being
-synthesized) of `cosyvoice2`, scraped every few seconds, less this gateway's own requests there, times the
-mean request cost. The same scrape reads what admission needs (gateway/admission.py): the stream slots,
-the measured seconds per cost, the LLM's free slots and token2wav's pending chunks. So requests that other gateways
-sent count too. Ties go to the server picked least recently.
-
-Real-time units: each server measures what it makes, in audio seconds per wall second for its mix
-(`cosyvoice_capacity_audio_seconds_per_second`, cosyvoice_triton/pipeline/capacity.py), and how many streams
-it keeps ahead of their listeners at its margin (`cosyvoice_realtime_slots`). A server whose real-time slots
-are all taken (this gateway's streams there plus the others') is picked only when every server's are; among
-the rest, the least outstanding cost per unit of capacity wins (the work there, in seconds of that
-server's time), so a server twice as fast takes twice the work. Until every candidate was scraped once,
-plain outstanding cost decides.
-
-Health: a background loop asks each server ServerReady + ModelReady(cosyvoice2). A failing server
-leaves the pool (also at once when a call to it fails at the transport level) and comes back when it
-answers ready again.
-
-Membership: fixed servers (`--triton grpc://...`) are members for good. `dns://name:port` specs are
-resolved again every `discovery_interval_s` (in a thread; `rediscover`): an address new to the pool joins
-as a Server with its own channel, out of rotation until its first health check (run at once) passes; an
-address gone from its name leaves the pool at once (not picked, not listed, not scraped) and its channel
-is closed when its last request in flight ends. A name that fails to resolve, or resolves to nothing,
-keeps its current servers: a DNS hiccup must not empty the pool. Channels are closed only while no
-health check runs (`_channels`), so a check never sees its channel closed under it.
+"""Which Triton server takes a request: the least outstanding cost, in real-time units, among the healthy ones
+(`Router`), with servers joining and leaving by health checks and DNS discovery. A DNS name that fails to resolve
+keeps its current servers, and a channel is never closed under a running health check. The cost model, the load
+and membership: docs/operations/overload.md#how-the-gateway-picks-a-server.
 """
 from __future__ import annotations
 

@@ -1,34 +1,8 @@
-"""Triton's own gRPC protocol (`inference.GRPCInferenceService`) on a port of the gateway, so that the official
-CosyVoice Triton client (runtime/triton_trtllm client_grpc.py) works against us unchanged.
-
-That client can only name `cosyvoice2`, and sends it the official tensor form (every tensor [1, ...]: reference_wav
-[1, N], reference_wav_len [1, 1], ...). Triton checks ranks against a model's config before the model runs, so
-Triton's own `cosyvoice2` (rank-1 tensors) cannot take it; the same model in that form is `cosyvoice2_official`
-(decoupled) and `cosyvoice2_official_offline`. Here each request is sent on to the model
-`official_model_for` names: cosyvoice2 in the official form to cosyvoice2_official when streamed
-(ModelStreamInfer) and to cosyvoice2_official_offline for a plain ModelInfer; every other request (the native
-form, other models) keeps its model. The message is passed on as it came but for `model_name` (the tensors' bytes
-are the same in both forms), and so are Triton's answers, the `triton_final_response` flag and errors included
-(model_name says the model the client named).
-
-Routing is the gateway's: each request goes to the server the router picks (least outstanding work among the
-healthy ones; admission first for the cosyvoice2 models, whose refusal is answered as the server's own: UNAVAILABLE,
-a streamed error response, our error JSON with `retry_after_s`), counted in its bookkeeping while it runs, and
-tried once more elsewhere when a server cannot be reached before the client got anything. Each streamed request is
-its own ModelStreamInfer call upstream (text_append requests follow the server of their text_stream_id); a
-client that goes away cancels them, and Triton tells the model. ServerLive, ServerReady, ModelReady,
-ServerMetadata, ModelMetadata, ModelConfig and ModelStatistics are asked of one healthy server (they describe our
-native cosyvoice2; ask for cosyvoice2_official to see the official form). The rest of Triton's service
-(repository control, shared memory, tracing) is not offered: UNIMPLEMENTED.
-
-API keys: when the gateway has keys, every call but ServerLive and ServerReady needs `authorization: Bearer KEY`
-(or `x-api-key`) metadata (UNAUTHENTICATED otherwise), and a key's cosyvoice2 requests count against its stream
-limit (RESOURCE_EXHAUSTED beyond). Every request to a model that takes an `owner` (cosyvoice2*, register_voice) goes
-with the key's owner tag in place of any the client sent (none without keys): a key names and registers its own
-voices (and uses the shared ones), never another key's (`forwarded_as`). The official client sends no key: keep
-keys off, or this port internal.
-
-`GatewayConfig.official_triton_port` (`--official-triton-port PORT`; 0: a free one, printed at start) turns it on.
+"""Triton's own gRPC protocol on a port of the gateway, so that the official Triton client (client_grpc.py) works
+unchanged: each request goes to the model `official_model_for` names (wire/official.py), passed on as it came but
+for its model name, and Triton's answers come back as they are. Routing, admission, keys and limits are the
+gateway's; a request to a model that takes an `owner` always goes with the caller's key's owner tag, never the
+client's (`forwarded_as`). What is served and why: docs/api/official.md#why-a-facade.
 """
 from __future__ import annotations
 

@@ -532,14 +532,16 @@ def test_a_client_that_leaves_mid_stream_frees_its_triton_stream(gateway, triton
 def test_a_send_that_fails_because_the_client_left_is_the_leaving_not_an_error():
     """The reader sees the client's close and the sender's write fails on the closing socket at once: the
     session is the client's cancellation whichever task asyncio lists first (was an `internal` error)."""
-    from cosyvoice_triton.gateway.routes_ws import _ClientGone, client_left, session_error
+    from cosyvoice_triton.errors import Cancelled
+    from cosyvoice_triton.gateway.routes_ws import client_left, session_error
 
     async def raising(exc):
         raise exc
 
     async def outcomes():
-        for order in ((ConnectionResetError("Cannot write to closing transport"), _ClientGone()),
-                      (_ClientGone(), ConnectionResetError("Cannot write to closing transport"))):
+        left = Cancelled("the client closed the WebSocket")
+        for order in ((ConnectionResetError("Cannot write to closing transport"), left),
+                      (left, ConnectionResetError("Cannot write to closing transport"))):
             tasks = [asyncio.create_task(raising(exc)) for exc in order]
             await asyncio.wait(tasks)
             yield session_error(set(tasks))

@@ -1,25 +1,8 @@
-"""The `llm` model over its own server's gRPC endpoint: `cosyvoice2`'s LLM stage (`LLMStage`).
-
-Why not BLS. Triton 2.51's Python backend can deadlock a model that reads decoupled BLS streams on several
-threads, as `cosyvoice2`'s workers do (seen about once in 15 runs of the 64-stream load test, read from
-the hung stub's thread stacks). Three threads of the caller's stub and three locks make a cycle:
-
-1. a worker in `ResponseIterator.Next()` is woken by a token response and takes the GIL back while it
-   still holds that iterator's lock;
-2. the stub's response thread, delivering the next response of the same stream, holds the stub's lock of
-   all iterators and waits for that iterator's lock;
-3. another worker, opening a new decoupled BLS stream, holds the GIL and waits for the lock of all
-   iterators.
-
-Nothing breaks the cycle; the instance stops for good with every stream in it. So the token streams do
-not use BLS: each is a `ModelStreamInfer` call to the same tritonserver, read by `CallReader` (a gRPC
-thread delivers the responses; no lock of the stub is involved). The `llm` model, its requests and its
-answers are the same as before; only the transport changed. The address comes from the environment
-(`SERVER_GRPC_ENV`, set by `TritonProcess` when it starts tritonserver); without it (a tritonserver
-started by hand) the BLS stage is used, with one warning line.
-
-Cancelling and bistream text are requests of their own (`cancel`, `text_append` with the stream's id),
-each one call that ends with its empty final response, as the BLS stage sent them.
+"""The `llm` model over its own server's gRPC endpoint: `cosyvoice2`'s LLM stage (`LLMStage`). The token streams
+never use BLS: Triton 2.51's Python backend can deadlock a model that reads decoupled BLS streams on several
+threads (docs/operations/faults.md). Each stream, cancel and text piece is a `ModelStreamInfer` call of its own,
+read by `CallReader`. The address comes from `SERVER_GRPC_ENV` (set by `TritonProcess`); without it (a
+tritonserver started by hand) the BLS stage is used, with one warning line.
 """
 from __future__ import annotations
 

@@ -1,65 +1,9 @@
-"""Custom metrics of our Python models (`pb_utils.MetricFamily`), served on Triton's metrics port.
+"""Custom metrics of our Python models (`pb_utils.MetricFamily`) on Triton's metrics port; every one carries the
+labels `model` and `instance`. The names and what each counts: docs/operations/metrics.md#every-metric.
 
-Every metric carries the labels `model` and `instance`. Names (Prometheus):
-
-  cosyvoice_first_chunk_latency_seconds   histogram  request received -> first audio chunk sent (cosyvoice2*)
-  cosyvoice_first_audible_latency_seconds histogram  request received -> the chunk holding the first audible
-                                                     sample sent (pipeline/audible.py; cosyvoice2*); a stream
-                                                     that is silent throughout is not counted
-  cosyvoice_stream_lead_seconds           histogram  at every chunk sent, the stream's lead just before it: audio
-                                                     already sent minus wall time since the first chunk, with
-                                                     the listener pausing when it runs dry (pipeline/playback.py);
-                                                     negative = that chunk ended a stall (cosyvoice2)
-  cosyvoice_active_streams                gauge      requests being synthesized (cosyvoice2*)
-  cosyvoice_queued_streams                gauge      requests admitted, waiting for a worker (cosyvoice2*)
-  cosyvoice_stream_slots                  gauge      requests an instance runs at once (cosyvoice2*)
-  cosyvoice_seconds_per_cost              gauge      measured running seconds per cost unit (admission.py)
-  cosyvoice_admission_refused_total       counter    requests refused by admission (cosyvoice2*)
-  cosyvoice_queue_wait_seconds            histogram  request received -> a worker starts it (cosyvoice2*)
-  cosyvoice_capacity_audio_seconds_per_second gauge  audio made per wall second, all streams together, measured
-                                                     (or the cold default, or serve --realtime-capacity) (cosyvoice2;
-                                                     pipeline/capacity.py)
-  cosyvoice_capacity_measured             gauge      1 once measurements replaced the cold default (cosyvoice2)
-  cosyvoice_realtime_slots                gauge      streams kept ahead of their listeners at the margin (cosyvoice2)
-  cosyvoice_starved_streams_total         counter    admitted streams whose listener (0.3 s start buffer) ran dry
-                                                     for more than 50 ms at least once (cosyvoice2)
-  cosyvoice_stall_seconds_total           counter    those listeners' waits, summed (cosyvoice2)
-  cosyvoice_requests_total{outcome}       counter    finished requests: ok | error | cancelled (cosyvoice2*)
-  cosyvoice_voice_store_hits_total        counter    voice-store gets answered from the LRU (cosyvoice2*)
-  cosyvoice_voice_store_misses_total      counter    gets of unknown voice ids
-  cosyvoice_voice_store_loads_total       counter    gets read from the backing store
-  cosyvoice_llm_active_streams            gauge      streams holding a KV-cache slot (llm)
-  cosyvoice_llm_queued                    gauge      requests waiting for a slot
-  cosyvoice_llm_free_slots                gauge
-  cosyvoice_llm_batch_size                gauge      rows of the latest decode step
-  cosyvoice_llm_tokens_per_second         gauge      speech tokens sent per second, last 5 s
-  cosyvoice_llm_streams_total{reason}     counter    ended streams: stop_token | max_len | cancelled | error
-  cosyvoice_llm_precision_info{precision} gauge      1 for the backbone's precision: fp32 | bf16 | int8 | int8-dynamic
-  cosyvoice_token2wav_active_streams      gauge      streams holding state (token2wav)
-  cosyvoice_token2wav_batch_size          histogram  requests (chunks, cancels) per execute (dynamic batch)
-  cosyvoice_token2wav_flow_batch          gauge      rows of the latest flow call
-  cosyvoice_token2wav_streams_freed_total{reason}  counter  finalize | cancel | idle
-  cosyvoice_flow_precision_info{precision}  gauge    1 for the flow estimator's precision: fp32 | bf16 | fp16 | int8-dynamic
-  cosyvoice_remote_token2wav_backends     gauge      token2wav backends in a split frontend's pool (cosyvoice2*)
-  cosyvoice_remote_token2wav_healthy      gauge      of those, taking new streams
-  cosyvoice_remote_token2wav_streams      gauge      this frontend's streams pinned to a backend
-  cosyvoice_remote_token2wav_failures_total counter  times a backend left the pool after a failed call
-
-Gauges follow the engines' `stats`, refreshed on every event that changes them (no polling thread).
-token2wav refreshes its metrics inside `execute` only (see model_repository/token2wav/1/model.py).
-
-token2wav's queue is Triton's own `nv_inference_pending_request_count{model="token2wav"}` (and
-`nv_inference_queue_duration_us`): token2wav is non-decoupled with dynamic batching and one instance,
-so every chunk request that waits, waits in Triton's scheduler queue, where the model cannot see it.
-Inside an execute there is no backlog worth a gauge: each stream has at most one chunk in flight
-(the pipeline waits for a chunk's audio before it sends the next) and max_batch equals
-max_batch_size, so a batch is one flow call. (A former `cosyvoice_token2wav_queue_depth` gauge was set
-to the batch size and back to 0 around that call: it only repeated the batch size.)
-
-Thread safety: python_backend 2.51 crashes tritonserver (SIGSEGV in `Metric::LoadFromSharedMemory`,
-from `ProcessMetricRequest`) when several threads of one stub update metrics at the same time; our
-decoupled models update them from worker threads. So every metric operation of the process goes
-through one lock (`_METRIC_LOCK`), held only for the IPC call.
+Never update a metric outside `_METRIC_LOCK`: python_backend 2.51 crashes tritonserver (SIGSEGV in
+`Metric::LoadFromSharedMemory`) when several threads of one stub update metrics at once, and our decoupled
+models update them from worker threads. The lock is held only for the IPC call.
 """
 from __future__ import annotations
 

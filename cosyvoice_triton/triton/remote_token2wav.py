@@ -1,23 +1,8 @@
-"""token2wav on other Triton servers: the split deployment's `Token2WavStage`, over Triton gRPC.
-
-A frontend server (cosyvoice2, llm, prompt encoder) is given the addresses of one or more backend servers
-(token2wav). `RemoteToken2Wav` is what the pipeline calls instead of the in-server BLS client:
-
-- A stream's state (prompt, tokens so far, vocoder caches) lives on the backend that served its first
-  chunk, so the stream is pinned there until its final chunk, its cancel, or a failure of that backend.
-- A new stream goes to the healthy backend with the least outstanding work: the streams this frontend
-  has open there plus the streams other frontends have open there (the backend's
-  `cosyvoice_token2wav_active_streams` gauge, scraped every few seconds, less our own). Ties go to the
-  backend picked least recently (`server_pool.ServerPool` keeps this bookkeeping).
-- A backend that does not answer (connection refused, reset, timeout) leaves the pool at once; the
-  watcher thread probes it (ServerReady + ModelReady) and returns it when it answers. A first chunk that
-  fails this way, or because the backend is full, is tried on the next backend (no audio has been made
-  yet, so nothing is lost). A stream whose backend dies mid-way ends with UNAVAILABLE: its state died
-  with the backend.
-- A chunk call never waits longer than `call_timeout_s`, so a hung backend cannot hang a client.
-- Backends are fixed addresses or a `dns://name:port` set (a Kubernetes headless Service): the watcher
-  re-resolves it, so backend pods that an autoscaler adds take new streams, and pods that go away take
-  no new ones (their open streams finish first).
+"""token2wav on other Triton servers: the split deployment's `Token2WavStage` (`RemoteToken2Wav`), over Triton
+gRPC. A stream is pinned to the backend that served its first chunk (its state lives there) and never moves; a new
+stream goes to the healthy backend with the least outstanding work (`server_pool.ServerPool`); no chunk call waits
+longer than `call_timeout_s`, so a hung backend never hangs a client. How backends join, leave and fail:
+docs/deployment/index.md#the-split.
 """
 from __future__ import annotations
 

@@ -1,33 +1,8 @@
-"""The one reader of a decoupled Triton call (gRPC `ModelStreamInfer`), for every client of a Triton server:
-the gateway (`TritonClient.stream`) and the client SDK (`AudioStream`, `AsyncAudioStream`). `CallReader`
-reads a blocking call (`grpc`), `AsyncCallReader` a `grpc.aio` one; both iterate the outputs (name ->
-numpy array) of each response that has any, and share `_Reading`, which says what a response means:
-
-- an error (`error_message`; our models send an error as the request's final response): raised as
-  `errors.from_wire(message)`, the model's own error kind;
-- a response of another request on the same call (`skip`: a bistream's text_append answers): ignored;
-- outputs: handed out; the final flag (`triton_final_response`, often on an empty response): the request
-  is done, the iteration stops;
-- the end of the call before the final flag: `Unreachable` (a stream that fails is visibly failed, never
-  a clean end); a gRPC status error of the call: `from_wire(details, status name)` (UNAVAILABLE ->
-  `Unreachable`, DEADLINE_EXCEEDED -> `DeadlineExceeded`, ...); no response within the asyncio reader's
-  timeout: `DeadlineExceeded`. A caller with its own error type passes `as_error` (error, status name ->
-  the exception to raise): the gateway's `RemoteError`, the SDK's `TTSError`.
-
-How the call ends:
-
-- After the final response (or an error one) the reader lets the server end the call (our side has
-  closed or closes in `on_end`): it reads the call to its end, at most `STREAM_END_WAIT_S`, then cancels
-  what did not end. A cancel at once would race Triton 2.51's own end of the call, and a lost race
-  leaves the request held in its gRPC frontend: the model can then never be unloaded, and tritonserver
-  exits 1 at its exit timeout on every stop. (Dropping the call unread cancels it too: grpc cancels an
-  unfinished call it collects.)
-- Closed before that (`close()`/`aclose()`: the caller stopped early or went away; an asyncio task
-  cancelled while it waits for a response), the reader cancels the call. Triton passes that on to the
-  model as a cancellation (`is_cancelled()`): it frees its LLM slot and token2wav state.
-
-`on_end` is called once when the reading ends, whichever way: a caller whose request iterator keeps our
-side of the call open until then closes it there.
+"""The one reader of a decoupled Triton call (gRPC `ModelStreamInfer`), blocking (`CallReader`) and asyncio
+(`AsyncCallReader`), for every client of a Triton server: the gateway, the SDK, the liveness probe, the llm stage.
+Both iterate the outputs of each response and share `_Reading`, which says what a response means; a caller with
+its own error type passes `as_error`. It never ends a failed call as a clean end, and never cancels a finished
+call before the server ends it (why: docs/architecture/layout.md#the-wire-package).
 """
 from __future__ import annotations
 
