@@ -24,7 +24,8 @@ status (gateway/errors.py `HTTP_STATUS`).
     internal            CosyVoiceError      INTERNAL      anything else
     (the callee's)      RemoteError         (the callee's): a server or model we called answered with an error
   startup: engine_unavailable (EngineUnavailable), device_unavailable (DeviceUnavailable), parameter
-  (ParameterError); the gateway's own answers: unauthorized, forbidden, too_large, too_many_streams,
+  (ParameterError), and internal ones of serving and fine-tuning (TritonNotFound, TritonStartError, PortInUse, ...);
+  the gateway's own answers: unauthorized, forbidden, too_large, too_many_streams,
   rate_limited, idle_timeout / session_timeout (SessionTimeout), overloaded, already_registered, upstream_error.
 """
 from __future__ import annotations
@@ -165,6 +166,36 @@ class ParameterError(CosyVoiceError, ValueError):
     """A setting is not valid: a model's config.pbtxt parameters, a command-line option or a service's settings."""
 
     code = "parameter"
+
+
+# ---- what serving or fine-tuning finds wrong before it can start (code: internal) -------------------------
+
+class RedisNotFound(CosyVoiceError, RuntimeError):
+    """No redis-server executable."""
+
+
+class TritonNotFound(CosyVoiceError, FileNotFoundError):
+    """No usable `tritonserver` executable, or its Python backend cannot serve this Python."""
+
+
+class TritonStartError(CosyVoiceError, RuntimeError):
+    """tritonserver exited or did not become ready in time. The message ends with the log's tail."""
+
+
+class PortInUse(CosyVoiceError):
+    """A port a server was told to listen on is taken."""
+
+
+class TemplateError(CosyVoiceError, ValueError):
+    """A template and its values do not match, or a repository cannot be rendered."""
+
+
+class FinetuneError(CosyVoiceError):
+    """Options that cannot work together, or a checkpoint that does not fit them."""
+
+
+class DataError(CosyVoiceError):
+    """The data folder cannot be used at all (no manifest, or no usable recording)."""
 
 
 # ---- the gateway's own answers ---------------------------------------------------------------------------

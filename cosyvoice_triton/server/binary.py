@@ -26,16 +26,12 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cosyvoice_triton.errors import CosyVoiceError
+from cosyvoice_triton.errors import TritonNotFound
 
 ENV_VAR = "TRITONSERVER"
 NGC_EXECUTABLE = Path("/opt/tritonserver/bin/tritonserver")
 STUB_NAME = "triton_python_backend_stub"
 _LIBPYTHON_RE = re.compile(rb"libpython(3\.\d+)\.so")
-
-
-class TritonNotFound(CosyVoiceError, FileNotFoundError):
-    """No usable `tritonserver` executable, or its Python backend cannot serve this Python."""
 
 
 @dataclass(frozen=True)

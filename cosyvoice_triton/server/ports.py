@@ -8,11 +8,7 @@ from __future__ import annotations
 import errno
 import socket
 
-from cosyvoice_triton.errors import CosyVoiceError
-
-
-class PortInUse(CosyVoiceError):
-    """A port a server was told to listen on is taken."""
+from cosyvoice_triton.errors import PortInUse
 
 
 def port_taken(address: str, port: int) -> bool:

@@ -49,7 +49,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from cosyvoice_triton.errors import CosyVoiceError
+from cosyvoice_triton.errors import TritonStartError
 from cosyvoice_triton.server.binary import TritonBinary, find_tritonserver, stage_backend_directory
 from cosyvoice_triton.server.ports import check_ports_free
 from cosyvoice_triton.server.python_env import PythonEnv, server_environment
@@ -67,10 +67,6 @@ GROUP_GONE_TIMEOUT_S = 10.0  # before a restart: the killed server's stubs have 
 
 CONTROL_MODES = ("none", "explicit", "poll")
 _PORT_CLASH = "already in use"
-
-
-class TritonStartError(CosyVoiceError, RuntimeError):
-    """tritonserver exited or did not become ready in time. The message ends with the log's tail."""
 
 
 _LOADED = re.compile(r"successfully loaded '([^']+)'")

@@ -16,12 +16,8 @@ from pathlib import Path
 
 import redis
 
-from cosyvoice_triton.errors import CosyVoiceError
+from cosyvoice_triton.errors import CosyVoiceError, RedisNotFound
 from cosyvoice_triton.server.process import free_port, term_with_parent
-
-
-class RedisNotFound(CosyVoiceError, RuntimeError):
-    """No redis-server executable."""
 
 
 def find_redis_server() -> str:

@@ -13,15 +13,11 @@ import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from cosyvoice_triton.errors import CosyVoiceError
+from cosyvoice_triton.errors import TemplateError
 
 CONFIG_NAME = "config.pbtxt"
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SKIP = {"__pycache__", ".pytest_cache"}
-
-
-class TemplateError(CosyVoiceError, ValueError):
-    """A template and its values do not match, or a repository cannot be rendered."""
 
 
 def placeholders(text: str) -> set[str]:

@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cosyvoice_triton.config import ModelPaths, read_yaml
-from cosyvoice_triton.errors import CosyVoiceError, InvalidInput
+from cosyvoice_triton.errors import DataError, InvalidInput
 from cosyvoice_triton.preprocess.audio import decode_audio
 from cosyvoice_triton.preprocess.prompt import PromptEncoder
 from cosyvoice_triton.preprocess.tokenizer import TextTokenizer
@@ -32,10 +32,6 @@ METADATA = "metadata.csv"
 KALDI_WAV_SCP = "wav.scp"
 KALDI_TEXT = "text"
 HASH_BLOCK = 1 << 20
-
-
-class DataError(CosyVoiceError):
-    """The data folder cannot be used at all (no manifest, or no usable recording)."""
 
 
 @dataclass(frozen=True)

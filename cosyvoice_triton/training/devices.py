@@ -7,11 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cosyvoice_triton.errors import CosyVoiceError
-
-
-class FinetuneError(CosyVoiceError):
-    """Options that cannot work together, or a checkpoint that does not fit them."""
+from cosyvoice_triton.errors import FinetuneError
 
 
 @dataclass
