@@ -39,6 +39,7 @@ from ..preprocess.spans import source_spans
 from ..preprocess.ssml import Mark, Pause, Speech, expand_say_as, is_ssml, language, parse_ssml, spoken_text
 from ..preprocess.text import TextPreprocessor, is_only_punctuation
 from ..wire.checks import validate_text
+from ..wire.names import TARGET_TEXT
 from .chunk_policy import ChunkSchedule
 from .chunk_sender import ChunkSender
 from .playback import Playback
@@ -84,7 +85,7 @@ class Pipeline:
         """The request text's sentences: normalized (in `lang`, "zh" or "en"; None: detected) and split, or
         (text_frontend false) the text as given."""
         if request.text_frontend:
-            return self.preprocessor.split(request.text, field="target_text", lang=lang)
+            return self.preprocessor.split(request.text, field=TARGET_TEXT, lang=lang)
         return [request.text]  # as given: one piece
 
     def llm_requests(self, request: SynthesisRequest, stream_id: str, seed: int, first: int = 0,
@@ -108,7 +109,7 @@ class Pipeline:
     def ssml_plan(self, request: SynthesisRequest, stream_id: str, seed: int) -> list[SpokenSentence | Pause | Mark]:
         """The SSML document's sentences, pauses and marks in order, every voice resolved: all its errors
         (InvalidInput / NotFound naming target_text) come before any audio. Marks make no audio."""
-        field = "target_text"
+        field = TARGET_TEXT
         parts = parse_ssml(request.text, field, expand_say_as)
         validate_text(spoken_text(parts), field, self.preprocessor.max_chars)
         voices: dict[str | None, PromptFeatures] = {None: request.voice}
@@ -148,15 +149,15 @@ class Pipeline:
         """An SSML part's voice (<voice name>; None: the request's), resolved once per document."""
         if voice_id not in voices:
             if request.voice_of is None:
-                raise InvalidInput("target_text", f"SSML <voice name={voice_id!r}>: voices cannot be switched here")
+                raise InvalidInput(TARGET_TEXT, f"SSML <voice name={voice_id!r}>: voices cannot be switched here")
             try:
                 voices[voice_id] = request.voice_of(voice_id)
             except KeyError:  # NotFound too
-                raise NotFound("target_text", f"SSML <voice name={voice_id!r}>: no voice {voice_id!r} is "
-                                              "registered") from None
+                raise NotFound(TARGET_TEXT, f"SSML <voice name={voice_id!r}>: no voice {voice_id!r} is "
+                                           "registered") from None
             if request.mode == "zero_shot" and not voices[voice_id].text.strip():
-                raise InvalidInput("target_text", f"SSML <voice name={voice_id!r}>: the voice has no transcript, "
-                                                  "which zero_shot mode needs")
+                raise InvalidInput(TARGET_TEXT, f"SSML <voice name={voice_id!r}>: the voice has no transcript, "
+                                               "which zero_shot mode needs")
         return voices[voice_id]
 
     def prompt_tokens(self, request: SynthesisRequest, bistream: bool = False) -> tuple[list[int], list[int]]:
