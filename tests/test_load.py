@@ -239,15 +239,14 @@ class BreaksAfterFirstChunk:
         self.client = client
 
     async def stream(self, *args, **kwargs):
-        from cosyvoice_triton.errors import CosyVoiceError
-        from cosyvoice_triton.gateway.triton_channel import TritonCallError
+        from cosyvoice_triton.errors import CosyVoiceError, RemoteError
 
         chunks = self.client.stream(*args, **kwargs)
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
                 break
-        raise TritonCallError(CosyVoiceError("injected: the stream broke after its first chunk"))
+        raise RemoteError(CosyVoiceError("injected: the stream broke after its first chunk"))
 
     def __getattr__(self, name):
         return getattr(self.client, name)
