@@ -341,7 +341,8 @@ def test_a_gateway_follows_dns(standins, tmp_path):
         assert gateway.get_json("/healthz")[0] == 200
         assert gateway.get_json("/readyz") == (503, {"status": "starting", "ready": False, "servers": {},
                                                      "waiting_for": ["a tritonserver (none in the pool yet)"],
-                                                     "version": __version__, "family": "cosyvoice2", "default_voice": "disabled", "voice_store": "ok",
+                                                     "version": __version__, "family": "cosyvoice2",
+                                                     "default_voice": "disabled", "voice_store": "ok",
                                                      "precision": {}, "capacity": {}})  # no server scraped yet
 
         dns.answers["tts"] = ["127.0.0.1", "127.0.0.2"]
