@@ -1,30 +1,8 @@
-"""The gateway application: `create_app(config)`, and `run(config)` to serve it.
+"""The gateway application: `create_app(config)` builds it, `run(config)` serves it.
 
-```
-from cosyvoice_triton.errors import NotFound
-from cosyvoice_triton.gateway.app import create_app, run
-from cosyvoice_triton.gateway.config import GatewayConfig
-from cosyvoice_triton.targets import TritonTarget
-
-run(GatewayConfig(triton=(TritonTarget.parse("grpc://127.0.0.1:8001"),)))
-```
-Routes: POST /v1/tts, WS /v1/tts/ws, POST /v1/audio/speech, /v1/voices (POST, GET, GET/DELETE {id}),
-GET /healthz, /readyz, /metrics, and the web page at / (gateway/static/index.html, when present); the official
-CosyVoice server's GET|POST /inference_{sft,zero_shot,cross_lingual,instruct,instruct2} (routes_official.py),
-and with `config.official_grpc_port` its gRPC service on that port (official_grpc.py); the official Triton clients'
-KServe JSON POST /v2/models/{cosyvoice2,cosyvoice2_offline}/infer (routes_kserve.py), and with
-`config.official_triton_port` Triton's gRPC protocol on that port (triton_facade.py).
-
-Resources live in `cleanup_ctx`: the voice store, one gRPC channel per Triton server with the router's
-health, metrics and DNS discovery loops, and the default-voice registration. With `dns://` servers
-(`config.discovery`) the pool follows DNS; the first lookup runs in the background, so the gateway starts
-even when DNS names nothing yet, and answers 503 on /readyz until a server is found and ready.
-`create_app(config, resolve=...)` replaces the DNS lookup (tests). `run` serves with
-`handler_cancellation=True`, so a client that disconnects cancels its handler and with it its Triton
-stream, and on SIGTERM / SIGINT drains (gateway/drain.py: new requests get 503 + Retry-After and /readyz
-"draining", the streams in flight finish within the drain timeout) before a bounded shutdown; WebSockets
-are closed with GOING_AWAY on shutdown. Every request
-gets one access log line on stderr unless `config.access_log` is off (gateway/access_log.py).
+Its resources (voice store, one gRPC channel per server, the router's loops, the default voice) live in
+`cleanup_ctx`. It never decides synthesis itself: routes hand typed requests to the servers. The routes
+are in docs/api/http.md, draining and shutdown in docs/operations/faults.md.
 """
 from __future__ import annotations
 

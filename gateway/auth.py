@@ -1,20 +1,7 @@
 """API keys, tenants, and the per-key limits: concurrent streams and request / registration rates.
 
-Keys: with keys configured, every route except `/`, `/static/*`, `/healthz`, `/readyz` and `/metrics`
-needs one, in a header: `Authorization: Bearer KEY` (what OpenAI clients send) or `X-API-Key: KEY`.
-Only the WebSocket route (`/v1/tts/ws`) also takes `?api_key=KEY`, since a browser cannot set headers
-on a WebSocket; anywhere else a key in the URL is refused (it would end up in access logs).
-Admin keys (`ApiKeys.admin`) are keys too; they may also register and delete shared voices.
-
-Tenants: each request runs as a `Tenant`, set by the middleware (`request[TENANT]`, and for the code
-below the handler, `current_tenant()`): the owner tag of its key (`owner_tag`: a hash, so the store
-never holds a key), whether the key is an admin key, and the bucket its limits count in. The owner tag
-is the tenant's voice id space (voices/store.py Owners): its own voices and the shared ones, never another
-key's. Without keys there are no tenants: every request is the keyless tenant (owner None), whose
-voices are the shared ones (every voice registered without keys is shared), and its limits are global
-(one bucket for every caller together; a client address says little behind a proxy).
-
-Limits (`StreamLimiter`, `RateLimiter`): 429 with `Retry-After` and a message that says which limit.
+Every request runs as a `Tenant` (its key's owner tag, never the key itself); limits answer 429 with
+`Retry-After` and say which limit. Keys, tenants and limits: docs/operations/tenants.md.
 """
 from __future__ import annotations
 

@@ -1,34 +1,8 @@
 """`cosyvoice-triton up`: tritonserver (through the launcher) and the gateway together, one command.
 
-A tool on top of the library (it stacks the gateway on `server.launcher`), so it lives here in gateway/;
-the library's CLI finds it through the `cosyvoice_triton.commands` entry point in pyproject.toml.
-
-1. The model folder (`--model-dir`, a hub id, or the tiny random folder made on first use) and the voice
-   store (`--redis-url`, `--voice-store`, or `$COSYVOICE_HOME/voices.sqlite`) are resolved once, so
-   the Triton models and the gateway use the same ones.
-2. tritonserver starts (on 127.0.0.1 by default: clients talk to the gateway) and is waited for.
-3. The gateway serves on `--host`/`--port` (default 0.0.0.0:8080) in front of it (and of any further
-   `--triton` servers); at first start it registers voice `default`. The official clients' ports are open
-   by default: Triton's gRPC protocol on 8003 (`--official-triton-port`) and the official gRPC API on 50000
-   (`--official-grpc-port`); `--no-official-ports` closes both.
-4. A tritonserver that dies (a crash, an OOM kill) is started again on its ports with backoff (1 s,
-   doubling up to 30 s; `server.supervisor`); `/readyz` says `processes` (state, restarts) and is 503
-   while it is down, `/metrics` has `cosyvoice_gateway_process_up` and `..._process_restarts_total`.
-   One that runs but whose cosyvoice2 or llm stops answering liveness probes (a hang: server/liveness.py)
-   is killed and started again the same way (`hangs` in `/readyz`, `..._process_hangs_total`); the streams
-   it held fail at once.
-5. Ctrl-C / SIGTERM drains: new requests get 503 (naming the reason) and `/readyz` says "draining";
-   the requests in flight get `--drain-timeout` seconds to finish (the rest are cut: an aborted HTTP
-   body, a WebSocket closed with GOING_AWAY); then tritonserver stops (every model unloads) and the
-   command exits 0, or 1 when a tritonserver did not exit cleanly. If tritonserver fails to start,
-   the gateway stops too and the command exits with 1.
-
-Split mode (`--frontends N --backends M`): instead of one server, a `SplitTopology` (backends with
-token2wav, frontends with the rest calling them) behind the gateway, which routes over the frontends. The
-voice store is Redis: `--redis-url`, or a redis-server started here with an append-only file under
-`<run dir>/redis` (the same `--run-dir` next time: the same voices). Every frontend, backend and that
-redis-server is supervised as above (each on its own ports again). `<run dir>/topology.json` lists
-every process and endpoint.
+A tool on top of the library (the library's CLI finds it through the `cosyvoice_triton.commands` entry
+point), so it lives in gateway/ and the library never imports it. What it starts, supervises and drains,
+and split mode (`--frontends N --backends M`): docs/deployment/index.md and docs/operations/faults.md.
 """
 from __future__ import annotations
 
