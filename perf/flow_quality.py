@@ -1,8 +1,8 @@
 """The flow's speed levers against the fp32 official path, judged by what a listener hears (perf/quality.py).
 
     python -m cosyvoice_triton.perf.flow_quality --model-dir DIR [--speech-tokens 250] [--prompt-tokens 75] \
-        [--variants bf16 int8-dynamic int8-static cached-final quick fp64 threads-1 fp16-emulated] [--seeds 0 1] \
-        [--threads 2] [--json OUT]
+        [--variants bf16 int8-dynamic int8-static cached-final quick fp64 threads-1 fp16-emulated] \
+        [--seeds 0 1] [--threads 2] [--json OUT]
 
 For each seed: one voice (a speech-like recording of P / 25 s through the prompt encoder) and N random speech
 tokens; the reference (estimator fp32, `--threads`, the official chunk schedule) and each variant on the same
@@ -12,11 +12,13 @@ the flow's difference reaches the waveform):
 - streamed: the chunk schedule through a `Token2WavStream` with the flow caches on (as served); the mel is
   what the chunks emitted, end to end (perf/flow_paths.py).
 Variants (`VARIANTS`), the levers: `bf16`, `int8-dynamic` (the estimator's precision, models/flow.py),
-`int8-static` (the estimator's ONNX graph quantized by ONNX Runtime, perf/flow_int8_static.py), `cached-final` (the official schedule with its last chunk a cached streaming call instead of the
+`int8-static` (the estimator's ONNX graph quantized by ONNX Runtime, perf/flow_int8_static.py),
+`cached-final` (the official schedule with its last chunk a cached streaming call instead of the
 full-attention pass) and `quick` (`serve --chunk-preset quick`: 15-token first hop and cached final); the
-calibration, differences no listener is meant to hear: `fp64` (the estimator in float64: how far fp32's own
-rounding is from exact), `threads-1` (fp32 on 1 thread: another summation order), `fp16-emulated` (the
-official runtime's fp16 GPU estimator, emulated on the CPU: `Float16Rounding`). Chunk presets change only
+calibration, differences no listener is meant to
+hear: `fp64` (the estimator in float64: how far fp32's own rounding is from exact), `threads-1` (fp32 on 1
+thread: another summation order), `fp16-emulated` (the official runtime's fp16 GPU estimator, emulated on
+the CPU: `Float16Rounding`). Chunk presets change only
 the streamed path.
 
 Each pass is scored by `quality.judge`: the flow's mel (SNR, log-mel distance, MCD), the vocoder's own f0 on

@@ -32,7 +32,9 @@ Two presets of a server (`serve --chunk-preset`, `ChunkPreset`):
 - `quick`: a 15-token first hop without the alignment pad (as the official Triton runtime starts) and a
   last chunk that is one more cached streaming call (models/flow_cache.py) instead of the full pass:
   first audio comes after fewer tokens and a smaller flow call, and the last chunk computes only its
-  new frames. Its audio differs from the official pass (SNR in perf/RESULTS.md, perf/flow_quality.py).
+  new frames. Its audio differs from the official pass: on random weights the quality judge finds the
+  last chunk's mel far from the full pass's (perf/flow_quality.py, docs/benchmarks/quality.md), so it is
+  an opt-in, never a default.
 """
 from __future__ import annotations
 
