@@ -78,6 +78,13 @@ def voice_modes(prompt_text: str) -> tuple[str, ...]:
     return tuple(mode for mode in (*MODES, VC_MODE) if mode != "zero_shot" or prompt_text.strip())
 
 
+def check_voice_serves(mode: str, voice: PromptFeatures) -> None:
+    """InvalidInput naming reference_text when `mode` needs a transcript that `voice` lacks (known only once the
+    voice is resolved, so it is checked then, not at the parse)."""
+    if mode not in voice_modes(voice.text):
+        raise InvalidInput("reference_text", "is required in zero_shot mode (the transcript of the voice prompt)")
+
+
 def check_speed(speed: object, field_name: str = "speed") -> float:
     """`speed` if it is a number in [MIN_SPEED, MAX_SPEED]; InvalidInput naming `field_name` otherwise."""
     if not is_real(speed) or not MIN_SPEED <= speed <= MAX_SPEED:
@@ -195,8 +202,7 @@ class SynthesisRequest:
     def validate(self) -> SynthesisRequest:
         check_text_type(self.text_type)
         check_mode(self.mode, self.instruct_text)
-        if self.mode == "zero_shot" and not self.voice.text.strip():
-            raise InvalidInput("reference_text", "is required in zero_shot mode (the transcript of the voice prompt)")
+        check_voice_serves(self.mode, self.voice)
         if self.seed is not None:
             check_seed(self.seed)
         check_speed(self.speed)

@@ -326,7 +326,7 @@ def test_custom_metrics_move_with_requests(cv_server):
 def test_other_modes_equal_the_library(cv_server, reference, mode, instruct_text, seed):
     wav = prompt_wav(4)
     text = "This request runs in another mode. It has two sentences."
-    extra = {"instruct_text": instruct_text} if instruct_text else {}
+    extra = {"instruct": instruct_text} if instruct_text else {}
     # No prompt_text: neither mode puts the prompt's transcript in the LLM prompt.
     values = synthesis_request(text, prompt_audio=wav, prompt_sample_rate=RATE, mode=mode, seed=seed, **extra).tensors()
     with GrpcStream(cv_server.grpc_url, timeout_s=120) as stream:
@@ -427,7 +427,7 @@ BAD_INPUTS = [
     ("empty text", lambda: _good(target_text=np.array([b"  "], dtype=object)), "target_text"),
     ("unknown voice", lambda: synthesis_request("Hi.", voice_id="no-such-voice").tensors(), "reference_audio_id"),
     ("corrupt audio file", lambda: synthesis_request("Hi.", prompt_text=PROMPT_TEXT,
-                                                   reference_audio=np.array([b"RIFF not audio"], dtype=object)).tensors(),
+                                                   prompt_audio=b"RIFF not audio").tensors(),
      "reference_audio"),
     ("corrupt samples", lambda: _good(reference_wav=np.full(RATE, np.nan, np.float32)), "reference_wav"),
     ("too long audio", lambda: _good(reference_wav=speech_like(31.0, 8000), reference_sample_rate=np.array(

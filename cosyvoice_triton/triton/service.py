@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_triton.config import ModelPaths, read_yaml
-from cosyvoice_triton.messages import ChunkPolicy, PromptFeatures, SamplingParams, SynthesisRequest
+from cosyvoice_triton.messages import (ChunkPolicy, PromptFeatures, SamplingParams, SynthesisRequest,
+                                       check_voice_serves)
 from cosyvoice_triton.pipeline.pipeline import Pipeline
 from cosyvoice_triton.pipeline.stages import LLMStage, Token2WavStage
 from cosyvoice_triton.pipeline.text_feed import TEXT_IDLE_TIMEOUT_S, TextFeeds
@@ -98,8 +99,11 @@ class ServedPipeline:
         self.text_feeds = TextFeeds(idle_timeout_s=TEXT_IDLE_TIMEOUT_S)  # bistream syntheses by text_stream_id
 
     def request(self, inputs: SynthesisInputs) -> SynthesisRequest:
-        """The library's request of a parsed one (checked by the parse, against this server's chunk policy)."""
-        return SynthesisRequest(text=inputs.text, voice=self.voices.resolve(inputs), mode=inputs.mode,
+        """The library's request of a parsed one (checked by the parse, against this server's chunk policy; the
+        mode against the voice once it is resolved)."""
+        voice = self.voices.resolve(inputs)
+        check_voice_serves(inputs.mode, voice)
+        return SynthesisRequest(text=inputs.text, voice=voice, mode=inputs.mode,
                                 instruct_text=inputs.instruct_text, seed=inputs.seed,
                                 sampling=replace(self.default_sampling, **inputs.sampling),
                                 chunk_policy=replace(self.chunk_policy, **inputs.chunk_overrides),
