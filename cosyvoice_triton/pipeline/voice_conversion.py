@@ -96,8 +96,8 @@ class VoiceConverter:
 
     def run(self, request: ConversionRequest, stream: bool, is_cancelled: Callable[[], bool] = lambda: False,
             stream_id: str | None = None) -> Iterator[np.ndarray]:
-        """Yield float32 24 kHz chunks in order; not streamed: one chunk per piece."""
-        request.validate()
+        """Yield float32 24 kHz chunks in order; not streamed: one chunk per piece. The request was checked where
+        it entered the process (the model's parse: `ConversionInputs.check`; in-process, `request.validate()`)."""
         stream_id = stream_id or uuid.uuid4().hex
         seed = request.seed if request.seed is not None else random_seed()
         prompt = flow_prompt_of(request.voice)
