@@ -18,8 +18,8 @@ quality holds. Measured on the full-size folder (perf/RESULTS.md, "Precision per
   GPUs bf16 is native: bf16. On other CPUs with AVX512-VNNI (int8 dot products in one instruction)
   int8-dynamic is 1.5x faster per flow solve than fp32: int8-dynamic. With AVX2 only, int8-dynamic gains
   about 1.1x, within the noise of a shared machine, and bf16 is emulated: fp32. The statically quantized
-  estimator graph (perf/flow_int8_static.py) re-runs every frame of a stream at each chunk (a graph takes no
-  flow cache): not offered.
+  estimator graph (perf/flow_int8_static.py, ONNX Runtime) misses the mel SNR bound (30 dB) and re-runs every
+  frame of a stream at each chunk (a graph takes no flow cache): not offered.
 `describe_cpu` names the CPU kind for the start-up line.
 """
 from __future__ import annotations
