@@ -250,8 +250,13 @@ def test_our_side_alone_names_the_family(cv3_dir: Path, capsys) -> None:
     assert result["levels"][0]["audio_s"] == pytest.approx(4 / 25)
 
 
-def test_the_served_side_needs_a_served_model_of_the_family(cv3_dir: Path, model_dir: Path) -> None:
+def test_the_served_side_times_the_served_model_of_the_family(cv3_dir: Path, model_dir: Path,
+                                                              monkeypatch) -> None:
     assert bench_official.served_model(str(model_dir)) == "cosyvoice2"
+    assert bench_official.served_model(str(cv3_dir)) == "cosyvoice3"
+    from cosyvoice_triton.server import launcher
+
+    monkeypatch.setattr(launcher, "DEFAULT_REPOSITORY", cv3_dir / "no_repository")  # a repository without it
     with pytest.raises(SystemExit, match="cosyvoice3 model .*no `cosyvoice3` model"):
         bench_official.main(["--model-dir", str(cv3_dir), "--triton", "localhost:1", "--json"])
 
