@@ -72,6 +72,9 @@ NOT_RUN = {
         "cosyvoice-triton bench --start --quick                                   # sub-minute smoke run (also in "
         "the tests)",
     },
+    "docs/benchmarks/quality.md": {
+        "python -m cosyvoice_triton.perf.flow_quality --model-dir FULL_MODEL --speech-tokens 100 --seeds 0 \\",
+    },
     "deploy/README.md": {"docker build -t cosyvoice-triton:0.1.0 .", "kubectl create namespace cosyvoice"},
     "perf/README.md": {
         "# against a running server (gRPC, model cosyvoice2)",
