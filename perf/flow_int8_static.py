@@ -8,8 +8,8 @@ Post-training static quantization (`onnxruntime.quantization.quantize_static`) o
 calibration, every MatMul, Gemm and Conv. The calibration inputs are the project's own: the estimator's inputs
 at every Euler step of fp32 flow calls (offline, and the official chunk schedule's streamed calls) on a
 speech-like prompt and random tokens of seeds the quality judge does not use (`CALIBRATION_SEEDS`).
-`static_int8_estimator(model_dir)` writes `flow_estimator_int8_static.onnx` beside the fp32 graphs once and returns its path;
-perf/flow_quality.py's `int8-static` variant judges it.
+`static_int8_estimator(model_dir)` writes `flow_estimator_int8_static.onnx` beside the fp32 graphs once and
+returns its path; perf/flow_quality.py's `int8-static` variant judges it.
 
 Then one estimator call (the guidance batch: 2 rows of `--frames` frames, full attention) per arithmetic, in
 interleaved rounds, medians: torch fp32, bf16 (autocast), int8-dynamic, and ONNX Runtime fp32 and int8-static
