@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +26,6 @@ from .triton_channel import TritonClient
 log = logging.getLogger(__name__)
 
 LLM_MODEL, TOKEN2WAV_MODEL = "llm", "token2wav"  # the models cosyvoice2 calls (their metrics steer admission)
-FRESH_VIEW_S = 0.2  # a scrape this recent is the server's state now (Router.refresh)
 PRECISION_INFO = (("llm", "cosyvoice_llm_precision_info", LLM_MODEL),  # (part, metric, model): /readyz
                   ("flow", "cosyvoice_flow_precision_info", TOKEN2WAV_MODEL))
 
@@ -88,7 +88,7 @@ class Router:
         self._new_client = new_client  # grpc address -> TritonClient, for servers that join
         self._closing: set[asyncio.Task] = set()
         self._channels = asyncio.Lock()  # held by health checks and by channel closes
-        self._scraped_at: dict[Server, float] = {}  # loop time of each server's last scrape
+        self._fetched_at: dict[Server, float] = {}  # loop time each server's last good scrape began its fetch
         self._refreshes: dict[Server, asyncio.Task] = {}  # a scrape out of turn in flight, per server
 
     @property
@@ -156,6 +156,7 @@ class Router:
 
     async def scrape(self, server: Server, session: aiohttp.ClientSession) -> None:
         timeout = aiohttp.ClientTimeout(total=self.routing.health_timeout_s)
+        began = asyncio.get_running_loop().time()  # the view is as old as the fetch's start
         try:
             async with session.get(server.target.metrics_url, timeout=timeout) as response:
                 text = await response.text()
@@ -177,18 +178,21 @@ class Router:
         server.token2wav_pending = metric_sum(text, "nv_inference_pending_request_count", TOKEN2WAV_MODEL)
         server.precision = {part: value for part, name, model in PRECISION_INFO
                             if (value := metric_label(text, name, model, "precision")) is not None}
-        self._scraped_at[server] = asyncio.get_running_loop().time()
+        self._fetched_at[server] = began
 
     async def refresh(self, server: Server) -> None:
-        """Scrape `server` now, unless its last scrape is under FRESH_VIEW_S old (concurrent callers share
-        one scrape): between scrapes its count of the streams others sent there only grows stale (they
-        end unseen), and a refusal must not rest on streams that have ended."""
-        last = self._scraped_at.get(server)
-        if last is not None and asyncio.get_running_loop().time() - last < FRESH_VIEW_S:
-            return
-        if server not in self._refreshes:
-            self._refreshes[server] = asyncio.create_task(self._scrape_now(server))
-        await asyncio.shield(self._refreshes[server])
+        """Scrape `server` with a fetch begun after this call: between scrapes its count of the streams others
+        sent there only grows stale (they end unseen), and a refusal must not rest on streams that have ended.
+        A scrape whose fetch began before the call may have read a stream that ended since, however recently
+        it finished. Callers that arrive together share one scrape; one in flight since before the call is
+        awaited first, then a scrape of the caller's own is begun."""
+        asked = asyncio.get_running_loop().time()
+        for _ in range(2):
+            if self._fetched_at.get(server, -math.inf) >= asked:
+                return
+            if server not in self._refreshes:
+                self._refreshes[server] = asyncio.create_task(self._scrape_now(server))
+            await asyncio.shield(self._refreshes[server])
 
     async def _scrape_now(self, server: Server) -> None:
         try:

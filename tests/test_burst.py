@@ -133,6 +133,54 @@ def test_the_gateway_decides_a_refusal_on_a_fresh_view_of_the_server():
         asyncio.run(admission.check_fresh(policy, router, server, 100.0))
 
 
+def test_a_scrape_begun_before_the_refusal_does_not_stand_for_a_fresh_view():
+    """A scrape that read the server while another client's stream still ran, finished just before a request
+    comes, is not fresh for it: `Router.refresh` fetches again, so the stream that ended in between is gone."""
+    from aiohttp import web
+    from cosyvoice_triton.gateway.config import RoutingConfig
+    from cosyvoice_triton.gateway.routing import Router
+    from cosyvoice_triton.server_pool import Server
+    from cosyvoice_triton.targets import TritonTarget
+
+    async def scenario() -> list[float]:
+        state = {"active": 1.0, "fetches": 0}
+        fetched = asyncio.Event()
+
+        async def metrics(request: web.Request) -> web.Response:
+            state["fetches"] += 1
+            text = f'cosyvoice_active_streams{{model="cosyvoice2"}} {state["active"]}\n'
+            fetched.set()
+            await asyncio.sleep(0.05)  # the stream ends while this answer is on its way
+            return web.Response(text=text)
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            target = TritonTarget(grpc="127.0.0.1:1", metrics_url=f"http://127.0.0.1:{port}/metrics")
+            server = Server(target, client=None, healthy=True)
+            router = Router([server], RoutingConfig(), "cosyvoice2")
+            seen = []
+            async with aiohttp.ClientSession() as session:
+                periodic = asyncio.create_task(router.scrape(server, session))
+                await fetched.wait()
+                state["active"] = 0.0  # the other client's stream ends mid-scrape
+                await periodic
+                seen.append(server.external)  # the periodic scrape still counts it
+                await router.refresh(server)  # a request is about to be refused on that view
+                seen.append(server.external)
+            seen.append(float(state["fetches"]))
+            return seen
+        finally:
+            await runner.cleanup()
+
+    stale, fresh, fetches = asyncio.run(scenario())
+    assert stale == 1.0 and fresh == 0.0 and fetches == 2
+
+
 # ---- a burst through `up` -----------------------------------------------------------------------------------
 
 @dataclass
