@@ -214,21 +214,16 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
     audible = AudibleDetector(SAMPLE_RATE, audible_threshold_dbfs)
     if metrics is not None:
         metrics["active"].increment(1)
-    marks: list[dict] = []  # events waiting for the next response
     try:
         first = True
-        with contextlib.closing(chunks()) as produced:  # closing runs the producer's cleanup (cancels)
-            for chunk in produced:
-                if cancelled():
-                    raise Cancelled("the client cancelled the request")
-                if is_mark_event(chunk):
-                    marks.append(chunk.to_json())
-                    continue
-                if chunk.size == 0:
-                    continue
-                outputs = {**waveform_outputs(chunk, batched), **(marks_outputs(marks, batched) if marks else {})}
-                marks = []
+        with contextlib.closing(_audio_and_marks(chunks, cancelled)) as produced:  # closed at once on failure
+            for chunk, marks in produced:
+                outputs = waveform_outputs(chunk, batched) if chunk is not None else {}
+                if marks:
+                    outputs.update(marks_outputs(marks, batched))
                 sender.send(pb.InferenceResponse(output_tensors=output_tensors(pb, outputs)))
+                if chunk is None:  # the last sentence's mark_end: after its audio, alone
+                    continue
                 sent_at = time.monotonic()
                 lead = playback.add(sent_at, chunk.size / SAMPLE_RATE)
                 if metrics is not None:
@@ -238,8 +233,6 @@ def send_chunks(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model
                 first = False
                 _observe_audible(metrics, audible.feed(chunk, sent_at), audible, received_at)
         _observe_audible(metrics, audible.finish(), audible, received_at)
-        if marks:  # the last sentence's mark_end: after its audio, alone
-            sender.send(pb.InferenceResponse(output_tensors=output_tensors(pb, marks_outputs(marks, batched))))
     except BaseException as exc:  # noqa: BLE001 - every failure ends this request, never the instance
         error = exc
     outcome = "ok" if error is None else ("cancelled" if classify(error).code_name == "CANCELLED" else "error")
@@ -272,14 +265,12 @@ def send_whole(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model:
     audible = AudibleDetector(SAMPLE_RATE, audible_threshold_dbfs)
     try:
         pieces, marks = [], []
-        with contextlib.closing(chunks()) as produced:
-            for chunk in produced:
-                if cancelled():
-                    raise Cancelled("the client cancelled the request")
-                if is_mark_event(chunk):
-                    marks.append(chunk.to_json())
+        with contextlib.closing(_audio_and_marks(chunks, cancelled)) as produced:
+            for chunk, more in produced:
+                marks += more
+                if chunk is None:
                     continue
-                if chunk.size and not pieces and metrics is not None:
+                if not pieces and metrics is not None:
                     metrics["first_chunk"].observe(time.monotonic() - received_at)
                 pieces.append(np.asarray(chunk, dtype=np.float32).reshape(-1))
                 _observe_audible(metrics, audible.feed(pieces[-1], time.monotonic()), audible, received_at)
@@ -299,6 +290,25 @@ def send_whole(pb, sender, chunks: Callable[[], Iterator[np.ndarray]], *, model:
     except Exception:  # noqa: BLE001 - e.g. the client has gone
         pb.Logger.log_warn(f"{model}: response not sent: {traceback.format_exc()}")
     return outcome
+
+
+def _audio_and_marks(chunks: Callable[[], Iterator[np.ndarray]], cancelled: Callable[[], bool]
+                     ) -> Iterator[tuple[np.ndarray | None, list[dict]]]:
+    """Each non-empty audio chunk with the speech mark events (pipeline/speech_marks.py) made just before it,
+    then (None, the events after the last chunk) if there are any. Raises `Cancelled` as soon as the client
+    cancels; closing the producer runs its cleanup (it cancels its work)."""
+    marks: list[dict] = []
+    with contextlib.closing(chunks()) as produced:
+        for chunk in produced:
+            if cancelled():
+                raise Cancelled("the client cancelled the request")
+            if is_mark_event(chunk):
+                marks.append(chunk.to_json())
+            elif chunk.size:
+                yield chunk, marks
+                marks = []
+    if marks:
+        yield None, marks
 
 
 def _observe_audible(metrics, found: bool, audible: AudibleDetector, received_at: float) -> None:
