@@ -1,7 +1,8 @@
-"""POST /v2/models/{name}/infer: KServe v2 JSON inference for `cosyvoice2` and `cosyvoice2_offline`, so that the
-official Triton client client_http.py works against the gateway unchanged. A non-streamed synthesis like
-/v1/tts's (keys, limits, admission, routing, retries); a request in the official form goes to
-`cosyvoice2_official_offline` (wire/official.py). Errors answer as Triton's HTTP port does, with the gateway's
+"""POST /v2/models/{name}/infer: KServe v2 JSON inference for the served family's synthesis models (`cosyvoice2` and
+`cosyvoice2_offline`, or `cosyvoice3` and `cosyvoice3_offline`), so that the official Triton client client_http.py
+works against the gateway unchanged. A non-streamed synthesis like /v1/tts's (keys, limits, admission, routing,
+retries); a request in the official form goes to the family's official offline model (`cosyvoice2_official_offline`,
+`cosyvoice3_official_offline`: wire/official.py). Errors answer as Triton's HTTP port does, with the gateway's
 statuses. The body, the answer and why: docs/api/official.md#the-official-triton-clients.
 """
 from __future__ import annotations
@@ -16,8 +17,7 @@ import numpy as np
 from aiohttp import web
 
 from cosyvoice_triton.errors import CosyVoiceError, InvalidInput, NotFound, RemoteError
-from cosyvoice_triton.wire.names import (COSYVOICE2, COSYVOICE2_OFFLINE, OWNER, REFERENCE_WAV, REFERENCE_WAV_LEN, SEED,
-                                         TARGET_TEXT, WAVEFORM)
+from cosyvoice_triton.wire.names import OWNER, REFERENCE_WAV, REFERENCE_WAV_LEN, SEED, TARGET_TEXT, WAVEFORM
 from cosyvoice_triton.wire.official import official_model_for, owner_input
 from cosyvoice_triton.wire.grpc_messages import DATATYPES
 
@@ -31,7 +31,6 @@ from .state import CONFIG, LIMITER
 from .synthesis import call_model, refused_by_server, synthesis_cost
 
 ROUTE = "kserve"  # the route label of its audio metrics
-MODELS = (COSYVOICE2, COSYVOICE2_OFFLINE)  # the names this route answers for
 DTYPES = {"FP32": np.float32, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64, "BOOL": np.bool_,
           "BYTES": object}
 
@@ -114,9 +113,10 @@ def parse_input(item: object, index: int) -> tuple[str, np.ndarray]:
 async def infer(request: web.Request) -> web.Response:
     app, name = request.app, request.match_info["name"]
     accepted = time.monotonic()
+    models = (app[CONFIG].synthesis_model, app[CONFIG].offline_model)  # the served family's: the names it answers for
     try:
-        if name not in MODELS:
-            raise NotFound("model_name", f"this gateway answers KServe inference for {', '.join(MODELS)} only, "
+        if name not in models:
+            raise NotFound("model_name", f"this gateway answers KServe inference for {', '.join(models)} only, "
                                          f"not {bounded(repr(name), 60)}")
         kserve = parse_kserve(await json_body(request))
         model = official_model_for(name, kserve.shapes, streaming=False)

@@ -19,8 +19,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from cosyvoice_triton.errors import CosyVoiceError, RemoteError
 from cosyvoice_triton.pipeline.audible import AudibleDetector
 from cosyvoice_triton.server_pool import Server
-from cosyvoice_triton.wire.names import (COSYVOICE2, COSYVOICE2_OFFLINE, OFFICIAL_MODELS, OWNER, REFERENCE_WAV,
-                                         REFERENCE_WAV_LEN, TARGET_TEXT, TEXT_APPEND, TEXT_STREAM_ID, WAVEFORM)
+from cosyvoice_triton.wire.names import (OWNER, REFERENCE_WAV, REFERENCE_WAV_LEN, SYNTHESIS_MODELS, TARGET_TEXT,
+                                         TEXT_APPEND, TEXT_STREAM_ID, WAVEFORM)
 from cosyvoice_triton.wire.official import official_model_for, owner_input
 from cosyvoice_triton.wire.call_reader import status_error
 from cosyvoice_triton.wire.grpc_messages import (MAX_MESSAGE_BYTES, STREAM_END_WAIT_S, infer_request, is_final,
@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 
 OFFICIAL_TRITON_PORT = web.AppKey("official_triton_port", int)  # the port it listens on, once started
 ROUTE = "triton_grpc"  # the route label of its audio metrics
-SYNTHESIS_MODELS = frozenset({COSYVOICE2, COSYVOICE2_OFFLINE, *OFFICIAL_MODELS})  # admitted, stream-limited
 Write = Callable[[service_pb2.ModelStreamInferResponse], Awaitable[None]]
 
 
@@ -341,6 +340,6 @@ async def serve_official_triton(app: web.Application):
     async with running_server(app, config.official_triton_port,
                               lambda server: service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(facade, server),
                               options, "official Triton gRPC",
-                              "inference.GRPCInferenceService; cosyvoice2 in the official form") as port:
+                              "inference.GRPCInferenceService; the official clients' cosyvoice2 / cosyvoice3") as port:
         app[OFFICIAL_TRITON_PORT] = port
         yield

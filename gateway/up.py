@@ -77,8 +77,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--chunk-preset", choices=tuple(CHUNK_PRESETS), default="official",
                    help="the chunk schedule's defaults (as serve --chunk-preset)")
     t.add_argument("--official-models", action=argparse.BooleanOptionalAction, default=True,
-                   help="also serve cosyvoice2_official and cosyvoice2_official_offline for the official Triton "
-                        "clients, as for `serve` (default: on)")
+                   help="also serve cosyvoice2_official and cosyvoice2_official_offline (cosyvoice3_official* on "
+                        "a CosyVoice3 folder) for the official Triton clients, as for `serve` (default: on)")
     t.add_argument("--engine", choices=ENGINES, default="torch", help="token2wav engine, as for `serve`")
     t.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="precision of TensorRT plans and OpenVINO's hint")

@@ -117,16 +117,19 @@ def official(text: str = TEXT, **kwargs) -> dict:
 
 # ---- without Triton ------------------------------------------------------------------------------------
 
-def test_official_form_requests_for_cosyvoice2_go_to_the_official_models():
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_official_form_requests_for_a_family_go_to_its_official_models(family):
     wav, scalar = [1, 32000], [1, 1]
     official = {"reference_wav": wav, "reference_wav_len": scalar, "reference_text": scalar, "target_text": scalar}
-    assert official_model_for("cosyvoice2", official, streaming=True) == STREAMING
-    assert official_model_for("cosyvoice2", official, streaming=False) == OFFLINE  # ModelInfer, KServe JSON
-    assert official_model_for("cosyvoice2_offline", official, streaming=True) == OFFLINE
-    assert official_model_for("cosyvoice2", {"target_text": scalar}, streaming=True) == STREAMING  # spk2info form
+    streaming, offline = f"{family}_official", f"{family}_official_offline"  # cosyvoice2: STREAMING, OFFLINE
+    assert official_model_for(family, official, streaming=True) == streaming
+    assert official_model_for(family, official, streaming=False) == offline  # ModelInfer, KServe JSON
+    assert official_model_for(f"{family}_offline", official, streaming=True) == offline
+    assert official_model_for(family, {"target_text": scalar}, streaming=True) == streaming  # spk2info form
     native = {"reference_wav": [32000], "reference_wav_len": [1], "target_text": [1]}  # rank 1: our form
-    assert official_model_for("cosyvoice2", native, streaming=False) == "cosyvoice2"
+    assert official_model_for(family, native, streaming=False) == family
     assert official_model_for("llm", official, streaming=True) == "llm"
+    assert official_model_for(streaming, official, streaming=False) == streaming  # named as it is: kept
 
 
 def test_the_port_flag_of_up_and_the_gateway_cli_fills_the_config(capsys):

@@ -1,4 +1,5 @@
-"""The official runtime's Triton clients against our server: cosyvoice2_official and cosyvoice2_official_offline.
+"""The official runtime's Triton clients against our server: cosyvoice2_official and cosyvoice2_official_offline
+(CosyVoice3's cosyvoice3_official and cosyvoice3_official_offline on a real server: tests/test_cv3_served.py).
 
 The official clients (runtime/triton_trtllm of FunAudioLLM/CosyVoice: client_grpc.py, streaming and offline, and
 client_http.py) send every tensor with a leading batch dimension (their config has max_batch_size > 0):
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import urllib.error
+from dataclasses import replace
 import urllib.request
 from pathlib import Path
 
@@ -23,7 +25,9 @@ import pytest
 from cosyvoice_triton.errors import InvalidInput, from_wire
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.client.triton_client import synthesis_request
-from cosyvoice_triton.wire.names import DEFAULT_VOICE_ID, OFFICIAL_MODELS, REFERENCE_WAV_LEN
+from cosyvoice_triton.wire.names import (COSYVOICE2_OFFICIAL, COSYVOICE2_OFFICIAL_OFFLINE, COSYVOICE3_OFFICIAL,
+                                         COSYVOICE3_OFFICIAL_OFFLINE, DEFAULT_VOICE_ID, OFFICIAL_MODELS,
+                                         REFERENCE_WAV_LEN)
 from cosyvoice_triton.wire.official import from_official_form
 from cosyvoice_triton.wire.requests import (PromptAudio, RegisterInputs, SynthesisInputs, TextAppend,
                                             parse_cosyvoice2_request)
@@ -36,7 +40,7 @@ TEXT = "The official client asks for this sentence."
 SEED = 7
 RATIO = 3.0  # as test_triton_serving: the random LLM stops sooner
 ATOL = 2e-4  # as test_triton_serving: equal up to float rounding of batched flow and vocoder calls
-STREAMING, OFFLINE = OFFICIAL_MODELS
+STREAMING, OFFLINE = COSYVOICE2_OFFICIAL, COSYVOICE2_OFFICIAL_OFFLINE
 
 
 def prompt_wav() -> np.ndarray:
@@ -147,10 +151,45 @@ def test_serve_renders_the_official_models_on_request_and_frontends_only(tmp_pat
         assert config["parameters"]["tensor_form"] == {"string_value": "official"}
     native = pb_fake.pbtxt_to_dict((repo / "cosyvoice2" / "config.pbtxt").read_text())
     assert native["max_batch_size"] == 0 and native["parameters"]["tensor_form"] == {"string_value": "native"}
+    assert native["parameters"]["family"] == config["parameters"]["family"] == {"string_value": "cosyvoice2"}
     frontend = ServeOptions(official_models=True, role="frontend", backends=("grpc://b:8001",))
-    assert set(OFFICIAL_MODELS) <= set(model_names(render_run_repository(frontend, tmp_path / "m", "v", tmp_path / "f")))
+    assert {STREAMING, OFFLINE} <= set(model_names(render_run_repository(frontend, tmp_path / "m", "v", tmp_path / "f")))
     backend = ServeOptions(official_models=True, role="backend")
     assert model_names(render_run_repository(backend, tmp_path / "m", "v", tmp_path / "b")) == ["token2wav"]
+
+
+def test_a_cosyvoice3_folder_gets_the_official_models_named_for_its_family(tmp_path):
+    import pb_fake
+    from cosyvoice_triton.server.launcher import ServeOptions, render_run_repository
+    from cosyvoice_triton.server.templates import model_names
+
+    folder = tmp_path / "cv3"
+    folder.mkdir()
+    (folder / "cosyvoice3.yaml").touch()  # the yaml decides the family (family.family_of)
+    names = set(model_names(render_run_repository(ServeOptions(official_models=True), folder, "v", tmp_path / "r")))
+    assert {COSYVOICE3_OFFICIAL, COSYVOICE3_OFFICIAL_OFFLINE} <= names and not {STREAMING, OFFLINE} & names
+    for name, decoupled in ((COSYVOICE3_OFFICIAL, True), (COSYVOICE3_OFFICIAL_OFFLINE, False)):
+        config = pb_fake.pbtxt_to_dict((tmp_path / "r" / name / "config.pbtxt").read_text())
+        assert config["name"] == name and config["max_batch_size"] == 1
+        assert bool(config["model_transaction_policy"].get("decoupled", False)) is decoupled
+        assert config["parameters"]["tensor_form"] == {"string_value": "official"}
+        assert config["parameters"]["family"] == {"string_value": "cosyvoice3"}
+    lean = set(model_names(render_run_repository(ServeOptions(), folder, "v", tmp_path / "lean")))
+    assert not set(OFFICIAL_MODELS) & lean
+
+
+def test_a_model_named_for_one_family_refuses_a_folder_of_the_other(tmp_path):
+    from cosyvoice_triton.errors import ParameterError
+    from cosyvoice_triton.triton.params import CosyVoice2Params, check_family
+
+    (tmp_path / "cosyvoice2.yaml").touch()
+    params = CosyVoice2Params(model_dir=str(tmp_path), voice_store=None, max_workers=1, max_pending=1,
+                              max_text_chars=10, llm_model="llm", token2wav_model="token2wav",
+                              prompt_encoder_model="prompt_encoder", family="cosyvoice3")
+    with pytest.raises(ParameterError) as error:
+        check_family(params, COSYVOICE3_OFFICIAL)
+    assert "cosyvoice3_official" in str(error.value) and "cosyvoice2.yaml" in str(error.value)
+    check_family(replace(params, family="cosyvoice2"), "cosyvoice2")
 
 
 def test_serve_and_up_turn_them_on_by_default():
@@ -167,10 +206,13 @@ def test_serve_and_up_turn_them_on_by_default():
 def test_the_parameter_types_agree():
     import typing
 
+    from cosyvoice_triton.family import FAMILIES
+    from cosyvoice_triton.wire.names import FAMILY_MODELS
     from cosyvoice_triton.wire.official import TENSOR_FORMS
-    from cosyvoice_triton.triton.params import TensorForm
+    from cosyvoice_triton.triton.params import FamilyName, TensorForm
 
     assert typing.get_args(TensorForm) == TENSOR_FORMS
+    assert typing.get_args(FamilyName) == tuple(family.name for family in FAMILIES) == tuple(FAMILY_MODELS)
 
 
 # ---- against a real tritonserver ------------------------------------------------------------------------

@@ -37,7 +37,8 @@ RATE = 16000
 PARAMS = {"llm": LLMParams, "token2wav": Token2WavParams, "cosyvoice2": CosyVoice2Params,
           "cosyvoice2_offline": CosyVoice2Params, "cosyvoice2_official": CosyVoice2Params,
           "cosyvoice2_official_offline": CosyVoice2Params, "cosyvoice3": CosyVoice2Params,
-          "cosyvoice3_offline": CosyVoice2Params, "register_voice": RegisterVoiceParams,
+          "cosyvoice3_offline": CosyVoice2Params, "cosyvoice3_official": CosyVoice2Params,
+          "cosyvoice3_official_offline": CosyVoice2Params, "register_voice": RegisterVoiceParams,
           "prompt_audio": PromptStepParams, "speaker_embedding": SpeakerEmbeddingParams,
           "audio_tokenizer": PromptStepParams}
 

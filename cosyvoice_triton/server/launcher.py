@@ -41,9 +41,7 @@ from cosyvoice_triton.server.process import TritonProcess, describe_exit
 from cosyvoice_triton.server.templates import model_names, render_repository
 from cosyvoice_triton.targets import TritonTarget, check_spec, is_discovery
 from cosyvoice_triton.family import COSYVOICE2 as COSYVOICE2_FAMILY, family_of
-from cosyvoice_triton.wire.names import (COSYVOICE2, COSYVOICE2_OFFICIAL, COSYVOICE2_OFFICIAL_OFFLINE,
-                                         COSYVOICE2_OFFLINE, COSYVOICE3, COSYVOICE3_OFFLINE, FAMILY_MODELS,
-                                         OFFICIAL_MODELS)
+from cosyvoice_triton.wire.names import FAMILY_MODELS, OFFICIAL_MODELS
 from cosyvoice_triton.wire.official import NATIVE_FORM, OFFICIAL_FORM
 from cosyvoice_triton.triton.params import Engine, Precision
 
@@ -110,15 +108,19 @@ class ServeOptions:
     token2wav_timeout_s: float = 60.0  # a frontend's longest wait for one remote token2wav chunk
     chunk_policy: str = "fixed"  # fixed | adaptive: cosyvoice2's chunk policy for requests that name none
     chunk_preset: str = "official"  # official | quick: the chunk schedule's defaults (pipeline/chunk_policy.py)
-    # cosyvoice2_official and cosyvoice2_official_offline too: cosyvoice2 in the official runtime's tensor form,
-    # for the official Triton clients (wire/official.py). Off here, so tests and in-process users stay lean
-    # (two more Python model processes); `serve` and `up` turn it on.
+    # cosyvoice2_official and cosyvoice2_official_offline too (cosyvoice3_official* on a CosyVoice3 folder): the
+    # family's synthesis model in the official runtime's tensor form, for the official Triton clients
+    # (wire/official.py). Off here, so tests and in-process users stay lean (two more Python model processes);
+    # `serve` and `up` turn it on.
     official_models: bool = False
     startup_timeout_s: float = 300.0
     extra_args: list[str] = field(default_factory=list)  # more tritonserver flags
 
 
 CORE_SHARE_FILE = "core_share"  # in the run folder (pipeline/shared_cores.py)
+# (decoupled, max_batch_size, tensor form) of each family's synthesis models, in FAMILY_MODELS' order: streaming,
+# offline, then the official form's two (the official config batches: [1, ...] tensors, no dynamic batcher).
+SYNTHESIS_KINDS = ((True, 0, NATIVE_FORM), (False, 0, NATIVE_FORM), (True, 1, OFFICIAL_FORM), (False, 1, OFFICIAL_FORM))
 
 
 def default_model_dir() -> Path:
@@ -242,14 +244,10 @@ def repository_values(options: ServeOptions, model_dir: Path, voice_store: str,
     prompt_step = {"model_dir": model_dir, "instances": options.instances, "max_batch": options.prompt_max_batch,
                    "queue_delay_us": options.prompt_queue_delay_us}
     return {
-        **{name: {**synthesis, "name": name, "decoupled": decoupled, "max_batch_size": batch, "tensor_form": form}
-           for name, decoupled, batch, form in ((COSYVOICE2, True, 0, NATIVE_FORM),
-                                                (COSYVOICE2_OFFLINE, False, 0, NATIVE_FORM),
-                                                (COSYVOICE3, True, 0, NATIVE_FORM),
-                                                (COSYVOICE3_OFFLINE, False, 0, NATIVE_FORM),
-                                                # the official config batches: [1, ...] tensors, no batcher
-                                                (COSYVOICE2_OFFICIAL, True, 1, OFFICIAL_FORM),
-                                                (COSYVOICE2_OFFICIAL_OFFLINE, False, 1, OFFICIAL_FORM))},
+        **{name: {**synthesis, "name": name, "family": family, "decoupled": decoupled, "max_batch_size": batch,
+                  "tensor_form": form}
+           for family, models in FAMILY_MODELS.items()
+           for name, (decoupled, batch, form) in zip(models, SYNTHESIS_KINDS, strict=True)},
         "llm": {"model_dir": model_dir, "placement": placement, "device": torch_device,
                 "max_batch": options.llm_max_batch, "max_seq_len": options.llm_max_seq_len,
                 "max_queue": options.llm_max_queue, "max_token_text_ratio": ratio,
@@ -351,12 +349,12 @@ def describe(server: TritonProcess, model_dir_hint: str, out: TextIO) -> None:
     print(f"  models   {', '.join(names)}", file=out)
     synthesis = [models for models in FAMILY_MODELS.values() if models[0] in names]
     if synthesis:
-        streaming, offline = synthesis[0][:2]
+        streaming, offline, official, official_offline = synthesis[0]
         print(f"  HTTP     http://{host}:{server.http_port}   (whole waveform: POST /v2/models/{offline}/infer)",
               file=out)
         print(f"  gRPC     {host}:{server.grpc_port}   (streaming: model {streaming})", file=out)
-        if COSYVOICE2_OFFICIAL in names:
-            print(f"  official {COSYVOICE2_OFFICIAL} (streaming), {COSYVOICE2_OFFICIAL_OFFLINE} (whole waveform): "
+        if official in names:
+            print(f"  official {official} (streaming), {official_offline} (whole waveform): "
                   f"the official Triton clients' tensors (--model-name)", file=out)
     else:  # a split deployment's backend: frontends call it
         print(f"  gRPC     {host}:{server.grpc_port}   (give frontends --backend grpc://{host}:{server.grpc_port})",

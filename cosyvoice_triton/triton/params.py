@@ -28,6 +28,7 @@ ChunkKind = Literal["fixed", "adaptive"]  # messages.CHUNK_POLICIES: the server'
 OffAutoOn = Literal["off", "auto", "on"]
 ChunkPresetName = Literal["official", "quick"]  # pipeline/chunk_policy.CHUNK_PRESETS
 TensorForm = Literal["native", "official"]  # wire/official.TENSOR_FORMS: cosyvoice2's tensors, ours or the official's
+FamilyName = Literal["cosyvoice2", "cosyvoice3"]  # family.FAMILIES' names (a unit test keeps them equal)
 
 
 def parse_parameters(cls, model_config: dict | str, model: str = ""):
@@ -154,6 +155,8 @@ class CosyVoice2Params:
     realtime_capacity: float = 0.0  # audio seconds per second this instance makes; 0: measured
     # native: our tensors (max_batch_size 0); official: the official runtime's ([1, ...] each; wire/official.py)
     tensor_form: TensorForm = "native"
+    # the family the model is named for (wire/names.FAMILY_MODELS); `check_family` holds model_dir to it
+    family: FamilyName = "cosyvoice2"
     # first audible audio (pipeline/audible.py): a 10 ms window with an RMS above this many dBFS is heard
     audible_threshold_dbfs: float = DEFAULT_THRESHOLD_DBFS
 
@@ -164,3 +167,14 @@ class RegisterVoiceParams:
     voice_store: str | None
     prompt_encoder_model: str
     max_seq_len: int = 4096  # the llm's positions per stream: longer transcripts are refused (prompt_budget)
+
+
+def check_family(params: CosyVoice2Params, model: str) -> None:
+    """ParameterError when `params.model_dir` is not a folder of the family the model is named for (a repository
+    rendered by hand with another folder): a model called cosyvoice3 serves CosyVoice3 and nothing else."""
+    from cosyvoice_triton.family import family_of
+
+    found = family_of(params.model_dir)
+    if found.name != params.family:
+        raise ParameterError(f"{model}: parameter family is {params.family}, but model_dir {params.model_dir} is a "
+                             f"{found.name} folder (it holds {found.yaml_file})")

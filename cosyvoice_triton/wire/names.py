@@ -15,13 +15,16 @@ COSYVOICE2 = "cosyvoice2"
 COSYVOICE2_OFFLINE = "cosyvoice2_offline"
 COSYVOICE2_OFFICIAL = "cosyvoice2_official"  # the official runtime's tensor form (official.py)
 COSYVOICE2_OFFICIAL_OFFLINE = "cosyvoice2_official_offline"
-OFFICIAL_MODELS = (COSYVOICE2_OFFICIAL, COSYVOICE2_OFFICIAL_OFFLINE)
 COSYVOICE3 = "cosyvoice3"  # cosyvoice2's counterparts on a CosyVoice3 folder: the same model, named for its family
 COSYVOICE3_OFFLINE = "cosyvoice3_offline"
+COSYVOICE3_OFFICIAL = "cosyvoice3_official"
+COSYVOICE3_OFFICIAL_OFFLINE = "cosyvoice3_official_offline"
 # The synthesis models of each model family (`family.ModelFamily.name`): streaming, offline, then the official
-# tensor form's where the family has them. A server renders its folder's family's only.
-FAMILY_MODELS = {"cosyvoice2": (COSYVOICE2, COSYVOICE2_OFFLINE, *OFFICIAL_MODELS),
-                 "cosyvoice3": (COSYVOICE3, COSYVOICE3_OFFLINE)}
+# tensor form's (streaming, offline). A server renders its folder's family's only.
+FAMILY_MODELS = {"cosyvoice2": (COSYVOICE2, COSYVOICE2_OFFLINE, COSYVOICE2_OFFICIAL, COSYVOICE2_OFFICIAL_OFFLINE),
+                 "cosyvoice3": (COSYVOICE3, COSYVOICE3_OFFLINE, COSYVOICE3_OFFICIAL, COSYVOICE3_OFFICIAL_OFFLINE)}
+OFFICIAL_MODELS = tuple(name for models in FAMILY_MODELS.values() for name in models[2:])  # every family's
+SYNTHESIS_MODELS = frozenset(name for models in FAMILY_MODELS.values() for name in models)
 LLM = "llm"
 TOKEN2WAV = "token2wav"
 PROMPT_ENCODER = "prompt_encoder"
@@ -107,5 +110,5 @@ INPUT_FIELDS: dict[str, str] = {
 }
 INPUT_NAMES = frozenset(INPUT_FIELDS)
 VOICE_INPUTS = (REFERENCE_AUDIO_ID, REFERENCE_WAV, REFERENCE_AUDIO)  # one of them names a request's voice
-OWNER_MODELS = frozenset({*(m for models in FAMILY_MODELS.values() for m in models), REGISTER_VOICE})  # take `owner`
+OWNER_MODELS = SYNTHESIS_MODELS | {REGISTER_VOICE}  # the models that take `owner`
 DEFAULT_VOICE_ID = "default"  # the voice `up` registers; the official form's request without a voice means it

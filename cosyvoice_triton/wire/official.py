@@ -1,5 +1,6 @@
-"""The official runtime's tensor form (models cosyvoice2_official and cosyvoice2_official_offline: every tensor
-[1, ...]) turned into ours, and which model takes a request that names cosyvoice2 in either form.
+"""The official runtime's tensor form (models cosyvoice2_official and cosyvoice2_official_offline, and
+cosyvoice3_official and cosyvoice3_official_offline on a CosyVoice3 folder: every tensor [1, ...]) turned into ours,
+and which model takes a request that names cosyvoice2 or cosyvoice3 in either form.
 
 Triton checks ranks against a model's config before the model runs, so one model name cannot take both forms;
 docs/api/official.md says what the official clients send and what it means here.
@@ -11,8 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from cosyvoice_triton.errors import InvalidInput
-from cosyvoice_triton.wire.names import (COSYVOICE2, COSYVOICE2_OFFICIAL, COSYVOICE2_OFFICIAL_OFFLINE,
-                                         COSYVOICE2_OFFLINE, DEFAULT_VOICE_ID, OFFICIAL_MODELS, OWNER_MODELS,
+from cosyvoice_triton.wire.names import (DEFAULT_VOICE_ID, FAMILY_MODELS, OFFICIAL_MODELS, OWNER_MODELS,
                                          REFERENCE_AUDIO_ID, REFERENCE_SAMPLE_RATE, REFERENCE_WAV, TEXT_APPEND,
                                          VOICE_INPUTS)
 from cosyvoice_triton.wire.tensors import string_array
@@ -62,11 +62,14 @@ def owner_input(model: str, owner: str | None) -> np.ndarray | None:
 def official_model_for(model: str, shapes: Mapping[str, Sequence[int]], streaming: bool) -> str:
     """The model to call for a request that names `model` with inputs of these shapes (name -> shape).
 
-    The official clients can only name cosyvoice2, so a gateway in front of Triton (gateway/triton_facade.py,
-    routes_kserve.py) sends their requests on: cosyvoice2 or cosyvoice2_offline in the official form (any input
-    of rank 2: a native request has only rank-1 tensors, reference_wav_len [1] included) to cosyvoice2_official
-    when streamed to cosyvoice2, else to cosyvoice2_official_offline. Any other request keeps its model."""
-    official = any(len(shape) >= 2 for shape in shapes.values())
-    if not official or model not in (COSYVOICE2, COSYVOICE2_OFFLINE):
+    The official clients can only name a family's own model (cosyvoice2, cosyvoice3), so a gateway in front of
+    Triton (gateway/triton_facade.py, routes_kserve.py) sends their requests on: a family's streaming or offline
+    model in the official form (any input of rank 2: a native request has only rank-1 tensors,
+    reference_wav_len [1] included) to that family's official streaming model when streamed to its streaming
+    model (cosyvoice2 -> cosyvoice2_official, cosyvoice3 -> cosyvoice3_official), else to its official offline
+    model. Any other request keeps its model."""
+    family = next((models for models in FAMILY_MODELS.values() if model in models[:2]), None)
+    if family is None or not any(len(shape) >= 2 for shape in shapes.values()):
         return model
-    return COSYVOICE2_OFFICIAL if streaming and model == COSYVOICE2 else COSYVOICE2_OFFICIAL_OFFLINE
+    streamed, whole = family[2:]
+    return streamed if streaming and model == family[0] else whole

@@ -1,6 +1,7 @@
 """`cosyvoice2` (decoupled) and `cosyvoice2_offline` (its twin): text + voice -> 24 kHz audio. Rendered twice
 more as `cosyvoice2_official` and `cosyvoice2_official_offline`: parameter tensor_form "official" (the official
-runtime's tensors, each [1, ...]), turned into ours by `from_official_form` before the same parse.
+runtime's tensors, each [1, ...]), turned into ours by `from_official_form` before the same parse. On a CosyVoice3
+folder the same four are named cosyvoice3, cosyvoice3_offline, cosyvoice3_official, cosyvoice3_official_offline.
 
 Tensors in -> `SynthesisInputs` -> `ServedPipeline` (voice from the store or prompt_encoder, then the
 shared Pipeline over BLS calls to llm and token2wav) -> `waveform` responses. execute() only parses:
@@ -24,6 +25,7 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.admission import AdmissionPolicy, refusal, request_cost, text_tokens_estimate
 from cosyvoice_triton.errors import InvalidInput, NotFound, Unavailable
+from cosyvoice_triton.family import family_of
 from cosyvoice_triton.pipeline.capacity import Capacity
 from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
 from cosyvoice_triton.voices.stores import open_voice_store
@@ -34,7 +36,7 @@ from cosyvoice_triton.wire.names import TEXT_MODE
 from cosyvoice_triton.wire.requests import ConversionInputs, SynthesisInputs, TextAppend, parse_cosyvoice2_request
 from cosyvoice_triton.triton.vc_service import BlsAudioTokenizer, ConversionService
 from cosyvoice_triton.triton.metrics import REMOTE_TOKEN2WAV, SYNTHESIS, ModelMetrics, instance_labels
-from cosyvoice_triton.triton.params import CosyVoice2Params, parse_parameters
+from cosyvoice_triton.triton.params import CosyVoice2Params, check_family, parse_parameters
 from cosyvoice_triton.triton.remote_token2wav import RemoteToken2Wav
 from cosyvoice_triton.triton.service import ServedPipeline, Voices, prompt_budget, token_mel_ratio
 from cosyvoice_triton.triton.decoupled import RequestPool, send_chunks, send_whole
@@ -49,13 +51,14 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.name = args["model_name"]
         self.params = params = parse_parameters(CosyVoice2Params, config, self.name)
+        check_family(params, self.name)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.official = params.tensor_form == OFFICIAL_FORM  # every tensor [1, ...], waveform [1, n]
         self.instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", [])) or 1
         self.store = open_voice_store(params.voice_store)
         voices = Voices(self.store, BlsPromptEncoder(pb_utils, params.prompt_encoder_model,
                                                      token_mel_ratio(params.model_dir)),
-                        prompt_budget(params.model_dir, params.max_seq_len))
+                        prompt_budget(params.model_dir, params.max_seq_len), family=family_of(params.model_dir).name)
         # Split deployment: token2wav on the backend servers named in the config; else this server's own.
         self.token2wav = RemoteToken2Wav.from_specs(params.token2wav_backends, params.token2wav_model,
                                                     params.token2wav_timeout_s) \

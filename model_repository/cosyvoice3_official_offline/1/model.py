@@ -1,0 +1,1 @@
+../../cosyvoice2/1/model.py
