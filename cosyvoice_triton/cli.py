@@ -270,7 +270,8 @@ def _add_voices(sub) -> None:
                                              "save_spkinfo) as voices named by their speaker ids")
     imp.add_argument("spk2info", type=Path, help="the spk2info.pt file the official code saved")
     imp.add_argument("--model-dir", type=Path, required=True,
-                     help="the model folder whose tokenizer decodes the saved prompt transcripts")
+                     help="the model folder that saved the speakers: its tokenizer decodes their prompt "
+                          "transcripts, its family is the one their features serve")
     imp.add_argument("--voice-store", default=None,
                      help="sqlite path or redis://host:port/db (default: $COSYVOICE_HOME/voices.sqlite)")
     owner = imp.add_mutually_exclusive_group()
@@ -286,11 +287,12 @@ def _run_voices_import(args) -> int:
     from .voices.store import owner_tag
     from .voices.stores import open_voice_store
 
-    tokenizer = TextPreprocessor.from_model_dir(args.model_dir).tokenizer
+    preprocessor = TextPreprocessor.from_model_dir(args.model_dir)
     store = open_voice_store(args.voice_store)
     try:
-        stored, skipped = import_spk2info(args.spk2info, store, tokenizer.decode,
-                                          owner=owner_tag(args.owner) if args.owner else None)
+        stored, skipped = import_spk2info(args.spk2info, store, preprocessor.tokenizer.decode,
+                                          owner=owner_tag(args.owner) if args.owner else None,
+                                          family=preprocessor.family.name)
     finally:
         store.close()
     for info in stored:

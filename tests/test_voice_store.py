@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import multiprocessing
 import sqlite3
+import struct
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -15,7 +18,7 @@ import redis
 from cosyvoice_triton.errors import InvalidInput, NotFound, Unavailable
 from cosyvoice_triton.messages import PromptFeatures
 from cosyvoice_triton.preprocess.voice_features import audio_sha256
-from cosyvoice_triton.voices.store import (CorruptVoice, VoiceStore, decode_features, encode_features,
+from cosyvoice_triton.voices.store import (CorruptVoice, Recording, StoredVoice, VoiceStore, decode_voice, encode_voice,
                                            generated_voice_id, register_once)
 from cosyvoice_triton.voices.stores import open_voice_store
 from cosyvoice_triton.voices.redis_store import voice_key
@@ -295,14 +298,14 @@ def _flip_bit(blob: bytes, index: int) -> bytes:
     lambda blob: _flip_bit(blob, -5),  # in the mel
     lambda blob: _flip_bit(blob, 20),  # in the JSON header
     lambda blob: b"PK\x03\x04" + blob[4:],  # another format (npz)
-    lambda blob: blob[:4] + b"\x02\x00" + blob[6:],  # a newer version
+    lambda blob: blob[:4] + b"\x03\x00" + blob[6:],  # a newer version
     lambda blob: b"\x80\x04\x95" + blob[3:],  # a pickle
 ], ids=["empty", "truncated", "extended", "mel bit", "header bit", "npz", "version", "pickle"])
 def test_blob_decoder_rejects_damage(damage):
-    blob = encode_features(make_features())
-    assert_same_features(decode_features(blob, "v"), make_features())
+    blob = encode_voice(StoredVoice.of(make_features(), "cosyvoice2"))
+    assert_same_features(decode_voice(blob, "v").features["cosyvoice2"], make_features())
     with pytest.raises(CorruptVoice, match="'v'"):
-        decode_features(damage(blob), "v")
+        decode_voice(damage(blob), "v")
 
 
 def test_stats_count_hits_misses_and_loads(open_store):
@@ -394,3 +397,112 @@ def test_processes_opening_a_new_sqlite_file_at_once_all_open_it(tmp_path):
             with context.Pool(6) as pool:
                 results = pool.starmap(_open_store_at, [(path, barrier)] * 6)
         assert results == ["ok"] * 6
+
+
+# ---- one voice, every model family ----------------------------------------------------------------------
+
+RECORDING = Recording(np.random.default_rng(7).standard_normal(24000).astype(np.float32), 16000)
+
+
+class Encoder:
+    """Stands in for a server's prompt encoder of one family: its features for a recording, each call counted."""
+
+    def __init__(self, seed: int):
+        self.seed, self.calls = seed, []
+
+    def __call__(self, samples: np.ndarray, sample_rate: int, text: str, sha: str) -> PromptFeatures:
+        self.calls.append((samples.tobytes(), sample_rate, text, sha))
+        return dataclasses.replace(make_features(seed=self.seed, n_tokens=30, text=text), audio_sha256=sha)
+
+
+def must_not_encode(*_args) -> PromptFeatures:
+    raise AssertionError("the encoder ran for features the store holds")
+
+
+def test_a_voice_gets_another_familys_features_from_its_recording_once(open_store):
+    """Registered with CosyVoice2's features and its recording; CosyVoice3's are made at their first get from the
+    recording as registered, kept, and read by every instance after that; CosyVoice2's stay as they were."""
+    first, other = open_store(), open_store()
+    cv2 = make_features(seed=1)
+    info = first.register(cv2, voice_id="both", family="cosyvoice2", recording=RECORDING)
+    first.get("both")  # cached before the other family's features exist
+    cv3 = Encoder(seed=2)
+    got = first.get("both", family="cosyvoice3", encode=cv3)
+    assert cv3.calls == [(RECORDING.samples.tobytes(), RECORDING.sample_rate, cv2.text, cv2.audio_sha256)]
+    assert_same_features(got, cv3(RECORDING.samples, 16000, cv2.text, cv2.audio_sha256))
+    for store in (other, first, open_store()):
+        assert_same_features(store.get("both", family="cosyvoice3", encode=must_not_encode), got)
+        assert_same_features(store.get("both", family="cosyvoice2", encode=must_not_encode), cv2)
+        assert store.info("both") == info and store.list() == [info]
+    assert not other.get("both", family="cosyvoice3").mel.flags.writeable
+
+
+def test_families_made_at_once_by_two_instances_are_both_kept(open_store):
+    """Two instances add a family each to one voice at the same moment (b writes while a computes): a's write
+    reads the voice after computing and lands only on the revision it read, so b's family stays."""
+    a, b = open_store(), open_store()
+    a.register(make_features(seed=1), voice_id="busy", recording=RECORDING)
+    made_by_b = Encoder(seed=4)
+
+    def encode_while_b_writes(*args) -> PromptFeatures:  # b writes its family between a's read and a's write
+        b.get("busy", family="fam_b", encode=made_by_b)
+        return Encoder(seed=3)(*args)
+
+    a.get("busy", family="fam_a", encode=encode_while_b_writes)
+    reader = open_store()
+    for family, seed in (("fam_a", 3), ("fam_b", 4), ("cosyvoice2", 1)):
+        assert reader.get("busy", family=family).speech_tokens.tobytes() == (
+            make_features(seed=seed, n_tokens=30 if seed != 1 else 25).speech_tokens.tobytes())
+    assert len(made_by_b.calls) == 1
+
+
+def test_a_voice_without_a_recording_serves_its_own_family_only(open_store):
+    store = open_store()
+    store.register(make_features(seed=1), voice_id="imported", family="cosyvoice3")  # spk2info keeps no recording
+    assert_same_features(store.get("imported", family="cosyvoice3"), make_features(seed=1))
+    with pytest.raises(InvalidInput, match="cosyvoice3 features only.*register its recording again") as lacking:
+        store.get("imported", family="cosyvoice2", encode=must_not_encode)
+    assert lacking.value.field == "reference_audio_id"
+    store.register(make_features(seed=2), voice_id="kept", recording=RECORDING)
+    with pytest.raises(InvalidInput, match="no cosyvoice3 features yet"):
+        store.get("kept", family="cosyvoice3")  # no encoder to make them with
+
+
+def version_1_blob(features: PromptFeatures) -> bytes:
+    """A voice as the store wrote it before it kept families (blob version 1: one family's arrays, unnamed)."""
+    arrays = [("embedding", "<f4", features.embedding), ("speech_tokens", "<i4", features.speech_tokens),
+              ("mel", "<f4", features.mel)]
+    header = json.dumps({"text": features.text, "audio_sha256": features.audio_sha256,
+                         "arrays": [[name, dtype, list(array.shape)] for name, dtype, array in arrays]},
+                        ensure_ascii=False).encode()
+    body = header + b"".join(array.astype(dtype).tobytes() for _, dtype, array in arrays)
+    return struct.pack("<4sHII", b"CVVS", 1, len(header), zlib.crc32(body)) + body
+
+
+def test_a_voice_stored_before_families_serves_cosyvoice2_as_before(open_store, store_url):
+    store = open_store()
+    old = make_features(seed=5)
+    store.register(old, voice_id="old", recording=None)
+    overwrite_blob(store_url, "old", version_1_blob(old))  # the revision stays: a cold reader decodes it
+    reader = open_store()
+    assert_same_features(reader.get("old"), old)
+    assert_same_features(reader.get("old", family="cosyvoice2"), old)
+    with pytest.raises(InvalidInput, match="register its recording again"):
+        reader.get("old", family="cosyvoice3", encode=Encoder(seed=6))
+
+
+def test_an_sqlite_file_without_recordings_gains_the_column(tmp_path):
+    """A file as the store wrote it before it kept recordings: opened, it gains the column; its voices (version 1
+    blobs) serve CosyVoice2; new voices keep their recording."""
+    path, old = tmp_path / "before.sqlite", make_features(seed=8)
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE voices (store_key TEXT PRIMARY KEY, voice_id TEXT NOT NULL, content_key TEXT NOT NULL "
+                   "UNIQUE, revision TEXT NOT NULL, text TEXT NOT NULL, audio_sha256 TEXT NOT NULL, tokens INTEGER NOT "
+                   "NULL, created_at REAL NOT NULL, name TEXT, blob BLOB NOT NULL, owner TEXT)")
+        db.execute("INSERT INTO voices VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                   ("old", "old", "k" * 64, "r1", old.text, old.audio_sha256, 25, 0.0, None, version_1_blob(old), None))
+    store = open_voice_store(f"sqlite://{path}")
+    assert_same_features(store.get("old"), old)
+    store.register(make_features(seed=9), voice_id="new", recording=RECORDING)
+    assert store.get("new", family="cosyvoice3", encode=Encoder(seed=10)).speech_tokens.shape == (30,)
+    store.close()

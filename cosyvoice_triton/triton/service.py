@@ -25,7 +25,7 @@ from cosyvoice_triton.preprocess.voice_features import audio_sha256
 from cosyvoice_triton.wire.names import REFERENCE_TEXT
 from cosyvoice_triton.wire.requests import PromptAudio, RegisterInputs, SynthesisInputs, TextAppend
 from cosyvoice_triton.voices.prompt_budget import PromptBudget, speech_tokens_of
-from cosyvoice_triton.voices.store import VoiceRecord, VoiceStore, register_once
+from cosyvoice_triton.voices.store import Recording, VoiceRecord, VoiceStore, register_once
 
 def token_mel_ratio(model_dir: str | Path) -> int:
     return int(read_yaml(ModelPaths(Path(model_dir)).yaml).get("token_mel_ratio", 2))
@@ -37,14 +37,16 @@ def prompt_budget(model_dir: str | Path, max_seq_len: int) -> PromptBudget:
 
 
 class Voices:
-    """Voice store + prompt encoder. `encoder.encode(samples, rate, text, sha) -> PromptFeatures`.
+    """Voice store + prompt encoder of one model family (`family`, the server's folder's: its features are the
+    ones read and registered). `encoder.encode(samples, rate, text, sha) -> PromptFeatures`.
     With a `budget`, a transcript that would leave an LLM stream no room for a sentence is refused
     (registration and inline prompts alike; `prompt_budget`)."""
 
-    def __init__(self, store: VoiceStore, encoder, budget: PromptBudget | None = None):
+    def __init__(self, store: VoiceStore, encoder, budget: PromptBudget | None = None, *, family: str):
         self.store = store
         self.encoder = encoder
         self.budget = budget
+        self.family = family
 
     def check_transcript(self, text: str | None, prompt_speech_tokens: int) -> None:
         """Whether the transcript leaves an LLM stream room (its characters were checked by the parse)."""
@@ -66,9 +68,14 @@ class Voices:
         self.check_transcript(text, speech_tokens_of(samples.shape[0], rate))
         return self.encoder.encode(samples, rate, text, audio_sha256(samples, rate))
 
+    def get(self, voice_id: str, owner: str | None) -> PromptFeatures:
+        """The family's features of a registered voice (the owner's of that id, else the shared one), made from its
+        recording at its first use with this family (`VoiceStore.get`)."""
+        return self.store.get(voice_id, owner, self.family, self.encoder.encode)
+
     def resolve(self, inputs: SynthesisInputs) -> PromptFeatures:
         if inputs.voice_id is not None:
-            voice = self.store.get(inputs.voice_id, inputs.owner)  # the owner's voice of that id, else the shared
+            voice = self.get(inputs.voice_id, inputs.owner)
             if inputs.prompt_text is not None:
                 self.check_transcript(inputs.prompt_text, int(voice.speech_tokens.shape[0]))
                 voice = PromptFeatures(embedding=voice.embedding, speech_tokens=voice.speech_tokens, mel=voice.mel,
@@ -83,7 +90,8 @@ class Voices:
         self.check_transcript(inputs.text, speech_tokens_of(samples.shape[0], rate))
         sha = audio_sha256(samples, rate)
         return register_once(self.store, sha, inputs.text, lambda: self.encoder.encode(samples, rate, inputs.text, sha),
-                             voice_id=inputs.voice_id, name=inputs.name, owner=inputs.owner)
+                             voice_id=inputs.voice_id, name=inputs.name, owner=inputs.owner, family=self.family,
+                             recording=Recording(samples, rate))
 
 
 class ServedPipeline:
@@ -108,7 +116,7 @@ class ServedPipeline:
                                 sampling=replace(self.default_sampling, **inputs.sampling),
                                 chunk_policy=replace(self.chunk_policy, **inputs.chunk_overrides),
                                 text_frontend=inputs.text_frontend, speed=inputs.speed,
-                                text_type=inputs.text_type, voice_of=partial(self.voices.store.get, owner=inputs.owner),
+                                text_type=inputs.text_type, voice_of=partial(self.voices.get, owner=inputs.owner),
                                 marks=inputs.marks)
 
     def run(self, inputs: SynthesisInputs, stream: bool, is_cancelled: Callable[[], bool],

@@ -2,14 +2,16 @@
 
 Keys (standalone Redis or a primary with replicas; not Redis Cluster, whose slots would split them), each voice
 under its store key (`store.store_key`: the id of a shared voice, "owner/id" of an owned one):
-  cosyvoice:voice:<store key>   hash: revision, blob (`encode_features`), info (VoiceRecord as JSON), content_key
-                                (an info written before voices had owners lacks "owner": a shared voice)
+  cosyvoice:voice:<store key>   hash: revision, blob (`encode_voice`: the features of each family), info
+                                (VoiceRecord as JSON), content_key, recording (`encode_recording`; absent: none
+                                kept) (an info written before voices had owners lacks "owner": a shared voice)
   cosyvoice:voice_ids           set of every store key, for listing
   cosyvoice:voice_by_content    hash: content_key (sha256 of audio hash + text [+ owner]) → store key
   cosyvoice:voice_keys          "owner/id": owned voices are kept under their store key (absent: written before,
                                 when ids were one space for all owners and owned voices were kept under their id)
-Registration, deletion and the move of an old owned voice to its store key are Lua scripts, so each is one
-atomic step for every server at once. Opening a store moves the old owned voices (once: it then sets
+Registration, deletion, a family's features added to a voice (written only while its revision is the one
+read) and the move of an old owned voice to its store key are Lua scripts, so each is one atomic step for
+every server at once. Opening a store moves the old owned voices (once: it then sets
 cosyvoice:voice_keys; servers opening it together move each voice once).
 A lost connection or a timeout raises `Unavailable` (UNAVAILABLE / HTTP 503); other Redis errors propagate.
 """
@@ -24,9 +26,9 @@ import redis
 
 from cosyvoice_triton.errors import Unavailable
 from cosyvoice_triton.messages import PromptFeatures
-from cosyvoice_triton.voices.store import (CachedVoiceStore, VoiceRecord, check_owner, check_same_voice, content_key,
-                                           decode_features, id_taken, lookup_keys, prepare_registration, store_key,
-                                           visible_to)
+from cosyvoice_triton.voices.store import (FIRST_FAMILY, CachedVoiceStore, Recording, VoiceRecord, check_owner,
+                                           check_same_voice, content_key, decode_voice, id_taken, lookup_keys,
+                                           prepare_registration, store_key, visible_to)
 
 PREFIX = "cosyvoice:"
 IDS_KEY = PREFIX + "voice_ids"
@@ -36,7 +38,7 @@ LAYOUT = "owner/id"
 
 # KEYS: the voice hash of the new voice's store key, content map, key set, then the voice hashes that must be
 # free (its owner's and, for an owned voice, the shared one of that id).
-# ARGV: store key, content_key, revision, blob, info JSON, prefix of voice hashes.
+# ARGV: store key, content_key, revision, blob, info JSON, prefix of voice hashes, recording ("" for none).
 # → {"exists", info JSON of the voice with this content} | {"taken", info JSON of the voice holding the id}
 #   | {"created", ""}
 REGISTER_LUA = """
@@ -51,9 +53,22 @@ for i = 4, #KEYS do
     end
 end
 redis.call('HSET', KEYS[1], 'revision', ARGV[3], 'blob', ARGV[4], 'info', ARGV[5], 'content_key', ARGV[2])
+if ARGV[7] ~= '' then
+    redis.call('HSET', KEYS[1], 'recording', ARGV[7])
+end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[1])
 return {'created', ''}
+"""
+
+# KEYS: voice hash. ARGV: the revision read, the new revision, the new blob. → 1 if written, 0 if the voice
+# changed (or went) since it was read.
+REPLACE_LUA = """
+if redis.call('HGET', KEYS[1], 'revision') ~= ARGV[1] then
+    return 0
+end
+redis.call('HSET', KEYS[1], 'revision', ARGV[2], 'blob', ARGV[3])
+return 1
 """
 
 # KEYS: voice hash, content map, key set. ARGV: store key. → 1 if deleted, 0 if there was no such voice.
@@ -104,6 +119,7 @@ class RedisVoiceStore(CachedVoiceStore):
         self._redis.ping()  # fail when the server starts, not at its first request
         self._register_script = self._redis.register_script(REGISTER_LUA)
         self._delete_script = self._redis.register_script(DELETE_LUA)
+        self._replace_script = self._redis.register_script(REPLACE_LUA)
         self._move_script = self._redis.register_script(MOVE_LUA)
         self._move_old_owned_voices()
 
@@ -122,24 +138,26 @@ class RedisVoiceStore(CachedVoiceStore):
                 self._move_script(keys=[voice_key(key), voice_key(new), CONTENT_KEY, IDS_KEY], args=[key, new])
         self._redis.set(LAYOUT_KEY, LAYOUT)
 
-    def register(self, features: PromptFeatures, voice_id: str | None = None,
-                 name: str | None = None, owner: str | None = None) -> VoiceRecord:
-        """Store a voice, or return the one `owner` already stored for this recording and prompt text."""
-        reg = prepare_registration(features, voice_id, name, owner)
+    def register(self, features: PromptFeatures, voice_id: str | None = None, name: str | None = None,
+                 owner: str | None = None, *, family: str = FIRST_FAMILY,
+                 recording: Recording | None = None) -> VoiceRecord:
+        """Store a voice (`family`'s features, and its recording), or return the one `owner` already stored for
+        this recording and prompt text."""
+        reg = prepare_registration(features, voice_id, name, owner, family, recording)
         info = reg.info
         must_be_free = [voice_key(key) for key in lookup_keys(info.voice_id, owner)]  # its owner's id, the shared
         with _unavailable_when_unreachable():
             status, existing = self._register_script(
                 keys=[voice_key(info.store_key), CONTENT_KEY, IDS_KEY, *must_be_free],
                 args=[info.store_key, reg.content_key, reg.revision, reg.blob,
-                      json.dumps(dataclasses.asdict(info)), voice_key("")])
+                      json.dumps(dataclasses.asdict(info)), voice_key(""), reg.recording or b""])
         if status == b"exists":
             found = _info_from_json(existing)
             check_same_voice(voice_id, found.voice_id)
             return found
         if status == b"taken":
             raise id_taken(info.voice_id, owner, _info_from_json(existing))
-        self._remember(info.store_key, reg.revision, decode_features(reg.blob, info.voice_id))
+        self._remember(info.store_key, reg.revision, decode_voice(reg.blob, info.voice_id))
         return info
 
     def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceRecord | None:
@@ -185,7 +203,15 @@ class RedisVoiceStore(CachedVoiceStore):
             revision, blob = self._redis.hmget(voice_key(key), ["revision", "blob"])
         if revision is None:
             return None
-        return revision.decode(), blob or b""  # no blob field: `decode_features` calls it corrupt
+        return revision.decode(), blob or b""  # no blob field: `decode_voice` calls it corrupt
+
+    def _read_recording(self, key: str) -> bytes | None:
+        with _unavailable_when_unreachable():
+            return self._redis.hget(voice_key(key), "recording")
+
+    def _replace(self, key: str, expected: str, revision: str, blob: bytes) -> bool:
+        with _unavailable_when_unreachable():
+            return self._replace_script(keys=[voice_key(key)], args=[expected, revision, blob]) == 1
 
     def _delete(self, key: str) -> bool:
         with _unavailable_when_unreachable():

@@ -84,10 +84,12 @@ def prompt_features(speaker: SavedSpeaker, decode) -> PromptFeatures:
                           audio_sha256=speaker_sha256(speaker))
 
 
-def import_spk2info(path: str | Path, store: VoiceStore, decode, owner: str | None = None) -> tuple[list, list[str]]:
-    """Store every zero-shot speaker of `path` as a voice named by its speaker id (owner None: shared).
-    Returns (the voices stored, as `store.register` returns them; the ids skipped)."""
+def import_spk2info(path: str | Path, store: VoiceStore, decode, owner: str | None = None, *,
+                    family: str) -> tuple[list, list[str]]:
+    """Store every zero-shot speaker of `path` as a voice named by its speaker id (owner None: shared), its
+    features as `family`'s (the model folder's that saved them; spk2info keeps no recording, so the voice
+    serves that family only). Returns (the voices stored, as `store.register` returns them; the ids skipped)."""
     speakers, skipped = read_spk2info(path)
     stored = [store.register(prompt_features(speaker, decode), voice_id=speaker.speaker_id,
-                             name=speaker.speaker_id, owner=owner) for speaker in speakers]
+                             name=speaker.speaker_id, owner=owner, family=family) for speaker in speakers]
     return stored, skipped

@@ -8,7 +8,8 @@ processes registering the same recording at once end with one voice. Not for net
 Voices are rows keyed by their store key (`store.store_key`: the id of a shared voice, "owner/id" of an owned
 one), so each owner has its own ids. Files of earlier versions are brought up to date when opened, inside one
 write transaction (concurrent openers agree): a file without the `owner` column gains it (its voices are
-shared), and a file keyed by voice id alone is rebuilt keyed by store key (its owned voices keep their ids).
+shared), a file keyed by voice id alone is rebuilt keyed by store key (its owned voices keep their ids), and a
+file without the `recording` column gains it (its voices have none: they keep serving the family they have).
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from cosyvoice_triton.messages import PromptFeatures
-from cosyvoice_triton.voices.store import (CachedVoiceStore, VoiceRecord, check_owner, check_same_voice, content_key,
-                                           decode_features, id_taken, lookup_keys, prepare_registration)
+from cosyvoice_triton.voices.store import (FIRST_FAMILY, CachedVoiceStore, Recording, VoiceRecord, check_owner,
+                                           check_same_voice, content_key, decode_voice, id_taken, lookup_keys,
+                                           prepare_registration)
 
 COLUMNS = """
     store_key    TEXT PRIMARY KEY,      -- `store_key`: voice_id (shared) or owner/voice_id
@@ -33,8 +35,9 @@ COLUMNS = """
     tokens       INTEGER NOT NULL,
     created_at   REAL NOT NULL,
     name         TEXT,
-    blob         BLOB NOT NULL,         -- `encode_features`
-    owner        TEXT                   -- tenant tag; NULL: a shared voice
+    blob         BLOB NOT NULL,         -- `encode_voice`: the features of each family
+    owner        TEXT,                  -- tenant tag; NULL: a shared voice
+    recording    BLOB                   -- `encode_recording`; NULL: none kept (imported, or stored before)
 """
 SCHEMA = f"CREATE TABLE IF NOT EXISTS voices ({COLUMNS})"
 INFO_COLUMNS = "voice_id, text, audio_sha256, tokens, created_at, name, owner"  # VoiceRecord's field order
@@ -89,11 +92,15 @@ class SqliteVoiceStore(CachedVoiceStore):
             if "store_key" not in columns:
                 for statement in REKEY:  # one by one: executescript would commit the transaction first
                     db.execute(statement)
+            elif "recording" not in columns:  # (the rebuilt table has it)
+                db.execute("ALTER TABLE voices ADD COLUMN recording BLOB")
 
-    def register(self, features: PromptFeatures, voice_id: str | None = None,
-                 name: str | None = None, owner: str | None = None) -> VoiceRecord:
-        """Store a voice, or return the one `owner` already stored for this recording and prompt text."""
-        reg = prepare_registration(features, voice_id, name, owner)
+    def register(self, features: PromptFeatures, voice_id: str | None = None, name: str | None = None,
+                 owner: str | None = None, *, family: str = FIRST_FAMILY,
+                 recording: Recording | None = None) -> VoiceRecord:
+        """Store a voice (`family`'s features, and its recording), or return the one `owner` already stored for
+        this recording and prompt text."""
+        reg = prepare_registration(features, voice_id, name, owner, family, recording)
         info = reg.info
         with self._transaction() as db:
             existing = db.execute(f"SELECT {INFO_COLUMNS} FROM voices WHERE content_key = ?",
@@ -107,10 +114,10 @@ class SqliteVoiceStore(CachedVoiceStore):
                 if taken:
                     raise id_taken(info.voice_id, owner, VoiceRecord(*taken[0]))
             db.execute("INSERT INTO voices (store_key, voice_id, content_key, revision, text, audio_sha256, tokens, "
-                       "created_at, name, blob, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       "created_at, name, blob, owner, recording) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        (info.store_key, info.voice_id, reg.content_key, reg.revision, info.text, info.audio_sha256,
-                        info.tokens, info.created_at, info.name, reg.blob, info.owner))
-        self._remember(info.store_key, reg.revision, decode_features(reg.blob, info.voice_id))
+                        info.tokens, info.created_at, info.name, reg.blob, info.owner, reg.recording))
+        self._remember(info.store_key, reg.revision, decode_voice(reg.blob, info.voice_id))
         return info
 
     def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceRecord | None:
@@ -144,6 +151,15 @@ class SqliteVoiceStore(CachedVoiceStore):
     def _read(self, key: str) -> tuple[str, bytes] | None:
         rows = self._query("SELECT revision, blob FROM voices WHERE store_key = ?", (key,))
         return (rows[0][0], rows[0][1]) if rows else None
+
+    def _read_recording(self, key: str) -> bytes | None:
+        rows = self._query("SELECT recording FROM voices WHERE store_key = ?", (key,))
+        return rows[0][0] if rows else None
+
+    def _replace(self, key: str, expected: str, revision: str, blob: bytes) -> bool:
+        with self._db_lock:
+            return self._db.execute("UPDATE voices SET blob = ?, revision = ? WHERE store_key = ? AND revision = ?",
+                                    (blob, revision, key, expected)).rowcount == 1
 
     def _delete(self, key: str) -> bool:
         with self._db_lock:

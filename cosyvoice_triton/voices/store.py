@@ -34,6 +34,16 @@ in front (`CachedVoiceStore`). Every get first asks the backing store for the vo
 when it matches. So a voice deleted or re-registered through any other instance or process is never
 served stale, and a hit costs one small lookup instead of moving and decoding the whole blob.
 
+Families: a voice serves every model family (`family.ModelFamily.name`). What a family's folder computes from
+the recording differs (the speech tokens: tokenizer v2 or v3; the prompt mel: CosyVoice3's reaches 12 kHz,
+CosyVoice2's stops at 8 kHz; the embedding: the folder's own campplus.onnx), so a voice keeps one set of
+`PromptFeatures` per family, and the recording itself (`Recording`, beside the features, never in the LRU).
+`get(voice_id, owner, family, encode)` of a family the voice has no features for yet computes them from the
+recording with `encode` (a server of that family's prompt encoder) and keeps them: the next get of any
+instance reads them. A voice stored before families were kept (blob version 1) holds CosyVoice2's features
+(the only family served then) and no recording: it serves CosyVoice2 as before; another family asks for it to
+be registered again.
+
 This module also holds the id rules and the blob format (versioned header + raw arrays, no pickle).
 """
 from __future__ import annotations
@@ -55,12 +65,18 @@ from typing import Protocol
 import numpy as np
 
 from cosyvoice_triton.errors import CosyVoiceError, InvalidInput, NotFound
+from cosyvoice_triton.family import COSYVOICE2
 from cosyvoice_triton.messages import PromptFeatures, voice_modes
 
 EMBEDDING_DIM = 192
 MEL_BINS = 80
-TOKEN_MEL_RATIO = 2  # CosyVoice2: two 50 Hz mel frames per 25 Hz speech token
+TOKEN_MEL_RATIO = 2  # both families: two 50 Hz mel frames per 25 Hz speech token
 MAX_NAME_CHARS = 200
+# The family of the features of a voice stored before families were kept (blob version 1), and of a get or a
+# registration that names none: the only family served then.
+FIRST_FAMILY = COSYVOICE2.name
+FAMILY_PATTERN = re.compile(r"[a-z0-9_]{1,32}")
+COMPLETE_TRIES = 5  # read-modify-writes of a voice that others change at the same moment (`_complete`)
 
 # Letters and digits of any script (the official saved speakers are named like "中文女"), _ . -: nothing that a
 # URL path, a Redis key or a log line would have to escape beyond UTF-8.
@@ -124,6 +140,33 @@ def visible_to(info: VoiceRecord, owner: str | None) -> bool:
 
 
 @dataclass(frozen=True)
+class Recording:
+    """A voice's prompt recording as it was registered: what another family's features are computed from."""
+
+    samples: np.ndarray  # (N,) float32, mono, at sample_rate
+    sample_rate: int
+
+
+@dataclass(frozen=True)
+class StoredVoice:
+    """What one blob holds: a voice's transcript, its recording's hash and its features for each family."""
+
+    text: str
+    audio_sha256: str
+    features: dict[str, PromptFeatures]  # family name -> features (their text and hash are the voice's)
+
+    @classmethod
+    def of(cls, features: PromptFeatures, family: str) -> StoredVoice:
+        return cls(features.text, features.audio_sha256, {family: features})
+
+    def with_features(self, family: str, features: PromptFeatures) -> StoredVoice:
+        return StoredVoice(self.text, self.audio_sha256, {**self.features, family: features})
+
+
+Encode = Callable[[np.ndarray, int, str, str], PromptFeatures]  # (samples, rate, text, audio_sha256) -> features
+
+
+@dataclass(frozen=True)
 class VoiceStoreStats:
     """Counters of one store instance (they are not shared between processes).
 
@@ -144,10 +187,12 @@ class VoiceStore(Protocol):
     """Voices by (owner, id). `get` and `info` look an id up for `owner` (its own, then the shared ones; None:
     the shared ones only); `list` gives what `owner` sees; `delete` removes the voice of exactly that owner."""
 
-    def register(self, features: PromptFeatures, voice_id: str | None = None,
-                 name: str | None = None, owner: str | None = None) -> VoiceRecord: ...
+    def register(self, features: PromptFeatures, voice_id: str | None = None, name: str | None = None,
+                 owner: str | None = None, *, family: str = FIRST_FAMILY,
+                 recording: Recording | None = None) -> VoiceRecord: ...
 
-    def get(self, voice_id: str, owner: str | None = None) -> PromptFeatures: ...
+    def get(self, voice_id: str, owner: str | None = None, family: str = FIRST_FAMILY,
+            encode: Encode | None = None) -> PromptFeatures: ...
 
     def info(self, voice_id: str, owner: str | None = None) -> VoiceRecord: ...
 
@@ -238,19 +283,28 @@ class Registration:
     info: VoiceRecord
     content_key: str
     revision: str  # random, new on every registration, even of the same id with the same audio
-    blob: bytes
+    blob: bytes  # `encode_voice`
+    recording: bytes | None  # `encode_recording`; None: none kept (an imported speaker)
 
 
 def prepare_registration(features: PromptFeatures, voice_id: str | None, name: str | None,
-                         owner: str | None = None) -> Registration:
-    """Check the arguments of `register` and encode the voice."""
-    blob = encode_features(features)  # checks the arrays, the text and the hash first
+                         owner: str | None = None, family: str = FIRST_FAMILY,
+                         recording: Recording | None = None) -> Registration:
+    """Check the arguments of `register` and encode the voice (`family`'s features) and its recording."""
+    blob = encode_voice(StoredVoice.of(features, check_family_name(family)))  # checks the arrays, text and hash first
     owner = check_owner(owner)
     info = VoiceRecord(voice_id=registration_id(features, voice_id, owner), text=features.text,
                      audio_sha256=features.audio_sha256, tokens=int(features.speech_tokens.shape[0]),
                      created_at=time.time(), name=check_name(name), owner=owner)
     return Registration(info=info, content_key=content_key(features.audio_sha256, features.text, owner),
-                        revision=secrets.token_hex(8), blob=blob)
+                        revision=secrets.token_hex(8), blob=blob,
+                        recording=None if recording is None else encode_recording(recording))
+
+
+def check_family_name(family: object) -> str:
+    if not isinstance(family, str) or not FAMILY_PATTERN.fullmatch(family):
+        raise ValueError(f"{short_repr(family)} is not a model family name")
+    return family
 
 
 def check_same_voice(requested_id: str | None, existing_id: str) -> None:
@@ -270,11 +324,13 @@ def id_taken(voice_id: str, owner: str | None, taken_by: VoiceRecord) -> Invalid
 
 
 def register_once(store: VoiceStore, audio_sha256: str, text: str, encode: Callable[[], PromptFeatures],
-                  voice_id: str | None = None, name: str | None = None, owner: str | None = None) -> VoiceRecord:
+                  voice_id: str | None = None, name: str | None = None, owner: str | None = None, *,
+                  family: str = FIRST_FAMILY, recording: Recording | None = None) -> VoiceRecord:
     """Register the recording with hash `audio_sha256` and transcript `text`, computing its prompt
-    features (`encode()`, the expensive part) only when the store does not hold that content yet: a
-    repeat registration costs a lookup. Returns and raises what `store.register(encode(), voice_id,
-    name, owner)` would (two racing first registrations both encode; the store keeps one voice)."""
+    features (`encode()`, the expensive part, `family`'s) only when the store does not hold that content yet: a
+    repeat registration costs a lookup (another family's features of a stored voice are made at its first
+    get). Returns and raises what `store.register(encode(), voice_id, name, owner, family=family,
+    recording=recording)` would (two racing first registrations both encode; the store keeps one voice)."""
     if voice_id is not None:
         check_voice_id(voice_id, "voice_id")
     check_name(name)
@@ -283,79 +339,120 @@ def register_once(store: VoiceStore, audio_sha256: str, text: str, encode: Calla
     if found is not None:
         check_same_voice(voice_id, found.voice_id)
         return found
-    return store.register(encode(), voice_id=voice_id, name=name, owner=owner)
+    return store.register(encode(), voice_id=voice_id, name=name, owner=owner, family=family, recording=recording)
 
 
 # ---- blob format ----------------------------------------------------------------------------------
 # MAGIC, version (u16), header length (u32), CRC-32 of everything after the prefix (u32), all little
 # endian; then a UTF-8 JSON header {"text", "audio_sha256", "arrays": [[name, dtype, shape], ...]};
-# then the raw little-endian bytes of each array in header order.
+# then the raw little-endian bytes of each array in header order. Version 2 names each family's arrays
+# "<family>/embedding", "<family>/speech_tokens", "<family>/mel"; version 1 (one family, CosyVoice2's) had
+# "embedding", "speech_tokens", "mel". A recording is a blob of its own (RECORDING_MAGIC, version 1, header
+# {"sample_rate"}, one array "samples").
 
 MAGIC = b"CVVS"
-FORMAT_VERSION = 1
+RECORDING_MAGIC = b"CVRC"
+FORMAT_VERSION = 2
 _PREFIX = struct.Struct("<4sHII")
 _ARRAYS = (("embedding", "<f4"), ("speech_tokens", "<i4"), ("mel", "<f4"))
+_SAMPLES = ("samples", "<f4")
 
 
-def encode_features(features: PromptFeatures) -> bytes:
-    """`features` as one blob. ValueError if its arrays do not have the documented dtypes and shapes."""
-    problem = _shape_problem(features.embedding, features.speech_tokens, features.mel)
-    if problem:
-        raise ValueError(f"cannot store these prompt features: {problem}")
-    if not isinstance(features.text, str) or not SHA256_PATTERN.fullmatch(str(features.audio_sha256)):
+def encode_voice(voice: StoredVoice) -> bytes:
+    """`voice` as one blob. ValueError if its arrays do not have the documented dtypes and shapes."""
+    arrays = []
+    for family, features in voice.features.items():
+        problem = _shape_problem(features.embedding, features.speech_tokens, features.mel)
+        if problem:
+            raise ValueError(f"cannot store these prompt features: {problem}")
+        arrays += [(f"{check_family_name(family)}/{name}", dtype, getattr(features, name)) for name, dtype in _ARRAYS]
+    if not isinstance(voice.text, str) or not SHA256_PATTERN.fullmatch(str(voice.audio_sha256)):
         raise ValueError("cannot store these prompt features: text must be a str and audio_sha256 "
                          "64 lowercase hex digits")
-    arrays = [np.ascontiguousarray(getattr(features, name)) for name, _ in _ARRAYS]
-    header = json.dumps({
-        "text": features.text,
-        "audio_sha256": features.audio_sha256,
-        "arrays": [[name, dtype, list(array.shape)] for (name, dtype), array in zip(_ARRAYS, arrays)],
-    }, ensure_ascii=False).encode("utf-8")
-    body = header + b"".join(array.astype(dtype, copy=False).tobytes()
-                             for (_, dtype), array in zip(_ARRAYS, arrays))
-    return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), zlib.crc32(body)) + body
+    return _pack(MAGIC, FORMAT_VERSION, {"text": voice.text, "audio_sha256": voice.audio_sha256}, arrays)
 
 
-def decode_features(blob: bytes, voice_id: str) -> PromptFeatures:
-    """The features in `blob`, with read-only arrays (they may be shared by many requests through
-    the LRU). CorruptVoice, naming `voice_id`, for anything that is not a well-formed version-1 blob."""
+def decode_voice(blob: bytes, voice_id: str) -> StoredVoice:
+    """The voice in `blob`, with read-only arrays (they may be shared by many requests through the LRU).
+    CorruptVoice, naming `voice_id`, for anything that is not a well-formed version 1 or 2 blob."""
     try:
-        return _decode(memoryview(blob))
+        version, header, arrays = _unpack(memoryview(blob), MAGIC, (1, FORMAT_VERSION))
+        return _voice(version, header, arrays)
     except (ValueError, TypeError, KeyError, OverflowError, struct.error) as exc:  # JSON, UTF-8, numpy too
         raise CorruptVoice(voice_id, str(exc)) from exc
 
 
-def _decode(blob: memoryview) -> PromptFeatures:
+def encode_recording(recording: Recording) -> bytes:
+    samples = np.asarray(recording.samples)
+    if samples.dtype != np.float32 or samples.ndim != 1 or int(recording.sample_rate) <= 0:
+        raise ValueError("a recording is (N,) float32 samples at a positive sample rate")
+    return _pack(RECORDING_MAGIC, 1, {"sample_rate": int(recording.sample_rate)}, [(*_SAMPLES, samples)])
+
+
+def decode_recording(blob: bytes, voice_id: str) -> Recording:
+    try:
+        _, header, arrays = _unpack(memoryview(blob), RECORDING_MAGIC, (1,))
+        if [(name, dtype) for name, dtype, _ in arrays] != [_SAMPLES] or arrays[0][2].ndim != 1:
+            raise ValueError(f"unexpected arrays {[name for name, _, _ in arrays]}")
+        return Recording(samples=arrays[0][2], sample_rate=int(header["sample_rate"]))
+    except (ValueError, TypeError, KeyError, OverflowError, struct.error) as exc:
+        raise CorruptVoice(voice_id, f"its recording: {exc}") from exc
+
+
+def _pack(magic: bytes, version: int, header: dict, arrays: list[tuple[str, str, np.ndarray]]) -> bytes:
+    arrays = [(name, dtype, np.ascontiguousarray(array)) for name, dtype, array in arrays]
+    header = json.dumps({**header, "arrays": [[name, dtype, list(array.shape)] for name, dtype, array in arrays]},
+                        ensure_ascii=False).encode("utf-8")
+    body = header + b"".join(array.astype(dtype, copy=False).tobytes() for _, dtype, array in arrays)
+    return _PREFIX.pack(magic, version, len(header), zlib.crc32(body)) + body
+
+
+def _unpack(blob: memoryview, magic: bytes, versions: tuple[int, ...]
+            ) -> tuple[int, dict, list[tuple[str, str, np.ndarray]]]:
+    """(version, header, [(name, dtype, read-only array)]) of a blob of `magic` in one of `versions`."""
     if len(blob) < _PREFIX.size:
         raise ValueError(f"{len(blob)} bytes is shorter than the blob prefix")
-    magic, version, header_len, crc = _PREFIX.unpack_from(blob)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        raise ValueError(f"unknown format {bytes(magic)!r} version {version} (expected {MAGIC!r} "
-                         f"version {FORMAT_VERSION})")
+    found, version, header_len, crc = _PREFIX.unpack_from(blob)
+    if found != magic or version not in versions:
+        raise ValueError(f"unknown format {bytes(found)!r} version {version} (expected {magic!r} "
+                         f"version {' or '.join(map(str, versions))})")
     body = blob[_PREFIX.size:]
     if zlib.crc32(body) != crc:
         raise ValueError("checksum mismatch")
     header = json.loads(bytes(body[:header_len]).decode("utf-8"))
-    declared = header["arrays"]
-    if [tuple(entry[:2]) for entry in declared] != list(_ARRAYS):
-        raise ValueError(f"unexpected arrays {declared}")
     offset, arrays = header_len, []
-    for name, dtype, shape in declared:
-        if not all(isinstance(size, int) and size >= 0 for size in shape):
-            raise ValueError(f"{name}: bad shape {shape}")
+    for name, dtype, shape in header["arrays"]:
+        if dtype not in ("<f4", "<i4") or not all(isinstance(size, int) and size >= 0 for size in shape):
+            raise ValueError(f"{name}: bad dtype {dtype} or shape {shape}")
         count = int(np.prod(shape, dtype=np.int64))
-        arrays.append(np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape))
+        arrays.append((name, dtype, np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)))
         offset += count * np.dtype(dtype).itemsize
     if offset != len(body):
         raise ValueError(f"{len(body) - offset} bytes after the last array")
-    problem = _shape_problem(*arrays)
-    if problem:
-        raise ValueError(problem)
+    return version, header, arrays
+
+
+def _voice(version: int, header: dict, arrays: list[tuple[str, str, np.ndarray]]) -> StoredVoice:
+    """The voice of a decoded blob: version 1's three arrays are CosyVoice2's (FIRST_FAMILY)."""
     text, sha = header["text"], header["audio_sha256"]
     if not isinstance(text, str) or not isinstance(sha, str):
         raise ValueError("text and audio_sha256 must be strings")
-    embedding, tokens, mel = arrays
-    return PromptFeatures(embedding=embedding, speech_tokens=tokens, mel=mel, text=text, audio_sha256=sha)
+    names = [name for name, _, _ in arrays]
+    if version == 1:
+        names = [f"{FIRST_FAMILY}/{name}" for name in names]
+    families = list(dict.fromkeys(name.split("/", 1)[0] for name in names))
+    expected = [(f"{family}/{name}", dtype) for family in families for name, dtype in _ARRAYS]
+    if not families or [(name, dtype) for name, (_, dtype, _) in zip(names, arrays)] != expected:
+        raise ValueError(f"unexpected arrays {[name for name, _, _ in arrays]}")
+    features = {}
+    for at, family in enumerate(families):
+        embedding, tokens, mel = (array for _, _, array in arrays[3 * at:3 * at + 3])
+        problem = _shape_problem(embedding, tokens, mel)
+        if problem:
+            raise ValueError(f"{family}: {problem}")
+        features[family] = PromptFeatures(embedding=embedding, speech_tokens=tokens, mel=mel, text=text,
+                                          audio_sha256=sha)
+    return StoredVoice(text, sha, features)
 
 
 def _shape_problem(embedding: np.ndarray, tokens: np.ndarray, mel: np.ndarray) -> str | None:
@@ -376,14 +473,14 @@ def _shape_problem(embedding: np.ndarray, tokens: np.ndarray, mel: np.ndarray) -
 
 class CachedVoiceStore(ABC):
     """`get` through a thread-safe LRU of decoded voices (by store key), each kept with the revision it was read
-    at, and the lookup of an id for an owner (`lookup_keys`). A store kind supplies the reads by store key below
-    and `register`, `find`, `list`, `check` and `close`."""
+    at, and the lookup of an id for an owner (`lookup_keys`). A store kind supplies the reads and writes by store
+    key below and `register`, `find`, `list`, `check` and `close`."""
 
     def __init__(self, lru_size: int):
         if lru_size < 0:
             raise ValueError(f"lru_size must be >= 0, got {lru_size}")
         self._lru_size = lru_size
-        self._lru: OrderedDict[str, tuple[str, PromptFeatures]] = OrderedDict()
+        self._lru: OrderedDict[str, tuple[str, StoredVoice]] = OrderedDict()
         self._lock = threading.Lock()  # guards the LRU and the counters
         self._hits = self._misses = self._loads = 0
 
@@ -394,6 +491,15 @@ class CachedVoiceStore(ABC):
     @abstractmethod
     def _read(self, key: str) -> tuple[str, bytes] | None:
         """(revision, blob) of the voice at `key` read together, None if there is none."""
+
+    @abstractmethod
+    def _read_recording(self, key: str) -> bytes | None:
+        """The recording blob of the voice at `key`, None if it has none kept (or there is no such voice)."""
+
+    @abstractmethod
+    def _replace(self, key: str, expected: str, revision: str, blob: bytes) -> bool:
+        """Write `blob` under a new `revision` for the voice at `key`, atomically and only while its revision is
+        still `expected`; False (nothing written) otherwise."""
 
     @abstractmethod
     def _info(self, key: str) -> VoiceRecord | None:
@@ -417,14 +523,16 @@ class CachedVoiceStore(ABC):
                 return info
         raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
 
-    def get(self, voice_id: str, owner: str | None = None) -> PromptFeatures:
-        """The features of `voice_id` to `owner` (its own, else a shared one); NotFound("reference_audio_id") if
-        neither."""
+    def get(self, voice_id: str, owner: str | None = None, family: str = FIRST_FAMILY,
+            encode: Encode | None = None) -> PromptFeatures:
+        """The `family` features of `voice_id` to `owner` (its own, else a shared one); NotFound("reference_audio_id")
+        if neither. A voice without features for `family` yet gets them now from its recording (`_complete`)."""
         check_voice_id(voice_id)
         for key in lookup_keys(voice_id, check_owner(owner)):
-            features = self._get(key, voice_id)
-            if features is not None:
-                return features
+            voice = self._get(key, voice_id)
+            if voice is not None:
+                features = voice.features.get(family)
+                return features if features is not None else self._complete(key, voice_id, voice, family, encode)
         with self._lock:
             self._misses += 1
         raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")
@@ -444,8 +552,8 @@ class CachedVoiceStore(ABC):
             return VoiceStoreStats(hits=self._hits, misses=self._misses, loads=self._loads,
                                    size=len(self._lru))
 
-    def _get(self, key: str, voice_id: str) -> PromptFeatures | None:
-        """The features at store key `key` (from the LRU while its revision holds), None if there are none."""
+    def _get(self, key: str, voice_id: str) -> StoredVoice | None:
+        """The voice at store key `key` (from the LRU while its revision holds), None if there is none."""
         with self._lock:
             cached = self._lru.get(key)
         if cached is not None and self._revision(key) == cached[0]:
@@ -459,17 +567,48 @@ class CachedVoiceStore(ABC):
             self._forget(key)  # deleted elsewhere: drop the stale copy
             return None
         revision, blob = stored
-        features = decode_features(blob, voice_id)
+        voice = decode_voice(blob, voice_id)
         with self._lock:
             self._loads += 1
-        self._remember(key, revision, features)
-        return features
+        self._remember(key, revision, voice)
+        return voice
 
-    def _remember(self, key: str, revision: str, features: PromptFeatures) -> None:
+    def _complete(self, key: str, voice_id: str, voice: StoredVoice, family: str,
+                  encode: Encode | None) -> PromptFeatures:
+        """`family`'s features of the voice at `key`, which has none: `encode` computes them from its recording,
+        outside any lock (two instances may both compute them: they are equal), and they are written beside
+        the others unless the voice changed in between, when it is read again (it may hold them now)."""
+        recording = self._read_recording(key)
+        if recording is None:
+            raise InvalidInput("reference_audio_id", f"voice {voice_id!r} has {' and '.join(voice.features)} features "
+                                                     f"only and no recording kept to make {family}'s (it was stored "
+                                                     "before voices kept one): register its recording again")
+        if encode is None:
+            raise InvalidInput("reference_audio_id", f"voice {voice_id!r} has no {family} features yet (a server of "
+                                                     "that family makes them at the voice's first use)")
+        recording = decode_recording(recording, voice_id)
+        features = encode(recording.samples, recording.sample_rate, voice.text, voice.audio_sha256)
+        for _ in range(COMPLETE_TRIES):
+            current = self._read(key)
+            if current is None:
+                raise NotFound("reference_audio_id", f"no voice {voice_id!r} is registered")  # deleted meanwhile
+            revision, blob = current
+            voice = decode_voice(blob, voice_id)
+            if family not in voice.features:
+                blob, expected, revision = encode_voice(voice.with_features(family, features)), revision, \
+                    secrets.token_hex(8)
+                if not self._replace(key, expected, revision, blob):
+                    continue
+                voice = decode_voice(blob, voice_id)
+            self._remember(key, revision, voice)
+            return voice.features[family]
+        return features  # changed at every try: served as computed, kept by a later get
+
+    def _remember(self, key: str, revision: str, voice: StoredVoice) -> None:
         if self._lru_size == 0:
             return
         with self._lock:
-            self._lru[key] = (revision, features)
+            self._lru[key] = (revision, voice)
             self._lru.move_to_end(key)
             while len(self._lru) > self._lru_size:
                 self._lru.popitem(last=False)

@@ -25,6 +25,7 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.admission import AdmissionPolicy, refusal, request_cost, text_tokens_estimate
 from cosyvoice_triton.errors import InvalidInput, NotFound, Unavailable
+from cosyvoice_triton.family import family_of
 from cosyvoice_triton.pipeline.capacity import Capacity
 from cosyvoice_triton.pipeline.chunk_policy import CHUNK_PRESETS
 from cosyvoice_triton.voices.stores import open_voice_store
@@ -57,7 +58,7 @@ class TritonPythonModel:
         self.store = open_voice_store(params.voice_store)
         voices = Voices(self.store, BlsPromptEncoder(pb_utils, params.prompt_encoder_model,
                                                      token_mel_ratio(params.model_dir)),
-                        prompt_budget(params.model_dir, params.max_seq_len))
+                        prompt_budget(params.model_dir, params.max_seq_len), family=family_of(params.model_dir).name)
         # Split deployment: token2wav on the backend servers named in the config; else this server's own.
         self.token2wav = RemoteToken2Wav.from_specs(params.token2wav_backends, params.token2wav_model,
                                                     params.token2wav_timeout_s) \

@@ -17,6 +17,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from cosyvoice_triton.family import family_of
 from cosyvoice_triton.voices.stores import open_voice_store
 from cosyvoice_triton.triton.bls import BlsPromptEncoder
 from cosyvoice_triton.wire.outputs import RegisterOutputs
@@ -33,7 +34,7 @@ class TritonPythonModel:
         params = parse_parameters(RegisterVoiceParams, json.loads(args["model_config"]), self.name)
         encoder = BlsPromptEncoder(pb_utils, params.prompt_encoder_model, token_mel_ratio(params.model_dir))
         self.voices = Voices(open_voice_store(params.voice_store), encoder,
-                             prompt_budget(params.model_dir, params.max_seq_len))
+                             prompt_budget(params.model_dir, params.max_seq_len), family=family_of(params.model_dir).name)
 
     def execute(self, requests):
         return respond_each(pb_utils, requests, self.name, self.outputs)
