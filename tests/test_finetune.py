@@ -1,5 +1,6 @@
-"""Fine-tuning: losses equal the official training code's, and `cosyvoice-triton finetune` turns a folder
-of recordings into a model folder that the service loads strictly and serves."""
+"""Fine-tuning: losses equal the official training code's (both families), and `cosyvoice-triton finetune` turns
+a folder of recordings into a model folder that the service loads strictly and serves (CosyVoice3's run:
+test_finetune_cv3.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,52 +9,78 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_triton.config import read_yaml
+from cosyvoice_triton.config import ModelPaths, read_yaml
+from cosyvoice_triton.models.family import family_models
 from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.training.losses import (FlowBatch, FlowLossConfig, LMBatch, draw_flow_noise, flow_loss,
                                               lm_loss)
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
+CV3_GOLDEN_MODEL = Path(__file__).resolve().parent / "golden" / "cv3" / "tiny" / "model"
 LOSS_TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module")
-def official() -> dict[str, np.ndarray]:
-    with np.load(DATA_DIR / "official_losses.npz") as data:
-        return {key: data[key] for key in data.files}
+@pytest.fixture(scope="module", params=["cosyvoice2", "cosyvoice3"])
+def official(request, golden_model_dir) -> tuple[Path, dict[str, np.ndarray]]:
+    """(tiny golden folder, the official losses on it): tests/data/README.md says how they were made."""
+    model_dir, name = ((golden_model_dir, "official_losses.npz") if request.param == "cosyvoice2"
+                       else (CV3_GOLDEN_MODEL, "official_losses_cv3.npz"))
+    with np.load(DATA_DIR / name) as data:
+        return model_dir, {key: data[key] for key in data.files}
 
 
-def test_llm_loss_equals_the_official_loss(golden_model_dir, official):
-    model = SpeechLM.from_model_dir(golden_model_dir, max_seq_len=256)
-    batch = LMBatch(*(torch.from_numpy(official[f"lm_{key}"]).long() for key in
-                      ("text_token", "text_token_len", "speech_token", "speech_token_len")))
+def official_lm_batch(arrays: dict[str, np.ndarray], prefix: str) -> LMBatch:
+    """The stored LM batch `prefix` ("lm", "lmb"), with CosyVoice3's instruct where it has one."""
+    keys = ("text_token", "text_token_len", "speech_token", "speech_token_len", "instruct_token", "instruct_token_len")
+    return LMBatch(*(torch.from_numpy(arrays[f"{prefix}_{key}"]).long() if f"{prefix}_{key}" in arrays else None
+                     for key in keys))
+
+
+def test_llm_loss_equals_the_official_loss(official):
+    model_dir, arrays = official
+    model = SpeechLM.from_model_dir(model_dir, max_seq_len=256)
     with torch.no_grad():
-        out = lm_loss(model, batch)
-    assert abs(out.loss.item() - float(official["lm_loss"])) < LOSS_TOLERANCE
-    assert abs(out.accuracy.item() - float(official["lm_accuracy"])) < LOSS_TOLERANCE
+        out = lm_loss(model, official_lm_batch(arrays, "lm"))
+    assert abs(out.loss.item() - float(arrays["lm_loss"])) < LOSS_TOLERANCE
+    assert abs(out.accuracy.item() - float(arrays["lm_accuracy"])) < LOSS_TOLERANCE
+
+
+def test_llm_loss_of_bistream_rows_equals_the_official_loss(official):
+    """Rows drawn for the bistream layout interleave 5 text and 15 speech tokens (a row whose speech is not more
+    than 3x its text stays unistream), as the official forward lays them out."""
+    model_dir, arrays = official
+    model = SpeechLM.from_model_dir(model_dir, max_seq_len=256)
+    batch, draws = official_lm_batch(arrays, "lmb"), torch.from_numpy(arrays["lmb_draws"])
+    with torch.no_grad():
+        bistream = lm_loss(model, batch, bistream=draws)
+        unistream = lm_loss(model, batch)
+    assert abs(bistream.loss.item() - float(arrays["lmb_loss"])) < LOSS_TOLERANCE
+    assert abs(bistream.accuracy.item() - float(arrays["lmb_accuracy"])) < LOSS_TOLERANCE
+    assert abs(unistream.loss.item() - float(arrays["lmb_loss"])) > 100 * LOSS_TOLERANCE  # the layout counts
 
 
 @pytest.mark.parametrize("case", [0, 1])
-def test_flow_loss_equals_the_official_loss(golden_model_dir, official, case):
-    model = FlowModel.from_model_dir(golden_model_dir)
-    config = FlowLossConfig.from_yaml(read_yaml(golden_model_dir / "cosyvoice2.yaml"))
-    assert (config.sigma_min, config.training_cfg_rate) == (official["flow_sigma_min"],
-                                                            official["flow_training_cfg_rate"])
-    batch = FlowBatch(torch.from_numpy(official["flow_speech_token"]).long(),
-                      torch.from_numpy(official["flow_speech_token_len"]).long(),
-                      torch.from_numpy(official["flow_speech_feat"]), torch.from_numpy(official["flow_embedding"]))
+def test_flow_loss_equals_the_official_loss(official, case):
+    model_dir, arrays = official
+    model = family_models(model_dir).load_flow(model_dir)  # CosyVoice2's FlowModel or CosyVoice3's DiT flow
+    config = FlowLossConfig.from_yaml(read_yaml(ModelPaths(model_dir).yaml))
+    assert (config.sigma_min, config.training_cfg_rate) == (arrays["flow_sigma_min"],
+                                                            arrays["flow_training_cfg_rate"])
+    batch = FlowBatch(torch.from_numpy(arrays["flow_speech_token"]).long(),
+                      torch.from_numpy(arrays["flow_speech_token_len"]).long(),
+                      torch.from_numpy(arrays["flow_speech_feat"]), torch.from_numpy(arrays["flow_embedding"]))
     # Our draws from a generator seeded as the official run's global RNG are the official draws.
-    generator = torch.Generator().manual_seed(int(official[f"flow{case}_seed"]))
+    generator = torch.Generator().manual_seed(int(arrays[f"flow{case}_seed"]))
     noise = draw_flow_noise(batch.speech_token.size(0), batch.speech_feat.size(2), batch.speech_feat.size(1),
                             config.training_cfg_rate, generator)
-    assert torch.equal(noise.t, torch.from_numpy(official[f"flow{case}_t"]))
-    assert torch.equal(noise.z, torch.from_numpy(official[f"flow{case}_z"]))
-    assert noise.keep_condition.tolist() == official[f"flow{case}_keep_condition"].tolist()
+    assert torch.equal(noise.t, torch.from_numpy(arrays[f"flow{case}_t"]))
+    assert torch.equal(noise.z, torch.from_numpy(arrays[f"flow{case}_z"]))
+    assert noise.keep_condition.tolist() == arrays[f"flow{case}_keep_condition"].tolist()
     with torch.no_grad():
-        out = flow_loss(model, batch, noise, torch.from_numpy(official[f"flow{case}_prompt_frames"]),
-                        bool(official[f"flow{case}_streaming"]), config.sigma_min, config.training_cfg_rate)
-    assert abs(out.loss.item() - float(official[f"flow{case}_loss"])) < LOSS_TOLERANCE
+        out = flow_loss(model, batch, noise, torch.from_numpy(arrays[f"flow{case}_prompt_frames"]),
+                        bool(arrays[f"flow{case}_streaming"]), config.sigma_min, config.training_cfg_rate)
+    assert abs(out.loss.item() - float(arrays[f"flow{case}_loss"])) < LOSS_TOLERANCE
 
 
 # --- pieces of the run -------------------------------------------------------------------------------
@@ -82,6 +109,26 @@ def test_batches_respect_both_limits_and_ranks_share_them_out():
     rank0, rank1 = (epoch_batches(lengths, 0, 1, 3, 100, rank=r, world_size=2) for r in (0, 1))
     assert len(rank0) == len(rank1) == len(batches) // 2
     assert not {i for b in rank0 for i in b} & {i for b in rank1 for i in b}
+
+
+def test_files_made_from_replaced_weights_are_left_out(tmp_path):
+    """The release's exports of a weight file (its ONNX, TorchScript or TensorRT files, CosyVoice3's llm.rl.pt)
+    would stand in for new weights: they are not copied beside them; everything else is."""
+    from cosyvoice_triton.training.model_folder import copy_base_files
+
+    base = tmp_path / "base"
+    (base / "onnx").mkdir(parents=True)
+    (base / "finetune").mkdir()
+    names = ("llm.pt", "llm.rl.pt", "flow.pt", "flow.decoder.estimator.fp32.onnx", "flow.cache.pt", "hift.pt",
+             "spk2info.pt", "cosyvoice3.yaml")
+    for name in names:
+        (base / name).write_text(name)
+    assert copy_base_files(base, tmp_path / "llm_only", {"llm.pt"}) == ["llm.rl.pt", "onnx"]
+    assert sorted(p.name for p in (tmp_path / "llm_only").iterdir()) == sorted(
+        {"flow.pt", "flow.decoder.estimator.fp32.onnx", "flow.cache.pt", "hift.pt", "spk2info.pt", "cosyvoice3.yaml"})
+    assert copy_base_files(base, tmp_path / "both", {"llm.pt", "flow.pt"}) == [
+        "flow.cache.pt", "flow.decoder.estimator.fp32.onnx", "llm.rl.pt", "onnx"]
+    assert sorted(p.name for p in (tmp_path / "both").iterdir()) == ["cosyvoice3.yaml", "hift.pt", "spk2info.pt"]
 
 
 def test_warmup_schedule_is_the_recipes_warmuplr():

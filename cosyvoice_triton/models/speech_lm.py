@@ -28,9 +28,6 @@ from cosyvoice_triton.models.llm_precision import (activation_dtype, check_llm_p
                                                    quantize_linears, quantize_linears_dynamic, row_by_row)
 from cosyvoice_triton.models.qwen2 import Qwen2Config, Qwen2Decoder, Qwen2ForCausalLM, rope_tables
 
-SOS_INDEX = COSYVOICE2.lm.sos  # CosyVoice2: rows of `llm_embedding`
-TASK_ID_INDEX = COSYVOICE2.lm.task_id
-
 
 @dataclass
 class SpeechLMConfig:

@@ -1,4 +1,5 @@
-"""Fine-tuning CosyVoice2 on a user's own recordings (`cosyvoice-triton finetune`).
+"""Fine-tuning CosyVoice2 or CosyVoice3 (the base folder decides) on a user's own recordings
+(`cosyvoice-triton finetune`).
 
 data_prep: recordings + transcripts -> cached features; dataset: batches; losses: the official training
 losses; lora: peft adapters; trainer: the loop (one device or torchrun DDP); devices: rank, device and

@@ -13,7 +13,7 @@ from cosyvoice_triton.training.cli import add_arguments, run
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cosyvoice_triton.training",
-                                     description="fine-tune CosyVoice2 on recordings (see `cosyvoice-triton finetune`)")
+                                     description="fine-tune CosyVoice2 or CosyVoice3 on recordings (see `cosyvoice-triton finetune`)")
     add_arguments(parser)
     try:
         return run(parser.parse_args(argv))

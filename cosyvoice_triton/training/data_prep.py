@@ -5,7 +5,10 @@ Two layouts of DIR are read (paths relative to DIR, or absolute):
 - Kaldi style: `wav.scp` (`utt_id path`) and `text` (`utt_id transcript`).
 
 For each recording the prompt encoder of the base model folder (`preprocess/prompt.py`) computes the
-speaker embedding (CAM++), the speech tokens (S3 tokenizer) and the 24 kHz mel, aligned as at synthesis.
+speaker embedding (CAM++), the speech tokens (the family's S3 tokenizer: speech_tokenizer_v2.onnx for
+CosyVoice2, speech_tokenizer_v3.onnx for CosyVoice3) and the 24 kHz mel, aligned as at synthesis. The
+transcript is tokenized with the family's special tokens; CosyVoice3's recipe reads an instruct before it
+(`instruct_tokens`).
 They are cached as `<cache_dir>/<key>.npz`, the key being the sha256 of the audio file's bytes and of
 the feature model (both ONNX files and the mel parameters), so a second run, or a run on another base
 folder with the same feature models, computes nothing again. A recording that is missing, cannot be
@@ -24,6 +27,7 @@ from tqdm import tqdm
 
 from cosyvoice_triton.config import ModelPaths, read_yaml
 from cosyvoice_triton.errors import DataError, InvalidInput
+from cosyvoice_triton.family import ModelFamily
 from cosyvoice_triton.preprocess.audio import decode_audio
 from cosyvoice_triton.preprocess.prompt import PromptEncoder
 from cosyvoice_triton.preprocess.tokenizer import TextTokenizer
@@ -52,7 +56,8 @@ class Example:
     """One prepared recording."""
 
     name: str
-    text_token: np.ndarray  # (Nt,) int64
+    instruct_token: np.ndarray  # (Ni,) int64: the family's instruct (`instruct_tokens`), empty for CosyVoice2
+    text_token: np.ndarray  # (Nt,) int64: the transcript
     speech_token: np.ndarray  # (N,) int64, 25 Hz
     speech_feat: np.ndarray  # (token_mel_ratio * N, 80) float32, 50 Hz
     embedding: np.ndarray  # (192,) float32
@@ -114,6 +119,13 @@ def _sha256_file(path: Path, digest=None):
     return digest
 
 
+def instruct_tokens(tokenizer: TextTokenizer, family: ModelFamily) -> list[int]:
+    """What the LM reads before every transcript in training. The CosyVoice3 recipe gives each recording an
+    instruct, the system prompt ending in `<|endofprompt|>` (the family's `prompt_prefix`), tokenized apart
+    from the transcript; CosyVoice2 has none."""
+    return tokenizer.encode(family.prompt_prefix) if family.prompt_prefix else []
+
+
 def feature_model_fingerprint(model_dir: Path) -> str:
     """sha256 of what the features depend on: both ONNX models and the mel parameters."""
     paths = ModelPaths(model_dir)
@@ -161,7 +173,9 @@ def prepare_examples(utterances: list[Utterance], model_dir: Path, cache_dir: Pa
                      progress: bool = True) -> tuple[list[Example], list[Skipped]]:
     """Features of every usable utterance (from the cache where present) and the skipped ones."""
     paths = ModelPaths(model_dir)
-    tokenizer = TextTokenizer.from_dir(paths.qwen_dir)
+    family = paths.family
+    tokenizer = TextTokenizer.from_dir(paths.qwen_dir, family.special_tokens)
+    instruct = instruct_tokens(tokenizer, family)
     cache = FeatureCache(cache_dir, feature_model_fingerprint(paths.root))
     encoder: PromptEncoder | None = None  # opened on the first cache miss
     examples, skipped = [], []
@@ -169,8 +183,8 @@ def prepare_examples(utterances: list[Utterance], model_dir: Path, cache_dir: Pa
         if not utt.text:
             skipped.append(Skipped(utt.name, "empty transcript"))
             continue
-        text_token = np.asarray(tokenizer.encode(utt.text), dtype=np.int64)
-        if text_token.size == 0:
+        words = tokenizer.encode(utt.text)
+        if not words:
             skipped.append(Skipped(utt.name, "transcript gives no text tokens"))
             continue
         if not utt.audio_path.is_file():
@@ -187,7 +201,8 @@ def prepare_examples(utterances: list[Utterance], model_dir: Path, cache_dir: Pa
                 skipped.append(Skipped(utt.name, error.problem))
                 continue
             cache.store(key, features)
-        examples.append(Example(name=utt.name, text_token=text_token,
+        examples.append(Example(name=utt.name, instruct_token=np.asarray(instruct, dtype=np.int64),
+                                text_token=np.asarray(words, dtype=np.int64),
                                 speech_token=features["speech_token"].astype(np.int64),
                                 speech_feat=features["speech_feat"].astype(np.float32),
                                 embedding=features["embedding"].astype(np.float32)))

@@ -40,15 +40,18 @@ def split_train_val(examples: list[Example], val_share: float) -> tuple[list[Exa
 def collate(examples: list[Example], token_mel_ratio: int = 2) -> Batch:
     """Right-padded tensors for both losses; the mel is padded to token_mel_ratio x the longest token row."""
     text = [torch.from_numpy(e.text_token) for e in examples]
+    instruct = [torch.from_numpy(e.instruct_token) for e in examples]  # (0,) each without an instruct
     speech = [torch.from_numpy(e.speech_token) for e in examples]
     text_len = torch.tensor([t.numel() for t in text])
+    instruct_len = torch.tensor([t.numel() for t in instruct])
     speech_len = torch.tensor([s.numel() for s in speech])
     speech_padded = pad_sequence(speech, batch_first=True)  # (B, T)
     mel = torch.zeros(len(examples), token_mel_ratio * speech_padded.size(1), examples[0].speech_feat.shape[1])
     for row, example in enumerate(examples):
         mel[row, : example.speech_feat.shape[0]] = torch.from_numpy(example.speech_feat)
     embedding = torch.stack([torch.from_numpy(e.embedding) for e in examples])  # (B, 192)
-    return Batch(lm=LMBatch(pad_sequence(text, batch_first=True), text_len, speech_padded, speech_len),
+    return Batch(lm=LMBatch(pad_sequence(text, batch_first=True), text_len, speech_padded, speech_len,
+                            pad_sequence(instruct, batch_first=True), instruct_len),
                  flow=FlowBatch(speech_padded, speech_len, mel, embedding))
 
 

@@ -13,9 +13,10 @@ from torch import nn
 
 # Qwen2 backbone of the LLM
 LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# flow: conformer encoder attention + feed-forward, estimator attention + feed-forward
+# flow, attention and feed-forward of each family's modules (a name missing in one flow is passed over):
+# CosyVoice2's conformer encoder and UNet estimator, CosyVoice3's DiT (attention to_*, feed-forward ff.ff.*)
 FLOW_TARGETS = ("linear_q", "linear_k", "linear_v", "linear_out", "w_1", "w_2",
-                "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
+                "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "ff.ff.0.0", "ff.ff.2")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,11 @@ One process per device. Under torchrun (`WORLD_SIZE` > 1 in the environment) the
 process group (NCCL on CUDA, gloo on the CPU), wrap the train module in DistributedDataParallel and
 each take their share of every epoch's batches; rank 0 alone writes checkpoints, logs and the folder.
 
-Defaults follow the official recipe's `train_conf` (examples/libritts/cosyvoice2/conf/cosyvoice2.yaml):
+The base folder decides the family (its yaml): the speech LM takes the family's layout, the flow is the
+family's class (`models/family.py`), and the losses are written once for both (`losses.py`).
+
+Defaults follow the official recipes' `train_conf` (examples/libritts/cosyvoice2/conf/cosyvoice2.yaml; the
+CosyVoice3 recipe's is the same):
 Adam, lr 1e-5, gradient clipping at 5, 2 accumulated batches per step, constant LR (the recipe's setting
 for fine-tuning); `warmup_steps` > 0 switches to the recipe's `warmuplr` schedule
 (lr * sqrt(warmup) * min(step^-0.5, step * warmup^-1.5)).
@@ -26,7 +30,8 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from cosyvoice_triton.config import ModelPaths, read_yaml
-from cosyvoice_triton.models.flow import FlowModel
+from cosyvoice_triton.models.family import family_models
+from cosyvoice_triton.models.flow import TokenToMel
 from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.training import PARTS, checkpoints
 from cosyvoice_triton.training.data_prep import (DataError, Example, prepare_examples, read_manifest,
@@ -34,8 +39,9 @@ from cosyvoice_triton.training.data_prep import (DataError, Example, prepare_exa
 from cosyvoice_triton.training.dataset import Batch, collate, epoch_batches, split_train_val
 from cosyvoice_triton.training.devices import Distributed, FinetuneError, autocast_dtype, pick_device
 from cosyvoice_triton.training.lora import FLOW_TARGETS, LLM_TARGETS, LoraOptions, add_lora, merge_lora
-from cosyvoice_triton.training.losses import (FlowLossConfig, FlowNoise, draw_flow_noise, draw_prompt_frames,
-                                              draw_streaming, flow_loss, llm_label_smoothing, lm_loss)
+from cosyvoice_triton.training.losses import (FlowLossConfig, FlowNoise, draw_bistream, draw_flow_noise,
+                                              draw_prompt_frames, draw_streaming, flow_loss, llm_label_smoothing,
+                                              lm_loss)
 from cosyvoice_triton.training.model_folder import RUN_FOLDER, write_model_folder
 
 VALIDATION_SEED = 12345  # the same draws at every validation, so its losses are comparable
@@ -83,10 +89,18 @@ class FlowDraws:
     streaming: bool
 
 
+@dataclass
+class Draws:
+    """One batch's random choices, from the run's generator (saved in checkpoints: a resumed run draws on)."""
+
+    bistream: Tensor | None  # (B,) bool: the LLM's rows drawn for the bistream layout; None without the LLM
+    flow: FlowDraws | None  # None without the flow
+
+
 class TrainModule(nn.Module):
     """The models being trained; forward returns each part's loss (one module, so DDP can wrap it)."""
 
-    def __init__(self, llm: SpeechLM | None, flow: FlowModel | None, flow_config: FlowLossConfig,
+    def __init__(self, llm: SpeechLM | None, flow: TokenToMel | None, flow_config: FlowLossConfig,
                  label_smoothing: float):
         super().__init__()
         self.llm = llm
@@ -94,12 +108,13 @@ class TrainModule(nn.Module):
         self.flow_config = flow_config
         self.label_smoothing = label_smoothing
 
-    def forward(self, batch: Batch, draws: FlowDraws | None) -> dict[str, Tensor]:
+    def forward(self, batch: Batch, draws: Draws) -> dict[str, Tensor]:
         losses = {}
         if self.llm is not None:
-            losses["llm"] = lm_loss(self.llm, batch.lm, self.label_smoothing).loss
+            losses["llm"] = lm_loss(self.llm, batch.lm, self.label_smoothing, draws.bistream).loss
         if self.flow is not None:
-            losses["flow"] = flow_loss(self.flow, batch.flow, draws.noise, draws.prompt_frames, draws.streaming,
+            flow = draws.flow
+            losses["flow"] = flow_loss(self.flow, batch.flow, flow.noise, flow.prompt_frames, flow.streaming,
                                        self.flow_config.sigma_min, self.flow_config.training_cfg_rate).loss
         return losses
 
@@ -120,7 +135,7 @@ def build_module(options: FinetuneOptions, max_seq_len: int, device: torch.devic
         if options.lora:
             add_lora(llm, LLM_TARGETS, options.lora_options)
     if "flow" in options.parts:
-        flow = FlowModel.from_model_dir(options.model_dir, device="cpu")
+        flow = family_models(options.model_dir).load_flow(options.model_dir, device="cpu")
         if options.lora:
             add_lora(flow, FLOW_TARGETS, options.lora_options)
     module = TrainModule(llm, flow, FlowLossConfig.from_yaml(root), llm_label_smoothing(root))
@@ -146,7 +161,7 @@ class Run:
         self.device = pick_device(options.device, ddp)
         self.amp_dtype = autocast_dtype(options.precision, self.device)
         self.train_examples, self.val_examples = train, val
-        max_seq_len = max(e.text_token.size + e.speech_token.size for e in train + val) + 2
+        max_seq_len = max(e.instruct_token.size + e.text_token.size + e.speech_token.size for e in train + val) + 2
         self.module = build_module(options, max(256, max_seq_len), self.device)
         self.token_mel_ratio = self.module.flow.config.token_mel_ratio if self.module.flow is not None else 2
         self.model: nn.Module = self.module
@@ -161,7 +176,7 @@ class Run:
         self.optimizer = torch.optim.Adam([p for ps in self.parameters.values() for p in ps], lr=options.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, options.warmup_steps))
-        self.generator = torch.Generator().manual_seed(options.seed + 7919 * ddp.rank)  # the flow's draws
+        self.generator = torch.Generator().manual_seed(options.seed + 7919 * ddp.rank)  # the training's draws
         self.step = 0
         self.epoch = 0
         self.batch_in_epoch = 0
@@ -208,6 +223,11 @@ class Run:
                 yield collate([self.train_examples[i] for i in indices], self.token_mel_ratio).to(self.device)
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 
+    def draws(self, batch: Batch, generator: torch.Generator) -> Draws:
+        rows = batch.lm.text_token.size(0)
+        bistream = None if self.module.llm is None else draw_bistream(rows, generator).to(self.device)
+        return Draws(bistream, self.flow_draws(batch, generator))
+
     def flow_draws(self, batch: Batch, generator: torch.Generator) -> FlowDraws | None:
         if self.module.flow is None:
             return None
@@ -233,7 +253,7 @@ class Run:
             sync = contextlib.nullcontext() if last or self.model is self.module else self.model.no_sync()
             with sync:
                 with self.autocast():
-                    losses = self.model(batch, self.flow_draws(batch, self.generator))
+                    losses = self.model(batch, self.draws(batch, self.generator))
                 (sum(losses.values()) / self.options.grad_accum).backward()
             for name, loss in losses.items():
                 totals[name] += loss.item() / self.options.grad_accum
@@ -251,7 +271,7 @@ class Run:
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Mean loss per part over the held-out examples, with the same flow draws every time."""
+        """Mean loss per part over the held-out examples, with the same draws every time."""
         if not self.val_examples:
             return {}
         self.module.eval()
@@ -262,7 +282,7 @@ class Run:
             rows = self.val_examples[start:start + size]
             batch = collate(rows, self.token_mel_ratio).to(self.device)
             with self.autocast():
-                losses = self.module(batch, self.flow_draws(batch, generator))
+                losses = self.module(batch, self.draws(batch, generator))
             for name, loss in losses.items():
                 totals[name] += loss.item() * len(rows) / len(self.val_examples)
         self.module.train()
@@ -354,7 +374,7 @@ def check_options(options: FinetuneOptions) -> None:
         raise FinetuneError("--out must differ from --model-dir: the base folder stays unchanged")
     missing = ModelPaths(options.model_dir).missing()
     if missing:
-        raise FinetuneError(f"{options.model_dir} is not a CosyVoice2 model folder: missing {', '.join(missing)}")
+        raise FinetuneError(f"{options.model_dir} is not a CosyVoice model folder: missing {', '.join(missing)}")
     for name in ("max_steps", "batch_size", "grad_accum", "val_every", "save_every", "average"):
         if getattr(options, name) < 1:
             raise FinetuneError(f"--{name.replace('_', '-')} must be at least 1")
