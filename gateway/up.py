@@ -321,7 +321,7 @@ def run_gateway(args, targets: tuple[TritonTarget, ...], model_dir: Path, voice_
     note = f"\n  WARNING  {RANDOM_NOTE}" if is_random(model_dir) else ""
     print(f"cosyvoice-triton: serving {model_dir}{note}\n"
           f"  gateway  {config.url}   (POST /v1/tts, WS /v1/tts/ws, POST /v1/audio/speech, "
-          f"/v1/voices, the official /inference_* and /v2/models/cosyvoice2/infer)\n"
+          f"/v1/voices, the official /inference_* and /v2/models/{config.synthesis_model}/infer)\n"
           f"  models   {config.synthesis_model}, {config.offline_model} ({config.family})\n" + "\n".join(lines)
           + "\nPress Ctrl-C to stop.", file=out, flush=True)
     return asyncio.run(serve_until_stopped(app, config.host, config.port, args.drain_timeout, out, servers_gone))

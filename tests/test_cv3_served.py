@@ -5,6 +5,8 @@ process in front of it. The server names its synthesis models for the family (co
 and the gateway names the family on /readyz and /v1/models. Every mode streams audio through the Python SDK
 equal to the in-process `CosyVoice.from_model_dir` on the same folder with the same seed (streamed and offline,
 voice conversion too), and /v1/tts streams the server's own audio for the default voice and an uploaded prompt.
+The official Triton clients' requests (`--model-name cosyvoice3`) get the in-process audio too, straight to
+cosyvoice3_official / cosyvoice3_official_offline and through the gateway's Triton facade and KServe route.
 """
 from __future__ import annotations
 
@@ -19,16 +21,22 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
+import requests
 import soundfile as sf
 
 from cosyvoice_triton.audio_out import encode
 from cosyvoice_triton.client.triton_client import TritonTTS
 from cosyvoice_triton.gateway.config import GatewayConfig, RoutingConfig, family_models
 from cosyvoice_triton.gateway.testing import GatewayThread
+from cosyvoice_triton.gateway.triton_facade import OFFICIAL_TRITON_PORT
+from cosyvoice_triton.errors import from_wire
 from cosyvoice_triton.messages import ConversionRequest, SynthesisRequest
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.server.templates import model_names
-from cosyvoice_triton.wire.names import COSYVOICE2, COSYVOICE2_OFFLINE, COSYVOICE3, COSYVOICE3_OFFLINE, OFFICIAL_MODELS
+from cosyvoice_triton.wire.names import (COSYVOICE2, COSYVOICE3, COSYVOICE3_OFFICIAL, COSYVOICE3_OFFICIAL_OFFLINE,
+                                         COSYVOICE3_OFFLINE, FAMILY_MODELS, WAVEFORM)
+from test_official_facade import infer as official_infer, kserve_body, stream as official_stream
+from test_official_triton import official_inputs
 from triton_harness import tritonserver_or_skip
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
@@ -82,7 +90,7 @@ def gateway(server, cv3_dir, tmp_path_factory):
     config = GatewayConfig(triton=(server.target,), voice_store=str(server.workdir / "voices.sqlite"),
                            model_dir=cv3_dir, home=tmp_path_factory.mktemp("home"),
                            routing=RoutingConfig(health_interval_s=1.0, metrics_interval_s=1.0),
-                           synthesis_model=synthesis_model, offline_model=offline_model)
+                           synthesis_model=synthesis_model, offline_model=offline_model, official_triton_port=0)
     with GatewayThread(config) as gw:
         gw.wait_ready()
         yield gw
@@ -140,11 +148,12 @@ def get_json(url: str) -> dict:
 
 def test_the_server_serves_the_synthesis_models_named_for_the_family(server):
     names = model_names(server.model_repository)
-    assert {COSYVOICE3, COSYVOICE3_OFFLINE, "llm", "token2wav", "prompt_encoder", "register_voice"} <= set(names)
-    # CosyVoice2's names are not there, nor the official tensor form's (CosyVoice2's, asked for here)
-    assert not {COSYVOICE2, COSYVOICE2_OFFLINE, *OFFICIAL_MODELS} & set(names)
-    for model in (COSYVOICE3, COSYVOICE3_OFFLINE):
+    assert {*FAMILY_MODELS["cosyvoice3"], "llm", "token2wav", "prompt_encoder", "register_voice"} <= set(names)
+    assert not set(FAMILY_MODELS["cosyvoice2"]) & set(names)  # CosyVoice2's names, its official form's too
+    for model in FAMILY_MODELS["cosyvoice3"]:  # cosyvoice3, cosyvoice3_offline, cosyvoice3_official(_offline)
         assert get_json(f"http://127.0.0.1:{server.http_port}/v2/models/{model}")["name"] == model
+        config = get_json(f"http://127.0.0.1:{server.http_port}/v2/models/{model}/config")
+        assert config["parameters"]["family"]["string_value"] == "cosyvoice3"
     config = get_json(f"http://127.0.0.1:{server.http_port}/v2/models/token2wav/config")
     assert config["parameters"]["flow_cache_frames"]["string_value"] == ""  # the family's own default (300)
 
@@ -221,3 +230,98 @@ def test_v1_tts_gives_the_servers_audio(gateway, sdk, voice, stream):
     want = to_s16(sdk.synthesize(TEXT, offline=not stream, seed=SEED, **direct))
     assert want.size > 0 and got.size == want.size
     assert np.abs(got - want).max() <= 8  # 16-bit samples, ATOL of the float audio
+
+
+# ---- the official Triton clients --------------------------------------------------------------------------
+# runtime/triton_trtllm's client_grpc.py (--mode streaming / offline) and client_http.py with --model-name
+# cosyvoice3 send what they send for cosyvoice2: reference_wav FP32 [1, N] at 16 kHz, zero-padded (client_grpc: to
+# whole 10 s streamed, whole seconds offline; client_http: not), reference_wav_len INT32 [1, 1], reference_text and
+# target_text BYTES [1, 1] (tests/test_official_triton.py `official_inputs`). Here with our `seed` [1, 1] as well,
+# so that their audio can equal the in-process pipeline's for the same prompt, text and seed.
+
+def official(padded_s: int | None = None) -> dict:
+    return official_inputs(TEXT, PROMPT, PROMPT_TEXT, padded_to=padded_s * RATE if padded_s else None, seed=SEED)
+
+
+@pytest.fixture(scope="module")
+def in_process_zero_shot(in_process) -> tuple[list[np.ndarray], np.ndarray]:
+    """The in-process zero_shot audio for PROMPT, PROMPT_TEXT, TEXT and SEED: (streamed chunks, offline)."""
+    streamed = in_process.synthesize(True)
+    assert len(streamed) >= 2  # the chunk schedule ran
+    return streamed, joined(in_process.synthesize(False))
+
+
+def assert_official_stream(chunks: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert all(c.ndim == 2 and c.shape[0] == 1 for c in chunks)  # [1, n] each, as the official's
+    assert [c.size for c in chunks] == [c.size for c in want]
+    assert_same_audio(joined([c.reshape(-1) for c in chunks]), joined(want))
+
+
+def assert_official_whole(waveform: np.ndarray, want: np.ndarray) -> None:
+    assert waveform.shape == (1, want.size)
+    assert_same_audio(waveform.reshape(-1), want)
+
+
+def kserve_waveform(answer: requests.Response) -> np.ndarray:
+    """client_http.py's reading of the answer: outputs[0]'s data, here with its name and shape checked."""
+    assert answer.status_code == 200, answer.text
+    (output,) = answer.json()["outputs"]
+    assert (output["name"], output["datatype"]) == (WAVEFORM, "FP32")
+    return np.array(output["data"], np.float32).reshape(output["shape"])
+
+
+def test_the_official_form_straight_to_triton_gives_the_in_process_audio(server, in_process_zero_shot):
+    want_streamed, want_whole = in_process_zero_shot
+    assert_official_stream(official_stream(server.grpc_url, COSYVOICE3_OFFICIAL, official(10)), want_streamed)
+    result = official_infer(server.grpc_url, COSYVOICE3_OFFICIAL_OFFLINE, official(5))
+    assert_official_whole(result.as_numpy(WAVEFORM), want_whole)
+    answer = requests.post(f"http://127.0.0.1:{server.http_port}/v2/models/{COSYVOICE3_OFFICIAL_OFFLINE}/infer",
+                           json=kserve_body(official()), params={"request_id": "0"}, timeout=180)
+    assert_official_whole(kserve_waveform(answer), want_whole)
+
+
+def test_the_official_clients_through_the_gateway_give_the_in_process_audio(gateway, in_process_zero_shot):
+    want_streamed, want_whole = in_process_zero_shot
+    facade = f"127.0.0.1:{gateway.call(lambda app: app[OFFICIAL_TRITON_PORT])}"
+    assert_official_stream(official_stream(facade, COSYVOICE3, official(10)), want_streamed)  # -> cosyvoice3_official
+    result = official_infer(facade, COSYVOICE3, official(5))  # -> cosyvoice3_official_offline
+    assert result.get_response().model_name == COSYVOICE3  # answered under the name the client asked for
+    assert_official_whole(result.as_numpy(WAVEFORM), want_whole)
+    answer = requests.post(f"{gateway.url}/v2/models/{COSYVOICE3}/infer", json=kserve_body(official()),
+                           params={"request_id": "0"}, timeout=180)
+    assert answer.json()["model_name"] == COSYVOICE3
+    assert_official_whole(kserve_waveform(answer), want_whole)
+    # A CosyVoice3 gateway answers KServe inference for its own family's names, and names the field otherwise.
+    other = requests.post(f"{gateway.url}/v2/models/{COSYVOICE2}/infer", json=kserve_body(official()), timeout=30)
+    assert other.status_code == 404 and from_wire(other.json()["error"]).field == "model_name"
+
+
+def test_the_spk2info_form_through_the_gateway_speaks_in_the_default_voice(gateway, sdk):
+    facade = f"127.0.0.1:{gateway.call(lambda app: app[OFFICIAL_TRITON_PORT])}"
+    chunks = official_stream(facade, COSYVOICE3, official_inputs(TEXT, seed=SEED))  # target_text (and seed) alone
+    with sdk.stream(TEXT, voice_id="default", seed=SEED) as native:
+        want = [c for c in native if c.size]
+    assert_official_stream(chunks, want)
+
+
+def test_the_facade_answers_the_official_clients_metadata_calls_with_the_family_names(gateway):
+    import tritonclient.grpc.aio as aioclient
+
+    async def ask():  # as client_grpc.py asks before and after its requests (statistics, then the model's config)
+        client = aioclient.InferenceServerClient(f"127.0.0.1:{gateway.call(lambda app: app[OFFICIAL_TRITON_PORT])}")
+        try:
+            return (await client.get_inference_statistics(model_name="", as_json=True),
+                    await client.get_model_config(COSYVOICE3, as_json=True),
+                    await client.get_model_metadata(COSYVOICE3_OFFICIAL, as_json=True),
+                    await client.is_model_ready(COSYVOICE3_OFFICIAL_OFFLINE))
+        finally:
+            await client.close()
+
+    stats, config, metadata, ready = asyncio.run(ask())
+    listed = {s["name"] for s in stats["model_stats"]}
+    assert set(FAMILY_MODELS["cosyvoice3"]) <= listed and not set(FAMILY_MODELS["cosyvoice2"]) & listed
+    assert config["config"]["name"] == COSYVOICE3
+    assert config["config"]["parameters"]["family"]["string_value"] == "cosyvoice3"
+    assert metadata["name"] == COSYVOICE3_OFFICIAL and ready
+    inputs = {i["name"]: i["shape"] for i in metadata["inputs"]}
+    assert inputs["reference_wav"] == ["-1", "-1"] and inputs["target_text"] == ["-1", "1"]  # [batch, ...]: official
