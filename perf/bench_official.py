@@ -2,7 +2,7 @@
 
     python -m cosyvoice_triton.perf.bench_official --model-dir DIR --official-src CHECKOUT \
         [--official-venv VENV] [--speech-tokens 250] [--text-tokens 40] [--prompt-tokens 75] \
-        [--concurrency 1 4] [--repeats 2] [--out DIR]
+        [--concurrency 1 4] [--repeats 2] [--device cpu|cuda] [--out DIR]
     cosyvoice-triton bench-official ...     # the same, as a subcommand
     cosyvoice-triton bench-official --model-dir DIR --speech-tokens N --text-tokens T --prompt-tokens P \
         --json [--triton HOST:PORT] [--decode-ahead on|off|both] [--first-chunk alone|shared|both]
@@ -120,7 +120,8 @@ class OurSide:
 
     def __init__(self, model_dir: str, speech_tokens: int, text_tokens: int, prompt_tokens: int,
                  llm_precision: str = "fp32", decode_ahead: bool = True, first_chunk_alone: bool = True,
-                 flow_precision: str = "fp32", chunk_preset: str = "official", flow_rows: bool = True):
+                 flow_precision: str = "fp32", chunk_preset: str = "official", flow_rows: bool = True,
+                 device: str = "cpu"):
         from cosyvoice_triton.models.flow_cache import FlowCacheSettings
         from cosyvoice_triton.perf.exact_length import exact_length
         from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice
@@ -128,8 +129,9 @@ class OurSide:
         preset = CHUNK_PRESETS[chunk_preset]
 
         def load() -> CosyVoice:  # the folder's family (its yaml)
-            tts = CosyVoice.from_model_dir(model_dir, llm_precision=llm_precision, flow_precision=flow_precision,
-                                            flow_cache=FlowCacheSettings(cached_final=preset.cached_final))
+            tts = CosyVoice.from_model_dir(model_dir, device, llm_precision=llm_precision,
+                                           flow_precision=flow_precision,
+                                           flow_cache=FlowCacheSettings(cached_final=preset.cached_final))
             exact_length(tts.llm, speech_tokens)
             return tts
 
@@ -259,7 +261,8 @@ def serve_ours(args) -> None:
     protocol, sys.stdout = sys.stdout, sys.stderr
     side = OurSide(args.model_dir, args.speech_tokens, args.text_tokens, args.prompt_tokens, args.llm_precision,
                    decode_ahead=args.decode_ahead != "off", first_chunk_alone=args.first_chunk != "shared",
-                   flow_precision=args.flow_precision, chunk_preset=args.chunk_preset, flow_rows=args.flow_rows != "off")
+                   flow_precision=args.flow_precision, chunk_preset=args.chunk_preset,
+                   flow_rows=args.flow_rows != "off", device=args.device)
     np.savez(args.write_inputs, **side.arrays)
     protocol.write(json.dumps({"ready": True, "torch": torch.__version__}) + "\n")
     protocol.flush()
@@ -310,7 +313,7 @@ def ours_command(args, inputs: Path) -> list[str]:
             "--speech-tokens", str(args.speech_tokens), "--text-tokens", str(args.text_tokens),
             "--prompt-tokens", str(args.prompt_tokens), "--threads", str(args.threads),
             "--llm-precision", args.llm_precision, "--flow-precision", args.flow_precision,
-            "--chunk-preset", args.chunk_preset,
+            "--chunk-preset", args.chunk_preset, "--device", args.device,
             "--decode-ahead", args.decode_ahead,
             "--first-chunk", args.first_chunk, "--flow-rows", args.flow_rows, "--write-inputs", str(inputs)]
 
@@ -318,7 +321,7 @@ def ours_command(args, inputs: Path) -> list[str]:
 def official_command(python: Path, args, inputs: Path) -> list[str]:
     return [str(python), str(DRIVER), "--official-src", str(args.official_src), "--model-dir", args.model_dir,
             "--inputs", str(inputs), "--speech-tokens", str(args.speech_tokens), "--threads", str(args.threads),
-            "--audible-module", audible.__file__]
+            "--audible-module", audible.__file__, "--device", args.device]
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -350,7 +353,8 @@ ROWS = [("first audio (median)", "first_audio_s", "s"), ("first audio p90", "fir
 def markdown(result: dict) -> str:
     meta = result["meta"]
     served = [name for name in SERVED if name in result["levels"][0]]
-    lines = [f"{meta.get('family', 'cosyvoice2')}; {meta['date']}; {meta['cpu']}; "
+    on_gpu = f", {meta['device']}" if meta.get("device", "cpu") != "cpu" else ""
+    lines = [f"{meta.get('family', 'cosyvoice2')}; {meta['date']}; {meta['cpu']}{on_gpu}; "
              f"torch {meta['torch_ours']} (ours) / {meta['torch_official']} (official), "
              f"{meta['threads']} threads each; {meta['text_tokens']} text tokens, {meta['prompt_tokens']}-token prompt, "
              f"exactly {meta['speech_tokens']} speech tokens; LLM {meta['llm_precision']}, flow {meta.get('flow_precision', 'fp32')} "
@@ -454,9 +458,18 @@ def precisions(args) -> dict:
     """Our side's precisions as run (`auto` resolved on this machine), for the report."""
     from cosyvoice_triton.models.auto_precision import describe_cpu, resolve_flow_precision, resolve_llm_precision
 
-    return {"llm_precision": resolve_llm_precision(args.llm_precision),
-            "flow_precision": resolve_flow_precision(args.flow_precision), "cpu_kind": describe_cpu(),
-            "chunk_preset": args.chunk_preset}
+    return {"llm_precision": resolve_llm_precision(args.llm_precision, args.device),
+            "flow_precision": resolve_flow_precision(args.flow_precision, args.device), "cpu_kind": describe_cpu(),
+            "chunk_preset": args.chunk_preset, "device": device_name(args.device)}
+
+
+def device_name(device: str) -> str:
+    """Where the sides ran, for the report: "cpu", or the GPU by name."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return "cpu"
+    return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
 
 
 def our_variants(args) -> tuple[OurSide, list[tuple[str, object]]]:
@@ -464,7 +477,8 @@ def our_variants(args) -> tuple[OurSide, list[tuple[str, object]]]:
     the order they alternate."""
     side = OurSide(args.model_dir, args.speech_tokens, args.text_tokens, args.prompt_tokens, args.llm_precision,
                    decode_ahead=args.decode_ahead != "off", first_chunk_alone=args.first_chunk != "shared",
-                   flow_precision=args.flow_precision, chunk_preset=args.chunk_preset, flow_rows=args.flow_rows != "off")
+                   flow_precision=args.flow_precision, chunk_preset=args.chunk_preset,
+                   flow_rows=args.flow_rows != "off", device=args.device)
 
     def in_process(decode_ahead: bool, first_chunk_alone: bool = args.first_chunk != "shared",
                    flow_rows: bool = args.flow_rows != "off"):
@@ -534,6 +548,9 @@ def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
                         help="our LLM's (as serve's; auto: from the CPU's instructions, models/auto_precision.py)")
     parser.add_argument("--flow-precision", default="auto", choices=[*FLOW_PRECISIONS, "auto"],
                         help="our torch flow estimator's (as serve's)")
+    parser.add_argument("--device", default="cpu",
+                        help="torch device of both sides (the official code takes the GPU whenever torch sees one, "
+                             "so with cpu its driver hides it)")
     parser.add_argument("--chunk-preset", default="official", choices=list(CHUNK_PRESETS),
                         help="our in-process side's chunk preset (a served side: the server's, serve --chunk-preset)")
 

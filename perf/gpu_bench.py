@@ -3,7 +3,9 @@
     bash perf/gpu_bench.sh                                          # on a machine with an NVIDIA GPU
     python -m cosyvoice_triton.perf.gpu_bench --device cpu --size tiny --quick      # a smoke run on a CPU
 
-What runs is the `cosyvoice2` model's serving path without its transport: the shared `Pipeline`
+Each model family (`--family`, default both: CosyVoice2 and CosyVoice3) runs on a random folder of its own
+(`--size`, as `cosyvoice-triton export --family F --size S` writes it), or the one `--model-dir` names.
+What runs is the streaming model's serving path without its transport: the shared `Pipeline`
 (sentences -> LLM token streams -> token2wav chunks) over `LLMScheduler` (in-flight batching of the LLM
 streams in its own thread, as the `llm` model runs it) and `Token2WavScheduler` (flow + HiFT batched across
 streams) behind `BatchingToken2WavStage`, which gathers waiting chunks into one scheduler call as Triton's dynamic
@@ -17,8 +19,11 @@ decode graphs warmed, `capture_estimator_steps` on the flow (engines/cuda_graphs
 shared out between the variants still to run.
 
 A voice is encoded once per prompt before the levels (as `bench --voice-mode id`). `--time-budget-s`
-counts from the start (model writing included): a level whose estimated time does not fit is not started,
-a level that reaches the deadline starts no more requests, and the report says so. The report (report.md,
+counts from the start of each family's part (its model writing included): a level whose estimated time does
+not fit is not started, a level that reaches the deadline starts no more requests, and the report says so.
+After each family's levels, outside the budget, perf/gpu_stages.py times one stream's stages on the device
+(LLM prefill and decode steps, flow and vocoder calls) and, given `--official-src` and `--official-venv`,
+runs the side by side with the official code on the same device. The report (report.md,
 results.json, one PNG per scenario) goes to `--out`, default $COSYVOICE_PERF_RESULTS/gpu-<timestamp>/
 (perf/results/ of the checkout when that is unset); report.md and results.json are rewritten after every level.
 """
@@ -36,12 +41,13 @@ from pathlib import Path
 import torch
 
 from cosyvoice_triton.engines.cuda_graphs import capture_estimator_steps, use_cuda_graphs
+from cosyvoice_triton.family import FAMILIES, family_named, family_of
 from cosyvoice_triton.engines.select import build_token2wav, resolve_engine, unavailable_reason
 from cosyvoice_triton.preprocess.prompt import PromptEncoder
 from cosyvoice_triton.preprocess.text import TextPreprocessor
 from cosyvoice_triton.messages import SynthesisRequest
 from cosyvoice_triton.models.speech_lm import SpeechLM
-from cosyvoice_triton.perf import scenarios
+from cosyvoice_triton.perf import gpu_stages, scenarios
 from cosyvoice_triton.perf.gpu_report import RANDOM_LLM_NOTE, environment, progress_line, write_outputs
 from cosyvoice_triton.perf.report import results_dir
 from cosyvoice_triton.perf.stats import RequestResult, percentile
@@ -89,14 +95,17 @@ def check_packages() -> tuple[tuple[UnchangedText, UnchangedText] | None, list[s
 class Variant:
     cuda_graphs: str  # off | on (engines/cuda_graphs.py)
     llm_precision: str  # fp32 | bf16 (models/llm_precision.py)
+    family: str = ""  # the model family's name when the run has more than one, else ""
 
     @property
     def label(self) -> str:
-        return f"CUDA graphs {self.cuda_graphs}, LLM {self.llm_precision}"
+        family = f"{self.family}, " if self.family else ""
+        return f"{family}CUDA graphs {self.cuda_graphs}, LLM {self.llm_precision}"
 
     @property
     def slug(self) -> str:
-        return f"graphs-{self.cuda_graphs}-{self.llm_precision}"
+        family = f"{self.family}-" if self.family else ""
+        return f"{family}graphs-{self.cuda_graphs}-{self.llm_precision}"
 
 
 @dataclass
@@ -257,16 +266,17 @@ def estimate_s(previous: dict | None, concurrency: int, requests: int) -> float:
 
 # ---- the run ------------------------------------------------------------------------------------------
 
-def prepare_model(args: argparse.Namespace) -> tuple[Path, str]:
-    """The model folder (the random one written now unless --model-dir) and its report line."""
+def prepare_model(args: argparse.Namespace, family: str) -> tuple[Path, str]:
+    """The model folder of `family` (its random one written now unless --model-dir) and its report line."""
     if args.model_dir is not None:
         return args.model_dir, f"{args.model_dir} (given)"
-    model_dir = args.work_dir / args.size
-    if (model_dir / "speech_tokenizer_v2.onnx").exists():  # the last file write_random_model writes
-        return model_dir, f"{args.size} random weights, reused from {model_dir}"
+    model_dir = args.work_dir / f"{family}-{args.size}"
+    if (model_dir / family_named(family).speech_tokenizer_file).exists():  # the last file write_random_model writes
+        return model_dir, f"{family}, {args.size} random weights, reused from {model_dir}"
     start = time.perf_counter()
-    write_random_model(model_dir, size=args.size, backbone_weights=False)  # the LLM reads llm.pt only
-    return model_dir, f"{args.size} random weights, written to {model_dir} in {time.perf_counter() - start:.0f} s"
+    write_random_model(model_dir, size=args.size, backbone_weights=False, family=family)  # the LLM reads llm.pt only
+    return model_dir, (f"{family}, {args.size} random weights, written to {model_dir} in "
+                       f"{time.perf_counter() - start:.0f} s")
 
 
 def encode_voices(stack: Stack, cases: tuple) -> dict:
@@ -317,18 +327,22 @@ def run(args: argparse.Namespace) -> int:
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     out = args.out or results_dir() / time.strftime("gpu-%Y%m%d-%H%M%S")
-    model_dir, model_line = prepare_model(args)
+    families = [family_of(args.model_dir).name] if args.model_dir is not None else args.family
     if args.model_dir is None:
         notes.append(RANDOM_LLM_NOTE)
-    variants = [Variant(graphs, precision) for graphs in args.cuda_graphs for precision in args.llm_precision]
+    several_families = len(families) > 1
+    variants = [Variant(graphs, precision, family if several_families else "") for family in families
+                for graphs in args.cuda_graphs for precision in args.llm_precision]
     several = len(variants) > 1
-    settings = {"model": model_line,
-                "voice": "encoded once per prompt before the levels (as bench --voice-mode id)",
+    settings = {"voice": "encoded once per prompt before the levels (as bench --voice-mode id)",
                 "warm-up": f"{args.warmup} request(s) at concurrency 1 before each scenario, not measured",
                 "clients": "one thread per concurrent request; each sends its next request when one ends",
-                "time budget": f"{args.time_budget_s:.0f} s from the start, model writing included"
+                "time budget": f"{args.time_budget_s:.0f} s " + ("per family, from the start of its part"
+                                                                if several_families else "from the start")
+                               + ", model writing included"
                                + (", shared out between the variants still to run" if several else "")}
-    results = {"environment": environment(device), "settings": settings, "notes": notes, "scenarios": []}
+    results = {"environment": environment(device), "settings": settings, "notes": notes, "scenarios": [],
+               "stages": []}
 
     def save(plots: bool) -> str:
         settings["time used"] = f"{time.monotonic() - started:.0f} s"
@@ -336,34 +350,52 @@ def run(args: argparse.Namespace) -> int:
             settings["peak GPU memory"] = f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated"
         return write_outputs(results, out, plots)
 
-    for index, variant in enumerate(variants):
-        deadline = time.monotonic() + (started + args.time_budget_s - time.monotonic()) / (len(variants) - index)
-        stack = open_stack(model_dir, args, device, args.work_dir / f"onnx_{model_dir.name}", normalizers, variant)
-        prefix = f"{variant.label}: " if several else ""
-        settings[f"{prefix}llm"], settings[f"{prefix}token2wav"] = stack.settings["llm"], stack.settings["token2wav"]
-        print(f"gpu_bench: {model_line}; {prefix}{stack.settings['token2wav']}; report in {out}", flush=True)
-        try:
-            for name in args.scenario:
-                record = {"name": name, "levels": [], "skipped": []}
-                if several:
-                    record.update(variant=variant.label, slug=variant.slug)
-                results["scenarios"].append(record)
-                run_scenario(stack, name, args, deadline, record, save)
-        finally:
-            stack.close()
-        del stack  # its models and graphs, before the next variant's
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    print(f"gpu_bench: {', '.join(families)} on {device}; report in {out}", flush=True)
+    for family in families:
+        part_start = time.monotonic()
+        model_dir, model_line = prepare_model(args, family)
+        settings[f"model ({family})" if several_families else "model"] = model_line
+        part = [v for v in variants if v.family in (family, "")]
+        for index, variant in enumerate(part):
+            deadline = time.monotonic() + (part_start + args.time_budget_s - time.monotonic()) / (len(part) - index)
+            run_variant(model_dir, model_line, variant, args, device, normalizers, deadline, results, save, several)
+        results["stages"] += gpu_stages.run_stages(model_dir, family, args, device, out)
+        save(plots=False)
     print(save(plots=True), flush=True)
     errors = sum(level["errors"] for record in results["scenarios"] for level in record["levels"])
     return 0 if errors == 0 else 1
 
 
+def run_variant(model_dir: Path, model_line: str, variant: Variant, args: argparse.Namespace, device: torch.device,
+                normalizers: tuple | None, deadline: float, results: dict, save, several: bool) -> None:
+    """Every scenario of `args` on the stack of `variant`, into `results` (saved after every level)."""
+    settings = results["settings"]
+    stack = open_stack(model_dir, args, device, args.work_dir / f"onnx_{model_dir.name}", normalizers, variant)
+    prefix = f"{variant.label}: " if several else ""
+    settings[f"{prefix}llm"], settings[f"{prefix}token2wav"] = stack.settings["llm"], stack.settings["token2wav"]
+    print(f"gpu_bench: {model_line}; {prefix}{stack.settings['token2wav']}", flush=True)
+    try:
+        for name in args.scenario:
+            record = {"name": name, "levels": [], "skipped": []}
+            if several:
+                record.update(variant=variant.label, slug=variant.slug)
+            results["scenarios"].append(record)
+            run_scenario(stack, name, args, deadline, record, save)
+    finally:
+        stack.close()
+    del stack  # its models and graphs, before the next variant's
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.perf.gpu_bench", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", help="cuda[:N], or cpu for a smoke run of the same code")
-    p.add_argument("--size", choices=["tiny", "full"], default="full", help="random model folder to write")
-    p.add_argument("--model-dir", type=Path, help="an existing model folder instead of a random one")
+    p.add_argument("--family", choices=[f.name for f in FAMILIES], nargs="+", default=[f.name for f in FAMILIES],
+                   help="model families, each on a random folder of its own (default: all)")
+    p.add_argument("--size", choices=["tiny", "full"], default="full", help="random model folders to write")
+    p.add_argument("--model-dir", type=Path, help="an existing model folder instead of random ones (its family "
+                                                  "alone runs)")
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "cosyvoice_gpu_bench",
                    help="where the random folder and exported graphs go (reused when present)")
     p.add_argument("--scenario", nargs="+", choices=scenarios.NAMES, default=["fast_clone"])
@@ -395,8 +427,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1000, help="request i of a level uses seed + i")
     p.add_argument("--quick", action="store_true", help="levels 1 2, 2 requests each, short texts, ratio 3")
     p.add_argument("--time-budget-s", type=float, default=480.0,
-                   help="seconds from the start (model writing included) after which no level or request "
-                        "starts; a level estimated to end later is not started")
+                   help="seconds per family from the start of its part (model writing included) after which "
+                        "no level or request starts; a level estimated to end later is not started")
+    gpu_stages.add_arguments(p)
     p.add_argument("--out", type=Path, help="report folder (default $COSYVOICE_PERF_RESULTS/gpu-<time>, "
                                             "$COSYVOICE_PERF_RESULTS defaulting to perf/results)")
     args = p.parse_args(argv)

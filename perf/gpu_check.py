@@ -4,11 +4,14 @@
     python -m cosyvoice_triton.perf.gpu_check --dry-run                         # folder + ONNX export only
     python -m cosyvoice_triton.perf.gpu_check --device cpu --size tiny --batches 1 --chunks 1 --iters 2
 
-Steps: a random model folder (`--size full`, no backbone weights) -> ONNX export -> each engine column
+Each model family (`--family`, default both) gets a report of its own, in this order. Steps: a random model
+folder of the family (`--size full`, no backbone weights) -> ONNX export -> each engine column
 (torch eager, torch with CUDA graphs, ONNX Runtime CUDA, TensorRT fp16 and fp32; engines are built once
 and cached in the work folder) -> parity of each engine with torch -> the median time of one call of the
 estimator (one Euler step on 2N rows), the whole 10-step loop, HiFT and CAM++ for N = 1, 4, 16 streams
-and 1 s / 4 s chunks. An engine that cannot run says why in its column and the check goes on. The report
+and 1 s / 4 s chunks. An engine that cannot run says why in its column and the check goes on. CosyVoice3's
+token2wav (the DiT estimator, the causal HiFT) has no ONNX graphs: only the torch columns run for it, and
+its HiFT has no CUDA-graph twin (n/a). The report
 goes to stdout and to `--out`, default $COSYVOICE_PERF_RESULTS/gpu-check-<time>.md (perf/results/ of the
 checkout when that is unset). TF32 is off everywhere: fp32 means fp32.
 """
@@ -34,6 +37,9 @@ from cosyvoice_triton.engines.onnx_export import token2wav_onnx
 from cosyvoice_triton.engines.onnx_graphs import HiFTDecodeGraph, example_inputs
 from cosyvoice_triton.engines.select import build_token2wav, open_campplus, unavailable_reason
 from cosyvoice_triton.engines.torch_runner import CudaGraphCall
+from cosyvoice_triton.family import FAMILIES, family_named, family_of
+from cosyvoice_triton.models.causal_hift import CausalHiFTGenerator
+from cosyvoice_triton.models.family import family_models
 from cosyvoice_triton.models.flow import FlowModel
 from cosyvoice_triton.models.hift import HiFTGenerator
 from cosyvoice_triton.models.hift_source import ZeroNoise
@@ -91,6 +97,9 @@ def open_stack(column: Column, model_dir: Path, onnx_dir: Path, device: torch.de
     reason = unavailable_reason(column.engine, device)
     if column.cuda_graphs and device.type != "cuda":
         reason = "CUDA graphs need a CUDA device"
+    models = family_models(model_dir)
+    if column.engine != "torch" and not models.graphs:
+        reason = f"{models.family}'s token2wav has no ONNX graphs (it runs on torch)"
     if reason is not None:
         return reason
     start = time.perf_counter()
@@ -130,13 +139,23 @@ def module_call(stack: Stack, module: str, cuda_graphs: bool) -> Callable[..., T
     if module == "estimator 10-step loop":
         return stack.flow.decoder
     if module == "HiFT" and cuda_graphs:
+        if isinstance(stack.hift, CausalHiFTGenerator):  # no exported twin of its decode
+            return None
         # torch.istft checks its window envelope on the host, which a capture forbids: capture the
         # exported twin of `decode` (STFTs as convolutions) instead.
         decode = HiFTDecodeGraph(stack.hift)
         return lambda mel: decode(mel, stack.hift.m_source(stack.hift.f0_predictor(mel), ZeroNoise()))
     if module == "HiFT":
-        return lambda mel: stack.hift.inference(mel, None, ZeroNoise())[0]
+        return lambda mel: vocode(stack.hift, mel)
     return None if cuda_graphs else stack.campplus
+
+
+def vocode(hift, mel: Tensor) -> Tensor:
+    """The vocoder's audio of a whole mel, zero noise: CosyVoice3's causal HiFT takes `finalize` where
+    CosyVoice2's takes the cached source of a previous chunk."""
+    if isinstance(hift, CausalHiFTGenerator):
+        return hift.inference(mel, finalize=True, noise=ZeroNoise())[0]
+    return hift.inference(mel, None, ZeroNoise())[0]
 
 
 def median_ms(fn: Callable[..., Tensor], inputs: tuple[Tensor, ...], device: torch.device, iters: int) -> float:
@@ -171,7 +190,7 @@ def parity_rows(reference: Stack, stacks: dict[Column, Stack], model_dir: Path, 
     with torch.inference_mode():
         mel = flow.decoder(*loop_in)
         expected = {"flow encoder": flow.encoder(*encoder_in), "estimator step": flow.decoder.estimator(*step_in),
-                    "mel (10 steps)": mel, "HiFT waveform": hift.inference(mel, None, ZeroNoise())[0]}
+                    "mel (10 steps)": mel, "HiFT waveform": vocode(hift, mel)}
     expected["CAM++"] = F.normalize(open_campplus(model_dir, "onnxruntime", "cpu")(fbank.cpu()), dim=1)
     rows = []
     for column, stack in stacks.items():
@@ -182,7 +201,7 @@ def parity_rows(reference: Stack, stacks: dict[Column, Stack], model_dir: Path, 
                 actual = {"flow encoder": stack.flow.encoder(*encoder_in),
                           "estimator step": stack.flow.decoder.estimator(*step_in),
                           "mel (10 steps)": stack.flow.decoder(*loop_in),
-                          "HiFT waveform": stack.hift.inference(mel, None, ZeroNoise())[0],
+                          "HiFT waveform": vocode(stack.hift, mel),
                           "CAM++": F.normalize(stack.campplus(fbank).float(), dim=1)}
         except Exception as error:  # noqa: BLE001 - reported in its row; the other engines are still checked
             rows.append(f"| all | {column.label} | {type(error).__name__}: {error} | | **NO** |")
@@ -233,15 +252,18 @@ def versions(device: torch.device) -> str:
             f"({', '.join(ort.get_available_providers())}); {trt}; numpy {np.__version__}")
 
 
-def prepare(args: argparse.Namespace) -> tuple[Path, Path, list[str]]:
+def prepare(args: argparse.Namespace, family: str) -> tuple[Path, Path, list[str]]:
     """Model folder and ONNX graphs -> (model_dir, onnx_dir, report lines)."""
     lines = []
-    model_dir = args.model_dir or args.work_dir / args.size
-    if args.model_dir is None and not (model_dir / "flow.pt").exists():
-        start = time.perf_counter()
-        write_random_model(model_dir, size=args.size, backbone_weights=False)
+    model_dir = args.model_dir or args.work_dir / f"{family}-{args.size}"
+    if args.model_dir is None and not (model_dir / family_named(family).speech_tokenizer_file).exists():
+        start = time.perf_counter()  # the tokenizer is the last file write_random_model writes
+        write_random_model(model_dir, size=args.size, backbone_weights=False, family=family)
         lines.append(f"- wrote the {args.size} random folder {model_dir} in {time.perf_counter() - start:.1f} s")
     onnx_dir = args.work_dir / f"onnx_{model_dir.name}"
+    if not family_models(model_dir).graphs:
+        lines.append(f"- no ONNX export: {family}'s token2wav has no graphs")
+        return model_dir, onnx_dir, lines
     start = time.perf_counter()
     paths = token2wav_onnx(model_dir, onnx_dir)
     sizes = ", ".join(f"{name} {path.stat().st_size / 2**20:.0f} MiB" for name, path in paths.items())
@@ -249,14 +271,14 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path, list[str]]:
     return model_dir, onnx_dir, lines
 
 
-def run(args: argparse.Namespace) -> str:
+def run(args: argparse.Namespace, family: str) -> str:
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    lines = ["# token2wav engines: GPU check", "",
+    lines = [f"# token2wav engines: GPU check ({family})", "",
              f"- {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; {versions(device)}",
              "- TF32 off in torch and TensorRT: fp32 means fp32"]
-    model_dir, onnx_dir, prepared = prepare(args)
+    model_dir, onnx_dir, prepared = prepare(args, family)
     lines += prepared
     if args.dry_run:
         return "\n".join(lines + ["", "dry run: stopped before loading any engine"]) + "\n"
@@ -274,9 +296,12 @@ def run(args: argparse.Namespace) -> str:
         lines.append(f"| {column.label} | {status} | {seconds} |")
     ready = {c: s for c, s in stacks.items() if not isinstance(s, str)}
     streams, seconds = args.parity_case
-    lines += ["", f"## Parity with torch (max abs error; {streams} streams, {seconds:g} s)", "", TOLERANCE_NOTE, "",
-              "| output | engine | max abs error | tolerance | ok |", "|---|---|---|---|---|"]
-    lines += parity_rows(reference, ready, model_dir, device, streams, seconds)
+    lines += ["", f"## Parity with torch (max abs error; {streams} streams, {seconds:g} s)", ""]
+    if any(column.engine != "torch" for column in ready):
+        lines += [TOLERANCE_NOTE, "", "| output | engine | max abs error | tolerance | ok |", "|---|---|---|---|---|"]
+        lines += parity_rows(reference, ready, model_dir, device, streams, seconds)
+    else:
+        lines.append("No engine besides torch runs here: nothing to compare.")
     lines += ["", f"## Time per call (ms, median of {args.iters})", "",
               "estimator step: one Euler step on the guided batch (2 rows per stream); 10-step loop: "
               "FlowMatching on N streams; HiFT: F0 + source (torch) + decode; CAM++: fbank -> embedding. "
@@ -290,8 +315,11 @@ def run(args: argparse.Namespace) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.perf.gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", help="cuda[:N], or cpu for a smoke run of the same code")
+    p.add_argument("--family", choices=[f.name for f in FAMILIES], nargs="+", default=[f.name for f in FAMILIES],
+                   help="model families, each on a random folder of its own (default: all)")
     p.add_argument("--size", choices=["tiny", "full"], default="full")
-    p.add_argument("--model-dir", type=Path, help="an existing model folder instead of a random one")
+    p.add_argument("--model-dir", type=Path, help="an existing model folder instead of random ones (its family "
+                                                  "alone runs)")
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "cosyvoice_gpu_check")
     p.add_argument("--dry-run", action="store_true", help="stop after the model folder and the ONNX export")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16],
@@ -313,7 +341,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report = run(args)
+    families = [family_of(args.model_dir).name] if args.model_dir is not None else args.family
+    report = "\n".join(run(args, family) for family in families)
     print(report)
     out = args.out or results_dir() / time.strftime("gpu-check-%Y%m%d-%H%M%S.md")
     out.parent.mkdir(parents=True, exist_ok=True)

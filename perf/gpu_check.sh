@@ -2,7 +2,9 @@
 # GPU check of the token2wav and CAM++ engines on one GPU: parity of ONNX Runtime CUDA and TensorRT
 # (fp16, fp32) with torch, and per-call times of the flow estimator (one Euler step and the 10-step
 # loop), HiFT and CAM++ at 1, 4 and 16 streams for 1 s and 4 s chunks, for torch eager, torch with CUDA
-# graphs, ONNX Runtime CUDA and TensorRT. perf/gpu_check.py says what each number is.
+# graphs, ONNX Runtime CUDA and TensorRT; one report per family (--family, default CosyVoice2 and CosyVoice3:
+# the DiT estimator and the causal HiFT, which have no ONNX graphs, on the torch columns only).
+# perf/gpu_check.py says what each number is.
 #
 # On a machine with an NVIDIA GPU, from the repository root:
 #   bash perf/gpu_check.sh [options of perf/gpu_check.py]     e.g. --precisions fp16 --iters 10

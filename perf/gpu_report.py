@@ -1,6 +1,6 @@
-"""The report of `gpu_bench.py`: report.md (environment, settings, one table per scenario, the targets),
-results.json and one PNG per scenario, on perf/report.py's helpers (number formats, environment, pyplot,
-file writing)."""
+"""The report of `gpu_bench.py`: report.md (environment, settings, one table per scenario, the targets, then
+each family's stage sections from gpu_stages.py), results.json and one PNG per scenario, on perf/report.py's
+helpers (number formats, environment, pyplot, file writing)."""
 from __future__ import annotations
 
 import importlib.util
@@ -64,7 +64,7 @@ def table_row(s: dict) -> str:
 
 
 def markdown(results: dict) -> str:
-    lines = ["# CosyVoice2 GPU benchmark: in-process serving path", "",
+    lines = ["# GPU benchmark: in-process serving path", "",
              *report.environment_lines(results["environment"]),
              *(f"- **{key}**: {value}" for key, value in results["settings"].items()),
              *(f"- **note**: {note}" for note in results["notes"]), "", MEASURES_NOTE]
@@ -80,6 +80,8 @@ def markdown(results: dict) -> str:
                   for s in scenario["levels"] if s["first_error"]]
     lines += ["", "## Targets (reported, not asserted)", "", "| target | measured | status |", "|---|---:|---|"]
     lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in target_rows(results)]
+    for stage in results.get("stages", []):
+        lines += ["", f"## {stage['title']}", "", stage["markdown"].rstrip()]
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,7 @@
 """The official side of `bench_official`: runs in the official code's own virtualenv, never imported.
 
     OFFICIAL_VENV/bin/python perf/official_driver.py --official-src DIR --model-dir DIR --inputs NPZ \
-        --speech-tokens N [--threads 2] [--audible-module PATH]
+        --speech-tokens N [--threads 2] [--audible-module PATH] [--device cpu|cuda]
 
 The folder's yaml decides the family, as the official `AutoModel` does: `cosyvoice2.yaml` builds
 `CosyVoice2Model`, `cosyvoice3.yaml` `CosyVoice3Model` (hyperpyyaml, as the official `CosyVoice2` and
@@ -16,6 +16,8 @@ each way: {"concurrency": c} -> {"streams": [{"first_s", "first_audible_s", "tot
 cosyvoice_triton/pipeline/audible.py, loaded by path (`--audible-module`: it needs numpy only), so that both
 sides use one definition; without it, None.
 c threads call the model's `tts(stream=True)` at once, as the official server does.
+The official model class takes the GPU whenever torch sees one; `--device cpu` (the default) hides it, so
+that both sides run where the parent asked.
 `token_hop_len` is reset to 25 before each round (`tts()` doubles it on the model and never resets it).
 """
 from __future__ import annotations
@@ -58,6 +60,14 @@ def stub_unused_imports() -> None:
         sys.modules["torchaudio.transforms"].Spectrogram = lambda *args, **kwargs: torch.nn.Identity()
     if not hasattr(sys.modules["whisper.tokenizer"], "Tokenizer"):
         sys.modules["whisper.tokenizer"].Tokenizer = object
+
+
+def use_device(device: str) -> None:
+    """Make the official code run on `device`: it asks torch.cuda.is_available() and takes the GPU if so."""
+    if torch.device(device).type == "cpu":
+        torch.cuda.is_available = lambda: False
+    elif not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: torch in the official virtualenv sees no GPU")
 
 
 def build_model(official: Path, model_dir: Path):
@@ -158,7 +168,9 @@ def main() -> None:
     parser.add_argument("--speech-tokens", type=int, required=True)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--audible-module", type=Path, default=None, help="our pipeline/audible.py")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU the official code picks")
     args = parser.parse_args()
+    use_device(args.device)
     audible = load_audible(args.audible_module)
     torch.set_num_threads(args.threads)
     protocol = sys.stdout

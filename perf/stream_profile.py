@@ -1,7 +1,8 @@
 """Where the time of our in-process streams goes: a timeline of their stages.
 
     python -m cosyvoice_triton.perf.stream_profile --model-dir DIR [--speech-tokens 250] [--text-tokens 40] \
-        [--prompt-tokens 75] [--threads 2] [--llm-precision fp32] [--concurrency 1] [--warmup 1] [--json FILE]
+        [--prompt-tokens 75] [--threads 2] [--llm-precision fp32] [--device cpu] [--concurrency 1] \
+        [--warmup 1] [--json FILE]
 
 Runs our side exactly as perf/bench_official.py does (its `OurSide` and `make_inputs`: exactly N speech
 tokens, the LLM decoding ahead, a stream's first chunk alone on every core, the per-stream flow cache and
@@ -16,7 +17,8 @@ each synthesizer's stages are wrapped on their objects (restored afterwards) and
 - `flow`: `Token2Wav.mel`, one call per chunk (the tokens so far and the new ones, i.e. those of the
   enclosing token2wav call; emitted / cached / prompt frames and all frames of the call, of which the
   computed ones are those not cached; whether it is the final full-attention pass);
-- `hift`: `HiFTGenerator.inference` (mel frames in, samples out);
+- `hift`: the vocoder's `inference` (mel frames in, samples out), and CosyVoice3's windowed call
+  `inference_window` (token2wav/causal_vocoder_stream.py: the window's frames in);
 - `token2wav`: the token2wav stage's `chunk` (flow + HiFT + waiting for the core share);
 - `emit`: a chunk reaching the caller (start = end).
 
@@ -41,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from cosyvoice_triton.perf.bench_official import OurSide, add_setting_arguments
+from cosyvoice_triton.perf.bench_official import OurSide, add_setting_arguments, precisions
 
 COMPUTE = ("prefill", "decode", "flow", "hift")  # the stages that run models
 LLM = ("prefill", "decode")
@@ -139,9 +141,10 @@ def describe_token2wav(arguments: dict, result) -> tuple[str, dict]:
 def profiling(tts, stream: int, timeline: Timeline):
     """Time the stages of synthesizer `tts` (one `CosyVoice2`) as stream `stream` while inside."""
     token2wav = tts.token2wav
+    vocoder_calls = [name for name in ("inference", "inference_window") if hasattr(token2wav.hift, name)]
     restores = [wrap(tts.llm, "step_logits", timeline, stream, describe_llm_step),
                 wrap(token2wav, "mel", timeline, stream, describe_flow(token2wav.token_mel_ratio)),
-                wrap(token2wav.hift, "inference", timeline, stream, describe_hift),
+                *(wrap(token2wav.hift, name, timeline, stream, describe_hift) for name in vocoder_calls),
                 wrap(tts.pipeline.token2wav, "chunk", timeline, stream, describe_token2wav)]
     try:
         yield
@@ -266,7 +269,7 @@ def whole_stream(timeline: Timeline, streams: list[dict]) -> dict:
 def profile(args) -> dict:
     torch.set_num_threads(args.threads)
     side = ProfiledSide(args.model_dir, args.speech_tokens, args.text_tokens, args.prompt_tokens, args.llm_precision,
-                        flow_precision=args.flow_precision, chunk_preset=args.chunk_preset)
+                        flow_precision=args.flow_precision, chunk_preset=args.chunk_preset, device=args.device)
     for _ in range(args.warmup):
         side.round(args.concurrency)
     load_start = os.getloadavg()
@@ -277,7 +280,7 @@ def profile(args) -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model_dir": args.model_dir,
             "speech_tokens": args.speech_tokens, "text_tokens": len(side.arrays["text_tokens"]),
             "prompt_tokens": len(side.arrays["prompt_speech_tokens"]), "threads": args.threads,
-            "llm_precision": args.llm_precision, "concurrency": args.concurrency, "warmup_rounds": args.warmup,
+            **precisions(args), "concurrency": args.concurrency, "warmup_rounds": args.warmup,
             "torch": torch.__version__, "load_average_start": load_start[0], "load_average_end": load_end[0],
             "first_audio": [first_audio(timeline, s) for s in streams], "whole": whole_stream(timeline, streams),
             "timeline": [{**asdict(e), "start": e.start - origin, "end": e.end - origin} for e in timeline.events]}
@@ -288,6 +291,7 @@ def markdown(report: dict) -> str:
     lines = [f"{report['date']}; {report['model_dir']}; {report['text_tokens']} text tokens, "
              f"{report['prompt_tokens']}-token prompt, exactly {report['speech_tokens']} speech tokens, "
              f"c = {report['concurrency']}, {report['threads']} torch threads, LLM {report['llm_precision']}, "
+             f"flow {report['flow_precision']}, on {report['device']}, "
              f"{report['warmup_rounds']} warm-up round(s); load average {report['load_average_start']:.2f} at the "
              f"start, {report['load_average_end']:.2f} at the end", "",
              "First audio (what ran before it, in the stream's own stages):", "",

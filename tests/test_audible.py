@@ -181,7 +181,7 @@ def test_the_official_driver_times_first_audible_with_our_module():
         yield np.full(2400, 0.1, np.float32)
 
     command = bench_official.official_command(Path("python"), argparse.Namespace(
-        official_src="src", model_dir="m", speech_tokens=4, threads=1), Path("inputs.npz"))
+        official_src="src", model_dir="m", speech_tokens=4, threads=1, device="cpu"), Path("inputs.npz"))
     module = official_driver.load_audible(Path(command[command.index("--audible-module") + 1]))
     assert module is not audible and module.DEFAULT_THRESHOLD_DBFS == audible.DEFAULT_THRESHOLD_DBFS
     result: dict = {}

@@ -3,7 +3,8 @@ recorded by the tool itself (tests/data/official_rounds_tiny.json); perf/exact_l
 on every decoding path (`generate`, the scheduler) and in a server's `llm` model through perf's overlay
 (under pb_fake here; on a real tritonserver in tests/test_served_bench_knobs.py), with `serve` itself
 carrying no such knob. A tiny CosyVoice3 folder runs through the whole side-by-side harness (the official side
-stood in by a second worker of ours), and the official driver's exact length masks all of CosyVoice3's stop ids.
+stood in by a second worker of ours), in-process and through a real tritonserver of that folder started as
+perf.exact_length starts it, and the official driver's exact length masks all of CosyVoice3's stop ids.
 
 The real side by side needs a checkout of the official repository and a virtualenv with its packages;
 making that venv takes longer than a test may, so it is a benchmark (perf/README.md, perf/RESULTS.md),
@@ -30,8 +31,9 @@ from cosyvoice_triton.models.speech_lm import SpeechLM
 from cosyvoice_triton.perf import bench_official, exact_length as exact_length_module
 from cosyvoice_triton.perf.exact_length import PARAMETER, exact_length, exact_length_options
 from cosyvoice_triton.random_folder.write import write_random_model
-from cosyvoice_triton.server.launcher import DEFAULT_REPOSITORY, ServeOptions, render_run_repository
+from cosyvoice_triton.server.launcher import DEFAULT_REPOSITORY, ServeOptions, prepare, render_run_repository
 from cosyvoice_triton.wire.stage_tensors import llm_inputs
+from triton_harness import metric_value, scrape, tritonserver_or_skip
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -215,16 +217,23 @@ def cv3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                               family="cosyvoice3")
 
 
-def test_a_cosyvoice3_folder_runs_side_by_side(cv3_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    """The whole harness on a CosyVoice3 folder: two worker processes, interleaved rounds, the report. The
-    official code cannot run here, so its side is stood in by a second worker of ours (same line protocol)."""
+def official_standin(monkeypatch) -> list[Path]:
+    """Stand the official side in by a second worker of ours (same line protocol: the official code cannot
+    run here); returns the inputs files our side wrote for it."""
     written = []
 
     def standin(python: Path, args, inputs: Path) -> list[str]:
-        written.append(inputs)  # what our side wrote for the official one
+        written.append(inputs)
         return bench_official.ours_command(args, inputs.with_name("standin_inputs.npz"))
 
     monkeypatch.setattr(bench_official, "official_command", standin)
+    return written
+
+
+def test_a_cosyvoice3_folder_runs_side_by_side(cv3_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """The whole harness on a CosyVoice3 folder: two worker processes, interleaved rounds, the report. The
+    official code cannot run here, so its side is stood in by a second worker of ours (same line protocol)."""
+    written = official_standin(monkeypatch)  # what our side wrote for the official one
     args = argparse_args(["--model-dir", str(cv3_dir), "--official-src", str(tmp_path), "--official-venv",
                           str(tmp_path), "--speech-tokens", str(N), "--text-tokens", "6", "--prompt-tokens", "20",
                           "--concurrency", "1", "--repeats", "2", "--out", str(tmp_path / "out")])
@@ -240,6 +249,51 @@ def test_a_cosyvoice3_folder_runs_side_by_side(cv3_dir: Path, tmp_path: Path, mo
     assert table.startswith("cosyvoice3; ") and f"exactly {N} speech tokens" in table
     # the official CosyVoice3 LM asserts <|endofprompt|> (151646) in prompt_text ++ text
     assert END_OF_PROMPT_ID in np.load(written[0])["prompt_text_tokens"]
+
+
+def test_a_cosyvoice3_server_is_timed_side_by_side(cv3_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """The served mode on a CosyVoice3 folder: a real tritonserver with perf's exact-length llm (serve renders
+    the family's cosyvoice3 and cosyvoice3_offline beside the shared stage models), then the harness with
+    --triton: official, in-process, served by voice id and with the prompt as audio, rounds interleaved."""
+    run_dir = tmp_path / "run"
+    options = exact_length_options(ServeOptions(model_dir=cv3_dir, run_dir=run_dir, address="127.0.0.1",
+                                                http_port=None, grpc_port=None, metrics_port=None,
+                                                voice_store=str(run_dir / "voices.sqlite"), torch_threads=1,
+                                                workers=2), N)
+    server = prepare(options, binary=tritonserver_or_skip(), die_with_parent=True)
+    official_standin(monkeypatch)
+    server.start()
+    try:
+        args = argparse_args(["--model-dir", str(cv3_dir), "--official-src", str(tmp_path), "--official-venv",
+                              str(tmp_path), "--speech-tokens", str(N), "--text-tokens", "6", "--prompt-tokens", "20",
+                              "--concurrency", "1", "--repeats", "2", "--threads", "1", "--out", str(tmp_path / "out"),
+                              "--triton", server.grpc_url.removeprefix("grpc://")])
+        result = bench_official.side_by_side(args)
+        metrics = scrape(server.metrics_url)
+    finally:
+        server.stop()
+    models = {path.name for path in (run_dir / "repo").iterdir()}
+    assert {"cosyvoice3", "cosyvoice3_offline", "llm", "token2wav", "prompt_encoder"} <= models
+    assert not {"cosyvoice2", "cosyvoice2_offline"} & models
+    assert f"llm: exactly {N} speech tokens per stream" in server.log_path.read_text(errors="replace")
+    # every served stream (2 rounds x voice id and prompt as audio) ended at the exact length, none on a stop id
+    assert metric_value(metrics, "cosyvoice_llm_streams_total", reason="max_len") == 4
+    assert not metric_value(metrics, "cosyvoice_llm_streams_total", reason="stop_token")
+    [level] = result["levels"]
+    for side in ("official", "ours", "triton", "triton_audio"):  # exactly N tokens of audio a stream, both rounds
+        assert level[side]["audio_s"] == pytest.approx(N / 25), side
+        assert (level[side]["rounds"], level[side]["failed"]) == (2, 0), side
+        assert 0 < level[side]["first_audio_s"] <= level[side]["total_s"], side
+    assert [name.split("_", 1)[1] for name in result["rounds"]] == ["official", "our", "triton", "triton_audio"]
+    table = (tmp_path / "out" / "side_by_side.md").read_text()
+    assert table.startswith("cosyvoice3; ")
+    assert ("| c | | official | ours in-process | / official | through tritonserver (voice id) | / official | "
+            "through tritonserver (prompt as audio) | / official |") in table
+    first = [line for line in table.splitlines() if line.startswith("| 1 | first audio (median) |")]
+    total = [line for line in table.splitlines() if line.startswith("| 1 | total per stream (median) |")]
+    assert len(first) == len(total) == 1 and first[0].count("|") == total[0].count("|") == 10
+    served = level["triton"]["first_audio_s"]
+    assert f"| {served:.2f}s | {served / level['official']['first_audio_s']:.2f} |" in first[0]
 
 
 def test_our_side_alone_names_the_family(cv3_dir: Path, capsys) -> None:

@@ -1,6 +1,7 @@
 """`perf/gpu_bench.py`, the GPU mode of the benchmark, run on the CPU: the quick run end to end (tiny random
-model, levels 1 and 2), the same run as on the GPU image (no wetext, no soundfile), the token2wav batcher
-against a fake engine, and the report of skipped levels and targets. No timing assertions."""
+model, levels 1 and 2), a CosyVoice3 run with its stage profile (perf/gpu_stages.py), the same run as on the
+GPU image (no wetext, no soundfile), the token2wav batcher against a fake engine, and the report of skipped
+levels and targets. No timing assertions."""
 from __future__ import annotations
 
 import json
@@ -33,7 +34,8 @@ def table_rows(report: str) -> list[list[str]]:
 def test_quick_cpu_run_writes_a_report_per_level(tmp_path):
     threads = torch.get_num_threads()  # --quick sets one torch thread for the run
     try:
-        code = gpu_bench.main(["--device", "cpu", "--size", "tiny", "--quick", "--work-dir", str(tmp_path / "work"),
+        code = gpu_bench.main(["--device", "cpu", "--size", "tiny", "--quick", "--family", "cosyvoice2",
+                               "--stage-profile", "off", "--work-dir", str(tmp_path / "work"),
                                "--out", str(tmp_path / "out")])
     finally:
         torch.set_num_threads(threads)
@@ -49,6 +51,36 @@ def test_quick_cpu_run_writes_a_report_per_level(tmp_path):
     assert [row[:3] for row in table_rows(report)] == [["1", "2", "0"], ["2", "2", "0"]]
     assert "## Targets (reported, not asserted)" in report and "max speech tokens per text token 3" in report
     assert (tmp_path / "out" / "fast_clone.png").stat().st_size > 0
+
+
+def test_a_cosyvoice3_run_has_its_levels_and_stage_sections(tmp_path):
+    """Each family on a random folder of its own; after its levels, one stream's stages (the LLM steps, the
+    DiT flow calls and the causal vocoder's windowed calls) and the side by side, which says in its place why
+    it did not run."""
+    threads = torch.get_num_threads()
+    try:
+        code = gpu_bench.main(["--device", "cpu", "--size", "tiny", "--quick", "--family", "cosyvoice3",
+                               "--concurrency", "1", "--requests", "1", "--warmup", "0",
+                               "--official-src", str(tmp_path / "official"), "--work-dir", str(tmp_path / "work"),
+                               "--out", str(tmp_path / "out")])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    assert (tmp_path / "work" / "cosyvoice3-tiny" / "cosyvoice3.yaml").is_file()
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    [scenario] = results["scenarios"]
+    assert [(s["concurrency"], s["requests"], s["errors"]) for s in scenario["levels"]] == [(1, 1, 0)]
+    assert scenario["levels"][0]["audio_s"] > 0
+    profile, official = results["stages"]
+    assert profile["title"] == "cosyvoice3: where one stream's time goes"
+    assert "exactly 30 speech tokens" in profile["markdown"]
+    stages = {row[0]: row[1] for row in (line.strip("|").split("|") for line in profile["markdown"].splitlines())
+              if len(row) == 4}
+    assert all(int(stages[f" {stage} "]) >= 1 for stage in ("prefill", "decode", "flow", "hift")), stages
+    assert official["title"] == "cosyvoice3: side by side with the official code"
+    assert official["markdown"].startswith("Not run: ValueError: --official-src needs --official-venv")
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## cosyvoice3: where one stream's time goes" in report and "cosyvoice3, tiny random weights" in report
 
 
 GPU_IMAGE = """
