@@ -15,6 +15,7 @@ import numpy as np
 
 from cosyvoice_triton.audio_out import FORMATS, AudioEncoder
 from cosyvoice_triton.messages import CHUNK_POLICIES, MODES, VC_MODE
+from cosyvoice_triton.wire.names import FAMILY_MODELS
 
 from .common import SAMPLE_RATE, TTSError, write_wav
 
@@ -33,7 +34,7 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cosyvoice-client", description="CosyVoice2 service client")
+    parser = argparse.ArgumentParser(prog="cosyvoice-client", description="CosyVoice2 and CosyVoice3 service client")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("synth", help="speak a text into a wav file")
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     voice.add_argument("--prompt-audio", "--prompt-wav", dest="prompt_audio", type=Path, default=None,
                        help="a prompt recording to clone instead (--prompt-wav: its older name)")
     p.add_argument("--prompt-text", default=None, help="transcript of --prompt-audio (zero_shot needs it)")
+    p.add_argument("--model", choices=tuple(FAMILY_MODELS), default=None,
+                   help="the model family (default: the gateway's; with --triton, the server's synthesis models "
+                        "of that family, default cosyvoice2)")
     p.add_argument("--mode", choices=(*MODES, VC_MODE), default=None,
                    help="vc: voice conversion of --source-wav into the voice (no text)")
     p.add_argument("--source-wav", type=Path, default=None, help="--mode vc: the recording to convert")
@@ -104,7 +108,9 @@ def _gateway(args):
 def _triton(args):
     from .triton_client import TritonTTS
 
-    return TritonTTS(args.triton.removeprefix("grpc://"), timeout_s=args.timeout)
+    models = FAMILY_MODELS[getattr(args, "model", None) or "cosyvoice2"]  # (synth's --model; voices need none)
+    return TritonTTS(args.triton.removeprefix("grpc://"), model=models[0], offline_model=models[1],
+                     timeout_s=args.timeout)
 
 
 def _synth(args) -> int:
@@ -117,6 +123,8 @@ def _synth(args) -> int:
                "chunk_first_hop": args.chunk_first_hop, "chunk_hop_scale": args.chunk_hop_scale,
                "chunk_max_hop": args.chunk_max_hop, "chunk_policy": args.chunk_policy,
                "speed": args.speed, "marks": True if args.marks else None}  # None: not sent
+    if not args.triton:  # with --triton, the model is the client's (`_triton`)
+        options["model"] = args.model
     if args.prompt_audio is not None:
         options.update(prompt_audio=args.prompt_audio.read_bytes(), prompt_text=args.prompt_text)
     else:
@@ -168,10 +176,10 @@ def _convert(args) -> int:
     client = _gateway(args)
     with _AudioWriter(args.out, fmt, args.float32) as writer:
         if args.stream:
-            _collect(client.convert_stream(source, seed=args.seed, speed=args.speed, **voice), started, True,
-                     writer.add)
+            _collect(client.convert_stream(source, seed=args.seed, speed=args.speed, model=args.model, **voice),
+                     started, True, writer.add)
         else:
-            writer.add(client.convert(source, seed=args.seed, speed=args.speed, **voice))
+            writer.add(client.convert(source, seed=args.seed, speed=args.speed, model=args.model, **voice))
     print(f"wrote {args.out}: {writer.samples / SAMPLE_RATE:.2f} s of audio in {time.monotonic() - started:.2f} s",
           file=sys.stderr)
     return 0

@@ -299,7 +299,7 @@ class AsyncGatewayTTS:
         response = await self._open("POST", "/v1/vc", data=_vc_form_data(source_audio, stream=True, **options))
         return AsyncHttpAudioStream(response, started)
 
-    async def speech(self, input: str, *, voice: str = "default", model: str = "cosyvoice2",
+    async def speech(self, input: str, *, voice: str = "default", model: str = "tts-1",
                      response_format: str = "wav", instructions: str | None = None, seed: int | None = None) -> bytes:
         body = {"model": model, "input": input, "voice": voice, "response_format": response_format}
         if instructions is not None:

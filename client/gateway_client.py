@@ -40,11 +40,12 @@ def tts_body(text: str | None, *, voice_id: str | None = None, prompt_audio: Pro
              chunk_first_hop: int | None = None,
              chunk_hop_scale: float | None = None, chunk_max_hop: int | None = None,
              chunk_policy: str | None = None, speed: float | None = None, text_type: str | None = None,
-             marks: bool | None = None) -> dict:
+             marks: bool | None = None, model: str | None = None) -> dict:
     """The JSON of a /v1/tts request (or, without `format`/`stream`, of a WebSocket start message).
     Options left None are not sent: the gateway's (or the server's) default applies. `text_type`: "text" or
     "ssml" (docs/api/ssml.md; default: ssml when the text starts with <speak). `marks`: speech marks
-    (docs/api/speech-marks.md)."""
+    (docs/api/speech-marks.md). `model`: the model family, "cosyvoice2" or "cosyvoice3" (default: the
+    gateway's, docs/cosyvoice3.md#picking-the-family)."""
     body: dict = {} if text is None else {"text": text}
     check_one_voice(voice_id, prompt_audio, "voice_id", "prompt_audio", required=False)
     if voice_id is not None:
@@ -54,7 +55,7 @@ def tts_body(text: str | None, *, voice_id: str | None = None, prompt_audio: Pro
     for name, value in (("prompt_text", prompt_text), ("mode", mode), ("instruct", instruct), ("seed", seed), ("text_frontend", text_frontend),
                         ("chunk_first_hop", chunk_first_hop), ("chunk_hop_scale", chunk_hop_scale),
                         ("chunk_max_hop", chunk_max_hop), ("chunk_policy", chunk_policy), ("speed", speed),
-                        ("text_type", text_type), ("marks", marks)):
+                        ("text_type", text_type), ("marks", marks), ("model", model)):
         if value is not None:
             body[name] = value
     return body
@@ -102,10 +103,10 @@ def _voice_form(audio: PromptAudio, prompt_text: str, voice_id: str | None, name
 def vc_form(source_audio: PromptAudio | None = None, *, audio: PromptAudio | None = None, voice_id: str | None = None,
             prompt_audio: PromptAudio | None = None, seed: int | None = None, sample_rate: int | None = None,
             prompt_sample_rate: int | None = None, format: str = "pcm_f32", stream: bool = False,
-            speed: float | None = None) -> tuple[dict[str, str], dict[str, tuple[str, bytes]]]:
+            speed: float | None = None, model: str | None = None) -> tuple[dict[str, str], dict[str, tuple[str, bytes]]]:
     """The multipart fields and files of a POST /v1/vc request: `source_audio` the recording to speak again (a file
     path, the file's bytes, or samples at `sample_rate`; `audio`: the same), the voice as `voice_id` or a target
-    recording `prompt_audio`."""
+    recording `prompt_audio`, the model family as `model` (None: the gateway's default)."""
     source = source_recording(source_audio, audio)
     check_one_voice(voice_id, prompt_audio, "voice_id", "prompt_audio", required=False)
     fields = {"format": format, "stream": "true" if stream else "false"}
@@ -115,6 +116,8 @@ def vc_form(source_audio: PromptAudio | None = None, *, audio: PromptAudio | Non
         fields["seed"] = str(seed)
     if speed is not None:
         fields["speed"] = str(speed)
+    if model is not None:
+        fields["model"] = model
     files = {"source_audio": ("source.wav", _prompt_file(source, sample_rate))}
     if prompt_audio is not None:
         files["prompt_audio"] = ("prompt.wav", _prompt_file(prompt_audio, prompt_sample_rate))
@@ -180,7 +183,7 @@ class GatewayTTS:
         """The whole waveform (float32, 24 kHz). Options: voice_id | prompt_audio (+ prompt_sample_rate for
         samples) + prompt_text, mode, instruct, seed, chunk_first_hop, chunk_hop_scale, chunk_max_hop, speed,
         text_type ("ssml": `text` is an SSML document, docs/api/ssml.md), marks (True: the complete speech marks
-        in the result's `marks`, docs/api/speech-marks.md)."""
+        in the result's `marks`, docs/api/speech-marks.md), model ("cosyvoice2" or "cosyvoice3": the family)."""
         body = {**tts_body(text, **options), "format": "pcm_f32"}
         data = self._request("POST", "/v1/tts", json.dumps(body).encode(), "application/json")
         return marked_audio(data) if options.get("marks") else np.frombuffer(data, "<f4").astype(np.float32)
@@ -267,10 +270,11 @@ class GatewayTTS:
         connection, response = self._open("POST", "/v1/vc", body, content_type)
         return HttpAudioStream(connection, response, started)
 
-    def speech(self, input: str, *, voice: str = "default", model: str = "cosyvoice2",
+    def speech(self, input: str, *, voice: str = "default", model: str = "tts-1",
                response_format: str = "wav", instructions: str | None = None, seed: int | None = None) -> bytes:
         """POST /v1/audio/speech (the OpenAI API): the file's bytes in `response_format` (mp3, opus, aac,
-        flac, wav) or 16-bit PCM (pcm)."""
+        flac, wav) or 16-bit PCM (pcm). `model`: "cosyvoice2" or "cosyvoice3", or OpenAI's names (the gateway's
+        default family)."""
         body = {"model": model, "input": input, "voice": voice, "response_format": response_format}
         if instructions is not None:
             body["instructions"] = instructions

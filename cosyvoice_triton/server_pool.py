@@ -35,6 +35,7 @@ class Server:
     client: Any  # what the caller talks to it with (a gRPC channel's client); the pool never uses it
     healthy: bool = False
     source: str | None = None  # the dns:// spec that found it; None: a fixed server, which never leaves
+    family: str | None = None  # the model family it serves, as the caller's health check learned it; None: not yet
     outstanding_cost: float = 0.0  # this process's requests in flight there, by cost
     inflight: int = 0  # this process's requests in flight there
     external: float = 0.0  # requests there that this process did not send (last scrape)

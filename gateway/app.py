@@ -120,7 +120,7 @@ async def _voice_store(app: web.Application):
 async def _triton(app: web.Application):
     config = app[CONFIG]
     servers = [Server(target, TritonClient(target.grpc)) for target in config.triton]
-    router = Router(servers, config.routing, config.synthesis_model, discovery=config.discovery,
+    router = Router(servers, config.routing, config.family, models=config.models, discovery=config.discovery,
                     resolve=app[RESOLVE])
     app[ROUTER] = router
     app[METRICS] = GatewayMetrics(router)
@@ -199,8 +199,9 @@ STORE_CHECK_TIMEOUT_S = 2.0
 
 async def readyz(request: web.Request) -> web.Response:
     """Ready: at least one Triton server in the pool, the voice store answering, and the default voice
-    settled. `family`: the model family the servers serve (the synthesis model is named for it); `servers`: the
-    pool's members now (with dns:// specs, what DNS names), healthy or not;
+    settled. `family`: the model family of a request that names none (the servers' when they serve one);
+    `families`: every family the pool's servers serve; `servers`: the pool's members now (with dns:// specs, what
+    DNS names), healthy or not;
     `precision`: what each server's LLM and flow compute in (their metrics, as scraped; `auto` resolved);
     `voice_store`: "ok", or why not (`voice_store_error`, e.g. Redis is down); `capacity`: each scraped server's
     audio seconds per second (`measured` false: its cold default), the streams it keeps ahead of their
@@ -215,7 +216,8 @@ async def readyz(request: web.Request) -> web.Response:
                *([] if voice.settled else ["the default voice"]), *([] if store_error is None else ["the voice store"]),
                *(w for waits, _ in extra for w in waits)]
     body = {"status": "ready" if ready else "starting", "waiting_for": [] if ready else waiting, "ready": ready,
-            "version": __version__, "family": request.app[CONFIG].family, "servers": servers,
+            "version": __version__, "family": router.family_for(None), "families": router.families,
+            "servers": servers,
             "default_voice": voice.state,
             "voice_store": "ok" if store_error is None else "unavailable",
             "precision": {b.name: b.precision for b in router.servers if b.precision},

@@ -116,8 +116,10 @@ def audio_headers(request_id: str, seed: int, fmt: AudioFormat, sample_rate: int
 
 
 async def send_audio(request: web.Request, inputs: WireRequest, cost: float, fields: Fields, fmt: AudioFormat,
-                     stream: bool, route: str, body: AudioBytes = AUDIO_BYTES) -> web.StreamResponse:
-    """Synthesize (or convert) the prepared request and answer: the whole file, or `body` streamed."""
+                     stream: bool, route: str, body: AudioBytes = AUDIO_BYTES,
+                     family: str | None = None) -> web.StreamResponse:
+    """Synthesize (or convert) the prepared request with `family`'s servers (None: the default family) and answer:
+    the whole file, or `body` streamed."""
     app = request.app
     metrics, config = app[METRICS], app[CONFIG]
     rate = config.sample_rate
@@ -125,7 +127,7 @@ async def send_audio(request: web.Request, inputs: WireRequest, cost: float, fie
     accepted = time.monotonic()
     headers = {**audio_headers(request_id, inputs.seed, fmt, rate), "Content-Type": body.content_type(fmt)}
     if not stream:  # the offline model: one full-attention flow pass per sentence, as the official offline path
-        audio, marks = await whole_answer(app, inputs, cost, fields, request_id)
+        audio, marks = await whole_answer(app, inputs, cost, fields, request_id, family)
         await observe_whole_answer(request, route, audio, accepted)
         data = await asyncio.to_thread(encode, audio, fmt, rate)
         if getattr(inputs, "marks", False):  # the file in base64 beside the complete marks
@@ -134,7 +136,7 @@ async def send_audio(request: web.Request, inputs: WireRequest, cost: float, fie
                                       "sample_rate": fmt.output_rate(rate), "seed": inputs.seed, "marks": marks},
                                      headers=headers)
         return web.Response(body=data, headers=headers)
-    chunks = stream_audio(app, inputs, cost, fields, request_id)
+    chunks = stream_audio(app, inputs, cost, fields, request_id, family)
     async with aclosing(chunks):
         first = await anext(chunks, None)
         metrics.first_chunk.labels(route).observe(time.monotonic() - accepted)

@@ -7,7 +7,9 @@ config = GatewayConfig(discovery=("dns://cosyvoice-frontend:8001",))   # Kuberne
 Servers come two ways (`--triton`, repeatable, either form): fixed ones (`triton`, `grpc://host:port`), which
 stay in the pool for good, and DNS specs (`discovery`, `dns://name:port[?metrics_port=N]`), re-resolved every
 `RoutingConfig.discovery_interval_s`: each address a name resolves to is one server, joining and leaving the
-pool as the name's addresses change (see `routing.Router.rediscover`).
+pool as the name's addresses change (see `routing.Router.rediscover`). The servers may be of both model
+families: each one's family is learned from the server (`routing.Router.check`); `family` (the folder's of
+--model-dir, else CosyVoice2) is the family of a request that names none while the servers serve several.
 
 `add_gateway_arguments` / `config_from_args` are shared by `python -m cosyvoice_triton.gateway` (a
 gateway in front of servers that run elsewhere) and `cosyvoice-triton up` (Triton and gateway together).
@@ -86,7 +88,8 @@ class GatewayConfig:
     ws_pipeline_depth: int = 2  # WebSocket segments synthesized ahead of the one being sent
     shutdown_timeout_s: float = 10.0
     static_dir: Path = STATIC_DIR
-    # The synthesis models, named for the model family the servers serve (`family_models`)
+    # The synthesis models of the configured family (`family_models`): a request names none goes to it when the
+    # servers serve several families (each other family's are the ones its servers name, wire/names.py)
     synthesis_model: str = "cosyvoice2"
     offline_model: str = "cosyvoice2_offline"  # non-streamed requests: one full-attention flow pass per sentence
     register_model: str = "register_voice"
@@ -96,9 +99,14 @@ class GatewayConfig:
 
     @property
     def family(self) -> str:
-        """The model family the synthesis model is named for (cosyvoice2, cosyvoice3): /readyz names it."""
+        """The configured model family, the one the synthesis model is named for (cosyvoice2, cosyvoice3)."""
         return next((family for family, models in FAMILY_MODELS.items() if self.synthesis_model in models),
                     self.synthesis_model)  # a model of another name: its own
+
+    @property
+    def models(self) -> dict[str, tuple[str, str]]:
+        """The configured family's (streaming, offline) synthesis models, as configured."""
+        return {self.family: (self.synthesis_model, self.offline_model)}
 
     @property
     def url(self) -> str:

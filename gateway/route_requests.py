@@ -19,6 +19,7 @@ from cosyvoice_triton.errors import InvalidInput
 from cosyvoice_triton.messages import MAX_SPEED, MIN_SPEED, SEED_LIMIT
 from cosyvoice_triton.wire.requests import ConversionInputs, PromptAudio, SynthesisInputs, chunk_overrides
 from cosyvoice_triton.wire.checks import check_optional_text
+from cosyvoice_triton.voices.store import short_repr
 
 from .config import Limits
 from .errors import too_large_upload
@@ -28,9 +29,10 @@ from .synthesis import ssml_voice_ids
 TTS_FORMATS = (*FORMATS, *ALIASES)  # the formats of /v1/tts, /v1/vc and the WebSocket
 TTS_KEYS = frozenset({"text", "voice_id", "voice", "prompt_audio", "prompt_text", "mode", "instruct", "seed",
                       "chunk_first_hop", "chunk_hop_scale", "chunk_max_hop", "chunk_policy", "text_frontend", "speed",
-                      "text_type", "marks", "format", "stream"})
+                      "text_type", "marks", "format", "stream", "model"})
 START_KEYS = (TTS_KEYS - {"stream"}) | {"type", "text_mode"}
-VC_KEYS = frozenset({"source_audio", "audio", "voice_id", "prompt_audio", "seed", "speed", "format", "stream"})
+VC_KEYS = frozenset({"source_audio", "audio", "voice_id", "prompt_audio", "seed", "speed", "format", "stream",
+                     "model"})
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer",
                            "verse", "marin", "cedar"})
 OPENAI_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")  # OpenAI's response_format values
@@ -42,6 +44,7 @@ class TtsRequest:
     format: AudioFormat
     stream: bool
     ssml_voices: frozenset[str] = frozenset()  # the voices its SSML names (synthesis.ssml_voice_ids)
+    model: str | None = None  # the model family it names (routing.Router.family_for); None: the default
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class SpeechRequest:
     events: bool  # stream_format "sse": server-sent events (always streamed)
     stock_voice: bool  # `voice` is one of OpenAI's names: "default" speaks when no voice has that name
     ssml_voices: frozenset[str] = frozenset()  # the voices its SSML names (synthesis.ssml_voice_ids)
+    model: str = ""  # as given: a family's name, or any other (OpenAI's tts-1: the default family)
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class StartMessage:
     inputs: SynthesisInputs  # the session's settings, checked without a text (each segment brings its own)
     format: AudioFormat
     text: object  # text to begin with, taken as a text message is (None: none)
+    model: str | None = None  # the model family of every segment; None: the default
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class VcRequest:
     format: AudioFormat
     stream: bool
     fields: Fields = TTS_FIELDS  # the names its errors use (source_audio, or `audio` when sent so)
+    model: str | None = None  # the model family it names; None: the default
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ def parse_tts(body: dict, limits: Limits) -> TtsRequest:
     inputs = synthesis_fields(body, body.get("text"), limits)
     with TTS_FIELDS.named():
         inputs.check(limits.max_text_chars)
-    return TtsRequest(inputs, fmt, stream, ssml_voice_ids(inputs, TTS_FIELDS))
+    return TtsRequest(inputs, fmt, stream, ssml_voice_ids(inputs, TTS_FIELDS), model_name(body.get("model")))
 
 
 def parse_start(message: dict, limits: Limits) -> StartMessage:
@@ -100,7 +106,7 @@ def parse_start(message: dict, limits: Limits) -> StartMessage:
     inputs = synthesis_fields(message, "", limits)
     with TTS_FIELDS.named():
         inputs.check_settings()
-    return StartMessage(inputs, fmt, message.get("text"))
+    return StartMessage(inputs, fmt, message.get("text"), model_name(message.get("model")))
 
 
 def parse_vc_message(message: dict, limits: Limits) -> tuple[PromptAudio, Fields]:
@@ -116,7 +122,8 @@ def parse_vc_message(message: dict, limits: Limits) -> tuple[PromptAudio, Fields
 def parse_speech(body: dict, limits: Limits) -> SpeechRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
-        raise InvalidInput("model", "is required (any model name is accepted, e.g. \"cosyvoice2\")")
+        raise InvalidInput("model", "is required (cosyvoice2 or cosyvoice3; any other name, e.g. tts-1, is the "
+                                    "default model)")
     fmt = check_format(body.get("response_format", "mp3"), "response_format", OPENAI_FORMATS)
     stream = check_bool(body.get("stream", True), "stream")
     stream_format = body.get("stream_format", "audio")
@@ -133,7 +140,7 @@ def parse_speech(body: dict, limits: Limits) -> SpeechRequest:
     with OPENAI_FIELDS.named():
         inputs.check(limits.max_text_chars)
     return SpeechRequest(inputs, fmt, stream, stream_format == "sse", voice.lower() in OPENAI_VOICES,
-                         ssml_voice_ids(inputs, OPENAI_FIELDS))
+                         ssml_voice_ids(inputs, OPENAI_FIELDS), model)
 
 
 def parse_vc(form: dict, limits: Limits) -> VcRequest:
@@ -156,7 +163,7 @@ def parse_vc(form: dict, limits: Limits) -> VcRequest:
                               seed=seed_or_new(seed), speed=given(speed, 1.0))
     with fields.named():
         inputs.check()
-    return VcRequest(inputs, fmt, stream, fields)
+    return VcRequest(inputs, fmt, stream, fields, model_name(form.get("model") or None))
 
 
 def parse_registration(values: dict, limits: Limits) -> VoiceRegistration:
@@ -200,6 +207,13 @@ def synthesis_fields(body: Mapping, text: object, limits: Limits) -> SynthesisIn
                            chunk_overrides=chunk_overrides(body), text_frontend=given(body.get("text_frontend"), True),
                            speed=given(body.get("speed"), 1.0), text_mode=body.get("text_mode", "sentences"),
                            text_type=body.get("text_type"), marks=given(body.get("marks"), False))
+
+
+def model_name(value: object) -> str | None:
+    """A request's `model`: a model name (a family's, e.g. cosyvoice3, or one of its Triton models), or None."""
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise InvalidInput("model", f"must be a model name such as cosyvoice2 or cosyvoice3, got {short_repr(value)}")
+    return value
 
 
 def given(value: object, default: object) -> object:

@@ -11,17 +11,18 @@ from cosyvoice_triton.errors import InvalidInput
 from .audio_response import send_audio
 from .auth import limit_key
 from .route_requests import parse_vc
-from .state import CONFIG, LIMITER
+from .state import CONFIG, LIMITER, ROUTER
 from .synthesis import prepare_conversion, routing_cost
 
 
 async def vc(request: web.Request) -> web.StreamResponse:
     app = request.app
     vc = parse_vc(await _form(request), app[CONFIG].limits)
+    family = app[ROUTER].family_for(vc.model)
     inputs, prompt_tokens = await prepare_conversion(app, vc.inputs, vc.fields)  # /v1/tts's names, and source_audio
     with app[LIMITER].slot(limit_key(request)):
         return await send_audio(request, inputs, routing_cost(app, inputs, prompt_tokens), vc.fields, vc.format,
-                                vc.stream, route="vc")
+                                vc.stream, route="vc", family=family)
 
 
 async def _form(request: web.Request) -> dict:

@@ -30,7 +30,7 @@ from .errors import answer_of, http_status, ws_error
 from .fields import TTS_FIELDS
 from .route_requests import optional_text, parse_start, parse_vc_message
 from .request_keys import CLIENT_LEFT
-from .state import CONFIG, DRAIN, LIMITER, METRICS, WEBSOCKETS
+from .state import CONFIG, DRAIN, LIMITER, METRICS, ROUTER, WEBSOCKETS
 from .synthesis import (WireRequest, check_ssml_voices, conversion_in_voice, prepare, routing_cost, ssml_voice_ids,
                         stream_audio)
 from .ws_bistream import BistreamText
@@ -119,6 +119,7 @@ class Session:
         self.refusal: Draining | None = None  # a message refused while draining: sent in place of "end"
         self.request_id = uuid.uuid4().hex
         self.base: SynthesisInputs | None = None  # the start message's request, its voice settled
+        self.family: str | None = None  # the model family of every segment (the start message's `model`)
         self.prompt_tokens = 0  # of the voice: each segment's cost share
         self.fmt = audio_format("pcm_f32")
         self.encoder: AudioEncoder | None = None  # one file across the session's segments
@@ -200,10 +201,11 @@ class Session:
             raise InvalidInput("type", "the first message must be {\"type\": \"start\", ...}")
         self.drain.refuse_new()
         start = parse_start(message, self.config.limits)
+        self.family = self.app[ROUTER].family_for(start.model)
         self.fmt = start.format
         self.bistream = BistreamText() if start.inputs.text_mode == "bistream" else None
         self.base, self.prompt_tokens = await prepare(self.app, start.inputs, TTS_FIELDS)
-        await self.ws.send_json({"type": "started", "request_id": self.request_id,
+        await self.ws.send_json({"type": "started", "request_id": self.request_id, "model": self.family,
                                  "sample_rate": self.fmt.output_rate(self.config.sample_rate),
                                  "format": self.fmt.name, "seed": self.base.seed})
         self.encoder = AudioEncoder(self.fmt, self.config.sample_rate)
@@ -311,7 +313,8 @@ class Session:
     async def _bistream_segment(self, segment: Segment) -> None:
         cost = routing_cost(self.app, self.base, self.prompt_tokens)
         admission.ON_QUEUED.set(segment.queue.put_nowait)
-        await self.bistream.run(self.app, self.base, cost, TTS_FIELDS, segment.queue, f"{self.request_id}-0", _DONE)
+        await self.bistream.run(self.app, self.base, cost, TTS_FIELDS, segment.queue, f"{self.request_id}-0", _DONE,
+                                self.family)
         segment.text = self.bistream.text
 
     async def _synthesize(self, segment: Segment, inputs: WireRequest, cost: float,
@@ -321,7 +324,8 @@ class Session:
             if isinstance(inputs, SynthesisInputs):  # SSML: each <voice name>, as voice_id
                 voices = ssml_voice_ids(inputs, TTS_FIELDS) if ssml_voices is None else ssml_voices
                 await check_ssml_voices(self.app, voices, inputs.mode, TTS_FIELDS)
-            chunks = stream_audio(self.app, inputs, cost, TTS_FIELDS, f"{self.request_id}-{segment.index}")
+            chunks = stream_audio(self.app, inputs, cost, TTS_FIELDS, f"{self.request_id}-{segment.index}",
+                                  self.family)
             async with aclosing(chunks):
                 async for chunk in chunks:
                     segment.queue.put_nowait(chunk)

@@ -1,7 +1,9 @@
 """Which Triton server takes a request: the least outstanding cost, in real-time units, among the healthy ones
-(`Router`), with servers joining and leaving by health checks and DNS discovery. A DNS name that fails to resolve
-keeps its current servers, and a channel is never closed under a running health check. The cost model, the load
-and membership: docs/operations/overload.md#how-the-gateway-picks-a-server.
+of the model family the request names (`Router`), with servers joining and leaving by health checks and DNS
+discovery. A DNS name that fails to resolve keeps its current servers, and a channel is never closed under a
+running health check. Each server's family is learned by its health check (which family's synthesis model it
+has ready); a request's `model` names a family (`family_for`). The cost model, the load and membership:
+docs/operations/overload.md#how-the-gateway-picks-a-server; families: docs/deployment/index.md.
 """
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ from pathlib import Path
 
 import aiohttp
 
-from cosyvoice_triton.errors import ParameterError, Unavailable
+from cosyvoice_triton.errors import NotFound, ParameterError, Unavailable
 from cosyvoice_triton.admission import MEAN_COST, request_cost, text_tokens_estimate
 from cosyvoice_triton.prometheus_text import metric_label, metric_sum
 from cosyvoice_triton.server_pool import Server, ServerPool
 from cosyvoice_triton.targets import Resolver, TritonTarget, discover, resolve_ips
+from cosyvoice_triton.wire.names import FAMILY_MODELS
 
 from .config import RoutingConfig
 from .triton_channel import TritonClient
@@ -28,6 +31,10 @@ log = logging.getLogger(__name__)
 LLM_MODEL, TOKEN2WAV_MODEL = "llm", "token2wav"  # the models cosyvoice2 calls (their metrics steer admission)
 PRECISION_INFO = (("llm", "cosyvoice_llm_precision_info", LLM_MODEL),  # (part, metric, model): /readyz
                   ("flow", "cosyvoice_flow_precision_info", TOKEN2WAV_MODEL))
+
+
+SynthesisPairs = dict[str, tuple[str, str]]  # family -> (streaming model, offline model)
+SYNTHESIS_PAIRS: SynthesisPairs = {family: models[:2] for family, models in FAMILY_MODELS.items()}
 
 
 def realtime_load(server: Server, cost: float, by_capacity: bool) -> tuple[bool, float]:
@@ -73,14 +80,15 @@ class CostModel:
 class Router:
     """The gateway's `ServerPool`, driven with asyncio: health checks, metric scrapes, DNS discovery."""
 
-    def __init__(self, servers: list[Server], routing: RoutingConfig, model: str, on_change=None, *,
-                 discovery: Sequence[str] = (), resolve: Resolver = resolve_ips,
-                 new_client: Callable[[str], TritonClient] = TritonClient):
+    def __init__(self, servers: list[Server], routing: RoutingConfig, family: str, on_change=None, *,
+                 models: SynthesisPairs = SYNTHESIS_PAIRS, discovery: Sequence[str] = (),
+                 resolve: Resolver = resolve_ips, new_client: Callable[[str], TritonClient] = TritonClient):
         if not servers and not discovery:
             raise ParameterError("no Triton servers")
         self.pool = ServerPool(servers, mean_cost=MEAN_COST, joins_healthy=False)
         self.routing = routing
-        self.model = model
+        self.family = family  # a request's family when it names none and the servers serve several (or none yet)
+        self.models = {**SYNTHESIS_PAIRS, **models}  # each family's synthesis models, as its servers name them
         self.discovery = tuple(discovery)  # dns:// specs
         self.on_leave: Callable[[Server], None] | None = None  # called when a discovered server leaves
         self._on_change = on_change  # called with (server, healthy) when a server leaves or rejoins
@@ -109,18 +117,50 @@ class Router:
     def load(self, server: Server) -> float:
         return self.pool.load(server)
 
-    def healthy(self) -> list[Server]:
-        return self.pool.healthy()
+    def healthy(self, family: str | None = None) -> list[Server]:
+        """The healthy servers (of `family`; None: of any)."""
+        return [s for s in self.pool.healthy() if family is None or s.family == family]
 
-    def pick(self, exclude: Iterable[Server] = ()) -> Server:
-        excluded = list(exclude)
+    def pick(self, exclude: Iterable[Server] = (), family: str | None = None) -> Server:
+        """The least-loaded healthy server of `family` (None: of any) not in `exclude`."""
+        tried = list(exclude)
+        excluded = tried + [s for s in self.pool.servers if family is not None and s.family != family]
         candidates = [s for s in self.pool.healthy() if s not in excluded]
         by_capacity = bool(candidates) and all(s.capacity > 0 for s in candidates)
         chosen = self.pool.pick(excluded, lambda s: realtime_load(s, self.pool.load(s), by_capacity))
         if chosen is None:
-            raise Unavailable("no healthy Triton server can take the request" if not excluded else
-                              "every Triton server tried failed before the first audio")
+            of = "" if family is None else f" of {family}"
+            raise Unavailable(f"no healthy Triton server{of} can take the request" if not tried else
+                              f"every Triton server{of} tried failed before the first audio")
         return chosen
+
+    # ---- families --------------------------------------------------------------------------------------
+    @property
+    def families(self) -> list[str]:
+        """The families the pool's servers serve (healthy now or not, once a health check has seen them)."""
+        known = {s.family for s in self.pool.servers if s.family is not None}
+        return [family for family in self.models if family in known]
+
+    def model_family(self, model: str) -> str | None:
+        """The family a model name names: the family's own name or one of its Triton synthesis models (the official
+        tensor form's too), in any case; None for any other name (register_voice, llm, OpenAI's tts-1, ...)."""
+        name = model.strip().lower()
+        named = {family: {family, *FAMILY_MODELS.get(family, ()), *pair} for family, pair in self.models.items()}
+        return next((family for family, names in named.items() if name in names), None)
+
+    def family_for(self, model: str | None, *, any_name: bool = False) -> str:
+        """The family a request's `model` names (`model_family`); None, or with `any_name` a name of no family
+        (OpenAI's tts-1): the family of the servers when they serve one, else `self.family`. A name of no family,
+        or of a family no server serves: NotFound naming `model` (a family whose servers are all down is still
+        served: the pick answers 503)."""
+        served = self.families
+        family = None if model is None else self.model_family(model)
+        if family is None and (model is None or any_name):
+            return served[0] if len(served) == 1 else self.family
+        if family is None or (served and family not in served):
+            what = f"no model {model!r}" if family is None else f"no {family} server is in the pool"
+            raise NotFound("model", f"{what}: the models served are {', '.join(served or [self.family])}")
+        return family
 
     @contextmanager
     def lease(self, server: Server, cost: float) -> Iterator[Server]:
@@ -146,9 +186,18 @@ class Router:
             self._on_change(server, healthy)
 
     async def check(self, server: Server) -> bool:
-        ok = await server.client.ready(self.model, self.routing.health_timeout_s)
-        self.set_health(server, ok, "not ready (health check)")
-        return ok
+        family = await self._ready_family(server)
+        if family is not None:
+            server.family = family
+        self.set_health(server, family is not None, "not ready (health check)")
+        return family is not None
+
+    async def _ready_family(self, server: Server) -> str | None:
+        """The family whose streaming model `server` has ready (the one it served last asked first), or None."""
+        for family in dict.fromkeys([server.family or self.family, *self.models]):
+            if await server.client.ready(self.models[family][0], self.routing.health_timeout_s):
+                return family
+        return None
 
     async def check_all(self) -> None:
         async with self._channels:
@@ -162,16 +211,17 @@ class Router:
                 text = await response.text()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return  # health checks decide about the server; the load estimate just keeps its last value
-        pending = metric_sum(text, "nv_inference_pending_request_count", self.model)
-        active = metric_sum(text, "cosyvoice_active_streams", self.model)
-        server.queued = metric_sum(text, "cosyvoice_queued_streams", self.model)
+        model = self.models[server.family or self.family][0]  # its streaming model's series
+        pending = metric_sum(text, "nv_inference_pending_request_count", model)
+        active = metric_sum(text, "cosyvoice_active_streams", model)
+        server.queued = metric_sum(text, "cosyvoice_queued_streams", model)
         server.pending = pending
         self.pool.set_external(server, pending + server.queued + active)
-        server.capacity = metric_sum(text, "cosyvoice_capacity_audio_seconds_per_second", self.model)
-        server.capacity_measured = metric_sum(text, "cosyvoice_capacity_measured", self.model) > 0
-        server.realtime_slots = int(metric_sum(text, "cosyvoice_realtime_slots", self.model))
-        server.slots = int(metric_sum(text, "cosyvoice_stream_slots", self.model))
-        speed = metric_sum(text, "cosyvoice_seconds_per_cost", self.model)
+        server.capacity = metric_sum(text, "cosyvoice_capacity_audio_seconds_per_second", model)
+        server.capacity_measured = metric_sum(text, "cosyvoice_capacity_measured", model) > 0
+        server.realtime_slots = int(metric_sum(text, "cosyvoice_realtime_slots", model))
+        server.slots = int(metric_sum(text, "cosyvoice_stream_slots", model))
+        speed = metric_sum(text, "cosyvoice_seconds_per_cost", model)
         server.seconds_per_cost = speed if speed > 0 else None
         server.llm_free_slots = int(metric_sum(text, "cosyvoice_llm_free_slots", LLM_MODEL))
         server.llm_slots = server.llm_free_slots + int(metric_sum(text, "cosyvoice_llm_active_streams", LLM_MODEL))

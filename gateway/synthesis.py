@@ -1,5 +1,6 @@
 """Every API's synthesis after its parse (route_requests.py): settle the voice, price the request, stream it from
-the least-loaded server.
+the least-loaded server of the request's model family (`family`: what the route resolved from the request's
+`model`, `routing.Router.family_for`; None: the default family).
 
 `prepare` (a synthesis) and `prepare_conversion` read the request's voice once: a registered voice from the
 store (none given: "default"), or an uploaded recording decoded and checked here, once, for its cost and its
@@ -173,12 +174,12 @@ async def voice_info(app: web.Application, voice_id: object, field: str, stock_v
     raise NotFound(field, f"no voice {voice_id!r} is registered (see GET /v1/voices)")
 
 
-async def pick_admitted(app: web.Application, tried: list, streamed: bool = True) -> object:
-    """The least-loaded healthy server not tried yet, if admission (gateway/admission.py) expects it to start
-    a new request within the queue-wait limit (`streamed`: in real-time units too); else Overloaded (503 +
-    Retry-After), counted."""
+async def pick_admitted(app: web.Application, tried: list, streamed: bool = True, family: str | None = None) -> object:
+    """The least-loaded healthy server (of `family`; None: of any) not tried yet, if admission
+    (gateway/admission.py) expects it to start a new request within the queue-wait limit (`streamed`: in real-time
+    units too); else Overloaded (503 + Retry-After), counted."""
     router = app[ROUTER]
-    server = router.pick(exclude=tried)
+    server = router.pick(exclude=tried, family=family)
     try:
         with slot_set_aside():
             await admission.check_fresh(AdmissionPolicy(app[CONFIG].routing.max_queue_wait_s), router, server,
@@ -195,18 +196,20 @@ def refused_by_server(app: web.Application, exc: RemoteError) -> None:
 
 
 async def stream_audio(app: web.Application, inputs: WireRequest, cost: float, fields: Fields,
-                       request_id: str) -> AsyncIterator[np.ndarray | dict]:
-    """The request's float32 24 kHz chunks from the least-loaded healthy server (and, a request with `marks`, its
-    speech mark events, dicts, each before the audio it describes), as `on_servers` finds one. A failure ends the
-    stream (raised as the gateway's answer, `errors.upstream`)."""
+                       request_id: str, family: str | None = None) -> AsyncIterator[np.ndarray | dict]:
+    """The request's float32 24 kHz chunks from the least-loaded healthy server of `family` (and, a request with
+    `marks`, its speech mark events, dicts, each before the audio it describes), as `on_servers` finds one. A
+    failure ends the stream (raised as the gateway's answer, `errors.upstream`)."""
     config, attempts = app[CONFIG], itertools.count(1)
+    family = family or app[ROUTER].family_for(None)
+    model = app[ROUTER].models[family][0]
 
     def call(server) -> AsyncIterator[np.ndarray | dict]:
-        return server.client.stream(config.synthesis_model, inputs.tensors(), f"{request_id}-{next(attempts)}",
+        return server.client.stream(model, inputs.tensors(), f"{request_id}-{next(attempts)}",
                                     first_timeout_s=config.routing.first_chunk_timeout_s,
                                     chunk_timeout_s=config.routing.chunk_timeout_s)
 
-    chunks = on_servers(app, cost, call, admit=True, streamed=True)
+    chunks = on_servers(app, cost, call, admit=True, streamed=True, family=family)
     try:
         async with aclosing(chunks):
             async for chunk in chunks:
@@ -217,19 +220,20 @@ async def stream_audio(app: web.Application, inputs: WireRequest, cost: float, f
 
 
 async def whole_audio(app: web.Application, inputs: WireRequest, cost: float, fields: Fields,
-                      request_id: str) -> np.ndarray:
-    """The request's whole float32 24 kHz waveform from the offline model (`cosyvoice2_offline`: each sentence's
-    tokens in one full-attention flow pass, as the official non-streamed path), retried elsewhere on transport
-    errors. Raises a CosyVoiceError."""
-    return (await whole_answer(app, inputs, cost, fields, request_id))[0]
+                      request_id: str, family: str | None = None) -> np.ndarray:
+    """The request's whole float32 24 kHz waveform from `family`'s offline model (`cosyvoice2_offline`: each
+    sentence's tokens in one full-attention flow pass, as the official non-streamed path), retried elsewhere on
+    transport errors. Raises a CosyVoiceError."""
+    return (await whole_answer(app, inputs, cost, fields, request_id, family))[0]
 
 
 async def whole_answer(app: web.Application, inputs: WireRequest, cost: float, fields: Fields,
-                       request_id: str) -> tuple[np.ndarray, list[dict]]:
+                       request_id: str, family: str | None = None) -> tuple[np.ndarray, list[dict]]:
     """`whole_audio` and the request's complete speech marks ([] unless it asked for them)."""
+    model = app[ROUTER].models[family or app[ROUTER].family_for(None)][1]
     try:
-        outputs = await call_model(app, app[CONFIG].offline_model, inputs.tensors(), cost,
-                                   app[CONFIG].routing.offline_timeout_s, request_id, admit=True)
+        outputs = await call_model(app, model, inputs.tensors(), cost, app[CONFIG].routing.offline_timeout_s,
+                                   request_id, admit=True)
     except RemoteError as exc:
         refused_by_server(app, exc)
         raise upstream(exc, fields) from None
@@ -238,34 +242,38 @@ async def whole_answer(app: web.Application, inputs: WireRequest, cost: float, f
 
 async def call_model(app: web.Application, model: str, inputs: dict[str, np.ndarray], cost: float,
                      timeout_s: float, request_id: str = "", admit: bool = False) -> dict[str, np.ndarray]:
-    """A unary call (register_voice, cosyvoice2_offline) on the least-loaded server, retried elsewhere on
-    transport errors. `admit`: a synthesis, refused (Overloaded) when no server would start it in time."""
-    return await routed(app, cost, lambda server: server.client.infer(model, inputs, timeout_s, request_id), admit)
+    """A unary call (register_voice, cosyvoice2_offline) on the least-loaded server of the family whose model it is
+    (any server for a model of every family, e.g. register_voice), retried elsewhere on transport errors. `admit`:
+    a synthesis, refused (Overloaded) when no server would start it in time."""
+    return await routed(app, cost, lambda server: server.client.infer(model, inputs, timeout_s, request_id), admit,
+                        family=app[ROUTER].model_family(model))
 
 
 async def routed(app: web.Application, cost: float, send: Callable[[object], Awaitable], admit: bool = False,
-                 server: object | None = None):
-    """`await send(server)` where `on_servers` sends it (a unary call; `admit`: a synthesis)."""
+                 server: object | None = None, family: str | None = None):
+    """`await send(server)` where `on_servers` sends it (a unary call; `admit`: a synthesis; `family`: a server of
+    that family, e.g. `Router.model_family` of the model called; None: any)."""
     async def once(chosen) -> AsyncIterator:
         yield await send(chosen)
 
-    answers = on_servers(app, cost, once, admit=admit, server=server)
+    answers = on_servers(app, cost, once, admit=admit, server=server, family=family)
     async with aclosing(answers):
         async for answer in answers:
             return answer
 
 
 async def on_servers(app: web.Application, cost: float, call: Callable[[object], AsyncIterator], *, admit: bool,
-                     streamed: bool = False, server: object | None = None) -> AsyncIterator:
-    """What `call(server)` yields, from `server`, else from the least-loaded healthy server (`admit`: a synthesis,
-    refused with Overloaded when none would start it in time; `streamed`: admitted in real-time units), counted
-    against it while it runs. A retryable RemoteError before the first item is tried once more on another server
-    (not with a given `server`); after it, or with no server left to try, it is raised. The gateway's one retry
-    loop."""
+                     streamed: bool = False, server: object | None = None, family: str | None = None) -> AsyncIterator:
+    """What `call(server)` yields, from `server`, else from the least-loaded healthy server of `family` (None: of
+    any; `admit`: a synthesis, refused with Overloaded when none would start it in time; `streamed`: admitted in
+    real-time units), counted against it while it runs. A retryable RemoteError before the first item is tried once
+    more on another server of that family (not with a given `server`); after it, or with no server left to try, it
+    is raised. The gateway's one retry loop."""
     router, metrics, routing = app[ROUTER], app[METRICS], app[CONFIG].routing
     tried = []
     while True:
-        chosen = server or (await pick_admitted(app, tried, streamed) if admit else router.pick(exclude=tried))
+        chosen = server or (await pick_admitted(app, tried, streamed, family) if admit
+                            else router.pick(exclude=tried, family=family))
         tried.append(chosen)
         metrics.routed.labels(chosen.name).inc()
         produced = False
@@ -281,7 +289,7 @@ async def on_servers(app: web.Application, cost: float, call: Callable[[object],
                 metrics.errors.labels(f"triton_{exc.code}").inc()
                 if exc.code == "unreachable":
                     router.set_health(chosen, False, exc.message)
-                others = [b for b in router.healthy() if b not in tried]
+                others = [b for b in router.healthy(family) if b not in tried]
                 if produced or server is not None or not exc.retryable or len(tried) >= routing.max_attempts \
                         or not others:
                     raise

@@ -37,29 +37,30 @@ class BistreamText:
         self.pieces.put_nowait(None)
 
     async def run(self, app, inputs: SynthesisInputs, cost: float, fields: Fields, out: asyncio.Queue, stream_id: str,
-                  done: object) -> None:
-        """Stream the synthesis's chunks (`inputs`: text_mode bistream, the session's voice and settings) into
-        `out`, then `done` (or the exception that ended it), while its text goes to the same server. Not retried
-        elsewhere: the server holds the text read so far."""
+                  done: object, family: str) -> None:
+        """Stream the synthesis's chunks (`inputs`: text_mode bistream, the session's voice and settings) from a
+        server of `family` into `out`, then `done` (or the exception that ended it), while its text goes to the
+        same server. Not retried elsewhere: the server holds the text read so far."""
         try:
-            await self._run(app, replace(inputs, text_stream_id=stream_id), cost, out)
+            await self._run(app, replace(inputs, text_stream_id=stream_id), cost, out, family)
             out.put_nowait(done)
         except RemoteError as exc:
             out.put_nowait(upstream(exc, fields))
         except Exception as exc:  # noqa: BLE001 - handed to the sender
             out.put_nowait(exc)
 
-    async def _run(self, app, inputs: SynthesisInputs, cost: float, out: asyncio.Queue) -> None:
+    async def _run(self, app, inputs: SynthesisInputs, cost: float, out: asyncio.Queue, family: str) -> None:
         router, config = app[ROUTER], app[CONFIG]
-        server = router.pick()
+        server = router.pick(family=family)
+        model = router.models[family][0]
         app[METRICS].routed.labels(server.name).inc()
         # The text may pause for as long as the session may be idle: the wait for audio allows that too.
         wait_s = config.limits.ws_idle_timeout_s + config.routing.first_chunk_timeout_s
         stream_id = inputs.text_stream_id
         with router.lease(server, cost):
-            appender = asyncio.create_task(self._append(server, config.synthesis_model, stream_id, wait_s))
+            appender = asyncio.create_task(self._append(server, model, stream_id, wait_s))
             try:
-                chunks = server.client.stream(config.synthesis_model, inputs.tensors(), stream_id,
+                chunks = server.client.stream(model, inputs.tensors(), stream_id,
                                               first_timeout_s=wait_s, chunk_timeout_s=wait_s)
                 async with aclosing(chunks):
                     async for chunk in chunks:

@@ -342,6 +342,7 @@ def test_a_gateway_follows_dns(standins, tmp_path):
         assert gateway.get_json("/readyz") == (503, {"status": "starting", "ready": False, "servers": {},
                                                      "waiting_for": ["a tritonserver (none in the pool yet)"],
                                                      "version": __version__, "family": "cosyvoice2",
+                                                     "families": [],
                                                      "default_voice": "disabled", "voice_store": "ok",
                                                      "precision": {}, "capacity": {}})  # no server scraped yet
 

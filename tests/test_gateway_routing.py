@@ -369,7 +369,8 @@ def test_requests_spread_over_both_servers_by_cost(gateways, servers):
 def test_a_request_failing_before_its_first_byte_is_retried_on_another_server(gateways):
     d = gateways["D"]
     dead = d.call(lambda app: app[ROUTER].servers[0])
-    # The dead address is believed healthy (as a server that just died, before any health check):
+    # The dead address is believed healthy (as a server of the family that just died, before any health check):
+    d.call(lambda app: setattr(app[ROUTER].servers[0], "family", "cosyvoice2"))
     d.call(lambda app: setattr(app[ROUTER].servers[0], "healthy", True))
     status, body = run(tts(d.url, SHORT, seed=3))
     assert status == 200 and body[:4] == b"RIFF"
