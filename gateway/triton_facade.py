@@ -72,7 +72,8 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             if not public:
                 self._tenant(context)
-            server = self.app[ROUTER].pick()
+            router = self.app[ROUTER]  # a server of the family whose model the request names (any: none named)
+            server = router.pick(family=router.model_family(getattr(request, "name", "")))
             return await getattr(server.client.stub, method)(request, timeout=self.app[CONFIG].routing.health_timeout_s)
         except grpc.aio.AioRpcError as error:
             await context.abort(error.code(), error.details() or "")
@@ -213,7 +214,8 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
         """synthesis.routed (admission first for a synthesis model), a server's refusal counted as the gateway's
         own routes count it."""
         try:
-            return await routed(self.app, cost, send, admit=model in SYNTHESIS_MODELS, server=server)
+            return await routed(self.app, cost, send, admit=model in SYNTHESIS_MODELS, server=server,
+                                family=self.app[ROUTER].model_family(model))
         except RemoteError as exc:
             refused_by_server(self.app, exc)
             raise
