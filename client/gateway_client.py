@@ -103,7 +103,8 @@ def _voice_form(audio: PromptAudio, prompt_text: str, voice_id: str | None, name
 def vc_form(source_audio: PromptAudio | None = None, *, audio: PromptAudio | None = None, voice_id: str | None = None,
             prompt_audio: PromptAudio | None = None, seed: int | None = None, sample_rate: int | None = None,
             prompt_sample_rate: int | None = None, format: str = "pcm_f32", stream: bool = False,
-            speed: float | None = None, model: str | None = None) -> tuple[dict[str, str], dict[str, tuple[str, bytes]]]:
+            speed: float | None = None,
+            model: str | None = None) -> tuple[dict[str, str], dict[str, tuple[str, bytes]]]:
     """The multipart fields and files of a POST /v1/vc request: `source_audio` the recording to speak again (a file
     path, the file's bytes, or samples at `sample_rate`; `audio`: the same), the voice as `voice_id` or a target
     recording `prompt_audio`, the model family as `model` (None: the gateway's default)."""

@@ -56,6 +56,7 @@ NOT_RUN = {
     "docs/deployment/index.md": {
         "./run.sh serve                       # = cosyvoice-triton up: tritonserver + gateway on "
         "http://localhost:8080",
+        "# a random folder of each family, a server each, one voice store, one gateway in front of both",
     },
     "docs/engines.md": {"cosyvoice-triton serve --engine onnxruntime"},
     "docs/api/official.md": {

@@ -42,7 +42,7 @@ CosyVoice2's stops at 8 kHz; the embedding: the folder's own campplus.onnx), so 
 recording with `encode` (a server of that family's prompt encoder) and keeps them: the next get of any
 instance reads them. A voice stored before families were kept (blob version 1) holds CosyVoice2's features
 (the only family served then) and no recording: it serves CosyVoice2 as before; another family asks for it to
-be registered again.
+be deleted and its recording registered again.
 
 This module also holds the id rules and the blob format (versioned header + raw arrays, no pickle).
 """
@@ -581,8 +581,9 @@ class CachedVoiceStore(ABC):
         recording = self._read_recording(key)
         if recording is None:
             raise InvalidInput("reference_audio_id", f"voice {voice_id!r} has {' and '.join(voice.features)} features "
-                                                     f"only and no recording kept to make {family}'s (it was stored "
-                                                     "before voices kept one): register its recording again")
+                                                     f"only and no recording to make {family}'s from (stored before "
+                                                     "voices kept one, or imported): delete it and register its "
+                                                     "recording again")
         if encode is None:
             raise InvalidInput("reference_audio_id", f"voice {voice_id!r} has no {family} features yet (a server of "
                                                      "that family makes them at the voice's first use)")
