@@ -54,26 +54,27 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._ask("ServerReady", request, context, public=True)
 
     async def ModelReady(self, request, context):  # noqa: N802
-        return await self._ask("ModelReady", request, context)
+        return await self._ask("ModelReady", request, context, model=request.name)
 
     async def ServerMetadata(self, request, context):  # noqa: N802
         return await self._ask("ServerMetadata", request, context)
 
     async def ModelMetadata(self, request, context):  # noqa: N802
-        return await self._ask("ModelMetadata", request, context)
+        return await self._ask("ModelMetadata", request, context, model=request.name)
 
     async def ModelConfig(self, request, context):  # noqa: N802
-        return await self._ask("ModelConfig", request, context)
+        return await self._ask("ModelConfig", request, context, model=request.name)
 
     async def ModelStatistics(self, request, context):  # noqa: N802
-        return await self._ask("ModelStatistics", request, context)
+        return await self._ask("ModelStatistics", request, context, model=request.name)
 
-    async def _ask(self, method: str, request, context: grpc.aio.ServicerContext, public: bool = False):
+    async def _ask(self, method: str, request, context: grpc.aio.ServicerContext, public: bool = False,
+                   model: str = ""):
         try:
             if not public:
                 self._tenant(context)
-            router = self.app[ROUTER]  # a server of the family whose model the request names (any: none named)
-            server = router.pick(family=router.model_family(getattr(request, "name", "")))
+            router = self.app[ROUTER]  # a server of the family whose `model` the request names (any: none named)
+            server = router.pick(family=router.model_family(model))
             return await getattr(server.client.stub, method)(request, timeout=self.app[CONFIG].routing.health_timeout_s)
         except grpc.aio.AioRpcError as error:
             await context.abort(error.code(), error.details() or "")
