@@ -62,6 +62,7 @@ NOT_RUN = {
     "docs/api/official.md": {
         "cosyvoice-triton up --official-triton-port 8003 --official-grpc-port 50000",
         "# gRPC, streamed: one response per audio chunk, then the empty final response",
+        "python3 client_grpc.py --server-addr HOST --server-port 8003 --model-name cosyvoice3 --mode streaming \\",
         "mkdir -p build/protos && python -m grpc_tools.protoc -Icosyvoice_triton/gateway=gateway "
         "--python_out=build/protos --grpc_python_out=build/protos gateway/cosyvoice.proto && cp "
         "build/protos/cosyvoice_triton/gateway/cosyvoice_pb2*.py gateway/",
