@@ -31,7 +31,8 @@ from .synthesis import call_model, decode_recording
 def voice_json(info, created: bool | None = None) -> dict:
     body = {"id": info.voice_id, "name": info.name, "text": info.text, "audio_sha256": info.audio_sha256,
             "prompt_tokens": info.tokens, "prompt_seconds": info.tokens / SPEECH_TOKENS_PER_SECOND, "created_at": info.created_at,
-            "shared": info.shared, "modes": list(info.modes)}
+            "shared": info.shared, "modes": list(info.modes), "families": list(info.families),
+            "has_recording": info.has_recording}
     if created is not None:
         body["created"] = created
     return body

@@ -430,10 +430,12 @@ def test_a_voice_gets_another_familys_features_from_its_recording_once(open_stor
     got = first.get("both", family="cosyvoice3", encode=cv3)
     assert cv3.calls == [(RECORDING.samples.tobytes(), RECORDING.sample_rate, cv2.text, cv2.audio_sha256)]
     assert_same_features(got, cv3(RECORDING.samples, 16000, cv2.text, cv2.audio_sha256))
+    assert (info.families, info.has_recording) == (("cosyvoice2",), True)
+    both = dataclasses.replace(info, families=("cosyvoice2", "cosyvoice3"))  # what the record says from now on
     for store in (other, first, open_store()):
         assert_same_features(store.get("both", family="cosyvoice3", encode=must_not_encode), got)
         assert_same_features(store.get("both", family="cosyvoice2", encode=must_not_encode), cv2)
-        assert store.info("both") == info and store.list() == [info]
+        assert store.info("both") == both and store.list() == [both]
     assert not other.get("both", family="cosyvoice3").mel.flags.writeable
 
 
@@ -458,7 +460,8 @@ def test_families_made_at_once_by_two_instances_are_both_kept(open_store):
 
 def test_a_voice_without_a_recording_serves_its_own_family_only(open_store):
     store = open_store()
-    store.register(make_features(seed=1), voice_id="imported", family="cosyvoice3")  # spk2info keeps no recording
+    imported = store.register(make_features(seed=1), voice_id="imported", family="cosyvoice3")  # spk2info: none kept
+    assert (imported.families, imported.has_recording) == (("cosyvoice3",), False)
     assert_same_features(store.get("imported", family="cosyvoice3"), make_features(seed=1))
     with pytest.raises(InvalidInput, match="cosyvoice3 features only.*register its recording again") as lacking:
         store.get("imported", family="cosyvoice2", encode=must_not_encode)
@@ -489,6 +492,60 @@ def test_a_voice_stored_before_families_serves_cosyvoice2_as_before(open_store, 
     assert_same_features(reader.get("old", family="cosyvoice2"), old)
     with pytest.raises(InvalidInput, match="register its recording again"):
         reader.get("old", family="cosyvoice3", encode=Encoder(seed=6))
+
+
+def forget_families(url: str, key: str) -> None:
+    """Make a voice's record as an earlier version wrote it: no families beside the blob."""
+    if url.startswith("redis://"):
+        with redis.Redis.from_url(url) as client:
+            client.hdel(voice_key(key), "families")
+    else:
+        with sqlite3.connect(url[len("sqlite://"):]) as db:
+            db.execute("UPDATE voices SET families = NULL WHERE store_key = ?", (key,))
+
+
+def test_registering_its_recording_again_lets_an_old_voice_serve_every_family(open_store, store_url):
+    """A voice stored before voices kept their recording (version 1 blob, no families beside it): its record says
+    CosyVoice2 and no recording; CosyVoice3 asks for the recording; registering the same recording and transcript
+    (any family's server, found by content, nothing encoded) keeps the recording with the voice, which keeps its
+    id, record and CosyVoice2 features; CosyVoice3's are then made from that recording at their first get."""
+    sha = audio_sha256(RECORDING.samples, RECORDING.sample_rate)
+    old = dataclasses.replace(make_features(seed=5), audio_sha256=sha)
+    stored = open_store().register(old, voice_id="old", name="Old", owner="key_a")
+    overwrite_blob(store_url, "key_a/old", version_1_blob(old))
+    forget_families(store_url, "key_a/old")
+    reader = open_store()
+    before = reader.info("old", "key_a")
+    assert (before.families, before.has_recording) == (("cosyvoice2",), False)  # read from its blob
+    assert reader.list("key_a") == [before]
+    with pytest.raises(InvalidInput, match="register its recording again with the same transcript") as asked:
+        reader.get("old", "key_a", family="cosyvoice3", encode=Encoder(seed=6))
+    assert asked.value.field == "reference_audio_id" and asked.value.retry_after_s is None
+    with pytest.raises(ValueError, match="another recording"):
+        reader.keep_recording(before, Recording(RECORDING.samples[::2].copy(), RECORDING.sample_rate))
+
+    again = register_once(open_store(), sha, old.text, must_not_encode, owner="key_a", family="cosyvoice3",
+                          recording=RECORDING)
+    assert again == dataclasses.replace(before, has_recording=True)
+    assert (again.voice_id, again.created_at, again.name) == (stored.voice_id, stored.created_at, "Old")
+    assert register_once(reader, sha, old.text, must_not_encode, owner="key_a", recording=RECORDING) == again
+    cv3 = Encoder(seed=6)
+    made = reader.get("old", "key_a", family="cosyvoice3", encode=cv3)
+    assert cv3.calls == [(RECORDING.samples.tobytes(), RECORDING.sample_rate, old.text, sha)]
+    assert_same_features(made, cv3(RECORDING.samples, RECORDING.sample_rate, old.text, sha))
+    after = open_store()
+    assert_same_features(after.get("old", "key_a", family="cosyvoice2", encode=must_not_encode), old)
+    assert after.info("old", "key_a").families == ("cosyvoice2", "cosyvoice3")
+
+
+def test_registering_the_recording_again_through_register_keeps_it_too(open_store):
+    store = open_store()
+    sha = audio_sha256(RECORDING.samples, RECORDING.sample_rate)
+    features = dataclasses.replace(make_features(seed=5), audio_sha256=sha)
+    first = store.register(features, voice_id="plain")  # none kept (as an import)
+    again = open_store().register(features, recording=RECORDING, family="cosyvoice3")
+    assert again == dataclasses.replace(first, has_recording=True)
+    assert store.get("plain", family="cosyvoice3", encode=Encoder(seed=6)).speech_tokens.shape == (30,)
 
 
 def test_an_sqlite_file_without_recordings_gains_the_column(tmp_path):

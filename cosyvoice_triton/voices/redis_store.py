@@ -2,15 +2,18 @@
 
 Keys (standalone Redis or a primary with replicas; not Redis Cluster, whose slots would split them), each voice
 under its store key (`store.store_key`: the id of a shared voice, "owner/id" of an owned one):
-  cosyvoice:voice:<store key>   hash: revision, blob (`encode_voice`: the features of each family), info
-                                (VoiceRecord as JSON), content_key, recording (`encode_recording`; absent: none
-                                kept) (an info written before voices had owners lacks "owner": a shared voice)
+  cosyvoice:voice:<store key>   hash: revision, blob (`encode_voice`: the features of each family), families
+                                (`families_text` of the blob's; absent: written before, see the blob), info
+                                (VoiceRecord as JSON, but for its families and has_recording), content_key,
+                                recording (`encode_recording`; absent: none kept) (an info written before voices
+                                had owners lacks "owner": a shared voice)
   cosyvoice:voice_ids           set of every store key, for listing
   cosyvoice:voice_by_content    hash: content_key (sha256 of audio hash + text [+ owner]) → store key
   cosyvoice:voice_keys          "owner/id": owned voices are kept under their store key (absent: written before,
                                 when ids were one space for all owners and owned voices were kept under their id)
 Registration, deletion, a family's features added to a voice (written only while its revision is the one
-read) and the move of an old owned voice to its store key are Lua scripts, so each is one atomic step for
+read), a recording kept with a voice that has none and the move of an old owned voice to its store key are Lua
+scripts, so each is one atomic step for
 every server at once. Opening a store moves the old owned voices (once: it then sets
 cosyvoice:voice_keys; servers opening it together move each voice once).
 A lost connection or a timeout raises `Unavailable` (UNAVAILABLE / HTTP 503); other Redis errors propagate.
@@ -27,8 +30,8 @@ import redis
 from cosyvoice_triton.errors import Unavailable
 from cosyvoice_triton.messages import PromptFeatures
 from cosyvoice_triton.voices.store import (FIRST_FAMILY, CachedVoiceStore, Recording, VoiceRecord, check_owner,
-                                           check_same_voice, content_key, decode_voice, id_taken, lookup_keys,
-                                           prepare_registration, store_key, visible_to)
+                                           check_same_voice, content_key, decode_voice, families_text, id_taken,
+                                           lookup_keys, prepare_registration, split_families, store_key, visible_to)
 
 PREFIX = "cosyvoice:"
 IDS_KEY = PREFIX + "voice_ids"
@@ -38,13 +41,14 @@ LAYOUT = "owner/id"
 
 # KEYS: the voice hash of the new voice's store key, content map, key set, then the voice hashes that must be
 # free (its owner's and, for an owned voice, the shared one of that id).
-# ARGV: store key, content_key, revision, blob, info JSON, prefix of voice hashes, recording ("" for none).
-# → {"exists", info JSON of the voice with this content} | {"taken", info JSON of the voice holding the id}
-#   | {"created", ""}
+# ARGV: store key, content_key, revision, blob, info JSON, prefix of voice hashes, recording ("" for none),
+# families.
+# → {"exists", info JSON and store key of the voice with this content} | {"taken", info JSON of the voice holding
+#   the id} | {"created", ""}
 REGISTER_LUA = """
 local existing = redis.call('HGET', KEYS[2], ARGV[2])
 if existing then
-    return {'exists', redis.call('HGET', ARGV[6] .. existing, 'info')}
+    return {'exists', redis.call('HGET', ARGV[6] .. existing, 'info'), existing}
 end
 for i = 4, #KEYS do
     local taken = redis.call('HGET', KEYS[i], 'info')
@@ -52,7 +56,8 @@ for i = 4, #KEYS do
         return {'taken', taken}
     end
 end
-redis.call('HSET', KEYS[1], 'revision', ARGV[3], 'blob', ARGV[4], 'info', ARGV[5], 'content_key', ARGV[2])
+redis.call('HSET', KEYS[1], 'revision', ARGV[3], 'blob', ARGV[4], 'info', ARGV[5], 'content_key', ARGV[2],
+           'families', ARGV[8])
 if ARGV[7] ~= '' then
     redis.call('HSET', KEYS[1], 'recording', ARGV[7])
 end
@@ -61,14 +66,22 @@ redis.call('SADD', KEYS[3], ARGV[1])
 return {'created', ''}
 """
 
-# KEYS: voice hash. ARGV: the revision read, the new revision, the new blob. → 1 if written, 0 if the voice
-# changed (or went) since it was read.
+# KEYS: voice hash. ARGV: the revision read, the new revision, the new blob, its families. → 1 if written, 0 if
+# the voice changed (or went) since it was read.
 REPLACE_LUA = """
 if redis.call('HGET', KEYS[1], 'revision') ~= ARGV[1] then
     return 0
 end
-redis.call('HSET', KEYS[1], 'revision', ARGV[2], 'blob', ARGV[3])
+redis.call('HSET', KEYS[1], 'revision', ARGV[2], 'blob', ARGV[3], 'families', ARGV[4])
 return 1
+"""
+
+# KEYS: voice hash. ARGV: the recording. → 1 if kept, 0 if the voice has one already (or is gone).
+KEEP_RECORDING_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+    return 0
+end
+return redis.call('HSETNX', KEYS[1], 'recording', ARGV[1])
 """
 
 # KEYS: voice hash, content map, key set. ARGV: store key. → 1 if deleted, 0 if there was no such voice.
@@ -120,6 +133,7 @@ class RedisVoiceStore(CachedVoiceStore):
         self._register_script = self._redis.register_script(REGISTER_LUA)
         self._delete_script = self._redis.register_script(DELETE_LUA)
         self._replace_script = self._redis.register_script(REPLACE_LUA)
+        self._keep_recording_script = self._redis.register_script(KEEP_RECORDING_LUA)
         self._move_script = self._redis.register_script(MOVE_LUA)
         self._move_old_owned_voices()
 
@@ -147,14 +161,14 @@ class RedisVoiceStore(CachedVoiceStore):
         info = reg.info
         must_be_free = [voice_key(key) for key in lookup_keys(info.voice_id, owner)]  # its owner's id, the shared
         with _unavailable_when_unreachable():
-            status, existing = self._register_script(
+            status, existing, *found_key = self._register_script(
                 keys=[voice_key(info.store_key), CONTENT_KEY, IDS_KEY, *must_be_free],
-                args=[info.store_key, reg.content_key, reg.revision, reg.blob,
-                      json.dumps(dataclasses.asdict(info)), voice_key(""), reg.recording or b""])
-        if status == b"exists":
-            found = _info_from_json(existing)
+                args=[info.store_key, reg.content_key, reg.revision, reg.blob, _info_json(info), voice_key(""),
+                      reg.recording or b"", families_text(info.families)])
+        if status == b"exists":  # its whole record (as it was, if deleted since)
+            found = self._info(found_key[0].decode()) or _info_from_json(existing)
             check_same_voice(voice_id, found.voice_id)
-            return found
+            return found if recording is None else self.keep_recording(found, recording)
         if status == b"taken":
             raise id_taken(info.voice_id, owner, _info_from_json(existing))
         self._remember(info.store_key, reg.revision, decode_voice(reg.blob, info.voice_id))
@@ -164,8 +178,7 @@ class RedisVoiceStore(CachedVoiceStore):
         """`owner`'s voice with this recording and transcript, whatever its id; None if there is none."""
         with _unavailable_when_unreachable():
             key = self._redis.hget(CONTENT_KEY, content_key(audio_sha256, text, check_owner(owner)))
-            raw = self._redis.hget(voice_key(key.decode()), "info") if key is not None else None
-        return _info_from_json(raw) if raw is not None else None  # None too if deleted in between
+        return self._info(key.decode()) if key is not None else None  # None too if deleted in between
 
     def list(self, owner: str | None = None) -> list[VoiceRecord]:
         """The voices `owner` sees (its own and the shared ones; None: the shared ones), oldest first."""
@@ -173,12 +186,8 @@ class RedisVoiceStore(CachedVoiceStore):
         with _unavailable_when_unreachable():
             keys = sorted(key for key in (member.decode() for member in self._redis.smembers(IDS_KEY))
                           if "/" not in key or (owner is not None and key.startswith(mine)))
-            pipe = self._redis.pipeline(transaction=False)
-            for key in keys:
-                pipe.hget(voice_key(key), "info")
-            raws = pipe.execute()
         # A voice deleted between the two calls has no info any more: leave it out.
-        infos = [info for info in map(_info_from_json, filter(None, raws)) if visible_to(info, owner)]
+        infos = [info for info in self._records(keys) if info is not None and visible_to(info, owner)]
         return sorted(infos, key=lambda info: (info.created_at, info.voice_id))
 
     def check(self) -> None:
@@ -189,9 +198,26 @@ class RedisVoiceStore(CachedVoiceStore):
         self._redis.close()
 
     def _info(self, key: str) -> VoiceRecord | None:
+        return self._records([key])[0]
+
+    def _records(self, keys: list[str]) -> list[VoiceRecord | None]:
+        """The record of the voice at each store key (None: there is none), in one round trip (and a blob read for
+        a voice written before its families were kept beside it)."""
         with _unavailable_when_unreachable():
-            raw = self._redis.hget(voice_key(key), "info")
-        return _info_from_json(raw) if raw is not None else None
+            pipe = self._redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.hmget(voice_key(key), ["info", "families"])
+                pipe.hexists(voice_key(key), "recording")
+            answers = pipe.execute()
+        records = []
+        for key, (raw, families), has_recording in zip(keys, answers[::2], answers[1::2]):
+            record = None if raw is None else _info_from_json(raw)
+            if record is not None:
+                record = dataclasses.replace(record, has_recording=bool(has_recording),
+                                             families=self._blob_families(key, record.voice_id) if families is None
+                                             else split_families(families.decode()))
+            records.append(record)
+        return records
 
     def _revision(self, key: str) -> str | None:
         with _unavailable_when_unreachable():
@@ -209,9 +235,14 @@ class RedisVoiceStore(CachedVoiceStore):
         with _unavailable_when_unreachable():
             return self._redis.hget(voice_key(key), "recording")
 
-    def _replace(self, key: str, expected: str, revision: str, blob: bytes) -> bool:
+    def _replace(self, key: str, expected: str, revision: str, blob: bytes, families: tuple[str, ...]) -> bool:
         with _unavailable_when_unreachable():
-            return self._replace_script(keys=[voice_key(key)], args=[expected, revision, blob]) == 1
+            return self._replace_script(keys=[voice_key(key)],
+                                        args=[expected, revision, blob, families_text(families)]) == 1
+
+    def _keep_recording(self, key: str, recording: bytes) -> bool:
+        with _unavailable_when_unreachable():
+            return self._keep_recording_script(keys=[voice_key(key)], args=[recording]) == 1
 
     def _delete(self, key: str) -> bool:
         with _unavailable_when_unreachable():
@@ -224,6 +255,14 @@ def _unavailable_when_unreachable() -> Iterator[None]:
         yield
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise Unavailable(f"the voice store (Redis) is unreachable: {exc}") from exc
+
+
+def _info_json(info: VoiceRecord) -> str:
+    """The voice's `info` field: its record but for what changes after registration (kept in fields of their own)."""
+    record = dataclasses.asdict(info)
+    for changing in ("families", "has_recording"):
+        del record[changing]
+    return json.dumps(record)
 
 
 def _info_from_json(raw: bytes) -> VoiceRecord:

@@ -40,9 +40,12 @@ CosyVoice2's stops at 8 kHz; the embedding: the folder's own campplus.onnx), so 
 `PromptFeatures` per family, and the recording itself (`Recording`, beside the features, never in the LRU).
 `get(voice_id, owner, family, encode)` of a family the voice has no features for yet computes them from the
 recording with `encode` (a server of that family's prompt encoder) and keeps them: the next get of any
-instance reads them. A voice stored before families were kept (blob version 1) holds CosyVoice2's features
-(the only family served then) and no recording: it serves CosyVoice2 as before; another family asks for it to
-be deleted and its recording registered again.
+instance reads them. A voice's record says which families it has features for (`families`, kept beside the blob
+so that a listing reads no blob) and whether its recording is kept (`has_recording`). A voice stored before
+families were kept (blob version 1) holds CosyVoice2's features (the only family served then) and no recording:
+it serves CosyVoice2 as before; another family asks for its recording to be registered again, and registering
+the same recording and transcript (found by its content key) keeps the recording with the voice, whose id and
+features stay (`keep_recording`), so every family serves it from then on.
 
 This module also holds the id rules and the blob format (versioned header + raw arrays, no pickle).
 """
@@ -67,6 +70,7 @@ import numpy as np
 from cosyvoice_triton.errors import CosyVoiceError, InvalidInput, NotFound
 from cosyvoice_triton.family import COSYVOICE2
 from cosyvoice_triton.messages import PromptFeatures, voice_modes
+from cosyvoice_triton.preprocess.voice_features import audio_sha256
 
 EMBEDDING_DIM = 192
 MEL_BINS = 80
@@ -107,6 +111,8 @@ class VoiceRecord:
     created_at: float  # Unix time of the registration
     name: str | None  # a label for people; not unique
     owner: str | None = None  # the tenant tag of the key that registered it; None: shared
+    families: tuple[str, ...] = ()  # the families it holds prompt features for (`StoredVoice.features`)
+    has_recording: bool = False  # its recording is kept: another family's features are made from it at first use
 
     @property
     def shared(self) -> bool:
@@ -197,6 +203,8 @@ class VoiceStore(Protocol):
     def info(self, voice_id: str, owner: str | None = None) -> VoiceRecord: ...
 
     def find(self, audio_sha256: str, text: str, owner: str | None = None) -> VoiceRecord | None: ...
+
+    def keep_recording(self, info: VoiceRecord, recording: Recording) -> VoiceRecord: ...
 
     def list(self, owner: str | None = None) -> list[VoiceRecord]: ...
 
@@ -294,8 +302,9 @@ def prepare_registration(features: PromptFeatures, voice_id: str | None, name: s
     blob = encode_voice(StoredVoice.of(features, check_family_name(family)))  # checks the arrays, text and hash first
     owner = check_owner(owner)
     info = VoiceRecord(voice_id=registration_id(features, voice_id, owner), text=features.text,
-                     audio_sha256=features.audio_sha256, tokens=int(features.speech_tokens.shape[0]),
-                     created_at=time.time(), name=check_name(name), owner=owner)
+                       audio_sha256=features.audio_sha256, tokens=int(features.speech_tokens.shape[0]),
+                       created_at=time.time(), name=check_name(name), owner=owner, families=(family,),
+                       has_recording=recording is not None)
     return Registration(info=info, content_key=content_key(features.audio_sha256, features.text, owner),
                         revision=secrets.token_hex(8), blob=blob,
                         recording=None if recording is None else encode_recording(recording))
@@ -305,6 +314,15 @@ def check_family_name(family: object) -> str:
     if not isinstance(family, str) or not FAMILY_PATTERN.fullmatch(family):
         raise ValueError(f"{short_repr(family)} is not a model family name")
     return family
+
+
+def families_text(families: tuple[str, ...]) -> str:
+    """A voice's families as the stores keep them beside its blob: "cosyvoice2,cosyvoice3" (`split_families`)."""
+    return ",".join(families)
+
+
+def split_families(text: str) -> tuple[str, ...]:
+    return tuple(family for family in text.split(",") if family)
 
 
 def check_same_voice(requested_id: str | None, existing_id: str) -> None:
@@ -329,8 +347,9 @@ def register_once(store: VoiceStore, audio_sha256: str, text: str, encode: Calla
     """Register the recording with hash `audio_sha256` and transcript `text`, computing its prompt
     features (`encode()`, the expensive part, `family`'s) only when the store does not hold that content yet: a
     repeat registration costs a lookup (another family's features of a stored voice are made at its first
-    get). Returns and raises what `store.register(encode(), voice_id, name, owner, family=family,
-    recording=recording)` would (two racing first registrations both encode; the store keeps one voice)."""
+    get; a stored voice without a recording keeps `recording`: `keep_recording`). Returns and raises what
+    `store.register(encode(), voice_id, name, owner, family=family, recording=recording)` would (two racing first
+    registrations both encode; the store keeps one voice)."""
     if voice_id is not None:
         check_voice_id(voice_id, "voice_id")
     check_name(name)
@@ -338,7 +357,7 @@ def register_once(store: VoiceStore, audio_sha256: str, text: str, encode: Calla
     found = store.find(audio_sha256, text, owner)
     if found is not None:
         check_same_voice(voice_id, found.voice_id)
-        return found
+        return found if recording is None else store.keep_recording(found, recording)
     return store.register(encode(), voice_id=voice_id, name=name, owner=owner, family=family, recording=recording)
 
 
@@ -497,9 +516,14 @@ class CachedVoiceStore(ABC):
         """The recording blob of the voice at `key`, None if it has none kept (or there is no such voice)."""
 
     @abstractmethod
-    def _replace(self, key: str, expected: str, revision: str, blob: bytes) -> bool:
-        """Write `blob` under a new `revision` for the voice at `key`, atomically and only while its revision is
-        still `expected`; False (nothing written) otherwise."""
+    def _replace(self, key: str, expected: str, revision: str, blob: bytes, families: tuple[str, ...]) -> bool:
+        """Write `blob` (holding `families`' features) under a new `revision` for the voice at `key`, atomically and
+        only while its revision is still `expected`; False (nothing written) otherwise."""
+
+    @abstractmethod
+    def _keep_recording(self, key: str, recording: bytes) -> bool:
+        """Keep `recording` (`encode_recording`) with the voice at `key` if it is there and has none kept;
+        False (nothing written) otherwise."""
 
     @abstractmethod
     def _info(self, key: str) -> VoiceRecord | None:
@@ -546,6 +570,27 @@ class CachedVoiceStore(ABC):
         self._forget(key)
         return deleted
 
+    def keep_recording(self, info: VoiceRecord, recording: Recording) -> VoiceRecord:
+        """Keep `recording` with `info`'s voice when it has none (stored before voices kept one): registering the
+        recording again (`register_once`, `register`) lets every other family's features be made from it, and the
+        voice keeps its id and features. ValueError unless `recording` is the one the voice's audio_sha256 hashes.
+        Returns the voice as stored now."""
+        if info.has_recording:
+            return info
+        if audio_sha256(recording.samples, recording.sample_rate) != info.audio_sha256:
+            raise ValueError(f"voice {info.voice_id!r} was registered from another recording")
+        self._keep_recording(info.store_key, encode_recording(recording))
+        return self._info(info.store_key) or info  # (deleted meanwhile: as it was)
+
+    def _blob_families(self, key: str, voice_id: str) -> tuple[str, ...]:
+        """The families the blob of the voice at `key` holds features for: for a voice stored before the stores kept
+        them beside it (() for a corrupt blob: `get` reports it)."""
+        stored = self._read(key)
+        try:
+            return () if stored is None else tuple(decode_voice(stored[1], voice_id).features)
+        except CorruptVoice:
+            return ()
+
     @property
     def stats(self) -> VoiceStoreStats:
         with self._lock:
@@ -582,8 +627,9 @@ class CachedVoiceStore(ABC):
         if recording is None:
             raise InvalidInput("reference_audio_id", f"voice {voice_id!r} has {' and '.join(voice.features)} features "
                                                      f"only and no recording to make {family}'s from (stored before "
-                                                     "voices kept one, or imported): delete it and register its "
-                                                     "recording again")
+                                                     "voices kept one, or imported): register its recording again "
+                                                     "with the same transcript; the voice keeps its id and features "
+                                                     "and gains the recording")
         if encode is None:
             raise InvalidInput("reference_audio_id", f"voice {voice_id!r} has no {family} features yet (a server of "
                                                      "that family makes them at the voice's first use)")
@@ -596,9 +642,9 @@ class CachedVoiceStore(ABC):
             revision, blob = current
             voice = decode_voice(blob, voice_id)
             if family not in voice.features:
-                blob, expected, revision = encode_voice(voice.with_features(family, features)), revision, \
-                    secrets.token_hex(8)
-                if not self._replace(key, expected, revision, blob):
+                voice, expected, revision = voice.with_features(family, features), revision, secrets.token_hex(8)
+                blob = encode_voice(voice)
+                if not self._replace(key, expected, revision, blob, tuple(voice.features)):
                     continue
                 voice = decode_voice(blob, voice_id)
             self._remember(key, revision, voice)
