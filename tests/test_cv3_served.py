@@ -5,6 +5,11 @@ process in front of it. The server names its synthesis models for the family (co
 and the gateway names the family on /readyz and /v1/models. Every mode streams audio through the Python SDK
 equal to the in-process `CosyVoice.from_model_dir` on the same folder with the same seed (streamed and offline,
 voice conversion too), and /v1/tts streams the server's own audio for the default voice and an uploaded prompt.
+Every route speaks the in-process audio with a voice registered through the gateway: the WebSocket in sentence
+mode and with bistream text (and the Triton SDK's bistream), the official `openai` client (instructions: instruct2),
+SSML breaks and rates with speech marks streamed, /v1/tts with cross_lingual, instruct2 and speed, /v1/vc through
+both gateway SDKs (and /v1/tts through the asyncio one), a saved speaker imported from spk2info.pt; the web page
+in Chromium names the family and streams the WebSocket's audio.
 The official Triton clients' requests (`--model-name cosyvoice3`) get the in-process audio too, straight to
 cosyvoice3_official / cosyvoice3_official_offline and through the gateway's Triton facade and KServe route.
 """
@@ -25,6 +30,7 @@ import requests
 import soundfile as sf
 
 from cosyvoice_triton.audio_out import encode
+from cosyvoice_triton.client.gateway_client import GatewayTTS
 from cosyvoice_triton.client.triton_client import TritonTTS
 from cosyvoice_triton.gateway.config import GatewayConfig, RoutingConfig, family_models
 from cosyvoice_triton.gateway.testing import GatewayThread
@@ -108,10 +114,21 @@ class InProcess:
         self.lock = threading.Lock()
 
     def synthesize(self, stream: bool, mode: str = "zero_shot", instruct: str = "") -> list[np.ndarray]:
-        request = SynthesisRequest(text=TEXT, voice=self.voice, mode=mode, instruct_text=instruct, seed=SEED,
-                                   sampling=self.tts.llm.config.sampling)
+        return self.run(stream, mode=mode, instruct_text=instruct)
+
+    def run(self, stream: bool, text: str = TEXT, seed: int = SEED, voice=None, **fields) -> list:
+        """One request's items: its audio chunks (and its speech mark events with marks=True)."""
+        request = SynthesisRequest(text=text, voice=voice or self.voice, seed=seed,
+                                   sampling=self.tts.llm.config.sampling, **fields)
         with self.lock:
-            return [chunk for chunk in self.tts.synthesize(request, stream=stream) if chunk.size]
+            return [item for item in self.tts.synthesize(request, stream=stream)
+                    if not isinstance(item, np.ndarray) or item.size]
+
+    def bistream(self, words: list[str]) -> np.ndarray:
+        """The text given word by word to one synthesis (streamed), as a served bistream request."""
+        request = SynthesisRequest(text="", voice=self.voice, seed=SEED, sampling=self.tts.llm.config.sampling)
+        with self.lock:
+            return joined([c for c in self.tts.pipeline.run_bistream(request, iter(words), stream=True) if c.size])
 
     def convert(self, stream: bool) -> list[np.ndarray]:
         from cosyvoice_triton.pipeline.voice_conversion import local_converter
@@ -230,6 +247,209 @@ def test_v1_tts_gives_the_servers_audio(gateway, sdk, voice, stream):
     want = to_s16(sdk.synthesize(TEXT, offline=not stream, seed=SEED, **direct))
     assert want.size > 0 and got.size == want.size
     assert np.abs(got - want).max() <= 8  # 16-bit samples, ATOL of the float audio
+
+
+# ---- every route, every mode -----------------------------------------------------------------------------
+# The voice of PROMPT and PROMPT_TEXT, registered once through the gateway (the server encodes it with the
+# CosyVoice3 folder's tokenizer v3, mel and CAM++), speaks on each route what the in-process pipeline says with
+# the same recording, text and seed.
+
+VOICE = "cv3_prompt"
+WORDS = [word + " " for word in TEXT.split(" ")[:-1]] + [TEXT.split(" ")[-1]]  # as a chat model streams it
+SSML = '<speak>Hello there.<break time="300ms"/><prosody rate="50%">Good morning.</prosody></speak>'
+
+
+@pytest.fixture(scope="module")
+def voice(gateway) -> str:
+    with GatewayTTS(gateway.url, timeout_s=120) as tts:
+        assert tts.add_voice(prompt_file(), PROMPT_TEXT, voice_id=VOICE).voice_id == VOICE
+    return VOICE
+
+
+def test_the_websocket_speaks_each_sentence_as_it_completes(gateway, in_process, voice):
+    """Sentence mode: text in pieces, one segment (one request, seed + 1000 each) per complete sentence."""
+    pieces = ["Hello there, this is ", "a short reply. And a second ", "sentence follows it."]
+    with GatewayTTS(gateway.url, timeout_s=120) as tts:
+        with tts.stream_ws(iter(pieces), voice_id=voice, seed=SEED, model=COSYVOICE3) as chunks:
+            got = joined([c for c in chunks if c.size])
+    segments = [s["text"] for s in chunks.stats.segments]
+    assert segments == ["Hello there, this is a short reply. ", "And a second sentence follows it."]
+    want = [joined(in_process.run(True, text, SEED + 1000 * i)) for i, text in enumerate(segments)]
+    assert chunks.stats.end["audio_seconds"] == pytest.approx(got.size / 24000)
+    assert_same_audio(got, joined(want))
+
+
+def test_bistream_text_over_the_websocket_and_the_triton_sdk(gateway, sdk, in_process, voice):
+    """CosyVoice3's LM reads text as it comes (its 5:15 text/speech plan): word by word over the WebSocket
+    and the Triton SDK's gRPC form, the in-process bistream audio of the same words and seed."""
+    want = in_process.bistream(WORDS)
+
+    async def websocket() -> tuple[dict, np.ndarray]:
+        audio = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+            async with http.ws_connect(gateway.url + "/v1/tts/ws") as ws:
+                await ws.send_json({"type": "start", "voice_id": voice, "seed": SEED, "text_mode": "bistream",
+                                    "model": COSYVOICE3})
+                started = await ws.receive_json()
+                for word in WORDS:
+                    await ws.send_json({"type": "text", "text": word})
+                await ws.send_json({"type": "end"})
+                async for message in ws:
+                    if message.type == aiohttp.WSMsgType.BINARY:
+                        audio.append(np.frombuffer(message.data, "<f4"))
+                    elif message.json()["type"] in ("end", "error"):
+                        assert message.json()["type"] == "end", message.data
+                        break
+        return started, joined(audio)
+
+    started, got = asyncio.run(websocket())
+    assert (started["type"], started["model"]) == ("started", COSYVOICE3)
+    assert_same_audio(got, want)
+    with sdk.stream_text(iter(WORDS), voice_id=voice, seed=SEED) as chunks:  # straight to cosyvoice3
+        assert_same_audio(joined([c for c in chunks if c.size]), want)
+
+
+def test_the_official_openai_client_speaks_with_cosyvoice3(gateway, in_process, voice):
+    """`model` cosyvoice3, and tts-1 (the default family: the servers' one) with `instructions` (instruct2)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    for model, extra, want in (
+            (COSYVOICE3, {}, in_process.synthesize(True)),
+            ("tts-1", {"instructions": "Speak slowly."}, in_process.synthesize(True, "instruct2", "Speak slowly."))):
+        pcm = client.audio.speech.create(model=model, voice=voice, input=TEXT, response_format="pcm",
+                                         extra_body={"seed": SEED}, **extra).content
+        got = np.frombuffer(pcm, "<i2").astype(np.int32)
+        assert got.size == to_s16(joined(want)).size and np.abs(got - to_s16(joined(want))).max() <= 8
+
+
+def test_ssml_breaks_and_rates_stream_with_speech_marks(gateway, in_process, voice):
+    """A <break> and a <prosody rate> on a streamed route (/v1/tts as server-sent events): the in-process
+    audio and marks, each mark at the audio sent before it, the break exact silence, the slow sentence the
+    in-process one at speed 0.5 (its seeds those of the document's second sentence)."""
+    from cosyvoice_triton.pipeline.seeds import sentence_seeds
+    from cosyvoice_triton.pipeline.speech_marks import complete_marks
+    from test_speech_marks import Received, check_tiling
+
+    received = Received()
+    with GatewayTTS(gateway.url, timeout_s=120) as tts:
+        with tts.stream(SSML, voice_id=voice, seed=SEED, marks=True, model=COSYVOICE3) as chunks:
+            for chunk in chunks:
+                for event in chunk.marks:
+                    received.event(event)
+                received.chunk(chunk)
+    received.close(chunks.marks)
+    marks = received.marks
+    assert [(m["type"], m["value"]) for m in marks] == [("sentence", "Hello there."), ("break", "300ms"),
+                                                          ("sentence", "Good morning.")]
+    check_tiling(marks, received.samples)
+    items = in_process.run(True, SSML, marks=True)
+    assert marks == complete_marks(item.to_json() for item in items if not isinstance(item, np.ndarray))
+    assert_same_audio(received.waveform, joined([i for i in items if isinstance(i, np.ndarray)]))
+    first, pause, slow = ((int(m["start_ms"] * 24), int(m["end_ms"] * 24)) for m in marks)
+    assert pause[1] - pause[0] == 7200 and not received.waveform[pause[0]:pause[1]].any()
+    want_slow = joined(in_process.run(True, "Good morning.", sentence_seeds(SEED, 1).llm, speed=0.5))
+    assert_same_audio(received.waveform[slow[0]:slow[1]], want_slow)
+
+
+@pytest.mark.parametrize("mode, fields, stream", [
+    ("cross_lingual", {"speed": 1.25}, True),
+    ("instruct2", {"instruct": "Speak slowly.", "speed": 0.8}, False)], ids=["cross_lingual", "instruct2"])
+def test_v1_tts_takes_the_mode_instruction_and_speed(gateway, in_process, voice, mode, fields, stream):
+    body = {"text": TEXT, "voice_id": voice, "mode": mode, "model": COSYVOICE3, "stream": stream,
+            "format": "pcm_f32", "seed": SEED, **fields}
+    answer = requests.post(gateway.url + "/v1/tts", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text[:300]
+    library = {"instruct_text" if k == "instruct" else k: v for k, v in fields.items()}
+    want = joined(in_process.run(stream, mode=mode, **library))
+    assert_same_audio(np.frombuffer(answer.content, "<f4"), want)
+    plain = joined(in_process.run(stream, mode=mode, **{**library, "speed": 1.0}))
+    assert abs(plain.size / want.size - fields["speed"]) < 0.05  # the speed was applied, not dropped
+
+
+def test_voice_conversion_through_the_gateway_and_both_gateway_sdks(gateway, in_process, voice):
+    """POST /v1/vc whole (the blocking SDK) and streamed (the asyncio SDK), and the asyncio SDK's /v1/tts stream."""
+    from cosyvoice_triton.client import AsyncGatewayTTS
+
+    with GatewayTTS(gateway.url, timeout_s=120) as tts:
+        whole = tts.convert(SOURCE, sample_rate=RATE, voice_id=voice, seed=SEED, model=COSYVOICE3)
+    assert_same_audio(whole, joined(in_process.convert(False)))
+
+    async def run() -> tuple[np.ndarray, list[np.ndarray]]:
+        async with AsyncGatewayTTS(gateway.url, timeout_s=120) as tts:
+            async with await tts.convert_stream(SOURCE, sample_rate=RATE, voice_id=voice, seed=SEED,
+                                                model=COSYVOICE3) as chunks:
+                converted = joined([c async for c in chunks if c.size])
+            async with await tts.stream(TEXT, voice_id=voice, seed=SEED, model=COSYVOICE3) as chunks:
+                spoken = [c async for c in chunks if c.size]
+        return converted, spoken
+
+    converted, spoken = asyncio.run(run())
+    assert_same_audio(converted, joined(in_process.convert(True)))
+    assert_same_audio(joined(spoken), joined(in_process.synthesize(True)))
+
+
+def test_a_saved_speaker_speaks_through_the_gateway(gateway, server, cv3_dir, in_process, tmp_path):
+    """spk2info.pt as the official CosyVoice3 `add_zero_shot_spk` saves it (its prompt text in the official
+    form, <|endofprompt|> included), imported into the served voice store: /v1/tts speaks with it what the
+    in-process pipeline says with the stored features."""
+    import torch
+
+    from cosyvoice_triton.cli import main
+    from cosyvoice_triton.family import COSYVOICE3 as FAMILY
+    from cosyvoice_triton.voices.stores import open_voice_store
+
+    store_path = str(server.workdir / "voices.sqlite")
+    saved = in_process.tts.preprocessor.tokenizer.encode(FAMILY.prompt_prefix + PROMPT_TEXT)
+    rng = torch.Generator().manual_seed(0)
+    speech = torch.randint(0, 6561, (1, 40), generator=rng, dtype=torch.int32)
+    embedding = torch.randn(1, 192, generator=rng)
+    entry = {"prompt_text": torch.tensor([saved], dtype=torch.int32), "llm_prompt_speech_token": speech,
+             "flow_prompt_speech_token": speech, "prompt_speech_feat": torch.randn(1, 80, 80, generator=rng) - 4.0,
+             "llm_embedding": embedding, "flow_embedding": embedding}
+    entry.update({f"{k}_len": torch.tensor([entry[k].shape[1]], dtype=torch.int32)
+                  for k in ("prompt_text", "llm_prompt_speech_token", "flow_prompt_speech_token",
+                            "prompt_speech_feat")})
+    torch.save({"cv3_saved": entry}, tmp_path / "spk2info.pt")
+    assert main(["voices", "import", str(tmp_path / "spk2info.pt"), "--model-dir", str(cv3_dir),
+                 "--voice-store", store_path]) == 0
+    answer = requests.post(gateway.url + "/v1/tts", json={"text": TEXT, "voice_id": "cv3_saved", "seed": SEED,
+                                                          "format": "pcm_f32"}, timeout=120)
+    assert answer.status_code == 200, answer.text[:300]
+    store = open_voice_store(store_path)
+    try:
+        stored = store.get("cv3_saved", family="cosyvoice3")
+    finally:
+        store.close()
+    np.testing.assert_array_equal(stored.speech_tokens, speech[0].numpy())
+    assert_same_audio(np.frombuffer(answer.content, "<f4"), joined(in_process.run(False, voice=stored)))
+
+
+def test_the_web_page_speaks_with_cosyvoice3(gateway, tmp_path):
+    """The page in Chromium (tests/test_web_page.py drives every control on a CosyVoice2 stack): on a
+    CosyVoice3 gateway it names the family, shows no model picker (one family served), and the default voice
+    streams through Web Audio the audio the WebSocket gives the SDK for the same text and seed."""
+    from test_web_page import speak
+    from web.cdp_browser import Chromium, find_chromium
+
+    if find_chromium() is None:
+        pytest.skip("no chromium to run the page in (Debian: apt-get install chromium; or set CHROMIUM)")
+    with Chromium.launch(tmp_path / "profile") as browser:
+        page = browser.new_page()
+        page.goto(gateway.url + "/")
+        page.wait_for("document.querySelector('#server').dataset.ready === 'yes'", 60)
+        page.wait_for("!!document.querySelector('#voice option[value=\"default\"]')", 30)
+        assert page.text("#family-name") == "CosyVoice3"
+        assert page.evaluate("document.querySelector('#model-field').hidden")
+        page.fill("#seed", str(SEED))
+        assert speak(page, TEXT) == "done", page.text("#speak-error")
+        assert page.text("#used-model") == COSYVOICE3 and int(page.text("#chunks")) >= 2
+        played = page.evaluate("(() => { const a = state.player.all(); "
+                               "return [a.length, a.reduce((sum, x) => sum + x * x, 0)]; })()")
+        assert page.errors == [], page.errors
+    with GatewayTTS(gateway.url, timeout_s=120) as tts:
+        with tts.stream_ws(TEXT, voice_id="default", seed=SEED) as chunks:
+            want = joined([c for c in chunks if c.size])
+    assert played[0] == want.size > 0 and played[1] == pytest.approx(float(np.sum(want.astype(np.float64) ** 2)))
 
 
 # ---- the official Triton clients --------------------------------------------------------------------------

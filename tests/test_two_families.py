@@ -263,6 +263,41 @@ def test_the_openai_route_takes_the_model_and_tts_1_is_the_default_family(gatewa
         assert_same_s16(np.frombuffer(pcm, "<i2").astype(np.int32), to_s16(own_server_audio(straight, family)))
 
 
+def test_the_web_page_picks_the_model_family(gateway, straight, voice, tmp_path):
+    """The page in front of both families shows a model picker (the default family chosen first); its choice
+    goes as `model` on the WebSocket (the started answer names it, and the audio is that family's) and on the
+    convert tab's form."""
+    from test_web_page import set_file, speak
+    from web.cdp_browser import Chromium, find_chromium
+
+    from cosyvoice_triton.client import write_wav
+
+    if find_chromium() is None:
+        pytest.skip("no chromium to run the page in (Debian: apt-get install chromium; or set CHROMIUM)")
+    with Chromium.launch(tmp_path / "profile") as browser:
+        page = browser.new_page()
+        page.goto(gateway.url + "/")
+        page.wait_for("document.querySelector('#server').dataset.ready === 'yes'", 60)
+        page.click("details.settings summary")  # the API key, in the settings
+        page.fill("#api-key", KEY_A)
+        page.evaluate("document.querySelector('#api-key').blur()")  # its change: the key's voices are listed
+        page.wait_for(f"!!document.querySelector('#voice option[value=\"{voice}\"]')", 30)
+        assert not page.evaluate("document.querySelector('#model-field').hidden")
+        assert page.evaluate("[...document.querySelector('#model').options].map(o => o.value)") == list(FAMILIES)
+        assert page.evaluate("document.querySelector('#model').value") == "cosyvoice2"  # /readyz's family
+        page.select("#model", "cosyvoice3")
+        assert page.text("#family-name") == "CosyVoice3"
+        page.select("#voice", voice)
+        page.fill("#seed", str(SEED))
+        assert speak(page, ONE_SENTENCE) == "done", page.text("#speak-error")
+        assert page.text("#used-model") == "cosyvoice3"  # the gateway's started answer: the model it was sent
+        played = page.evaluate("state.player.samples")
+        set_file(page, "#vc-file", write_wav(tmp_path / "source.wav", PROMPT, RATE))
+        assert page.evaluate("conversionForm().then(form => form.get('model'))") == "cosyvoice3"
+        assert page.errors == [], page.errors
+    assert played == own_server_audio(straight, "cosyvoice3", ONE_SENTENCE).size
+
+
 def test_another_key_cannot_use_the_voice_with_either_family(gateway, voice):
     for family in FAMILIES:
         response = tts_pcm(gateway.url, KEY_B, voice_id=voice, model=family)

@@ -1,10 +1,10 @@
-// CosyVoice2 web page: voices (GET/POST/DELETE /v1/voices), microphone recording, and streamed
+// CosyVoice web page: the model family (a picker when the gateway serves several), voices (GET/POST/DELETE /v1/voices), microphone recording, and streamed
 // synthesis over WS /v1/tts/ws played through Web Audio as the chunks arrive (audio.js), with the chunk
 // timeline (timeline.js), which marks the first audible audio, and the text with the sentence being spoken
 // highlighted from the speech marks (marks.js); the convert tab is convert.js. Errors show beside the control that caused them.
 //
-// WebSocket protocol (gateway/routes_ws.py): we send {"type": "start", voice_id, mode, instruct, seed,
-// format: "pcm_f32", marks: true, text} and {"type": "end"}; the gateway answers {"type": "started", seed, ...},
+// WebSocket protocol (gateway/routes_ws.py): we send {"type": "start", voice_id, mode, instruct, seed, model,
+// format: "pcm_f32", marks: true, text} and {"type": "end"}; the gateway answers {"type": "started", seed, model, ...},
 // binary frames of little-endian float32 samples at 24 kHz, {"type": "mark"} / {"type": "mark_end"} speech
 // marks before the audio they describe, {"type": "segment", ...} after each
 // sentence, then {"type": "end", audio_seconds, first_chunk_ms, first_audible_ms, ...}, or {"type": "error", param, message}.
@@ -97,6 +97,7 @@ async function checkServer() {
       ? `Ready: ${servers} Triton server${servers === 1 ? "" : "s"}`
       : `Starting${waiting ? `: waiting for ${waiting}` : ""}`;
     showModelNotice(body.model);
+    showFamilies(body.families, body.family);
     return body.ready;
   } catch (err) {
     el.dataset.ready = "no";
@@ -109,6 +110,34 @@ async function checkServer() {
 function showModelNotice(note) {
   $("model-notice").hidden = !note;
   $("model-note").textContent = note || "";
+}
+
+// ---- model families ------------------------------------------------------------------------------
+// /readyz names the families the gateway's servers serve and the one a request naming none gets. With
+// several, the picker shows them (that one chosen first) and its choice goes as `model` on every request;
+// with one it stays hidden and requests name none: the servers' family answers.
+
+function familyName(family) {
+  return family.replace(/^cosyvoice/, "CosyVoice");
+}
+
+function showFamilies(families, family) {
+  const box = $("model");
+  const served = families && families.length ? families : (family ? [family] : []);
+  const keep = box.value || family;
+  box.replaceChildren(...served.map((f) => new Option(familyName(f), f)));
+  if (served.length) box.value = served.includes(keep) ? keep : served[0];
+  $("model-field").hidden = served.length < 2;
+  showFamilyName();
+}
+
+function showFamilyName() {
+  $("family-name").textContent = $("model").value ? familyName($("model").value) : "CosyVoice";
+}
+
+// The `model` of a request: the picker's choice, or null when it is hidden (one family served).
+function chosenModel() {
+  return $("model-field").hidden ? null : $("model").value || null;
 }
 
 let voices = [];
@@ -236,6 +265,7 @@ function resetStats() {
   $("audio-seconds").textContent = "0.00";
   $("chunks").textContent = "0";
   $("used-seed").textContent = "–";
+  $("used-model").textContent = "–";
   $("meter-bar").style.width = "0";
   $("download").hidden = true;
 }
@@ -276,12 +306,14 @@ function onDrained() {
   setStatus("Done", "done");
 }
 
-const SPEAK_FIELDS = {voice_id: "voice", text: "text", seed: "seed", mode: "mode", instruct: "instruct"};
+const SPEAK_FIELDS = {voice_id: "voice", text: "text", seed: "seed", mode: "mode", instruct: "instruct",
+  model: "model"};
 
 function onMessage(message, raw) {
   if (message.type === "started") {
     const seed = /"seed":\s*(\d+)/.exec(raw); // exact digits (JSON.parse rounds numbers past 2^53)
     $("used-seed").textContent = seed ? seed[1] : String(message.seed);
+    $("used-model").textContent = message.model || "–";
   } else if (message.type === "mark") { // speech marks: which sentence plays when (marks.js)
     state.spoken.add(message.mark);
   } else if (message.type === "mark_end") {
@@ -328,6 +360,7 @@ function seedDigits(controlId) {
 
 function speak() {
   clearErrors($("panel-speak").querySelector("[aria-labelledby='speak-title']"));
+  showError("model", "");
   const text = $("text").value;
   if (!text.trim()) {
     showError("text", "Type some text first.");
@@ -341,6 +374,8 @@ function speak() {
   }
   const start = {type: "start", voice_id: voice, mode: $("mode").value, format: "pcm_f32", marks: true, text};
   if (start.mode === "instruct2") start.instruct = $("instruct").value;
+  const model = chosenModel();
+  if (model) start.model = model;
   const seed = seedDigits("seed");
   if (seed === null) return;
   // Seeds go up to 2^64 - 1, past what a JavaScript number holds exactly: the digits go into the JSON as they are.
@@ -425,6 +460,7 @@ function init() {
   $("tab-speak").addEventListener("click", () => selectTab("speak"));
   $("tab-convert").addEventListener("click", () => selectTab("convert"));
   if (location.hash === "#convert") selectTab("convert");
+  $("model").addEventListener("change", () => { showError("model", ""); showFamilyName(); });
   $("voice").addEventListener("change", describeVoice);
   $("refresh-voices").addEventListener("click", () => { showError("voice", ""); loadVoices(); });
   $("delete-voice").addEventListener("click", deleteVoice);

@@ -2,7 +2,8 @@
 // (uploaded or recorded) is spoken again in a registered voice, or in the voice of a target recording.
 //
 // Request: multipart/form-data with `source_audio` (the source file), `voice_id` or `prompt_audio` (a target
-// recording file), `seed` (optional digits), format "pcm_f32" and stream "true"; the answer streams
+// recording file), `seed` (optional digits), `model` (the picker's choice, app.js `chosenModel`; none when one
+// family is served), format "pcm_f32" and stream "true"; the answer streams
 // little-endian float32 samples at 24 kHz (X-Seed: the seed used), played as they arrive (audio.js), or is
 // a JSON error naming the field (`param`), shown beside that field's control.
 "use strict";
@@ -15,7 +16,8 @@ const vc = {
   downloadUrl: null,
 };
 
-const CONVERT_FIELDS = {source_audio: "vc-file", voice_id: "vc-voice", prompt_audio: "vc-target-file", seed: "vc-seed"};
+const CONVERT_FIELDS = {source_audio: "vc-file", voice_id: "vc-voice", prompt_audio: "vc-target-file", seed: "vc-seed",
+  model: "model"};
 
 function setConvertStatus(text, key) {
   const el = $("vc-status");
@@ -67,6 +69,8 @@ async function conversionForm() {
   if (target) form.append("prompt_audio", target.blob, target.name);
   else form.append("voice_id", $("vc-voice").value);
   if (seed !== "") form.append("seed", seed);
+  const model = chosenModel();
+  if (model) form.append("model", model);
   form.append("format", "pcm_f32");
   form.append("stream", "true");
   return form;
@@ -96,6 +100,7 @@ function pcmReader() {
 
 async function convert() {
   clearErrors($("panel-convert"));
+  showError("model", "");
   const form = await conversionForm();
   if (!form) return;
   stopConverting(false);
