@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from cosyvoice_triton.client import GatewayTTS, write_wav
 from cosyvoice_triton.random_folder.marker import NOTE as RANDOM_NOTE
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
-from web.cdp_browser import Chromium, find_chromium
+from web.cdp_browser import Chromium, Page, find_chromium
 from web.stack import serve_stack
 
 pytest.importorskip("cosyvoice_triton.gateway.app", reason="the gateway (cosyvoice_triton.gateway.app) is missing")
@@ -47,6 +50,20 @@ def page(browser, stack):
     yield page
     assert page.errors == [], page.errors  # no uncaught exception in the page
     page.call("Page.close")
+
+
+@contextmanager
+def page_at(gateway_url: str, profile: Path) -> Iterator[Page]:
+    """A page of a Chromium of its own at the gateway's `/`, once it says its server is ready (skips without
+    Chromium), for a module that checks the page on its own deployment; no uncaught exception at the end."""
+    if find_chromium() is None:
+        pytest.skip("no chromium to run the page in (Debian: apt-get install chromium; or set CHROMIUM)")
+    with Chromium.launch(profile) as browser:
+        page = browser.new_page()
+        page.goto(gateway_url + "/")
+        page.wait_for("document.querySelector('#server').dataset.ready === 'yes'", 60)
+        yield page
+        assert page.errors == [], page.errors
 
 
 def speak(page, text: str, timeout_s: float = 120.0) -> str:
