@@ -254,12 +254,14 @@ async def index(request: web.Request) -> web.StreamResponse:
     page = request.app[CONFIG].static_dir / "index.html"
     if page.is_file():
         return web.FileResponse(page)
-    return web.json_response({"service": "cosyvoice-triton gateway", "endpoints": [
+    router = request.app[ROUTER]
+    families = router.families or [router.family_for(None)]  # what a request's `model` may name
+    return web.json_response({"service": "cosyvoice-triton gateway", "families": families, "endpoints": [
         "POST /v1/tts", "GET /v1/tts/ws (WebSocket)", "POST /v1/audio/speech", "GET /v1/models", "POST /v1/voices",
         "GET /v1/voices",
         "GET /v1/voices/{id}", "DELETE /v1/voices/{id}", "GET /healthz", "GET /readyz", "GET /metrics",
         "GET|POST /inference_{sft,zero_shot,cross_lingual,instruct,instruct2}",
-        "POST /v2/models/{cosyvoice2,cosyvoice2_offline}/infer (KServe v2 JSON)"]})
+        f"POST /v2/models/{{{','.join(router.synthesis_models())}}}/infer (KServe v2 JSON)"]})
 
 
 # ---- serving --------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""POST /v2/models/{name}/infer: KServe v2 JSON inference for the served family's synthesis models (`cosyvoice2` and
-`cosyvoice2_offline`, or `cosyvoice3` and `cosyvoice3_offline`), so that the official Triton client client_http.py
-works against the gateway unchanged. A non-streamed synthesis like /v1/tts's (keys, limits, admission, routing,
-retries); a request in the official form goes to the family's official offline model (`cosyvoice2_official_offline`,
+"""POST /v2/models/{name}/infer: KServe v2 JSON inference for the synthesis models of every family the servers
+serve (`cosyvoice2` and `cosyvoice2_offline`, `cosyvoice3` and `cosyvoice3_offline`: `Router.synthesis_models`), so
+that the official Triton client client_http.py works against the gateway unchanged. A non-streamed synthesis like
+/v1/tts's (keys, limits, admission, routing, retries) on a server of the family the name names; a request in the
+official form goes to the family's official offline model (`cosyvoice2_official_offline`,
 `cosyvoice3_official_offline`: wire/official.py). Errors answer as Triton's HTTP port does, with the gateway's
 statuses. The body, the answer and why: docs/api/official.md#the-official-triton-clients.
 """
@@ -27,7 +28,7 @@ from .errors import answer_headers, bounded, http_status, upstream
 from .fields import Fields
 from .route_requests import json_body
 from .request_keys import ERROR_CODE
-from .state import CONFIG, LIMITER
+from .state import CONFIG, LIMITER, ROUTER
 from .synthesis import call_model, refused_by_server, synthesis_cost
 
 ROUTE = "kserve"  # the route label of its audio metrics
@@ -113,7 +114,7 @@ def parse_input(item: object, index: int) -> tuple[str, np.ndarray]:
 async def infer(request: web.Request) -> web.Response:
     app, name = request.app, request.match_info["name"]
     accepted = time.monotonic()
-    models = (app[CONFIG].synthesis_model, app[CONFIG].offline_model)  # the served family's: the names it answers for
+    models = app[ROUTER].synthesis_models()  # every served family's: the names it answers for
     try:
         if name not in models:
             raise NotFound("model_name", f"this gateway answers KServe inference for {', '.join(models)} only, "

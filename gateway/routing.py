@@ -162,6 +162,21 @@ class Router:
             raise NotFound("model", f"{what}: the models served are {', '.join(served or [self.family])}")
         return family
 
+    def served_family(self, model: str, field: str = "model") -> str | None:
+        """The family a Triton model name names (`model_family`), which a server must serve (`family_for`: else
+        NotFound naming `field`); None for a model of no family (llm, register_voice, ...: any server has it)."""
+        if self.model_family(model) is None:
+            return None
+        try:
+            return self.family_for(model)
+        except NotFound as exc:
+            raise NotFound(field, exc.problem) from None
+
+    def synthesis_models(self) -> dict[str, str]:
+        """Each served family's streaming and offline synthesis models (none seen yet: the default family's), each
+        -> its family: the model names the gateway answers KServe inference for."""
+        return {model: family for family in self.families or [self.family] for model in self.models[family]}
+
     @contextmanager
     def lease(self, server: Server, cost: float) -> Iterator[Server]:
         """Count `cost` against `server` while the block runs."""

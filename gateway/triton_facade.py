@@ -2,7 +2,9 @@
 unchanged: each request goes to the model `official_model_for` names (wire/official.py), passed on as it came but
 for its model name, and Triton's answers come back as they are. Routing, admission, keys and limits are the
 gateway's; a request to a model that takes an `owner` always goes with the caller's key's owner tag, never the
-client's (`forwarded_as`). What is served and why: docs/api/official.md#why-a-facade.
+client's (`forwarded_as`). A request or a metadata call that names a family's model goes to a server of that
+family (every family the servers serve: `Router.served_family`); the listings (all models' statistics, the
+repository index) join one server of each family's. What is served and why: docs/api/official.md#why-a-facade.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import grpc
 from aiohttp import web
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from cosyvoice_triton.errors import CosyVoiceError, RemoteError
+from cosyvoice_triton.errors import CosyVoiceError, NotFound, RemoteError
 from cosyvoice_triton.pipeline.audible import AudibleDetector
 from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.wire.names import (OWNER, REFERENCE_WAV, REFERENCE_WAV_LEN, SYNTHESIS_MODELS, TARGET_TEXT,
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 
 OFFICIAL_TRITON_PORT = web.AppKey("official_triton_port", int)  # the port it listens on, once started
 ROUTE = "triton_grpc"  # the route label of its audio metrics
+MODEL_NAME = "model_name"  # the field an error about the request's model names (as the KServe route's)
 Write = Callable[[service_pb2.ModelStreamInferResponse], Awaitable[None]]
 
 
@@ -46,7 +49,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
         config = app[CONFIG]
         self.keys = ApiKeys(keys=config.api_keys, admin=config.admin_keys)
 
-    # ---- asked of one healthy server ------------------------------------------------------------------------
+    # ---- asked of a healthy server (of the family of the model named) ------------------------------------------
     async def ServerLive(self, request, context):  # noqa: N802 - Triton's method names
         return await self._ask("ServerLive", request, context, public=True)
 
@@ -54,6 +57,10 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._ask("ServerReady", request, context, public=True)
 
     async def ModelReady(self, request, context):  # noqa: N802
+        try:
+            self.app[ROUTER].served_family(request.name)
+        except NotFound:  # a family no server serves: not ready, as Triton answers for a model it does not have
+            return service_pb2.ModelReadyResponse(ready=False)
         return await self._ask("ModelReady", request, context, model=request.name)
 
     async def ServerMetadata(self, request, context):  # noqa: N802
@@ -66,20 +73,51 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._ask("ModelConfig", request, context, model=request.name)
 
     async def ModelStatistics(self, request, context):  # noqa: N802
+        if not request.name:  # every model's: each family's from a server of that family
+            return await self._ask_each_family("ModelStatistics", request, context, "model_stats")
         return await self._ask("ModelStatistics", request, context, model=request.name)
+
+    async def RepositoryIndex(self, request, context):  # noqa: N802
+        return await self._ask_each_family("RepositoryIndex", request, context, "models")
 
     async def _ask(self, method: str, request, context: grpc.aio.ServicerContext, public: bool = False,
                    model: str = ""):
+        """`method` asked of a server of the family whose model the request names (any server when it names none
+        or a model of no family; NOT_FOUND naming model_name for a family no server serves)."""
         try:
             if not public:
                 self._tenant(context)
-            router = self.app[ROUTER]  # a server of the family whose `model` the request names (any: none named)
-            server = router.pick(family=router.model_family(model))
-            return await getattr(server.client.stub, method)(request, timeout=self.app[CONFIG].routing.health_timeout_s)
+            router = self.app[ROUTER]
+            return await self._call(router.pick(family=router.served_family(model, MODEL_NAME)), method, request)
         except grpc.aio.AioRpcError as error:
             await context.abort(error.code(), error.details() or "")
         except CosyVoiceError as exc:
             await context.abort(*aborted(exc))
+
+    async def _ask_each_family(self, method: str, request, context: grpc.aio.ServicerContext, entries: str):
+        """`method`'s listing (its repeated field `entries`, each entry a model by `name`) asked of one server of
+        each family served, joined: each family's synthesis models as a server of that family lists them, every
+        other model (llm, token2wav, ...) as the server of the default family (`family_for(None)`) lists it."""
+        try:
+            self._tenant(context)
+            router = self.app[ROUTER]
+            families = [f for f in dict.fromkeys([router.family_for(None), *router.families]) if f in router.families]
+            answers = [(family, await self._call(router.pick(family=family), method, request))
+                       for family in families or [None]]
+        except grpc.aio.AioRpcError as error:
+            await context.abort(error.code(), error.details() or "")
+        except CosyVoiceError as exc:
+            await context.abort(*aborted(exc))
+        if len(answers) == 1:
+            return answers[0][1]
+        default, joined = answers[0][0], type(answers[0][1])()
+        for family, answer in answers:
+            getattr(joined, entries).extend(entry for entry in getattr(answer, entries)
+                                            if (router.model_family(entry.name) or default) == family)
+        return joined
+
+    async def _call(self, server: Server, method: str, request):
+        return await getattr(server.client.stub, method)(request, timeout=self.app[CONFIG].routing.health_timeout_s)
 
     # ---- inference ------------------------------------------------------------------------------------------
     async def ModelInfer(self, request: service_pb2.ModelInferRequest,  # noqa: N802
@@ -216,7 +254,7 @@ class TritonFacade(service_pb2_grpc.GRPCInferenceServiceServicer):
         own routes count it."""
         try:
             return await routed(self.app, cost, send, admit=model in SYNTHESIS_MODELS, server=server,
-                                family=self.app[ROUTER].model_family(model))
+                                family=self.app[ROUTER].served_family(model, MODEL_NAME))
         except RemoteError as exc:
             refused_by_server(self.app, exc)
             raise

@@ -7,7 +7,10 @@ the OpenAI route with the official `openai` client) is answered by a server of t
 family's own server gives straight for the same recording; a voice registered once through the gateway is used by
 both families (the family it was not registered with makes its features from the recording at first use), and
 another key cannot use it; a model no server serves is a 404 naming `model`, also on a gateway in front of the
-CosyVoice2 server alone, whose answers are those of a one-family deployment.
+CosyVoice2 server alone, whose answers are those of a one-family deployment. The servers hold the official
+models too: the official Triton clients' requests (gRPC streamed and offline through the facade, KServe JSON) name
+`cosyvoice2` or `cosyvoice3` and get that family's own audio, and the facade's metadata calls and listings name
+both families' models (a gateway without keys, as the official clients send none).
 """
 from __future__ import annotations
 
@@ -25,16 +28,19 @@ from cosyvoice_triton.audio_out import encode
 from cosyvoice_triton.client.common import TTSError
 from cosyvoice_triton.client.gateway_client import GatewayTTS
 from cosyvoice_triton.client.triton_client import TritonTTS
-from cosyvoice_triton.errors import NotFound, Unavailable
+from cosyvoice_triton.errors import NotFound, Unavailable, from_wire
 from cosyvoice_triton.gateway.config import GatewayConfig, RoutingConfig
 from cosyvoice_triton.gateway.routing import Router
 from cosyvoice_triton.gateway.testing import GatewayThread
+from cosyvoice_triton.gateway.triton_facade import OFFICIAL_TRITON_PORT
 from cosyvoice_triton.random_folder.sample_prompt import speech_like
 from cosyvoice_triton.server_pool import Server
 from cosyvoice_triton.targets import TritonTarget
 from cosyvoice_triton.voices.store import owner_tag
 from cosyvoice_triton.voices.stores import open_voice_store
-from cosyvoice_triton.wire.names import FAMILY_MODELS
+from cosyvoice_triton.wire.names import FAMILY_MODELS, WAVEFORM
+from test_official_facade import infer as official_infer, kserve_body, stream as official_stream
+from test_official_triton import official_inputs
 from triton_harness import tritonserver_or_skip
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(420)]
@@ -50,6 +56,7 @@ KEY_A, KEY_B = "key-of-tenant-a", "key-of-tenant-b"
 VOICE = "mine"  # registered once by KEY_A through the gateway
 FAMILIES = ("cosyvoice2", "cosyvoice3")
 MAX_S16_DIFF = 8  # 16-bit samples: the float tolerance of the served-equals-in-process tests (2e-4)
+ATOL = 2e-4  # that float tolerance (batched flow and vocoder calls may round differently)
 
 
 # ---- the router without servers -------------------------------------------------------------------------
@@ -110,6 +117,20 @@ def test_a_family_no_server_serves_is_not_found_and_one_whose_servers_are_down_i
         router.pick(family="cosyvoice3")
 
 
+def test_the_router_names_the_models_of_every_family_served():
+    router = family_router(("cosyvoice2",), ("cosyvoice3",))
+    assert router.synthesis_models() == {"cosyvoice2": "cosyvoice2", "cosyvoice2_offline": "cosyvoice2",
+                                         "cosyvoice3": "cosyvoice3", "cosyvoice3_offline": "cosyvoice3"}
+    assert router.served_family("cosyvoice3_official_offline", "model_name") == "cosyvoice3"
+    assert router.served_family("llm") is None and router.served_family("") is None  # any server has it
+    one = family_router(("cosyvoice2",))
+    assert list(one.synthesis_models()) == ["cosyvoice2", "cosyvoice2_offline"]
+    with pytest.raises(NotFound) as missing:
+        one.served_family("cosyvoice3_official", "model_name")
+    assert missing.value.field == "model_name" and "no cosyvoice3 server" in missing.value.message
+    assert list(family_router(()).synthesis_models()) == ["cosyvoice2", "cosyvoice2_offline"]  # none seen: the default
+
+
 # ---- two real servers, one voice store ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -137,7 +158,7 @@ def servers(folders, store_path, tmp_path_factory):
             run_dir = tmp_path_factory.mktemp(f"{family}-serve")
             options = ServeOptions(model_dir=folder, run_dir=run_dir, address="127.0.0.1", http_port=None,
                                    grpc_port=None, metrics_port=None, voice_store=str(store_path),
-                                   max_token_text_ratio=RATIO, torch_threads=1, workers=2, official_models=False)
+                                   max_token_text_ratio=RATIO, torch_threads=1, workers=2, official_models=True)
             started[family] = prepare(options, binary=binary, die_with_parent=True)
             started[family].start()
         yield started
@@ -305,10 +326,97 @@ def test_a_model_of_no_family_is_a_404_naming_model(gateway):
     assert tts_pcm(gateway.url, KEY_A, model=7).json()["error"]["param"] == "model"  # 400: not a name
 
 
+# ---- the official Triton clients in front of both families --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def keyless(servers, store_path, tmp_path_factory):
+    """A gateway without keys (the official clients send none) with the Triton facade, in front of both servers;
+    no page, so / answers its endpoint list."""
+    config = gateway_config([servers[f].target for f in FAMILIES], store_path, tmp_path_factory.mktemp("keyless"),
+                            official_triton_port=0, default_voice=False, static_dir=tmp_path_factory.mktemp("nopage"))
+    with GatewayThread(config) as gw:
+        gw.wait_ready()
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def own_audio(straight) -> dict[tuple[str, bool], np.ndarray]:
+    """Each family's own server's audio for TEXT in the voice of PROMPT: (family, streamed) -> samples."""
+    return {(family, stream): own_server_audio(straight, family, stream=stream)
+            for family in FAMILIES for stream in (True, False)}
+
+
+def official_form() -> dict[str, np.ndarray]:
+    """The official clients' tensors for PROMPT (zero-padded past reference_wav_len, as they pad), plus our seed."""
+    return official_inputs(TEXT, PROMPT, PROMPT_TEXT, padded_to=PROMPT.size + RATE, seed=SEED)
+
+
+def facade_url(gw) -> str:
+    return f"127.0.0.1:{gw.call(lambda app: app[OFFICIAL_TRITON_PORT])}"
+
+
+async def facade_calls(url: str, *asks) -> list:
+    """Each `ask(client)` awaited in turn on one aio Triton client of `url` (as client_grpc.py asks)."""
+    import tritonclient.grpc.aio as aioclient
+
+    client = aioclient.InferenceServerClient(url)
+    try:
+        return [await ask(client) for ask in asks]
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_official_clients_requests_reach_the_family_they_name(keyless, own_audio, family):
+    facade = facade_url(keyless)
+    streamed = official_stream(facade, family, official_form())  # -> {family}_official on a server of the family
+    assert all(chunk.shape[0] == 1 for chunk in streamed)  # [1, n] each, as the official's
+    want = own_audio[family, True]
+    np.testing.assert_allclose(np.concatenate([c.reshape(-1) for c in streamed]), want, rtol=0, atol=ATOL)
+    whole = official_infer(facade, family, official_form())  # -> {family}_official_offline
+    assert whole.get_response().model_name == family
+    want = own_audio[family, False]
+    assert whole.as_numpy(WAVEFORM).shape == (1, want.size)
+    np.testing.assert_allclose(whole.as_numpy(WAVEFORM).reshape(-1), want, rtol=0, atol=ATOL)
+    answer = requests.post(f"{keyless.url}/v2/models/{family}/infer", json=kserve_body(official_form()),
+                           params={"request_id": "0"}, timeout=180)
+    assert answer.status_code == 200, answer.text[:300]
+    (output,) = answer.json()["outputs"]
+    assert answer.json()["model_name"] == family and output["shape"] == [1, want.size]
+    np.testing.assert_allclose(np.array(output["data"], np.float32), want, rtol=0, atol=ATOL)
+
+
+def test_the_facades_metadata_calls_and_listings_name_both_families(keyless):
+    stats, index, *per_family = asyncio.run(facade_calls(
+        facade_url(keyless), lambda client: client.get_inference_statistics(model_name="", as_json=True),
+        lambda client: client.get_model_repository_index(as_json=True),
+        *(ask for family in FAMILIES for ask in (
+            lambda client, f=family: client.get_model_config(f, as_json=True),
+            lambda client, f=family: client.get_model_metadata(f"{f}_official", as_json=True),
+            lambda client, f=family: client.is_model_ready(f"{f}_official_offline")))))
+    every = {name for family in FAMILIES for name in FAMILY_MODELS[family]}
+    for listed in ([s["name"] for s in stats["model_stats"]], [m["name"] for m in index["models"]]):
+        assert every <= set(listed) and len(listed) == len(set(listed))  # each model once: llm, token2wav, ...
+    for family, (config, metadata, ready) in zip(FAMILIES, zip(*[iter(per_family)] * 3)):
+        assert config["config"]["parameters"]["family"]["string_value"] == family  # from a server of the family
+        assert metadata["name"] == f"{family}_official" and ready
+        assert {i["name"]: i["shape"] for i in metadata["inputs"]}["reference_wav"] == ["-1", "-1"]
+
+
+def test_kserve_answers_every_familys_models_and_names_model_name_for_others(keyless):
+    refused = requests.post(f"{keyless.url}/v2/models/cosyvoice9/infer", json=kserve_body(official_form()), timeout=30)
+    assert refused.status_code == 404 and from_wire(refused.json()["error"]).field == "model_name"
+    assert "cosyvoice2, cosyvoice2_offline, cosyvoice3, cosyvoice3_offline only" in refused.json()["error"]
+    status, listing = keyless.get_json("/")
+    assert status == 200 and listing["families"] == list(FAMILIES)
+    assert "POST /v2/models/{cosyvoice2,cosyvoice2_offline,cosyvoice3,cosyvoice3_offline}/infer (KServe v2 JSON)" in \
+        listing["endpoints"]
+
+
 def test_a_one_family_gateway_refuses_the_other_family_by_model(servers, store_path, tmp_path):
     """A gateway in front of the CosyVoice2 server alone: what a one-family deployment answers, and the
     family it does not serve named as `model` on every route."""
-    config = gateway_config([servers["cosyvoice2"].target], store_path, tmp_path)
+    config = gateway_config([servers["cosyvoice2"].target], store_path, tmp_path, official_triton_port=0)
     with GatewayThread(config) as gw:
         gw.wait_ready()
         status, ready = gw.get_json("/readyz")
@@ -328,3 +436,18 @@ def test_a_one_family_gateway_refuses_the_other_family_by_model(servers, store_p
                 with tts.stream_ws(ONE_SENTENCE, model="cosyvoice3") as chunks:
                     list(chunks)
         assert (ws_refused.value.status, ws_refused.value.field) == (404, "model")
+        kserve = requests.post(f"{gw.url}/v2/models/cosyvoice3/infer", json=kserve_body(official_form()), timeout=30)
+        assert kserve.status_code == 404 and from_wire(kserve.json()["error"]).field == "model_name"
+        assert "cosyvoice2, cosyvoice2_offline only" in kserve.json()["error"]
+        from tritonclient.utils import InferenceServerException
+
+        with pytest.raises(InferenceServerException) as config_refused:
+            asyncio.run(facade_calls(facade_url(gw), lambda client: client.get_model_config("cosyvoice3")))
+        assert config_refused.value.status() == "StatusCode.NOT_FOUND"
+        assert from_wire(config_refused.value.message()).field == "model_name"
+        index, ready = asyncio.run(facade_calls(facade_url(gw),
+                                                lambda client: client.get_model_repository_index(as_json=True),
+                                                lambda client: client.is_model_ready("cosyvoice3")))
+        assert not ready  # as Triton answers for a model it does not have
+        listed = {m["name"] for m in index["models"]}
+        assert set(FAMILY_MODELS["cosyvoice2"]) <= listed and not set(FAMILY_MODELS["cosyvoice3"]) & listed
