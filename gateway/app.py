@@ -24,7 +24,7 @@ from . import (access_log, admission, routes_kserve, routes_official, routes_ope
                routes_ws)
 from .auth import ApiKeys, RateLimiter, StreamLimiter, auth_middleware
 from .config import GatewayConfig
-from .default_voice import DefaultVoice
+from .default_voice import TRANSCRIPT as DEFAULT_TRANSCRIPT, DefaultVoice
 from .drain import CUT_AFTER_DRAIN_S, DRAIN_TIMEOUT_S, Drain, drain_readiness
 from .errors import error_middleware
 from .metrics import GatewayMetrics
@@ -145,13 +145,15 @@ async def _default_voice(app: web.Application):
     state, store, router = app[DEFAULT_VOICE], app[STORE], app[ROUTER]
 
     async def exists() -> bool:
+        """The voice is there, and if it is the shipped one, with its recording (one stored by 0.1.0 has none:
+        registering the recording again keeps it on the voice, so other families' features can be made)."""
         from cosyvoice_triton.errors import NotFound
 
         try:
-            await asyncio.to_thread(store.info, "default")
-            return True
+            info = await asyncio.to_thread(store.info, "default")
         except NotFound:
             return False
+        return info.has_recording or info.text != DEFAULT_TRANSCRIPT
 
     async def register(audio: bytes, text: str, voice_id: str) -> None:
         await routes_voices.register(app, audio, text, voice_id, name="default", owner=None)  # shared

@@ -265,6 +265,25 @@ def test_the_voice_holds_both_familys_features_once_used_by_both(gateway, straig
         assert not np.array_equal(getattr(features["cosyvoice2"], name), getattr(features["cosyvoice3"], name))
 
 
+def test_a_gateway_keeps_the_recording_of_a_default_voice_stored_without_one(gateway, servers, store_path,
+                                                                            tmp_path):
+    """The shipped `default` as 0.1.0 stored it (no recording kept): a gateway starting on that store registers
+    the shipped recording again, which keeps it on the voice, so every family can make its features from it."""
+    import sqlite3
+
+    assert gateway.wait_ready()["default_voice"] == "ready"
+    with sqlite3.connect(store_path) as db:
+        db.execute("UPDATE voices SET recording = NULL WHERE store_key = 'default'")
+    store = open_voice_store(str(store_path))
+    try:
+        assert not store.info("default").has_recording
+        with GatewayThread(gateway_config([servers[f].target for f in FAMILIES], store_path, tmp_path)) as gw:
+            assert gw.wait_ready()["default_voice"] == "ready"
+        assert open_voice_store(str(store_path)).info("default").has_recording
+    finally:
+        store.close()
+
+
 def test_the_websocket_speaks_with_the_family_of_its_start_message(gateway, straight, voice):
     for family in FAMILIES:
         with GatewayTTS(gateway.url, api_key=KEY_A, timeout_s=120) as tts:
