@@ -99,6 +99,18 @@ def read_qwen_config(model_dir: str | Path) -> dict:
     return json.loads((Path(model_dir) / "CosyVoice-BlankEN" / "config.json").read_text())
 
 
+# Files the released folders carry that no model here loads (glob pattern, why).
+UNUSED_FILES = (
+    ("llm.rl.pt", "the official API loads llm.pt, as this stack does; llm.rl.pt is the LM after reinforcement "
+                  "learning, which the official code does not load either"),
+    ("flow.decoder.estimator.*.onnx", "the graph engines export the estimator from flow.pt themselves, so the "
+                                      "graph always has the weights that torch loads"),
+    ("*.zip", "TorchScript exports of the official runtime; the modules run from the .pt weights"),
+    ("*.plan", "TensorRT plans of the official runtime, built for another GPU and version; --engine tensorrt "
+               "builds its own"),
+)
+
+
 @dataclass(frozen=True)
 class ModelPaths:
     """The files of a released model folder; the yaml it holds names its family (`family.family_of`)."""
@@ -136,6 +148,12 @@ class ModelPaths:
     @property
     def qwen_dir(self) -> Path:
         return self.root / "CosyVoice-BlankEN"
+
+    def unused(self) -> list[str]:
+        """What the folder holds beside its released layout that this stack does not load, each with why: the
+        released folders carry extras (`UNUSED_FILES`); a line each is logged when the folder is loaded."""
+        return [f"{path.name}: not used ({why})" for pattern, why in UNUSED_FILES
+                for path in sorted(self.root.glob(pattern))]
 
     def missing(self) -> list[str]:
         """The files the folder lacks (relative names). Without a family yaml, a family's own file is named as

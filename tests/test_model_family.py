@@ -159,3 +159,24 @@ def test_a_yaml_that_builds_other_classes_is_refused(cv3_dir: Path, tmp_path: Pa
         family_models(folder).load_flow(folder)
     with pytest.raises(ModelFolderError, match="cosyvoice3.yaml.*Qwen2LM"):
         family_models(folder).load_llm(folder, max_seq_len=16)
+
+
+def test_the_released_extras_are_named_as_not_used_when_the_folder_loads(cv3_dir: Path, tmp_path: Path,
+                                                                         caplog) -> None:
+    """The released CosyVoice3 folder carries llm.rl.pt and the estimator's ONNX export beside its layout: the
+    folder loads, and a log line names each file this stack does not use, with why."""
+    import logging
+
+    from cosyvoice_triton.pipeline.cosyvoice2 import CosyVoice
+
+    folder = tmp_path / "released"
+    shutil.copytree(cv3_dir, folder)
+    for extra in ("llm.rl.pt", "flow.decoder.estimator.fp32.onnx"):
+        (folder / extra).write_bytes(b"not read")
+    assert [line.split(":")[0] for line in ModelPaths(folder).unused()] == ["llm.rl.pt",
+                                                                            "flow.decoder.estimator.fp32.onnx"]
+    assert ModelPaths(cv3_dir).unused() == []
+    with caplog.at_level(logging.WARNING):
+        CosyVoice.from_model_dir(folder)
+    logged = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+    assert len(logged) == 2 and "llm.pt" in logged[0] and "flow.pt" in logged[1]

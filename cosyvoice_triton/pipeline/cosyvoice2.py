@@ -26,6 +26,7 @@ runs.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Iterator
@@ -50,6 +51,8 @@ from .local_stages import CoreSharingToken2Wav, DecodeAheadLLM, ReferenceLLM, Re
 from .pipeline import Pipeline
 from .threads import CoreShare, RowWorkers, thread_plan
 from ..token2wav.stream import Token2Wav
+
+log = logging.getLogger(__name__)
 
 
 class CosyVoice:
@@ -97,6 +100,8 @@ class CosyVoice:
         missing = paths.missing()
         if missing:
             raise ModelFolderError(f"{model_dir} is not a CosyVoice model folder: missing {', '.join(missing)}")
+        for line in paths.unused():
+            log.warning("%s: %s", model_dir, line)
         if cls.accepts is not None and paths.family is not cls.accepts:
             raise ModelFolderError(f"{model_dir} holds a {paths.family} model ({paths.family.yaml_file}), not "
                                    f"{cls.accepts}: load it with CosyVoice.from_model_dir (the folder decides)")

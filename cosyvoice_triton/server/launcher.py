@@ -24,6 +24,7 @@ server's log.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
+from cosyvoice_triton.config import ModelPaths
 from cosyvoice_triton.pipeline.threads import available_cores
 from cosyvoice_triton.server.process import TritonProcess, describe_exit
 from cosyvoice_triton.server.templates import model_names, render_repository
@@ -47,6 +49,8 @@ from cosyvoice_triton.triton.params import Engine, Precision
 
 ENGINES = typing.get_args(Engine)  # torch | onnxruntime | openvino | tensorrt
 PRECISIONS = typing.get_args(Precision)  # fp32 | fp16 | bf16
+
+log = logging.getLogger(__name__)
 
 # The templates: model_repository/ of the checkout (an editable install), or the copy a wheel carries
 # as package data in cosyvoice_triton/model_repository (pyproject.toml).
@@ -147,7 +151,6 @@ def default_model_dir() -> Path:
 
 def check_model_folder(model_dir: Path) -> None:
     """Raise ModelFolderError naming what `model_dir` lacks of the released layout of its family."""
-    from cosyvoice_triton.config import ModelPaths
     from cosyvoice_triton.errors import ModelFolderError
 
     if not model_dir.is_dir():
@@ -310,6 +313,8 @@ def prepare(options: ServeOptions, **process_kwargs) -> TritonProcess:
     model_dir = Path(resolve_model_dir(str(options.model_dir))) if options.model_dir else default_model_dir()
     model_dir = model_dir.resolve()
     check_model_folder(model_dir)  # now, not after tritonserver has tried to load it
+    for line in ModelPaths(model_dir).unused():
+        log.warning("%s: %s", model_dir, line)
     run_dir = Path(options.run_dir) if options.run_dir else new_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     if options.onnx_dir is not None:
