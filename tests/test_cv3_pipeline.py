@@ -222,7 +222,7 @@ def test_saved_speakers_import_with_their_prompt_text_as_saved(tts: CosyVoice, c
                  "--voice-store", str(store_path)]) == 0
     store = open_voice_store(str(store_path))
     try:
-        stored = store.get("spk")
+        stored = store.get("spk", family="cosyvoice3")
     finally:
         store.close()
     request = SynthesisRequest(text="你好。", voice=stored, seed=1)

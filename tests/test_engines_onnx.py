@@ -325,8 +325,8 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, capsys):
     from cosyvoice_triton.perf import gpu_check
 
     out = tmp_path / "report.md"
-    assert gpu_check.main(["--device", "cpu", "--size", "tiny", "--work-dir", str(tmp_path), "--batches", "1",
-                           "--chunks", "0.2", "--iters", "1", "--parity-case", "1,0.2", "--out", str(out)]) == 0
+    assert gpu_check.main(["--device", "cpu", "--family", "cosyvoice2", "--size", "tiny", "--work-dir", str(tmp_path),
+                           "--batches", "1", "--chunks", "0.2", "--iters", "1", "--parity-case", "1,0.2", "--out", str(out)]) == 0
     report_text = out.read_text()
     assert report_text == capsys.readouterr().out.rstrip("\n") + "\n"
     assert "| TRT fp16 | unavailable: " in report_text and "| torch CUDA graphs | unavailable: " in report_text
@@ -339,11 +339,11 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, capsys):
 
 def test_gpu_check_script_dry_run(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "COSYVOICE_PERF_RESULTS": str(tmp_path / "out")}
-    result = subprocess.run(["bash", str(REPO_ROOT / "perf" / "gpu_check.sh"), "--dry-run", "--size", "tiny",
-                             "--work-dir", str(tmp_path / "work")], env=env, capture_output=True, text=True,
+    result = subprocess.run(["bash", str(REPO_ROOT / "perf" / "gpu_check.sh"), "--dry-run", "--family", "cosyvoice2",
+                             "--size", "tiny", "--work-dir", str(tmp_path / "work")], env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
     (report,) = (tmp_path / "out").glob("gpu-check-*.md")  # the default report file under the results folder
     assert "dry run: stopped before loading any engine" in report.read_text()
-    assert sorted(p.name for p in (tmp_path / "work" / "onnx_tiny").glob("*.onnx")) == [
+    assert sorted(p.name for p in (tmp_path / "work" / "onnx_cosyvoice2-tiny").glob("*.onnx")) == [
         "flow_encoder.onnx", "flow_estimator.onnx", "hift_decode.onnx"]
