@@ -89,6 +89,8 @@ class Router:
         self.routing = routing
         self.family = family  # a request's family when it names none and the servers serve several (or none yet)
         self.models = {**SYNTHESIS_PAIRS, **models}  # each family's synthesis models, as its servers name them
+        # every name of each family (its own, its Triton models, the official form's): `model_family`
+        self._names = {family: {family, *FAMILY_MODELS.get(family, ()), *pair} for family, pair in self.models.items()}
         self.discovery = tuple(discovery)  # dns:// specs
         self.on_leave: Callable[[Server], None] | None = None  # called when a discovered server leaves
         self._on_change = on_change  # called with (server, healthy) when a server leaves or rejoins
@@ -145,8 +147,7 @@ class Router:
         """The family a model name names: the family's own name or one of its Triton synthesis models (the official
         tensor form's too), in any case; None for any other name (register_voice, llm, OpenAI's tts-1, ...)."""
         name = model.strip().lower()
-        named = {family: {family, *FAMILY_MODELS.get(family, ()), *pair} for family, pair in self.models.items()}
-        return next((family for family, names in named.items() if name in names), None)
+        return next((family for family, names in self._names.items() if name in names), None)
 
     def family_for(self, model: str | None, *, any_name: bool = False) -> str:
         """The family a request's `model` names (`model_family`); None, or with `any_name` a name of no family
